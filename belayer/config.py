@@ -1,0 +1,24 @@
+"""Configuration, loaded once (from the CLI) and passed down explicitly."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class GatewayConfig(BaseModel):
+    """Everything ``belayer serve`` needs. The tokenizer always comes from ``model`` (a directory)."""
+
+    model: str = Field(description="model directory: tokenizer and chat template, and weights for launched workers")
+    served_model_names: list[str] = Field(default_factory=lambda: ["policy"])
+    engine_urls: list[str] = Field(default_factory=list, description="already-running vLLM servers")
+    workers: int = Field(default=1, ge=0, description="vLLM workers to launch when no engine URL is given")
+    max_model_len: int = 65536
+    store_path: str = "belayer-trajectories.db"
+    store_synchronous: str = "NORMAL"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    default_max_tokens: int | None = None
+    log_dir: str = "logs"
+    worker_start_timeout: float = 300.0

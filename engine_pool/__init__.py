@@ -1,0 +1,1 @@
+"""Inference workers: launching, supervising and talking to vLLM engines in token ids."""

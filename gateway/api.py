@@ -1,0 +1,140 @@
+"""The trainer's sessions API: create, read, reward, close."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.export import aligned_logprobs, branch_leaves
+from gateway.state import Gateway, gateway_of, read_json, validate
+from gateway.store import SessionRecord, TurnRecord
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Reward(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: float
+    info: dict[str, Any] | None = None
+
+
+def _base_url(gw: Gateway, request: Request, sid: str) -> str:
+    root = gw.config.public_url or str(request.base_url)
+    return f"{root.rstrip('/')}/s/{sid}/v1"
+
+
+def _summary(gw: Gateway, request: Request, s: SessionRecord) -> dict[str, Any]:
+    turns = gw.store.get_turns(s.id)
+    return {
+        "id": s.id,
+        "base_url": _base_url(gw, request, s.id),
+        "status": s.status,
+        "metadata": s.metadata,
+        "created_at": s.created_at,
+        "closed_at": s.closed_at,
+        "reward": s.reward,
+        "reward_info": s.reward_info,
+        "num_turns": len(turns),
+        "num_branches": len({t.branch for t in turns}),
+    }
+
+
+def _turn_json(t: TurnRecord, by_id: dict[int, TurnRecord]) -> dict[str, Any]:
+    parent = by_id.get(t.parent_id) if t.parent_id is not None else None
+    return {
+        "index": t.index,
+        "id": t.id,
+        "branch": t.branch,
+        "parent_index": parent.index if parent else None,
+        "status": t.status,
+        "prompt_ids": t.prompt_ids,
+        "output_ids": t.output_ids,
+        "output_logprobs": t.output_logprobs,
+        "loss_mask": t.loss_mask(),
+        "logprobs": aligned_logprobs(t, by_id),
+        "request": t.request,
+        "response": t.response,
+        "finish_reason": t.finish_reason,
+        "worker": t.worker,
+        "timings": t.timings,
+        "received_at": t.received_at,
+        "error": t.error,
+    }
+
+
+async def create_session(request: Request) -> Response:
+    gw = gateway_of(request)
+    body = await read_json(request, gw.config.max_body_bytes) if await request.body() else {}
+    req = validate(CreateSession, body)
+    session = gw.sessions.create(req.metadata)
+    return JSONResponse(_summary(gw, request, session), status_code=201)
+
+
+async def list_sessions(request: Request) -> Response:
+    gw = gateway_of(request)
+    return JSONResponse({"data": [_summary(gw, request, s) for s in gw.store.list_sessions() if not s.ephemeral]})
+
+
+async def get_session(request: Request) -> Response:
+    gw = gateway_of(request)
+    return JSONResponse(_summary(gw, request, gw.sessions.get(request.path_params["session_id"])))
+
+
+async def trajectory(request: Request) -> Response:
+    gw = gateway_of(request)
+    session = gw.sessions.get(request.path_params["session_id"])
+    turns = gw.store.get_turns(session.id)
+    by_id = {t.id: t for t in turns}
+    branches = [
+        {"branch": leaf.branch, "leaf_index": leaf.index, "turn_indices": [t.index for t in turns if t.branch == leaf.branch]}
+        for leaf in branch_leaves(turns)
+    ]
+    events = [
+        {"turn_index": by_id[e.turn_id].index if e.turn_id in by_id else None, "ts": e.ts, "kind": e.kind, "data": e.data}
+        for e in gw.store.get_events(session.id)
+    ]
+    return JSONResponse(
+        {
+            "session": _summary(gw, request, session),
+            "turns": [_turn_json(t, by_id) for t in turns],
+            "branches": branches,
+            "events": events,
+        }
+    )
+
+
+async def set_reward(request: Request) -> Response:
+    gw = gateway_of(request)
+    session = gw.sessions.get(request.path_params["session_id"])
+    req = validate(Reward, await read_json(request, gw.config.max_body_bytes))
+    session.reward, session.reward_info = req.reward, req.info
+    gw.store.update_session(session)
+    return JSONResponse(_summary(gw, request, session))
+
+
+async def close_session(request: Request) -> Response:
+    gw = gateway_of(request)
+    session = gw.sessions.get(request.path_params["session_id"])
+    if session.status == "open":
+        session.status, session.closed_at = "closed", time.time()
+        gw.store.update_session(session)
+    return JSONResponse(_summary(gw, request, session))
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/api/sessions", create_session, methods=["POST"]),
+        Route("/api/sessions", list_sessions, methods=["GET"]),
+        Route("/api/sessions/{session_id}", get_session, methods=["GET"]),
+        Route("/api/sessions/{session_id}/trajectory", trajectory, methods=["GET"]),
+        Route("/api/sessions/{session_id}/reward", set_reward, methods=["POST"]),
+        Route("/api/sessions/{session_id}/close", close_session, methods=["POST"]),
+    ]

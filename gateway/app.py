@@ -1,0 +1,80 @@
+"""The Starlette app: routes, the error table, and the lifespan that owns the long-lived objects.
+
+Example::
+
+    app = build_app(GatewayConfig(model="./tiny-model", engine_urls=["http://127.0.0.1:8012"]))
+    uvicorn.run(app, port=8000)
+
+Tests inject their own pool (for instance over ``httpx.ASGITransport(fake_engine_app)``)::
+
+    app = build_app(config, pool=EnginePool(http))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from belayer.config import GatewayConfig
+from engine_pool.pool import EnginePool
+from engine_pool.worker import WorkerSpec, free_port
+from gateway import api
+from gateway.errors import handlers
+from gateway.generation import TurnRunner
+from gateway.openai import routes as openai_routes
+from gateway.sessions import SessionManager
+from gateway.state import Gateway, gateway_of
+from gateway.store import SqliteStore
+from gateway.tokenization import ChatTokenizer
+
+log = logging.getLogger("belayer.gateway")
+
+
+def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
+    pool = EnginePool(http, log_dir=config.log_dir)
+    for url in config.engine_urls:
+        pool.add_remote(url)
+    if not config.engine_urls:
+        for _ in range(config.workers):
+            pool.add_launched(WorkerSpec(model=config.model, port=free_port(), max_model_len=config.max_model_len))
+    return pool
+
+
+async def health(request: Request) -> Response:
+    gw = gateway_of(request)
+    ready = [m.name for m in gw.pool.ready()]
+    body = {"status": "ok" if ready else "no_engine", "ready_workers": ready}
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+def build_app(config: GatewayConfig, pool: EnginePool | None = None) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        async with httpx.AsyncClient(limits=limits, timeout=None) as http:
+            the_pool = pool or build_pool(config, http)
+            store = SqliteStore(config.store_path, config.store_synchronous)
+            tok = ChatTokenizer.load(config.model)
+            try:
+                await the_pool.start(config.worker_start_timeout)
+                app.state.gateway = Gateway(
+                    config, store, tok, the_pool, SessionManager(store, tok), TurnRunner(store, the_pool, tok, config.default_max_tokens)
+                )
+                log.info("gateway ready: workers=%s max_model_len=%d", [m.name for m in the_pool.ready()], the_pool.max_model_len)
+                yield
+            finally:
+                await the_pool.stop()
+                store.close()
+
+    return Starlette(
+        routes=[Route("/health", health, methods=["GET"]), *openai_routes.routes(), *api.routes()],
+        exception_handlers=handlers(),
+        lifespan=lifespan,
+    )

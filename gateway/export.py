@@ -1,0 +1,103 @@
+"""Trajectories in a form a trainer loads directly: one row per branch of each session.
+
+A row holds the branch's full token sequence (``input_ids`` = its last turn's prompt + output), the
+loss mask (1 where the policy generated the token), the generated tokens' logprobs aligned with
+``input_ids`` (null for context tokens), the reward, and the session's metadata.
+
+Example::
+
+    belayer export --store trajectories.db --format parquet --out rollouts.parquet
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gateway.store import TrajectoryStore, TurnRecord
+from gateway.store.base import TURN_COMPLETE
+
+
+def aligned_logprobs(turn: TurnRecord, by_id: dict[int, TurnRecord]) -> list[float | None]:
+    """Logprobs aligned with ``prompt_ids + output_ids``: span k of the prompt is ancestor k's output."""
+    chain: list[TurnRecord] = []
+    parent = turn.parent_id
+    while parent is not None and parent in by_id:
+        chain.append(by_id[parent])
+        parent = by_id[parent].parent_id
+    chain.reverse()
+    out: list[float | None] = [None] * len(turn.prompt_ids)
+    for (start, end), ancestor in zip(turn.prompt_gen_spans, chain, strict=False):
+        out[start:end] = ancestor.output_logprobs[: end - start]
+    return out + list(turn.output_logprobs)
+
+
+def branch_leaves(turns: list[TurnRecord]) -> list[TurnRecord]:
+    """The newest complete turn of every branch."""
+    leaves: dict[int, TurnRecord] = {}
+    for t in turns:
+        if t.status == TURN_COMPLETE:
+            leaves[t.branch] = t
+    return [leaves[b] for b in sorted(leaves)]
+
+
+def session_rows(store: TrajectoryStore, session_id: str) -> list[dict[str, Any]]:
+    session = store.get_session(session_id)
+    if session is None:
+        return []
+    turns = store.get_turns(session_id)
+    by_id = {t.id: t for t in turns}
+    rows = []
+    for leaf in branch_leaves(turns):
+        rows.append(
+            {
+                "session_id": session_id,
+                "branch": leaf.branch,
+                "num_turns": sum(1 for t in turns if t.branch == leaf.branch and t.status == TURN_COMPLETE),
+                "input_ids": leaf.prompt_ids + leaf.output_ids,
+                "loss_mask": leaf.loss_mask(),
+                "logprobs": aligned_logprobs(leaf, by_id),
+                "prompt_len": len(leaf.prompt_ids),
+                "finish_reason": leaf.finish_reason,
+                "reward": session.reward,
+                "status": session.status,
+                "metadata": json.dumps(session.metadata),
+            }
+        )
+    return rows
+
+
+def export(store: TrajectoryStore, out: str | Path, fmt: str, session_ids: list[str] | None = None) -> int:
+    """Write every (or the given) session's branches to ``out``; returns the number of rows."""
+    ids = session_ids or [s.id for s in store.list_sessions()]
+    rows = [row for sid in ids for row in session_rows(store, sid)]
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "jsonl":
+        with path.open("w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema(
+            [
+                ("session_id", pa.string()),
+                ("branch", pa.int32()),
+                ("num_turns", pa.int32()),
+                ("input_ids", pa.list_(pa.int32())),
+                ("loss_mask", pa.list_(pa.int8())),
+                ("logprobs", pa.list_(pa.float64())),
+                ("prompt_len", pa.int32()),
+                ("finish_reason", pa.string()),
+                ("reward", pa.float64()),
+                ("status", pa.string()),
+                ("metadata", pa.string()),
+            ]
+        )
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    else:
+        raise ValueError(f"unknown export format '{fmt}'; use jsonl or parquet")
+    return len(rows)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible protocol: wire models, request → internal conversion, and routes."""

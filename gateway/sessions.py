@@ -1,0 +1,141 @@
+"""Sessions (one per episode) and prefix reuse: how a turn's prompt ids are built.
+
+When turn k+1's messages extend turn k's messages and its response, turn k+1's prompt ids are turn k's
+prompt ids + turn k's generated ids + the tokenization of only what follows (the end-of-turn marker
+when the model did not emit it, and the new messages). Generated tokens are never re-tokenized.
+
+Matching is by a chain hash over the canonical form of each message (what the template renders:
+role, content, tool calls' names and arguments; not tool call ids). Every finished turn stores the
+chain hash of ``messages + [its response]`` as its *ext key*, so finding the turn a request extends
+is one indexed look-up over the request's assistant messages. A request that extends an older turn,
+or none, opens a new branch: the rewritten history and the original both stay readable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from belayer.errors import Conflict, NotFound
+from gateway.store import SessionRecord, TrajectoryStore, TurnRecord
+from gateway.tokenization import ChatTokenizer
+
+
+def canonical_message(message: dict[str, Any]) -> str:
+    calls = [
+        [tc["function"]["name"], tc["function"]["arguments"]] for tc in message.get("tool_calls") or []
+    ]
+    body = {"role": message["role"], "content": message.get("content") or "", "tool_calls": calls}
+    return json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _h(prev: bytes, text: str) -> bytes:
+    return hashlib.blake2b(prev + text.encode(), digest_size=16).digest()
+
+
+def chain_keys(
+    tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]], prev: str | None = None
+) -> list[str]:
+    """Chain hash after each message; the tools are the chain's root (they render into the prompt).
+    ``prev`` continues an existing chain."""
+    if prev is None:
+        h = _h(b"", json.dumps(tools or [], sort_keys=True, ensure_ascii=False))
+    else:
+        h = bytes.fromhex(prev)
+    keys = []
+    for m in messages:
+        h = _h(h, canonical_message(m))
+        keys.append(h.hex())
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPlan:
+    prompt_ids: list[int]
+    gen_spans: list[tuple[int, int]]
+    parent: TurnRecord | None
+    reused_tokens: int
+    reason: str
+
+
+class SessionManager:
+    """Creates sessions and builds each turn's prompt ids, reusing earlier turns' exact tokens."""
+
+    def __init__(self, store: TrajectoryStore, tokenizer: ChatTokenizer) -> None:
+        self.store = store
+        self.tok = tokenizer
+
+    def create(self, metadata: dict[str, Any] | None = None, ephemeral: bool = False) -> SessionRecord:
+        """A new session. An ephemeral one (a plain ``/v1`` request) is stored with its first turn, so a
+        request rejected before generation leaves nothing behind."""
+        prefix = "req" if ephemeral else "ses"
+        record = SessionRecord(
+            id=f"{prefix}_{secrets.token_hex(10)}",
+            created_at=time.time(),
+            metadata=metadata or {},
+            ephemeral=ephemeral,
+        )
+        return record if ephemeral else self.store.create_session(record)
+
+    def get(self, session_id: str) -> SessionRecord:
+        record = self.store.get_session(session_id)
+        if record is None:
+            raise NotFound(
+                f"unknown session '{session_id}'; create one with POST /api/sessions and use its base_url",
+                param="session_id",
+                code="session_not_found",
+            )
+        return record
+
+    def get_open(self, session_id: str) -> SessionRecord:
+        record = self.get(session_id)
+        if record.status != "open":
+            raise Conflict(
+                f"session '{session_id}' is {record.status}; create a new session for a new episode",
+                param="session_id",
+                code="session_closed",
+            )
+        return record
+
+    def plan(
+        self, session_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[PromptPlan, list[str]]:
+        """The prompt ids for ``messages``, and the chain keys of the messages (for the ext key)."""
+        keys = chain_keys(tools, messages)
+        full_text = self.tok.render(messages, tools, add_generation_prompt=True)
+        candidates = [keys[j] for j, m in enumerate(messages) if m["role"] == "assistant"]
+        parent = self.store.find_turn_by_ext_keys(session_id, candidates)
+        if parent is not None:
+            j = keys.index(str(parent.ext_key))
+            plan = self._extend(parent, messages, j, tools, full_text)
+            if plan is not None:
+                return plan, keys
+        reason = "no earlier turn is a prefix of these messages" if parent is None else "template not prefix-stable"
+        return PromptPlan(self.tok.encode(full_text), [], None, 0, reason), keys
+
+    def _extend(
+        self,
+        parent: TurnRecord,
+        messages: list[dict[str, Any]],
+        j: int,
+        tools: list[dict[str, Any]] | None,
+        full_text: str,
+    ) -> PromptPlan | None:
+        """Splice: parent prompt + parent output + tokens of the text after the parent's turn."""
+        before = self.tok.render(messages[:j], tools, add_generation_prompt=True)
+        through = self.tok.render(messages[: j + 1], tools, add_generation_prompt=False)
+        if not (through.startswith(before) and full_text.startswith(through)):
+            return None
+        region = through[len(before) :]  # the rendered assistant turn, end-of-turn marker included
+        eot = region.rfind(self.tok.eos_token)
+        if eot < 0:
+            return None
+        ended = bool(parent.output_ids) and parent.output_ids[-1] in self.tok.eos_ids
+        tail = region[eot + len(self.tok.eos_token) if ended else eot :] + full_text[len(through) :]
+        base = parent.prompt_ids + parent.output_ids
+        spans = [*parent.prompt_gen_spans, (len(parent.prompt_ids), len(base))]
+        return PromptPlan(base + self.tok.encode(tail), spans, parent, len(base), f"extends turn {parent.index}")

@@ -1,0 +1,279 @@
+"""SQLite (WAL) trajectory store: one file, durable across process crashes.
+
+Token ids are stored as packed uint32 arrays and logprobs as packed float64 arrays, so a 64k-token
+prompt costs 256 KiB and a logprob round-trips bit for bit. ``synchronous=NORMAL`` in WAL mode makes
+every commit survive a crash of the gateway process (not a power loss); pass ``synchronous="FULL"`` for
+that, at the cost of an fsync per commit.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from array import array
+from pathlib import Path
+from typing import Any
+
+from belayer.errors import StoreError
+from gateway.store.base import (
+    TURN_COMPLETE,
+    TURN_INTERRUPTED,
+    TURN_RUNNING,
+    EventRecord,
+    SessionRecord,
+    TrajectoryStore,
+    TurnRecord,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, created_at REAL NOT NULL, metadata TEXT NOT NULL, status TEXT NOT NULL,
+    reward REAL, reward_info TEXT, closed_at REAL, ephemeral INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS turns (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL REFERENCES sessions(id),
+    idx INTEGER NOT NULL, branch INTEGER NOT NULL, parent_id INTEGER, ext_key TEXT,
+    status TEXT NOT NULL, prompt_ids BLOB NOT NULL, prompt_gen_spans TEXT NOT NULL,
+    output_ids BLOB NOT NULL, output_logprobs BLOB NOT NULL, request TEXT NOT NULL, response TEXT,
+    finish_reason TEXT, worker TEXT, timings TEXT NOT NULL, error TEXT, received_at REAL NOT NULL,
+    UNIQUE (session_id, idx)
+);
+CREATE INDEX IF NOT EXISTS turns_ext ON turns (session_id, ext_key);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, turn_id INTEGER, ts REAL NOT NULL,
+    kind TEXT NOT NULL, data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_session ON events (session_id);
+"""
+
+_TURN_COLS = (
+    "id, session_id, idx, branch, parent_id, ext_key, status, prompt_ids, prompt_gen_spans, output_ids, "
+    "output_logprobs, request, response, finish_reason, worker, timings, error, received_at"
+)
+
+
+def _ids(blob: bytes) -> list[int]:
+    a = array("I")
+    a.frombytes(blob)
+    return a.tolist()
+
+
+def _floats(blob: bytes) -> list[float]:
+    a = array("d")
+    a.frombytes(blob)
+    return a.tolist()
+
+
+def _turn(row: tuple[Any, ...]) -> TurnRecord:
+    return TurnRecord(
+        id=row[0],
+        session_id=row[1],
+        index=row[2],
+        branch=row[3],
+        parent_id=row[4],
+        ext_key=row[5],
+        status=row[6],
+        prompt_ids=_ids(row[7]),
+        prompt_gen_spans=[(s, e) for s, e in json.loads(row[8])],
+        output_ids=_ids(row[9]),
+        output_logprobs=_floats(row[10]),
+        request=json.loads(row[11]),
+        response=json.loads(row[12]) if row[12] else None,
+        finish_reason=row[13],
+        worker=row[14],
+        timings=json.loads(row[15]),
+        error=row[16],
+        received_at=row[17],
+    )
+
+
+def _session(row: tuple[Any, ...]) -> SessionRecord:
+    return SessionRecord(
+        id=row[0],
+        created_at=row[1],
+        metadata=json.loads(row[2]),
+        status=row[3],
+        reward=row[4],
+        reward_info=json.loads(row[5]) if row[5] else None,
+        closed_at=row[6],
+        ephemeral=bool(row[7]),
+    )
+
+
+class SqliteStore(TrajectoryStore):
+    """The default store. Safe to share between threads; writes are serialised by a lock."""
+
+    def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open trajectory store {self.path}: {e}") from e
+        self._lock = threading.Lock()
+        self._mark_interrupted()
+
+    def _mark_interrupted(self) -> None:
+        """Turns left running by a crashed gateway keep their prompt and are marked interrupted."""
+        self._exec("UPDATE turns SET status = ? WHERE status = ?", (TURN_INTERRUPTED, TURN_RUNNING))
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        try:
+            with self._lock:
+                return self._db.execute(sql, args)
+        except sqlite3.Error as e:
+            raise StoreError(f"trajectory store error: {e}") from e
+
+    def create_session(self, session: SessionRecord) -> SessionRecord:
+        self._exec(
+            "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                session.id,
+                session.created_at,
+                json.dumps(session.metadata),
+                session.status,
+                session.reward,
+                json.dumps(session.reward_info) if session.reward_info is not None else None,
+                session.closed_at,
+                int(session.ephemeral),
+            ),
+        )
+        return session
+
+    def get_session(self, session_id: str) -> SessionRecord | None:
+        row = self._exec("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        return _session(row) if row else None
+
+    def list_sessions(self) -> list[SessionRecord]:
+        return [_session(r) for r in self._exec("SELECT * FROM sessions ORDER BY created_at").fetchall()]
+
+    def update_session(self, session: SessionRecord) -> None:
+        self._exec(
+            "UPDATE sessions SET metadata = ?, status = ?, reward = ?, reward_info = ?, closed_at = ? "
+            "WHERE id = ?",
+            (
+                json.dumps(session.metadata),
+                session.status,
+                session.reward,
+                json.dumps(session.reward_info) if session.reward_info is not None else None,
+                session.closed_at,
+                session.id,
+            ),
+        )
+
+    def begin_turn(self, turn: TurnRecord) -> TurnRecord:
+        try:
+            with self._lock:
+                db = self._db
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    turn.index, turn.branch = self._next_index_and_branch(turn)
+                    cur = db.execute(
+                        "INSERT INTO turns (session_id, idx, branch, parent_id, ext_key, status, prompt_ids, "
+                        "prompt_gen_spans, output_ids, output_logprobs, request, timings, received_at) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (
+                            turn.session_id,
+                            turn.index,
+                            turn.branch,
+                            turn.parent_id,
+                            turn.ext_key,
+                            turn.status,
+                            array("I", turn.prompt_ids).tobytes(),
+                            json.dumps(turn.prompt_gen_spans),
+                            b"",
+                            b"",
+                            json.dumps(turn.request),
+                            json.dumps(turn.timings),
+                            turn.received_at,
+                        ),
+                    )
+                    db.execute("COMMIT")
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as e:
+            raise StoreError(f"trajectory store error: {e}") from e
+        turn.id = int(cur.lastrowid or 0)
+        return turn
+
+    def _next_index_and_branch(self, turn: TurnRecord) -> tuple[int, int]:
+        """Index = next in the session. Branch = the parent's branch when the parent is that branch's
+        newest turn, else a new branch."""
+        db = self._db
+        idx = db.execute("SELECT COALESCE(MAX(idx) + 1, 0) FROM turns WHERE session_id = ?", (turn.session_id,))
+        index = int(idx.fetchone()[0])
+        new_branch = db.execute(
+            "SELECT COALESCE(MAX(branch) + 1, 0) FROM turns WHERE session_id = ?", (turn.session_id,)
+        ).fetchone()[0]
+        if turn.parent_id is None:
+            return index, int(new_branch)
+        parent = db.execute("SELECT branch FROM turns WHERE id = ?", (turn.parent_id,)).fetchone()
+        if parent is None:
+            return index, int(new_branch)
+        newest = db.execute(
+            "SELECT MAX(id) FROM turns WHERE session_id = ? AND branch = ?", (turn.session_id, parent[0])
+        ).fetchone()[0]
+        return index, int(parent[0]) if newest == turn.parent_id else int(new_branch)
+
+    def finish_turn(self, turn: TurnRecord) -> None:
+        self._exec(
+            "UPDATE turns SET status = ?, ext_key = ?, output_ids = ?, output_logprobs = ?, response = ?, "
+            "finish_reason = ?, worker = ?, timings = ?, error = ? WHERE id = ?",
+            (
+                turn.status,
+                turn.ext_key,
+                array("I", turn.output_ids).tobytes(),
+                array("d", turn.output_logprobs).tobytes(),
+                json.dumps(turn.response) if turn.response is not None else None,
+                turn.finish_reason,
+                turn.worker,
+                json.dumps(turn.timings),
+                turn.error,
+                turn.id,
+            ),
+        )
+
+    def get_turn(self, turn_id: int) -> TurnRecord | None:
+        row = self._exec(f"SELECT {_TURN_COLS} FROM turns WHERE id = ?", (turn_id,)).fetchone()
+        return _turn(row) if row else None
+
+    def get_turns(self, session_id: str) -> list[TurnRecord]:
+        rows = self._exec(f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? ORDER BY idx", (session_id,))
+        return [_turn(r) for r in rows.fetchall()]
+
+    def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
+        if not keys:
+            return None
+        marks = ",".join("?" * len(keys))
+        rows = self._exec(
+            f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? AND status = ? AND ext_key IN ({marks}) "
+            "ORDER BY id DESC",
+            (session_id, TURN_COMPLETE, *keys),
+        ).fetchall()
+        if not rows:
+            return None
+        rank = {k: i for i, k in enumerate(keys)}
+        return _turn(max(rows, key=lambda r: (rank[r[5]], r[0])))
+
+    def add_event(self, event: EventRecord) -> None:
+        self._exec(
+            "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
+            (event.session_id, event.turn_id, event.ts, event.kind, json.dumps(event.data)),
+        )
+
+    def get_events(self, session_id: str) -> list[EventRecord]:
+        rows = self._exec(
+            "SELECT session_id, turn_id, ts, kind, data FROM events WHERE session_id = ? ORDER BY id",
+            (session_id,),
+        ).fetchall()
+        return [EventRecord(r[0], r[1], r[2], r[3], json.loads(r[4])) for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
