@@ -4,6 +4,10 @@ It speaks the subset of vLLM's API the gateway uses: ``/v1/completions`` with to
 ``return_token_ids``, ``return_tokens_as_token_ids`` and ``logprobs`` (streamed or not), ``/v1/models``
 and ``/health``. Logprobs are a deterministic function of position and token id.
 
+``/v1/chat/completions`` answers any messages with a fixed text, one word per token and as many tokens
+(stream chunks) as ``/v1/completions`` would produce, so that chat clients (a LiteLLM proxy, a direct
+client in ``belayer bench gateway``) can call the same engine as the gateway.
+
 Example::
 
     engine = FakeEngine(outputs=[[11, 12, 2]])      # the next request gets tokens 11, 12, 2
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 Script = Callable[[list[int]], list[int]]
+
+CHAT_WORDS = ("Hello", " from", " the", " fake", " engine", ".")
 
 
 def fake_logprob(position: int, token_id: int) -> float:
@@ -54,6 +61,7 @@ class FakeEngine:
                 Route("/health", self._health, methods=["GET"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             ]
         )
 
@@ -92,7 +100,8 @@ class FakeEngine:
                 {f"token_id:{t}": lp, **{f"token_id:{t + j}": lp - j for j in range(1, k + 1)}}
                 for t, lp in zip(ids, lps, strict=True)
             ]
-            choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": lps, "top_logprobs": tops}
+            tokens = [f"token_id:{t}" for t in ids]
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops}
         return choice
 
     async def _stream(self, out: list[int], k: int | None, finish: str) -> AsyncIterator[str]:
@@ -100,9 +109,50 @@ class FakeEngine:
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
             last = i == len(out) - 1
-            event = {"object": "text_completion", "model": self.model, "choices": [self._choice([tid], i, k, finish if last else None)]}
+            choice = self._choice([tid], i, k, finish if last else None)
+            event = {"object": "text_completion", "model": self.model, "choices": [choice]}
             yield f"data: {json.dumps(event)}\n\n"
         if not out:
             event = {"object": "text_completion", "choices": [self._choice([], 0, k, finish)]}
             yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def _chat_completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            error = {"message": "fake engine takes a non-empty 'messages' list"}
+            return JSONResponse({"error": error}, status_code=400)
+        out = self.next_output([len(messages)])
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or len(out))
+        finish = "length" if len(out) > max_tokens else "stop"
+        words = [CHAT_WORDS[i % len(CHAT_WORDS)] for i in range(min(len(out), max_tokens))]
+        n_in, n_out = len(messages), len(words)
+        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        head = {"id": f"chatcmpl-fake-{len(self.requests)}", "created": int(time.time()), "model": self.model}
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            stream = self._chat_stream(head, words, finish, usage if include_usage else None)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        message = {"role": "assistant", "content": "".join(words)}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return JSONResponse({**head, "object": "chat.completion", "choices": [choice], "usage": usage})
+
+    async def _chat_stream(
+        self, head: dict[str, Any], words: list[str], finish: str, usage: dict[str, int] | None
+    ) -> AsyncIterator[str]:
+        head = {**head, "object": "chat.completion.chunk"}
+        for i, word in enumerate(words):
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+            delta = {"role": "assistant", "content": word} if i == 0 else {"content": word}
+            last = i == len(words) - 1
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish if last else None}
+            yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+        if not words:
+            choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": finish}
+            yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+        if usage is not None:
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"

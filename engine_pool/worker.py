@@ -59,7 +59,7 @@ class WorkerSpec:
             "--model", self.model, "--served-model-name", self.served_name,
             "--host", self.host, "--port", str(self.port),
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-            "--enforce-eager", "--seed", str(self.seed), "--disable-log-requests",
+            "--enforce-eager", "--seed", str(self.seed), "--disable-log-stats",
             *self.extra_args,
         ]  # fmt: skip
 
@@ -101,7 +101,12 @@ class VllmWorker:
         env = {**os.environ, **CPU_ENV, **self.spec.extra_env}
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                self.spec.argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         self.started_at = time.monotonic()
 
@@ -158,6 +163,16 @@ class VllmWorker:
                 self._proc.poll()
                 await asyncio.sleep(0.05)
         self._proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL if the gateway dies, so a crashed gateway leaves no worker behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:

