@@ -1,11 +1,11 @@
 """The ``belayer`` command line.
 
-    belayer serve --model DIR [--engine-url URL]       start the gateway (launching a vLLM worker if no URL)
-    belayer model build-tiny DIR                       build the deterministic tiny test model
-    belayer export --store DB --format jsonl|parquet --out FILE
-    belayer fake-engine --port P                       a scripted fake engine (benchmarks)
-    belayer bench gateway                              gateway overhead vs direct vs LiteLLM
-    belayer demo                                       a short multi-turn episode through the openai SDK
+belayer serve --model DIR [--engine-url URL]       start the gateway (launching a vLLM worker if no URL)
+belayer model build-tiny DIR                       build the deterministic tiny test model
+belayer export --store DB --format jsonl|parquet --out FILE
+belayer fake-engine --port P                       a scripted fake engine (benchmarks)
+belayer bench gateway                              gateway overhead vs direct vs LiteLLM
+belayer demo                                       a short multi-turn episode through the openai SDK
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def _fake_engine(args: argparse.Namespace) -> int:
 
     from engine_pool.fake import FakeEngine
 
-    engine = FakeEngine(model=args.model, script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(args.tokens)])
+    engine = FakeEngine(
+        model=args.model, script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(args.tokens)]
+    )
     uvicorn.run(engine.app(), host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 
@@ -107,9 +109,19 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="start the gateway")
-    s.add_argument("--model", required=True, help="model directory (tokenizer + chat template; weights for launched workers)")
-    s.add_argument("--engine-url", action="append", help="use this running vLLM server (repeatable) instead of launching one")
-    s.add_argument("--workers", type=int, default=1, help="vLLM workers to launch when no --engine-url is given")
+    s.add_argument(
+        "--model",
+        required=True,
+        help="model directory (tokenizer + chat template; weights for launched workers)",
+    )
+    s.add_argument(
+        "--engine-url",
+        action="append",
+        help="use this running vLLM server (repeatable) instead of launching one",
+    )
+    s.add_argument(
+        "--workers", type=int, default=1, help="vLLM workers to launch when no --engine-url is given"
+    )
     s.add_argument("--served-model-name", action="append", help="model name(s) clients use (default: policy)")
     s.add_argument("--max-model-len", type=int, default=65536)
     s.add_argument("--store", default="belayer-trajectories.db", help="SQLite trajectory store path")
@@ -117,7 +129,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--public-url", help="the URL clients reach the gateway at (for session base_urls)")
     s.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
-    s.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none (default: the rest of the context)")
+    s.add_argument(
+        "--default-max-tokens",
+        type=int,
+        help="max_tokens when a request gives none (default: the rest of the context)",
+    )
     s.add_argument("--log-dir", default="logs", help="where launched workers' logs go")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)

@@ -8,7 +8,9 @@ from pydantic import BaseModel, Field
 class GatewayConfig(BaseModel):
     """Everything ``belayer serve`` needs. The tokenizer always comes from ``model`` (a directory)."""
 
-    model: str = Field(description="model directory: tokenizer and chat template, and weights for launched workers")
+    model: str = Field(
+        description="model directory: tokenizer and chat template, and weights for launched workers"
+    )
     served_model_names: list[str] = Field(default_factory=lambda: ["policy"])
     engine_urls: list[str] = Field(default_factory=list, description="already-running vLLM servers")
     workers: int = Field(default=1, ge=0, description="vLLM workers to launch when no engine URL is given")

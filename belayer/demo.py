@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -20,7 +21,11 @@ TOOLS = [
         "function": {
             "name": "bash",
             "description": "Run a shell command in the sandbox",
-            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
         },
     }
 ]
@@ -50,20 +55,30 @@ def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0
 def _episode(url: str, turns: int) -> str:
     from openai import OpenAI
 
-    session = httpx.post(f"{url}/api/sessions", json={"metadata": {"task": "demo", "harness": "openai-sdk"}}).json()
+    session = httpx.post(
+        f"{url}/api/sessions", json={"metadata": {"task": "demo", "harness": "openai-sdk"}}
+    ).json()
     print(f"session {session['id']}  base_url {session['base_url']}")
-    client = OpenAI(base_url=session["base_url"], api_key="unused")
+    client: Any = OpenAI(base_url=session["base_url"], api_key="unused")  # untyped kwargs below
     messages: list[dict[str, object]] = [{"role": "system", "content": "You are a careful coding agent."}]
     for i in range(turns):
         messages.append({"role": "user", "content": USER_TURNS[i % len(USER_TURNS)]})
         stream = i % 2 == 1
-        kwargs = {"model": "policy", "messages": messages, "tools": TOOLS, "temperature": 0.0, "max_tokens": 24}
+        kwargs = {
+            "model": "policy",
+            "messages": messages,
+            "tools": TOOLS,
+            "temperature": 0.0,
+            "max_tokens": 24,
+        }
         if stream:
             text = "".join(
-                c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True) if c.choices  # type: ignore[call-overload]
+                c.choices[0].delta.content or ""
+                for c in client.chat.completions.create(**kwargs, stream=True)
+                if c.choices
             )
         else:
-            text = client.chat.completions.create(**kwargs).choices[0].message.content or ""  # type: ignore[call-overload]
+            text = client.chat.completions.create(**kwargs).choices[0].message.content or ""
         print(f"turn {i} ({'streamed' if stream else 'non-streamed'}): {text[:60]!r}")
         messages.append({"role": "assistant", "content": text})
     httpx.post(f"{url}/api/sessions/{session['id']}/reward", json={"reward": 1.0})
@@ -73,7 +88,9 @@ def _episode(url: str, turns: int) -> str:
 
 def _summary(url: str, sid: str) -> bool:
     traj = httpx.get(f"{url}/api/sessions/{sid}/trajectory").json()
-    print(f"\ntrajectory of {sid}: {len(traj['turns'])} turns, {len(traj['branches'])} branch(es), reward {traj['session']['reward']}")
+    print(
+        f"\ntrajectory of {sid}: {len(traj['turns'])} turns, {len(traj['branches'])} branch(es), reward {traj['session']['reward']}"
+    )
     print(f"{'turn':>4} {'prompt':>7} {'output':>7} {'reused':>7} {'ttft_ms':>8} {'worker':>9}  prefix-exact")
     ok = True
     prev = None
@@ -81,7 +98,9 @@ def _summary(url: str, sid: str) -> bool:
         reused = sum(t["loss_mask"][: len(t["prompt_ids"])])
         exact = prev is None or t["prompt_ids"][: len(prev)] == prev
         ok = ok and exact and len(t["output_ids"]) == len(t["output_logprobs"])
-        print(f"{t['index']:>4} {len(t['prompt_ids']):>7} {len(t['output_ids']):>7} {reused:>7} {t['timings'].get('ttft_ms', 0):>8.1f} {t['worker']:>9}  {exact}")
+        print(
+            f"{t['index']:>4} {len(t['prompt_ids']):>7} {len(t['output_ids']):>7} {reused:>7} {t['timings'].get('ttft_ms', 0):>8.1f} {t['worker']:>9}  {exact}"
+        )
         prev = t["prompt_ids"] + t["output_ids"]
     kinds = [e["kind"] for e in traj["events"]]
     print(f"events: {json.dumps({k: kinds.count(k) for k in sorted(set(kinds))})}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 CONTEXT_WINDOW = 65536
 VOCAB_SIZE = 8192
@@ -36,8 +37,8 @@ CHAT_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
-    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' -}}'
     "{%- endif -%}"
     "{%- for message in messages[ns.first:] -%}"
     "{%- if message['role'] == 'assistant' -%}"
@@ -56,16 +57,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-_WORDS = (
-    "the a an of to in and or is are was be on for with as by at from that this it not you your we our can "
-    "will should must file files line lines code test tests error errors run running build make install "
-    "python function class def return import self print value values list dict string int float true false "
-    "none null path directory command output input result results data json request response server client "
-    "user assistant system tool tools call calls name arguments content message messages model token tokens "
-    "bash shell edit read write open close fix bug failing passing pass fail check diff patch repo commit "
-    "git branch main src lib config set get add remove update create delete find search grep ls cd cat echo "
-    "def if else elif for while try except raise with yield async await lambda"
-).split()
+_WORDS = ["the", "a", "an", "of", "to", "in", "and", "or", "is", "are", "was", "be", "on", "for", "with", "as", "by", "at", "from", "that", "this", "it", "not", "you", "your", "we", "our", "can", "will", "should", "must", "file", "files", "line", "lines", "code", "test", "tests", "error", "errors", "run", "running", "build", "make", "install", "python", "function", "class", "def", "return", "import", "self", "print", "value", "values", "list", "dict", "string", "int", "float", "true", "false", "none", "null", "path", "directory", "command", "output", "input", "result", "results", "data", "json", "request", "response", "server", "client", "user", "assistant", "system", "tool", "tools", "call", "calls", "name", "arguments", "content", "message", "messages", "model", "token", "tokens", "bash", "shell", "edit", "read", "write", "open", "close", "fix", "bug", "failing", "passing", "pass", "fail", "check", "diff", "patch", "repo", "commit", "git", "branch", "main", "src", "lib", "config", "set", "get", "add", "remove", "update", "create", "delete", "find", "search", "grep", "ls", "cd", "cat", "echo", "def", "if", "else", "elif", "for", "while", "try", "except", "raise", "with", "yield", "async", "await", "lambda"]
 _SNIPPETS = [
     '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>',
     '{"name": "str_replace_editor", "arguments": {"path": "/repo/a.py", "old_str": "x", "new_str": "y"}}',
@@ -109,9 +101,12 @@ def _training_text() -> list[str]:
 
 def build_tiny(out_dir: str | Path) -> dict[str, int]:
     """Write the tiny model and tokenizer to ``out_dir``; returns a summary (vocab, params)."""
+    import importlib
+
     import torch
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    hf: Any = importlib.import_module("transformers")  # untyped library: keep it out of strict typing
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +123,7 @@ def build_tiny(out_dir: str | Path) -> dict[str, int]:
     tok.train_from_iterator(_training_text(), trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
 
-    hf_tok = PreTrainedTokenizerFast(
+    hf_tok = hf.PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -141,7 +136,7 @@ def build_tiny(out_dir: str | Path) -> dict[str, int]:
 
     torch.manual_seed(0)
     eos_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = LlamaConfig(
+    cfg = hf.LlamaConfig(
         vocab_size=len(hf_tok),
         hidden_size=128,
         intermediate_size=256,
@@ -156,9 +151,9 @@ def build_tiny(out_dir: str | Path) -> dict[str, int]:
         bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=hf_tok.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
-    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model = hf.LlamaForCausalLM(cfg).to(torch.float32).eval()
     model.generation_config.do_sample = False
     model.save_pretrained(str(out), safe_serialization=True)
     params = sum(p.numel() for p in model.parameters())

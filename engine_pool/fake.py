@@ -47,6 +47,7 @@ class FakeEngine:
     max_model_len: int = 4096
     token_delay: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
+    reject_next: str | None = None  # answer the next request with this 400 message
 
     def next_output(self, prompt: list[int]) -> list[int]:
         if self.outputs:
@@ -76,6 +77,9 @@ class FakeEngine:
         body = await request.json()
         self.requests.append(body)
         prompt = body.get("prompt")
+        if self.reject_next is not None:
+            message, self.reject_next = self.reject_next, None
+            return JSONResponse({"error": {"message": message, "type": "BadRequestError"}}, status_code=400)
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             return JSONResponse({"error": {"message": "fake engine takes token-id prompts"}}, status_code=400)
         if len(prompt) + int(body.get("max_tokens") or 0) > self.max_model_len:

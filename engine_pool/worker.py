@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -134,7 +135,9 @@ class VllmWorker:
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.25)
-        raise EngineUnavailable(f"vLLM worker {self.name} not healthy after {timeout:.0f}s; see {self.log_path}")
+        raise EngineUnavailable(
+            f"vLLM worker {self.name} not healthy after {timeout:.0f}s; see {self.log_path}"
+        )
 
     async def start(self, timeout: float = 300.0) -> None:
         self.launch()
@@ -176,10 +179,8 @@ def _die_with_parent() -> None:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _group_alive(pgid: int) -> bool:

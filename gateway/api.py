@@ -80,7 +80,9 @@ async def create_session(request: Request) -> Response:
 
 async def list_sessions(request: Request) -> Response:
     gw = gateway_of(request)
-    return JSONResponse({"data": [_summary(gw, request, s) for s in gw.store.list_sessions() if not s.ephemeral]})
+    return JSONResponse(
+        {"data": [_summary(gw, request, s) for s in gw.store.list_sessions() if not s.ephemeral]}
+    )
 
 
 async def get_session(request: Request) -> Response:
@@ -94,11 +96,20 @@ async def trajectory(request: Request) -> Response:
     turns = gw.store.get_turns(session.id)
     by_id = {t.id: t for t in turns}
     branches = [
-        {"branch": leaf.branch, "leaf_index": leaf.index, "turn_indices": [t.index for t in turns if t.branch == leaf.branch]}
+        {
+            "branch": leaf.branch,
+            "leaf_index": leaf.index,
+            "turn_indices": [t.index for t in turns if t.branch == leaf.branch],
+        }
         for leaf in branch_leaves(turns)
     ]
     events = [
-        {"turn_index": by_id[e.turn_id].index if e.turn_id in by_id else None, "ts": e.ts, "kind": e.kind, "data": e.data}
+        {
+            "turn_index": by_id[e.turn_id].index if e.turn_id in by_id else None,
+            "ts": e.ts,
+            "kind": e.kind,
+            "data": e.data,
+        }
         for e in gw.store.get_events(session.id)
     ]
     return JSONResponse(

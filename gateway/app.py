@@ -43,7 +43,9 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         pool.add_remote(url)
     if not config.engine_urls:
         for _ in range(config.workers):
-            pool.add_launched(WorkerSpec(model=config.model, port=free_port(), max_model_len=config.max_model_len))
+            pool.add_launched(
+                WorkerSpec(model=config.model, port=free_port(), max_model_len=config.max_model_len)
+            )
     return pool
 
 
@@ -65,9 +67,18 @@ def build_app(config: GatewayConfig, pool: EnginePool | None = None) -> Starlett
             try:
                 await the_pool.start(config.worker_start_timeout)
                 app.state.gateway = Gateway(
-                    config, store, tok, the_pool, SessionManager(store, tok), TurnRunner(store, the_pool, tok, config.default_max_tokens)
+                    config,
+                    store,
+                    tok,
+                    the_pool,
+                    SessionManager(store, tok),
+                    TurnRunner(store, the_pool, tok, config.default_max_tokens),
                 )
-                log.info("gateway ready: workers=%s max_model_len=%d", [m.name for m in the_pool.ready()], the_pool.max_model_len)
+                log.info(
+                    "gateway ready: workers=%s max_model_len=%d",
+                    [m.name for m in the_pool.ready()],
+                    the_pool.max_model_len,
+                )
                 yield
             finally:
                 await the_pool.stop()

@@ -23,7 +23,9 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
@@ -34,9 +36,13 @@ def for_exception(exc: Exception) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, EngineTimeout):
         return 504, error_body(f"{exc}; retry the request", "server_error", None, "engine_timeout")
     if isinstance(exc, EngineUnavailable):
-        return 503, error_body(f"{exc}; retry the request shortly", "service_unavailable", None, "engine_unavailable")
+        return 503, error_body(
+            f"{exc}; retry the request shortly", "service_unavailable", None, "engine_unavailable"
+        )
     if isinstance(exc, StoreError):
-        return 500, error_body(f"{exc}; the trajectory store failed, check the gateway's disk", "server_error")
+        return 500, error_body(
+            f"{exc}; the trajectory store failed, check the gateway's disk", "server_error"
+        )
     if isinstance(exc, HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return exc.status_code, error_body(str(exc.detail), kind)
@@ -50,4 +56,7 @@ async def _handle(request: Request, exc: Exception) -> Response:
 
 
 def handlers() -> dict[Any, Callable[[Request, Exception], Coroutine[Any, Any, Response]]]:
-    return {cls: _handle for cls in (RequestError, EngineUnavailable, EngineTimeout, StoreError, HTTPException, Exception)}
+    return {
+        cls: _handle
+        for cls in (RequestError, EngineUnavailable, EngineTimeout, StoreError, HTTPException, Exception)
+    }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -104,7 +104,9 @@ class TurnRunner:
         prompt_ids = req.plan.prompt_ids + (self.tok.encode(req.forced_prefix) if req.forced_prefix else [])
         bad = next((t for t in prompt_ids if t < 0 or t >= self.tok.vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{self.tok.vocab_size - 1})", "prompt")
+            raise InvalidRequest(
+                f"token id {bad} is outside the vocabulary (0..{self.tok.vocab_size - 1})", "prompt"
+            )
         return prompt_ids, replace(req.params, max_tokens=self._budget(len(prompt_ids), req.max_tokens))
 
     def _begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
@@ -134,7 +136,7 @@ class TurnRunner:
     def _event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
         self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
 
-    async def run(self, req: GenerationRequest) -> AsyncIterator[Delta | Done]:
+    async def run(self, req: GenerationRequest) -> AsyncGenerator[Delta | Done, None]:
         prompt_ids, params = self.prepare(req)
         t0 = time.monotonic()
         turn = self._begin(req, prompt_ids)
@@ -157,7 +159,9 @@ class TurnRunner:
                     finish = chunk.finish_reason or finish
                     delta = self._delta(turn, parser.feed(text), content)
                     delta.token_ids, delta.logprobs, delta.top_logprobs = (
-                        chunk.token_ids, chunk.logprobs, chunk.top_logprobs
+                        chunk.token_ids,
+                        chunk.logprobs,
+                        chunk.top_logprobs,
                     )
                     yield delta
             tail = self._delta(turn, parser.feed(trimmer.finish()) + parser.finish(), content)
@@ -195,7 +199,13 @@ class TurnRunner:
         self._event(turn, "turn_failed", {"status": status, "error": error})
 
     def _complete(
-        self, req: GenerationRequest, turn: TurnRecord, finish: str, content: str, calls: list[ToolCall], t0: float
+        self,
+        req: GenerationRequest,
+        turn: TurnRecord,
+        finish: str,
+        content: str,
+        calls: list[ToolCall],
+        t0: float,
     ) -> Done:
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
         if calls:

@@ -26,9 +26,7 @@ from gateway.tokenization import ChatTokenizer
 
 
 def canonical_message(message: dict[str, Any]) -> str:
-    calls = [
-        [tc["function"]["name"], tc["function"]["arguments"]] for tc in message.get("tool_calls") or []
-    ]
+    calls = [[tc["function"]["name"], tc["function"]["arguments"]] for tc in message.get("tool_calls") or []]
     body = {"role": message["role"], "content": message.get("content") or "", "tool_calls": calls}
     return json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
@@ -114,7 +112,11 @@ class SessionManager:
             plan = self._extend(parent, messages, j, tools, full_text)
             if plan is not None:
                 return plan, keys
-        reason = "no earlier turn is a prefix of these messages" if parent is None else "template not prefix-stable"
+        reason = (
+            "no earlier turn is a prefix of these messages"
+            if parent is None
+            else "template not prefix-stable"
+        )
         return PromptPlan(self.tok.encode(full_text), [], None, 0, reason), keys
 
     def _extend(
@@ -138,4 +140,6 @@ class SessionManager:
         tail = region[eot + len(self.tok.eos_token) if ended else eot :] + full_text[len(through) :]
         base = parent.prompt_ids + parent.output_ids
         spans = [*parent.prompt_gen_spans, (len(parent.prompt_ids), len(base))]
-        return PromptPlan(base + self.tok.encode(tail), spans, parent, len(base), f"extends turn {parent.index}")
+        return PromptPlan(
+            base + self.tok.encode(tail), spans, parent, len(base), f"extends turn {parent.index}"
+        )

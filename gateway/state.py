@@ -61,7 +61,9 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except ValueError as e:
-        raise InvalidRequest(f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json") from e
+        raise InvalidRequest(
+            f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json"
+        ) from e
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
     return body

@@ -20,7 +20,9 @@ from tokenizers.decoders import DecodeStream
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's printable-unicode → byte table, inverted (byte-level BPE token strings to raw bytes)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    bs = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -73,7 +75,9 @@ class ChatTokenizer:
             pass
         return cls(hf.backend_tokenizer, template, str(hf.eos_token), frozenset(eos_ids))
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
         return str(
             self._template.render(
                 messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt

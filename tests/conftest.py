@@ -64,7 +64,9 @@ class GatewayHarness:
 
 
 @pytest.fixture
-async def gateway(tmp_path: Path, tiny_model_dir: Path, fake_engine: FakeEngine) -> AsyncIterator[GatewayHarness]:
+async def gateway(
+    tmp_path: Path, tiny_model_dir: Path, fake_engine: FakeEngine
+) -> AsyncIterator[GatewayHarness]:
     config = GatewayConfig(
         model=str(tiny_model_dir), store_path=str(tmp_path / "traj.db"), max_body_bytes=256 * 1024
     )

@@ -119,7 +119,13 @@ async def models(request: Request) -> Response:
     if "session_id" in request.path_params:
         gw.sessions.get(request.path_params["session_id"])
     data: list[dict[str, Any]] = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "belayer", "max_model_len": gw.pool.max_model_len}
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "belayer",
+            "max_model_len": gw.pool.max_model_len,
+        }
         for name in gw.config.served_model_names
     ]
     return JSONResponse({"object": "list", "data": data})

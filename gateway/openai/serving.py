@@ -29,7 +29,9 @@ def reject_unsupported(body: dict[str, Any]) -> None:
         if body.get(key) not in (None, False, [], {}):
             raise InvalidRequest(why, param=key, code="unsupported_parameter")
     if (body.get("n") or 1) != 1:
-        raise InvalidRequest("only n=1 is supported; send n separate requests instead", "n", "unsupported_parameter")
+        raise InvalidRequest(
+            "only n=1 is supported; send n separate requests instead", "n", "unsupported_parameter"
+        )
 
 
 def _text(content: str | list[Any] | None, where: str) -> str:
@@ -58,7 +60,10 @@ def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 {
                     "id": tc.id,
                     "type": "function",
-                    "function": {"name": tc.function.name, "arguments": parse_arguments(tc.function.arguments)},
+                    "function": {
+                        "name": tc.function.name,
+                        "arguments": parse_arguments(tc.function.arguments),
+                    },
                 }
                 for tc in m.tool_calls
             ]
@@ -77,7 +82,9 @@ def _tool_choice(req: ChatCompletionRequest) -> tuple[str, bool]:
     if choice == "none":
         return "", False
     if not names:
-        raise InvalidRequest("tool_choice requires 'tools'; send the tools or drop tool_choice", "tool_choice")
+        raise InvalidRequest(
+            "tool_choice requires 'tools'; send the tools or drop tool_choice", "tool_choice"
+        )
     if choice == "required":
         return '<tool_call>\n{"name": "', True
     assert isinstance(choice, NamedToolChoice)
@@ -129,7 +136,14 @@ def chat_request(
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     plan, keys = sessions.plan(session.id, messages, tools)
     params = sampling(
-        req.temperature, req.top_p, req.top_k, req.seed, req.stop, top, req.presence_penalty, req.frequency_penalty
+        req.temperature,
+        req.top_p,
+        req.top_k,
+        req.seed,
+        req.stop,
+        top,
+        req.presence_penalty,
+        req.frequency_penalty,
     )
     gen = GenerationRequest(
         session=session,
@@ -152,12 +166,12 @@ def completion_request(
 ) -> GenerationRequest:
     if req.echo:
         raise InvalidRequest("'echo' is not supported; remove it", "echo", "unsupported_parameter")
-    prompt = req.prompt
+    prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise InvalidRequest("send one prompt per request (batched prompts are not supported)", "prompt")
-        prompt = prompt[0]  # type: ignore[assignment]
-    ids = tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]  # type: ignore[union-attr]
+        prompt = prompt[0]
+    ids = tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise InvalidRequest("the prompt is empty; send text or token ids", "prompt")
     params = sampling(
@@ -165,7 +179,9 @@ def completion_request(
         req.frequency_penalty,
     )  # fmt: skip
     plan = PromptPlan(ids, [], None, 0, "raw completion prompt")
-    return GenerationRequest(session, plan, params, raw, time.time(), max_tokens=req.max_tokens, parse_tools=False)
+    return GenerationRequest(
+        session, plan, params, raw, time.time(), max_tokens=req.max_tokens, parse_tools=False
+    )
 
 
 class ChatFormatter:
@@ -178,7 +194,9 @@ class ChatFormatter:
         self.tok = tok
         self.top = top_logprobs
 
-    def _logprobs(self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
+    def _logprobs(
+        self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
+    ) -> dict[str, Any]:
         content = []
         for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
             alts = sorted(tops[i], key=lambda a: -a[1])[: self.top] if i < len(tops) and self.top else []
@@ -228,7 +246,9 @@ class ChatFormatter:
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": done.finish_reason}],
+            "choices": [
+                {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": done.finish_reason}
+            ],
             "usage": self.usage(done),
         }
 
@@ -273,7 +293,9 @@ class CompletionFormatter:
         self.tok = tok
         self.top = top_logprobs
 
-    def _logprobs(self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
+    def _logprobs(
+        self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
+    ) -> dict[str, Any]:
         tokens = [self.tok.token_text(t) for t in ids]
         top = [
             {self.tok.token_text(a): v for a, v in sorted(alts, key=lambda a: -a[1])[: self.top]}
@@ -301,9 +323,15 @@ class CompletionFormatter:
     async def stream(self, events: AsyncIterator[Delta | Done], include_usage: bool) -> AsyncIterator[str]:
         async for ev in events:
             if isinstance(ev, Done):
-                body = self._body("", ev.finish_reason, None, ChatFormatter.usage(ev) if include_usage else None)
+                body = self._body(
+                    "", ev.finish_reason, None, ChatFormatter.usage(ev) if include_usage else None
+                )
             else:
-                lp = self._logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs) if self.top is not None else None
+                lp = (
+                    self._logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs)
+                    if self.top is not None
+                    else None
+                )
                 if not ev.content and not lp:
                     continue
                 body = self._body(ev.content, None, lp)

@@ -206,7 +206,9 @@ class SqliteStore(TrajectoryStore):
         """Index = next in the session. Branch = the parent's branch when the parent is that branch's
         newest turn, else a new branch."""
         db = self._db
-        idx = db.execute("SELECT COALESCE(MAX(idx) + 1, 0) FROM turns WHERE session_id = ?", (turn.session_id,))
+        idx = db.execute(
+            "SELECT COALESCE(MAX(idx) + 1, 0) FROM turns WHERE session_id = ?", (turn.session_id,)
+        )
         index = int(idx.fetchone()[0])
         new_branch = db.execute(
             "SELECT COALESCE(MAX(branch) + 1, 0) FROM turns WHERE session_id = ?", (turn.session_id,)
