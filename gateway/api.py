@@ -140,8 +140,26 @@ async def close_session(request: Request) -> Response:
     return JSONResponse(_summary(gw, request, session))
 
 
+async def engines(request: Request) -> Response:
+    gw = gateway_of(request)
+    data = [
+        {
+            "name": m.name,
+            "url": m.client.base_url,
+            "state": m.state,
+            "outstanding": m.outstanding,
+            "served": m.served,
+            "pid": m.process.pid if m.process else None,
+            "max_model_len": m.info.max_model_len if m.info else None,
+        }
+        for m in gw.pool.members
+    ]
+    return JSONResponse({"data": data})
+
+
 def routes() -> list[Route]:
     return [
+        Route("/api/engines", engines, methods=["GET"]),
         Route("/api/sessions", create_session, methods=["POST"]),
         Route("/api/sessions", list_sessions, methods=["GET"]),
         Route("/api/sessions/{session_id}", get_session, methods=["GET"]),

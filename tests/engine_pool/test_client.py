@@ -1,0 +1,59 @@
+"""The engine client translates transport errors into the project's tree at one boundary."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from belayer.errors import EngineRejected, EngineTimeout, EngineUnavailable
+from engine_pool.client import EngineClient, SamplingParams
+from engine_pool.fake import FakeEngine, fake_logprob
+from engine_pool.worker import free_port
+
+
+async def collect(client: EngineClient, prompt: list[int]) -> list[int]:
+    return [
+        t
+        for c in [c async for c in client.generate(prompt, SamplingParams(max_tokens=8, top_logprobs=1))]
+        for t in c.token_ids
+    ]
+
+
+async def test_streams_token_ids_and_logprobs() -> None:
+    engine = FakeEngine(outputs=[[5, 6, 7]])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(engine.app())) as http:
+        client = EngineClient("http://e", "fake", http)
+        chunks = [c async for c in client.generate([1, 2], SamplingParams(max_tokens=8, top_logprobs=2))]
+    assert [c.token_ids for c in chunks] == [[5], [6], [7]]
+    assert [c.logprobs[0] for c in chunks] == [fake_logprob(i, t) for i, t in enumerate([5, 6, 7])]
+    assert chunks[0].top_logprobs[0][:2] == [(5, fake_logprob(0, 5)), (6, fake_logprob(0, 5) - 1)]
+    assert chunks[-1].finish_reason == "stop"
+    assert engine.requests[0]["prompt"] == [1, 2] and engine.requests[0]["return_token_ids"] is True
+
+
+async def test_connection_refused_is_unavailable() -> None:
+    async with httpx.AsyncClient() as http:
+        client = EngineClient(f"http://127.0.0.1:{free_port()}", "m", http)
+        with pytest.raises(EngineUnavailable):
+            await collect(client, [1])
+        assert await client.health() is False
+
+
+@pytest.mark.parametrize(
+    ("handler", "error"),
+    [
+        (lambda r: httpx.Response(400, json={"error": {"message": "bad prompt"}}), EngineRejected),
+        (lambda r: httpx.Response(503, text="overloaded"), EngineUnavailable),
+        (lambda r: (_ for _ in ()).throw(httpx.ReadTimeout("slow", request=r)), EngineTimeout),
+        (
+            lambda r: (_ for _ in ()).throw(httpx.RemoteProtocolError("peer closed", request=r)),
+            EngineUnavailable,
+        ),
+    ],
+)
+async def test_errors_are_translated(handler: object, error: type[Exception]) -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:  # type: ignore[arg-type]
+        with pytest.raises(error) as e:
+            await collect(EngineClient("http://e", "m", http), [1])
+    if error is EngineRejected:
+        assert str(e.value) == "bad prompt" and e.value.status == 400  # type: ignore[attr-defined]

