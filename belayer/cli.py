@@ -156,6 +156,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--port", type=int, required=True)
     f.add_argument("--model", default="fake")
     f.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
+    f.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
     f.set_defaults(func=_fake_engine)
 
     b = sub.add_parser("bench", help="benchmarks (belayer bench gateway)")

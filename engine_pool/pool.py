@@ -16,7 +16,9 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -28,7 +30,10 @@ from engine_pool.worker import VllmWorker, WorkerSpec
 
 READY = "ready"
 STARTING = "starting"
-DEAD = "dead"
+UNHEALTHY = "unhealthy"  # failed a probe or a request; routed to again once it passes a probe
+DEAD = "dead"  # a launched worker whose process exited
+
+log = logging.getLogger("belayer.engine_pool")
 
 
 @dataclass(slots=True)
@@ -49,7 +54,9 @@ class EnginePool:
     http: httpx.AsyncClient
     log_dir: str = "logs"
     members: list[PoolMember] = field(default_factory=list)
+    probe_interval: float = 2.0
     _affinity: dict[str, str] = field(default_factory=dict)
+    _monitor: asyncio.Task[None] | None = None
 
     def add_remote(self, url: str, model: str | None = None) -> PoolMember:
         name = f"remote-{len(self.members)}"
@@ -78,8 +85,38 @@ class EnginePool:
             if not m.client.model:
                 m.client.model = m.info.name
             m.state = READY
+        self._monitor = asyncio.create_task(self._probe_forever(), name="engine-pool-probe")
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval)
+            await self.probe()
+
+    async def probe(self) -> None:
+        """Probe every worker once and update its state."""
+        for m in self.members:
+            if m.state in (DEAD, STARTING):
+                continue
+            if m.process is not None and not m.process.alive():
+                self._set(m, DEAD, f"process exited; log tail:\n{m.process.log_tail(10)}")
+                continue
+            self._set(m, READY if await m.client.health() else UNHEALTHY, "health probe")
+
+    def _set(self, m: PoolMember, state: str, why: str) -> None:
+        if m.state != state:
+            log.warning("worker %s: %s -> %s (%s)", m.name, m.state, state, why)
+            m.state = state
+
+    def report_failure(self, m: PoolMember, error: Exception) -> None:
+        """A request to ``m`` failed in transport: stop routing to it until it passes a probe."""
+        if m.state == READY:
+            self._set(m, UNHEALTHY, f"request failed: {error}")
 
     async def stop(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
         for m in self.members:
             if m.process is not None:
                 await m.process.stop()

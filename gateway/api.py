@@ -47,7 +47,7 @@ def _summary(gw: Gateway, request: Request, s: SessionRecord) -> dict[str, Any]:
     }
 
 
-def _turn_json(t: TurnRecord, by_id: dict[int, TurnRecord]) -> dict[str, Any]:
+def _turn_json(t: TurnRecord, by_id: dict[int, TurnRecord], events: list[dict[str, Any]]) -> dict[str, Any]:
     parent = by_id.get(t.parent_id) if t.parent_id is not None else None
     return {
         "index": t.index,
@@ -67,6 +67,7 @@ def _turn_json(t: TurnRecord, by_id: dict[int, TurnRecord]) -> dict[str, Any]:
         "timings": t.timings,
         "received_at": t.received_at,
         "error": t.error,
+        "events": [e for e in events if e["turn_index"] == t.index],
     }
 
 
@@ -115,7 +116,7 @@ async def trajectory(request: Request) -> Response:
     return JSONResponse(
         {
             "session": _summary(gw, request, session),
-            "turns": [_turn_json(t, by_id) for t in turns],
+            "turns": [_turn_json(t, by_id, events) for t in turns],
             "branches": branches,
             "events": events,
         }

@@ -16,7 +16,7 @@ from typing import Any
 
 from belayer.errors import ContextLengthExceeded, EngineError, EngineRejected, InvalidRequest
 from engine_pool.client import SamplingParams
-from engine_pool.pool import EnginePool
+from engine_pool.pool import EnginePool, PoolMember
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
 from gateway.sessions import PromptPlan, chain_keys
 from gateway.store import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
@@ -146,6 +146,7 @@ class TurnRunner:
         parser.feed(req.forced_prefix)
         content: list[str] = []
         finish = "stop"
+        member: PoolMember | None = None
         try:
             async with self.pool.lease(req.session.id) as member:
                 turn.worker = member.name
@@ -171,6 +172,8 @@ class TurnRunner:
             self._fail(turn, TURN_ERROR, str(e), t0)
             raise InvalidRequest(f"the engine rejected the request: {e}", code="engine_rejected") from e
         except EngineError as e:
+            if member is not None:
+                self.pool.report_failure(member, e)
             self._fail(turn, TURN_ERROR, str(e), t0)
             raise
         except BaseException as e:  # client went away (cancelled) or a bug: keep what was generated
