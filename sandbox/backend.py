@@ -1,0 +1,214 @@
+"""The sandbox seam: one ABC (`SandboxBackend`) and the values that cross it.
+
+A sandbox is an isolated container in which an agent runs commands through persistent shell
+*sessions*: the working directory and shell variables set by one `exec` are there for the next one.
+A checkpoint captures the sandbox's filesystem and its running processes together; `restore` brings
+both back in a new sandbox, even after the original is gone.
+
+Example::
+
+    backend: SandboxBackend = DockerSandboxBackend(DockerBackendConfig())
+    box = backend.create(SandboxSpec(image="belayer-sandbox-python"))
+    backend.exec(box.id, "cd /workspace && export N=1")
+    ckpt = backend.checkpoint(box.id, label="turn-3")
+    backend.destroy(box.id)
+    box2 = backend.restore(ckpt)
+    assert backend.exec(box2.id, "echo $N $(pwd)").stdout == "1 /workspace\\n"
+
+Methods block; async callers run them in a worker thread (`asyncio.to_thread`). Implementations
+serialise calls on one sandbox and allow calls on different sandboxes to run concurrently.
+"""
+
+from __future__ import annotations
+
+import abc
+import posixpath
+import re
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sandbox.errors import PathEscapeError
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_SESSION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+
+DEFAULT_SESSION = "main"
+
+
+class SandboxSpec(BaseModel):
+    """What to create: the image, the agent's shell, and the isolation limits.
+
+    Defaults are locked down: no network, every capability dropped, no-new-privileges.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    image: str
+    workdir: str = "/workspace"
+    """Root of the file API and the sessions' start directory; created if missing."""
+    shell: str = "/bin/sh"
+    """Shell binary inside the image that runs the sessions (POSIX sh, dash, ash or bash)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    memory_bytes: int = 512 * 1024 * 1024
+    pids_limit: int = 256
+    cpus: float = 1.0
+    network: bool = False
+    cap_add: tuple[str, ...] = ()
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("workdir", "shell")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/") or "\0" in value:
+            raise ValueError(f"must be an absolute path: {value!r}")
+        return posixpath.normpath(value)
+
+    @field_validator("shell")
+    @classmethod
+    def _no_whitespace(cls, value: str) -> str:
+        if any(ch.isspace() for ch in value):
+            raise ValueError(f"shell path may not contain whitespace: {value!r}")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            check_env_name(name)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Sandbox:
+    """A live sandbox. `id` is the handle every other call takes."""
+
+    id: str
+    spec: SandboxSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    """The outcome of one command. Output beyond the call's limit is cut and flagged."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A restorable snapshot of a sandbox: filesystem and processes, taken together.
+
+    `location` is backend-specific (for Docker: the directory holding the CRIU dump and metadata).
+    """
+
+    id: str
+    sandbox_id: str
+    label: str
+    spec: SandboxSpec
+    image: str
+    location: str
+    created_at: float
+    fs_seconds: float
+    process_seconds: float
+    env: tuple[str, ...] = ()
+    """The container's full environment (image ENV plus `spec.env`), as `NAME=value`."""
+
+
+class SandboxBackend(abc.ABC):
+    """Creates sandboxes, runs commands in them, and checkpoints and restores them."""
+
+    @abc.abstractmethod
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        """Start a sandbox from `spec.image` with its PID-1 supervisor running."""
+
+    @abc.abstractmethod
+    def exec(
+        self,
+        sandbox_id: str,
+        command: str,
+        *,
+        timeout_s: float = 30.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        session: str = DEFAULT_SESSION,
+        max_output_bytes: int = 1 << 20,
+    ) -> ExecResult:
+        """Run `command` in the persistent shell `session` (started on first use).
+
+        `cwd` and `env` are applied to the session before the command, as if typed there, so they
+        persist. On timeout the command's processes are killed and `SandboxTimeout` is raised;
+        processes started by earlier calls keep running. A non-zero exit is a result, not an error.
+        """
+
+    @abc.abstractmethod
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        """Return a regular file's bytes; `path` is absolute under, or relative to, the workdir."""
+
+    @abc.abstractmethod
+    def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Create or replace a file (parents are created); same path rules as `read_file`."""
+
+    @abc.abstractmethod
+    def checkpoint(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
+        """Snapshot filesystem and processes; the sandbox keeps running afterwards."""
+
+    @abc.abstractmethod
+    def restore(self, checkpoint: Checkpoint) -> Sandbox:
+        """Start a new sandbox from `checkpoint`; the original need not exist any more."""
+
+    @abc.abstractmethod
+    def destroy(self, sandbox_id: str) -> None:
+        """Kill and remove the sandbox. Its checkpoints stay restorable."""
+
+    @abc.abstractmethod
+    def delete_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Free the checkpoint's storage; it cannot be restored afterwards."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Release the backend's own resources (not the sandboxes)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def check_env_name(name: str) -> str:
+    """Return `name` if it is a valid shell variable name, else raise ValueError."""
+    if not _ENV_NAME.match(name):
+        raise ValueError(f"not a valid environment variable name: {name!r}")
+    return name
+
+
+def check_session_name(name: str) -> str:
+    """Return `name` if it is a valid session name (letters, digits, `_`, `-`), else raise."""
+    if not _SESSION_NAME.match(name):
+        raise ValueError(f"not a valid session name: {name!r}")
+    return name
+
+
+def resolve_in_root(root: str, path: str) -> str:
+    """Resolve `path` (absolute, or relative to `root`) lexically; refuse anything outside `root`.
+
+    >>> resolve_in_root("/workspace", "src/../a.txt")
+    '/workspace/a.txt'
+    """
+    if not path or "\0" in path:
+        raise PathEscapeError(f"invalid path: {path!r}")
+    resolved = posixpath.normpath(posixpath.join(root, path))
+    if resolved == root or not resolved.startswith(root.rstrip("/") + "/"):
+        raise PathEscapeError(f"path {path!r} resolves to {resolved!r}, outside {root!r}")
+    return resolved

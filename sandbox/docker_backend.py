@@ -1,0 +1,473 @@
+"""`SandboxBackend` on a local Docker engine, with CRIU checkpoints (`dockerd --experimental`).
+
+A checkpoint is two things taken while the container is paused, so they match:
+
+- the filesystem: `docker commit` into `<checkpoint_repository>:<checkpoint id>`; when the image's layer
+  chain nears Docker's limit (125) it is flattened instead (export + import);
+- the processes: a CRIU dump (`POST /containers/{id}/checkpoints`, leave running) written straight
+  into `<checkpoint_dir>/<checkpoint id>/criu`, next to `meta.json`.
+
+Restore creates a *new* container from the snapshot image, copies the dump into
+`<data-root>/containers/<new id>/checkpoints/criu/` (Docker cannot start from a custom checkpoint
+directory), adds a unique nonce file (identical dumps otherwise fail with "content already exists",
+moby#42900), and starts it with `POST /containers/{id}/start?checkpoint=criu`. The process dump refers
+to files by path, so it needs this host's filesystem access to Docker's data-root.
+
+Only this module imports `docker`; its errors are translated in `docker_errors`.
+
+Example::
+
+    backend = DockerSandboxBackend(DockerBackendConfig())
+    box = backend.create(SandboxSpec(image="belayer-sandbox-busybox"))
+    print(backend.exec(box.id, "uname -a").stdout)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import shlex
+import shutil
+import tarfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import requests
+from pydantic import BaseModel, ConfigDict
+
+from sandbox import supervisor
+from sandbox.backend import (
+    DEFAULT_SESSION,
+    Checkpoint,
+    ExecResult,
+    Sandbox,
+    SandboxBackend,
+    SandboxSpec,
+    check_env_name,
+    check_session_name,
+    resolve_in_root,
+)
+from sandbox.errors import (
+    CheckpointError,
+    ImageBuildError,
+    RestoreError,
+    SandboxError,
+    SandboxFileNotFound,
+    SandboxNotFound,
+    SandboxTimeout,
+    SandboxUnavailable,
+)
+
+_CRIU_NAME = "criu"
+_SPEC_LABEL = "belayer.spec"
+_MAX_ARG_BYTES = 100_000  # one argv string may not exceed 128 KiB (MAX_ARG_STRLEN)
+_GO_MODE_DIR = 1 << 31
+_GO_MODE_SYMLINK = 1 << 27
+
+
+class DockerBackendConfig(BaseModel):
+    """Where the engine is and where checkpoints go."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_url: str | None = None
+    """Engine address, e.g. `unix:///var/run/docker.sock`; None reads DOCKER_HOST like the CLI."""
+    checkpoint_dir: Path = Path("/var/lib/belayer/checkpoints")
+    busybox: Path = Path("/bin/busybox")
+    """A *static* busybox on the host; it is copied into every sandbox to run the supervisor."""
+    api_timeout_s: float = 120.0
+    max_image_layers: int = 100
+    """Flatten a sandbox's snapshot image before its layer chain reaches Docker's limit of 125."""
+    name_prefix: str = "belayer-sbx"
+    checkpoint_repository: str = "belayer-checkpoint"
+
+
+@contextlib.contextmanager
+def docker_errors(wrap: type[SandboxError] = SandboxError, *, file_op: bool = False) -> Iterator[None]:
+    """The one place where Docker and transport errors become `SandboxError`s."""
+    try:
+        yield
+    except docker.errors.NotFound as exc:
+        text = str(exc.explanation or exc)
+        if file_op and "no such container" not in text.lower():
+            raise SandboxFileNotFound(text) from exc
+        raise SandboxNotFound(text) from exc
+    except (requests.ConnectionError, requests.Timeout) as exc:
+        raise SandboxUnavailable(f"docker engine unreachable: {exc}") from exc
+    except docker.errors.DockerException as exc:
+        raise wrap(str(exc)) from exc
+
+
+class DockerSandboxBackend(SandboxBackend):
+    """Sandboxes as Docker containers; checkpoints as commit + CRIU dump. See the module docstring."""
+
+    def __init__(self, config: DockerBackendConfig, client: docker.DockerClient | None = None) -> None:
+        self._config = config
+        with docker_errors(SandboxUnavailable):
+            self._client = client or _make_client(config)
+        self._api = self._client.api
+        self._specs: dict[str, SandboxSpec] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._data_root: Path | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        name = self._new_name()
+        bundle = supervisor.bundle_tar(self._config.busybox)
+        with docker_errors():
+            image_env = self._inspect_image(spec.image)["Config"].get("Env") or []
+            env = [*image_env, *(f"{k}={v}" for k, v in spec.env.items())]
+            self._create_container(name, spec, spec.image, env)
+        try:
+            with docker_errors():
+                self._api.put_archive(name, "/", bundle)  # before start: the supervisor is PID 1
+                self._api.start(name)
+            self._specs[name] = spec
+            self.exec(name, ":", timeout_s=10)  # supervisor up, main session spawned
+        except BaseException:
+            with contextlib.suppress(SandboxError):
+                self.destroy(name)
+            raise
+        return Sandbox(id=name, spec=spec)
+
+    def destroy(self, sandbox_id: str) -> None:
+        with docker_errors():
+            self._api.remove_container(sandbox_id, force=True, v=True)
+        with self._guard:
+            self._specs.pop(sandbox_id, None)
+            self._locks.pop(sandbox_id, None)
+
+    def close(self) -> None:
+        self._client.close()
+
+    # ------------------------------------------------------------------ exec
+    def exec(
+        self,
+        sandbox_id: str,
+        command: str,
+        *,
+        timeout_s: float = 30.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        session: str = DEFAULT_SESSION,
+        max_output_bytes: int = 1 << 20,
+    ) -> ExecResult:
+        check_session_name(session)
+        if timeout_s <= 0 or max_output_bytes <= 0:
+            raise ValueError("timeout_s and max_output_bytes must be positive")
+        spec = self._spec(sandbox_id)
+        script = build_script(command, cwd=cwd, env=env or {})
+        with self._lock(sandbox_id):
+            started = time.monotonic()
+            argv = self._client_argv(sandbox_id, spec, session, script, timeout_s, max_output_bytes)
+            with docker_errors():
+                exec_id = self._api.exec_create(sandbox_id, argv, user="0:0", workdir="/")["Id"]
+                out, err = self._api.exec_start(exec_id, demux=True)
+            elapsed = time.monotonic() - started
+        return parse_client_output(out or b"", err or b"", max_output_bytes, elapsed, timeout_s)
+
+    def _client_argv(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        session: str,
+        script: str,
+        timeout_s: float,
+        max_output_bytes: int,
+    ) -> list[str]:
+        arg = script
+        if len(script.encode()) > _MAX_ARG_BYTES:
+            self._upload(sandbox_id, supervisor.large_script_path(session), script.encode(), 0o644)
+            arg = supervisor.LARGE_SCRIPT
+        timeout_cs = str(max(1, math.ceil(timeout_s * 100)))
+        return [
+            supervisor.BUSYBOX, "sh", supervisor.CLIENT, session, spec.shell, spec.workdir,
+            timeout_cs, str(max_output_bytes), arg,
+        ]  # fmt: skip
+
+    # ------------------------------------------------------------------ files
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        target = resolve_in_root(self._spec(sandbox_id).workdir, path)
+        with self._lock(sandbox_id), docker_errors(file_op=True):
+            stream, stat = self._api.get_archive(sandbox_id, target)
+            raw = b"".join(stream)
+        mode = int(stat.get("mode", 0))
+        if mode & _GO_MODE_SYMLINK:
+            link = str(stat.get("linkTarget", ""))
+            resolve_in_root(self._spec(sandbox_id).workdir, link)  # raises if it leaves the root
+            return self.read_file(sandbox_id, link)
+        if mode & _GO_MODE_DIR:
+            raise SandboxError(f"{target} is a directory")
+        return _single_file(raw, target)
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        target = resolve_in_root(self._spec(sandbox_id).workdir, path)
+        with self._lock(sandbox_id):
+            self._upload(sandbox_id, target, data, mode)
+
+    def _upload(self, sandbox_id: str, target: str, data: bytes, mode: int) -> None:
+        # Extracted at "/": Docker creates missing parent directories and resolves every path
+        # inside the container's root, so nothing outside the container is reachable.
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(target.lstrip("/"))
+            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+        with docker_errors(file_op=True):
+            self._api.put_archive(sandbox_id, "/", buf.getvalue())
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
+        spec = self._spec(sandbox_id)
+        ckpt_id = uuid.uuid4().hex[:16]
+        location = self._config.checkpoint_dir / ckpt_id
+        location.mkdir(parents=True, exist_ok=False)
+        try:
+            with self._lock(sandbox_id), docker_errors(CheckpointError):
+                info = self._api.inspect_container(sandbox_id)
+                with self._paused(sandbox_id):
+                    started = time.monotonic()
+                    image = self._snapshot_filesystem(info, ckpt_id)
+                    fs_done = time.monotonic()
+                    self._dump_processes(info["Id"], location)
+                    dumped = time.monotonic()
+        except BaseException:
+            with contextlib.suppress(docker.errors.DockerException):
+                self._discard_snapshot(f"{self._config.checkpoint_repository}:{ckpt_id}", location)
+            raise
+        ckpt = Checkpoint(
+            id=ckpt_id, sandbox_id=sandbox_id, label=label, spec=spec, image=image,
+            location=str(location), created_at=time.time(),
+            fs_seconds=fs_done - started, process_seconds=dumped - fs_done,
+            env=tuple(info["Config"].get("Env") or ()),
+        )  # fmt: skip
+        (location / "meta.json").write_text(checkpoint_to_json(ckpt))
+        return ckpt
+
+    def restore(self, checkpoint: Checkpoint) -> Sandbox:
+        dump = Path(checkpoint.location) / _CRIU_NAME
+        if not dump.is_dir():
+            raise SandboxNotFound(f"checkpoint {checkpoint.id}: no process dump at {dump}")
+        name = self._new_name()
+        with docker_errors(RestoreError):
+            created = self._create_container(name, checkpoint.spec, checkpoint.image, list(checkpoint.env))
+            try:
+                self._stage_dump(created, dump)
+                self._post(f"/containers/{created}/start", params={"checkpoint": _CRIU_NAME})
+            except BaseException:
+                with contextlib.suppress(docker.errors.DockerException):
+                    self._api.remove_container(created, force=True, v=True)
+                raise
+        self._specs[name] = checkpoint.spec
+        return Sandbox(id=name, spec=checkpoint.spec)
+
+    def delete_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Remove the dump and the snapshot image (Docker keeps an image that a sandbox still uses)."""
+        with docker_errors(CheckpointError):
+            self._discard_snapshot(checkpoint.image, Path(checkpoint.location))
+
+    def _discard_snapshot(self, image: str, location: Path) -> None:
+        shutil.rmtree(location, ignore_errors=True)
+        try:
+            self._api.remove_image(image)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: a restored sandbox still uses it
+                raise
+
+    def load_checkpoint(self, checkpoint_id: str) -> Checkpoint:
+        """Read a checkpoint's record back from `checkpoint_dir` (e.g. after a restart)."""
+        meta = self._config.checkpoint_dir / checkpoint_id / "meta.json"
+        try:
+            return checkpoint_from_json(meta.read_text())
+        except FileNotFoundError as exc:
+            raise SandboxNotFound(f"no checkpoint {checkpoint_id}") from exc
+
+    def _snapshot_filesystem(self, info: dict[str, Any], ckpt_id: str) -> str:
+        repo = self._config.checkpoint_repository
+        if self.image_layers(info["Image"]) + 1 >= self._config.max_image_layers:
+            chunks = self._api.export(info["Id"])
+            self._api.import_image(src=chunks, repository=repo, tag=ckpt_id, stream_src=True)
+        else:
+            self._api.commit(info["Id"], repository=repo, tag=ckpt_id, pause=False)
+        return f"{repo}:{ckpt_id}"
+
+    def _dump_processes(self, container_id: str, location: Path) -> None:
+        # Docker writes the dump to <CheckpointDir>/<CheckpointID>; the container keeps running.
+        body = {"CheckpointID": _CRIU_NAME, "CheckpointDir": str(location), "Exit": False}
+        self._post(f"/containers/{container_id}/checkpoints", json_body=body)
+
+    def _stage_dump(self, container_id: str, dump: Path) -> None:
+        dest = self._docker_data_root() / "containers" / container_id / "checkpoints" / _CRIU_NAME
+        shutil.copytree(dump, dest)
+        (dest / "nonce").write_text(uuid.uuid4().hex)  # moby#42900: make every restore unique
+
+    @contextlib.contextmanager
+    def _paused(self, container_id: str) -> Iterator[None]:
+        self._api.pause(container_id)
+        try:
+            yield
+        finally:
+            self._api.unpause(container_id)
+
+    # ------------------------------------------------------------------ images
+    def has_image(self, name: str) -> bool:
+        """Whether the engine has image `name` (see `sandbox.images`)."""
+        with docker_errors():
+            try:
+                self._inspect_image(name)
+            except docker.errors.ImageNotFound:
+                return False
+        return True
+
+    def image_layers(self, name: str) -> int:
+        """How many layers image `name` has (Docker refuses to stack more than 125)."""
+        with docker_errors():
+            return len(self._inspect_image(name)["RootFS"].get("Layers") or [])
+
+    def import_image(self, name: str, rootfs_tar: Path | bytes, changes: list[str]) -> None:
+        """`docker import` a root filesystem tarball (a path or bytes) as `name:latest`."""
+        with docker_errors(ImageBuildError):
+            if isinstance(rootfs_tar, Path):
+                with rootfs_tar.open("rb") as stream:
+                    self._import(stream, name, changes)
+            else:
+                self._import(io.BytesIO(rootfs_tar), name, changes)
+
+    def _import(self, stream: io.BufferedIOBase, name: str, changes: list[str]) -> None:
+        chunks = iter(lambda: stream.read(1 << 20), b"")
+        self._api.import_image(src=chunks, repository=name, tag="latest", changes=changes, stream_src=True)
+
+    # ------------------------------------------------------------------ helpers
+    def _create_container(self, name: str, spec: SandboxSpec, image: str, env: list[str]) -> str:
+        host_config = self._api.create_host_config(
+            network_mode="bridge" if spec.network else "none",
+            cap_drop=["ALL"],
+            cap_add=list(spec.cap_add) or None,
+            security_opt=["no-new-privileges"],
+            mem_limit=spec.memory_bytes,
+            memswap_limit=spec.memory_bytes,
+            pids_limit=spec.pids_limit,
+            nano_cpus=int(spec.cpus * 1e9),
+        )
+        created = self._api.create_container(
+            image,
+            name=name,
+            entrypoint=[supervisor.BUSYBOX, "sh", supervisor.SUPERVISOR, spec.workdir],
+            environment=env,
+            user="0:0",
+            working_dir="/",
+            labels={**spec.labels, _SPEC_LABEL: spec.model_dump_json()},
+            host_config=host_config,
+        )
+        return str(created["Id"])
+
+    def _post(
+        self, path: str, *, json_body: dict[str, Any] | None = None, params: dict[str, str] | None = None
+    ) -> None:
+        """A raw engine call for what docker-py lacks (checkpoints); errors become DockerExceptions."""
+        url = f"{self._api.base_url}/v{self._api.api_version}{path}"
+        response = self._api.post(url, json=json_body, params=params, timeout=self._config.api_timeout_s)
+        try:
+            response.raise_for_status()
+        except requests.HTTPError as exc:
+            raise docker.errors.create_api_error_from_http_exception(exc) from exc
+
+    def _inspect_image(self, name: str) -> dict[str, Any]:
+        image: dict[str, Any] = self._api.inspect_image(name)  # type: ignore[no-untyped-call,unused-ignore]
+        return image
+
+    def _docker_data_root(self) -> Path:
+        if self._data_root is None:
+            self._data_root = Path(self._api.info()["DockerRootDir"])
+        return self._data_root
+
+    def _spec(self, sandbox_id: str) -> SandboxSpec:
+        spec = self._specs.get(sandbox_id)
+        if spec is None:  # created by another backend instance: the spec travels as a label
+            with docker_errors():
+                labels = self._api.inspect_container(sandbox_id)["Config"].get("Labels") or {}
+            if _SPEC_LABEL not in labels:
+                raise SandboxNotFound(f"{sandbox_id} is not a Belayer sandbox")
+            spec = SandboxSpec.model_validate_json(labels[_SPEC_LABEL])
+            self._specs[sandbox_id] = spec
+        return spec
+
+    def _lock(self, sandbox_id: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(sandbox_id, threading.Lock())
+
+    def _new_name(self) -> str:
+        return f"{self._config.name_prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def _make_client(config: DockerBackendConfig) -> docker.DockerClient:
+    if config.base_url is None:
+        return docker.from_env(timeout=int(config.api_timeout_s))
+    return docker.DockerClient(base_url=config.base_url, timeout=int(config.api_timeout_s))
+
+
+def build_script(command: str, *, cwd: str | None, env: dict[str, str]) -> str:
+    """The text a session shell sources: apply cwd and env (they persist), then the command."""
+    lines = []
+    if cwd is not None:
+        lines.append(f"cd -- {shlex.quote(cwd)} || return 1")
+    lines.extend(f"export {check_env_name(k)}={shlex.quote(v)}" for k, v in env.items())
+    lines.append(command)
+    return "\n".join(lines)
+
+
+def parse_client_output(out: bytes, err: bytes, limit: int, elapsed: float, timeout_s: float) -> ExecResult:
+    """Split the exec client's output into an `ExecResult`, or raise `SandboxTimeout`."""
+    cut = err.rfind(supervisor.TRAILER.encode())
+    if cut < 0:
+        raise SandboxError(f"sandbox exec client failed: {err[-2000:].decode(errors='replace')}")
+    fields = dict(item.split("=", 1) for item in err[cut + len(supervisor.TRAILER) :].decode().split())
+    stdout, stderr = out.decode(errors="replace"), err[:cut].decode(errors="replace")
+    if fields["timeout"] == "1":
+        raise SandboxTimeout(f"command timed out after {timeout_s:g}s", stdout=stdout, stderr=stderr)
+    return ExecResult(
+        exit_code=int(fields["rc"]),
+        stdout=stdout,
+        stderr=stderr,
+        duration_s=elapsed,
+        stdout_truncated=int(fields["out"]) > limit,
+        stderr_truncated=int(fields["err"]) > limit,
+    )
+
+
+def _single_file(raw: bytes, target: str) -> bytes:
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        member = tar.next()
+        if member is None or not member.isfile():
+            raise SandboxError(f"{target} is not a regular file")
+        extracted = tar.extractfile(member)
+        if extracted is None:
+            raise SandboxError(f"{target} is not a regular file")
+        return extracted.read()
+
+
+def checkpoint_to_json(ckpt: Checkpoint) -> str:
+    """Serialise a checkpoint record (the inverse of `checkpoint_from_json`)."""
+    record = asdict(ckpt)
+    record["spec"] = ckpt.spec.model_dump(mode="json")
+    return json.dumps(record, indent=1)
+
+
+def checkpoint_from_json(text: str) -> Checkpoint:
+    """Parse a record written by `checkpoint_to_json`."""
+    record = json.loads(text)
+    record["spec"] = SandboxSpec.model_validate(record["spec"])
+    record["env"] = tuple(record["env"])
+    return Checkpoint(**record)
