@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -74,13 +75,16 @@ def free_port() -> int:
 
 @dataclass(slots=True)
 class Service:
-    """One server process, in its own process group, with its output in a log file."""
+    """One server process, in its own process group, with its output in a log file.
+
+    ``env`` is laid over this process's environment; a ``None`` value removes the variable.
+    """
 
     name: str
     argv: list[str]
     health_url: str
     log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -91,9 +95,18 @@ class Service:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
+                env=self._environ(),
                 start_new_session=True,  # its own process group: a Ctrl-C here does not reach it
             )
+
+    def _environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for key, value in self.env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
 
     def wait_ready(self, timeout: float) -> float:
         """Poll the health URL until it answers 200 (seconds waited); fail early if the process exits."""
@@ -105,6 +118,7 @@ class Service:
                     raise BenchError(f"{self.name} exited with code {self.proc.returncode}:\n{self.tail()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if http.get(self.health_url).status_code == 200:
+                        progress(f"{self.name} ready (waited {time.monotonic() - t0:.1f} s)")
                         return time.monotonic() - t0
                 time.sleep(0.05)
         raise BenchError(f"{self.name} not ready after {timeout:.0f} s:\n{self.tail()}")
@@ -146,10 +160,11 @@ def fake_engine_service(workdir: Path, tokens: int) -> Service:
     return Service("fake-engine", argv, f"http://127.0.0.1:{port}/health", workdir / "fake-engine.log")
 
 
-def gateway_service(workdir: Path, model_dir: str, engine: str) -> Service:
+def gateway_service(workdir: Path, model_dir: str, engine: str, log_level: str) -> Service:
     port = free_port()
     argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model_dir, "--engine-url", engine]
     argv += ["--port", str(port), "--store", str(workdir / "trajectories.db"), "--log-dir", str(workdir)]
+    argv += ["--log-level", log_level]
     return Service("gateway", argv, f"http://127.0.0.1:{port}/health", workdir / "gateway.log")
 
 
@@ -160,28 +175,40 @@ def litellm_config(engine: str) -> str:
             "model_list": [
                 {
                     "model_name": SERVED_MODEL,
-                    "litellm_params": {"model": f"openai/{FAKE_MODEL}", "api_base": f"{engine}/v1", "api_key": "none"},
+                    "litellm_params": {
+                        "model": f"openai/{FAKE_MODEL}",
+                        "api_base": f"{engine}/v1",
+                        "api_key": "none",
+                    },
                 }
             ],
-            "litellm_settings": {"telemetry": False, "callbacks": [], "success_callback": [], "failure_callback": []},
+            "litellm_settings": {
+                "telemetry": False,
+                "callbacks": [],
+                "success_callback": [],
+                "failure_callback": [],
+            },
         },
         indent=2,
     )
 
 
-def litellm_service(workdir: Path, venv: Path, engine: str) -> Service:
+def litellm_service(workdir: Path, venv: Path, engine: str, master_key: str) -> Service:
     port = free_port()
     config = workdir / "litellm.yaml"
     config.write_text(litellm_config(engine))
-    argv = [str(venv / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    env = {
+    argv = [str(venv / "bin" / "litellm"), "--config", str(config)]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    env: dict[str, str | None] = {
+        "LITELLM_MASTER_KEY": master_key,  # it refuses to start without one
         "LITELLM_TELEMETRY": "False",
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no download of the cost map
         "LITELLM_LOG": "ERROR",
         "NO_PROXY": "*",
-        "DATABASE_URL": "",
+        "DATABASE_URL": None,  # no spend tracking or keys: no database
     }
-    return Service("litellm", argv, f"http://127.0.0.1:{port}/health/liveliness", workdir / "litellm.log", env)
+    health = f"http://127.0.0.1:{port}/health/liveliness"  # /health would call the model
+    return Service("litellm", argv, health, workdir / "litellm.log", env)
 
 
 def base_url(service: Service) -> str:
@@ -202,8 +229,8 @@ def ensure_litellm(venv: Path, spec: str) -> float:
         progress(f"creating virtual environment {venv}")
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr)
     progress(f"installing {spec} into {venv} (once; this takes a few minutes)")
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
-    subprocess.run([*pip, spec], check=True, stdout=sys.stderr)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--progress-bar", "off", spec], check=True, stdout=sys.stderr)
     marker.write_text(spec + "\n")
     elapsed = time.monotonic() - t0
     progress(f"litellm installed in {elapsed:.1f} s")
@@ -215,11 +242,19 @@ def ensure_litellm(venv: Path, spec: str) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One way to reach the engine: its chat URL and the model name it expects."""
+    """One way to reach the engine: its chat URL, the model name it expects, and its API key if any."""
 
     name: str
     url: str
     model: str
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        return headers
 
     def body(self, max_tokens: int, stream: bool) -> bytes:
         body: dict[str, Any] = {
@@ -233,9 +268,6 @@ class Target:
         return json.dumps(body).encode()
 
 
-HEADERS = {"content-type": "application/json"}
-
-
 def percentile(xs: Sequence[float], q: float) -> float:
     """The nearest-rank percentile (``q`` in 0..100)."""
     ordered = sorted(xs)
@@ -246,7 +278,7 @@ def percentile(xs: Sequence[float], q: float) -> float:
 async def chat_once(http: httpx.AsyncClient, target: Target, body: bytes) -> float:
     """One non-streamed chat request; its latency in milliseconds."""
     t0 = time.perf_counter()
-    resp = await http.post(target.url, content=body, headers=HEADERS)
+    resp = await http.post(target.url, content=body, headers=target.headers)
     elapsed = (time.perf_counter() - t0) * 1000
     if resp.status_code != 200:
         raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {resp.text[:500]}")
@@ -254,7 +286,7 @@ async def chat_once(http: httpx.AsyncClient, target: Target, body: bytes) -> flo
 
 
 async def check_reply(http: httpx.AsyncClient, target: Target, max_tokens: int) -> None:
-    resp = await http.post(target.url, content=target.body(max_tokens, False), headers=HEADERS)
+    resp = await http.post(target.url, content=target.body(max_tokens, False), headers=target.headers)
     if resp.status_code != 200:
         raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {resp.text[:500]}")
     content = resp.json()["choices"][0]["message"]["content"]
@@ -278,18 +310,28 @@ async def latencies(
 
 @dataclass(slots=True)
 class StreamTally:
-    tokens: int = 0
-    chunks: int = 0
-    requests: int = 0
+    """Content chunks received (all, and inside measurement windows), and finished streams' tokens."""
+
+    received: int = 0
+    window_chunks: int = 0
     seconds: float = 0.0
+    tokens: int = 0  # of finished streams, from their usage
+    chunks: int = 0  # of finished streams
+    requests: int = 0
+
+    @property
+    def token_estimate(self) -> float:
+        """Tokens received in the windows: chunks, at the finished streams' tokens per chunk."""
+        return self.window_chunks * (self.tokens / self.chunks if self.chunks else 1.0)
 
 
 async def stream_once(http: httpx.AsyncClient, target: Target, body: bytes, tally: StreamTally) -> None:
-    """One streamed chat request: count content chunks, and tokens from the final usage (else chunks)."""
+    """One streamed chat request: count content chunks as they come, and tokens from the final usage."""
     chunks, usage = 0, None
-    async with http.stream("POST", target.url, content=body, headers=HEADERS) as resp:
+    async with http.stream("POST", target.url, content=body, headers=target.headers) as resp:
         if resp.status_code != 200:
-            raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {(await resp.aread())[:500]!r}")
+            text = (await resp.aread())[:500].decode(errors="replace")
+            raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {text}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -297,45 +339,64 @@ async def stream_once(http: httpx.AsyncClient, target: Target, body: bytes, tall
             if "error" in event:
                 raise BenchError(f"{target.name} failed mid-stream: {event['error']}")
             usage = event.get("usage") or usage
-            chunks += sum(1 for c in event.get("choices") or [] if (c.get("delta") or {}).get("content"))
+            n = sum(1 for c in event.get("choices") or [] if (c.get("delta") or {}).get("content"))
+            chunks += n
+            tally.received += n
     tally.chunks += chunks
     tally.tokens += int(usage["completion_tokens"]) if usage else chunks
     tally.requests += 1
 
 
 async def stream_load(
-    http: httpx.AsyncClient, target: Target, concurrency: int, seconds: float, max_tokens: int, tally: StreamTally
+    http: httpx.AsyncClient,
+    target: Target,
+    concurrency: int,
+    ramp: float,
+    seconds: float,
+    max_tokens: int,
+    tally: StreamTally,
 ) -> None:
-    """``concurrency`` clients streaming back to back for ``seconds`` (requests under way finish)."""
+    """``concurrency`` clients streaming back to back; chunks are counted for ``seconds`` after ``ramp``
+    (so that every path is measured in its steady state), then the streams under way are cut off."""
     body = target.body(max_tokens, True)
-    t0 = time.monotonic()
-    deadline = t0 + seconds
 
     async def client() -> None:
-        while time.monotonic() < deadline:
+        while True:
             await stream_once(http, target, body, tally)
 
-    async with asyncio.TaskGroup() as tg:
-        for _ in range(concurrency):
-            tg.create_task(client())
-    tally.seconds += time.monotonic() - t0
+    tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
+    try:
+        failed, _ = await asyncio.wait(tasks, timeout=ramp, return_when=asyncio.FIRST_EXCEPTION)
+        t0, before = time.monotonic(), tally.received
+        if not failed:
+            failed, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
+        tally.seconds += time.monotonic() - t0
+        tally.window_chunks += tally.received - before
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in failed:  # a client only stops by failing
+        raise t.exception() or BenchError(f"a {target.name} stream client stopped")
 
 
 async def throughput(
     http: httpx.AsyncClient, targets: list[Target], opts: argparse.Namespace
 ) -> dict[str, StreamTally]:
-    for t in targets:  # open the connections and warm every path up
-        await stream_load(http, t, opts.concurrency, 0.3, opts.stream_tokens, StreamTally())
     tallies = {t.name: StreamTally() for t in targets}
+    for t in targets:  # run each path's streaming code once before measuring
+        await stream_once(http, t, t.body(opts.stream_tokens, True), tallies[t.name])
     for r in range(opts.stream_rounds):
         shift = r % len(targets)
         for t in targets[shift:] + targets[:shift]:
-            await stream_load(http, t, opts.concurrency, opts.stream_seconds, opts.stream_tokens, tallies[t.name])
+            args = (opts.concurrency, opts.stream_ramp, opts.stream_seconds, opts.stream_tokens)
+            await stream_load(http, t, *args, tallies[t.name])
     return tallies
 
 
 async def measure(targets: list[Target], opts: argparse.Namespace) -> None:
-    limits = httpx.Limits(max_connections=opts.concurrency * 2, max_keepalive_connections=opts.concurrency * 2)
+    conns = opts.concurrency * 2
+    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
     async with httpx.AsyncClient(limits=limits, timeout=30.0, trust_env=False) as http:
         for t in targets:
             await check_reply(http, t, opts.latency_tokens)
@@ -344,7 +405,8 @@ async def measure(targets: list[Target], opts: argparse.Namespace) -> None:
         lat = await latencies(http, targets, opts.requests, opts.warmup, opts.latency_tokens)
         progress(f"latency done in {time.monotonic() - t0:.1f} s")
         report_latency(lat)
-        progress(f"throughput: concurrency {opts.concurrency}, {opts.stream_rounds} rounds of {opts.stream_seconds} s")
+        rounds = f"{opts.stream_rounds} rounds of {opts.stream_seconds} s after {opts.stream_ramp} s ramp-up"
+        progress(f"throughput: concurrency {opts.concurrency}, {rounds} per path")
         t0 = time.monotonic()
         tallies = await throughput(http, targets, opts)
         progress(f"throughput done in {time.monotonic() - t0:.1f} s")
@@ -373,11 +435,12 @@ def report_latency(lat: dict[str, list[float]]) -> None:
 
 
 def report_throughput(tallies: dict[str, StreamTally], concurrency: int) -> None:
-    rate = {name: t.tokens / t.seconds for name, t in tallies.items()}
+    rate = {name: t.token_estimate / t.seconds for name, t in tallies.items()}
     for name, t in tallies.items():
         emit(f"stream_tokens_per_s_{name}", rate[name])
-        emit(f"stream_requests_{name}", t.requests)
-        emit(f"stream_chunks_per_request_{name}", t.chunks / max(1, t.requests))
+        emit(f"stream_requests_finished_{name}", t.requests)
+        if t.requests:
+            emit(f"stream_chunks_per_request_{name}", t.chunks / t.requests)
     emit("stream_concurrency", concurrency)
     ratio = rate["gateway"] / rate["direct"]
     emit("stream_gateway_vs_direct_ratio", ratio)
@@ -390,20 +453,30 @@ def report_throughput(tallies: dict[str, StreamTally], concurrency: int) -> None
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="belayer bench gateway", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--model", default=DEFAULT_MODEL_DIR, help="tokenizer directory for the gateway (built if missing)")
-    p.add_argument("--requests", type=int, default=400, help="measured sequential requests per path")
-    p.add_argument("--warmup", type=int, default=50, help="warm-up requests per path")
+    if argv[:1] == ["gateway"]:  # ``belayer bench`` hands over everything after ``bench``
+        argv = argv[1:]
+    p = argparse.ArgumentParser(
+        prog="belayer bench gateway", description="gateway overhead vs direct vs LiteLLM"
+    )
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL_DIR, help="the gateway's model directory (built if missing)"
+    )
+    p.add_argument("--requests", type=int, default=300, help="measured sequential requests per path")
+    p.add_argument("--warmup", type=int, default=30, help="warm-up requests per path")
     p.add_argument("--latency-tokens", type=int, default=8, help="tokens in a short non-streamed reply")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--stream-tokens", type=int, default=128, help="tokens per streamed reply")
-    p.add_argument("--stream-seconds", type=float, default=3.0, help="length of one throughput round")
-    p.add_argument("--stream-rounds", type=int, default=2, help="throughput rounds per path (alternating)")
+    p.add_argument("--stream-ramp", type=float, default=0.5, help="seconds of load before each window")
+    p.add_argument("--stream-seconds", type=float, default=2.0, help="length of one throughput window")
+    p.add_argument("--stream-rounds", type=int, default=2, help="throughput windows per path (alternating)")
+    p.add_argument(
+        "--gateway-log-level", default="INFO", help="the gateway's --log-level (its default: INFO)"
+    )
     p.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM path")
     p.add_argument("--litellm-venv", default=DEFAULT_LITELLM_VENV, help="LiteLLM's own virtual environment")
     p.add_argument("--litellm-spec", default=DEFAULT_LITELLM_SPEC, help="pip requirement installed there")
-    p.add_argument("--startup-timeout", type=float, default=60.0, help="seconds each server may take to start")
-    p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (their folder is printed)")
+    p.add_argument("--startup-timeout", type=float, default=60.0, help="seconds a server may take to start")
+    p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (the folder is printed)")
     return p.parse_args(argv)
 
 
@@ -413,10 +486,9 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def ensure_model(model_dir: str) -> None:
     if not (Path(model_dir) / "tokenizer.json").exists():
-        from belayer.tiny_model import build_tiny
-
         progress(f"building the tiny model in {model_dir}")
-        build_tiny(model_dir)
+        build = [sys.executable, "-m", "belayer.cli", "model", "build-tiny", model_dir]
+        subprocess.run(build, check=True, stdout=sys.stderr)
 
 
 def start_servers(workdir: Path, opts: argparse.Namespace, services: list[Service]) -> list[Target]:
@@ -424,13 +496,13 @@ def start_servers(workdir: Path, opts: argparse.Namespace, services: list[Servic
     engine = fake_engine_service(workdir, max(opts.stream_tokens, opts.latency_tokens))
     services.append(engine)
     engine.start()
-    litellm = None
+    litellm, key = None, f"sk-bench-{secrets.token_hex(16)}"
     if not opts.no_litellm:
-        litellm = litellm_service(workdir, Path(opts.litellm_venv), base_url(engine))
+        litellm = litellm_service(workdir, Path(opts.litellm_venv), base_url(engine), key)
         services.append(litellm)
         litellm.start()
     engine.wait_ready(opts.startup_timeout)
-    gateway = gateway_service(workdir, opts.model, base_url(engine))
+    gateway = gateway_service(workdir, opts.model, base_url(engine), opts.gateway_log_level)
     services.append(gateway)
     gateway.start()
     gateway.wait_ready(opts.startup_timeout)
@@ -439,9 +511,8 @@ def start_servers(workdir: Path, opts: argparse.Namespace, services: list[Servic
         Target("gateway", f"{base_url(gateway)}/v1/chat/completions", SERVED_MODEL),
     ]
     if litellm is not None:
-        waited = litellm.wait_ready(opts.startup_timeout)
-        progress(f"litellm ready after {waited:.1f} s more")
-        targets.append(Target("litellm", f"{base_url(litellm)}/v1/chat/completions", SERVED_MODEL))
+        litellm.wait_ready(opts.startup_timeout)
+        targets.append(Target("litellm", f"{base_url(litellm)}/v1/chat/completions", SERVED_MODEL, key))
     return targets
 
 
@@ -479,8 +550,8 @@ def main(argv: list[str]) -> int:
     except BenchError as e:
         progress(f"failed: {e}")
         return 1
-    except subprocess.CalledProcessError as e:
-        progress(f"failed: {e}")
+    except (subprocess.CalledProcessError, httpx.HTTPError) as e:
+        progress(f"failed: {e!r}")
         return 1
     except KeyboardInterrupt:
         progress("interrupted; servers stopped")
