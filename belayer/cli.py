@@ -32,6 +32,8 @@ def setup_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_KeyValueFormatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    # httpx logs every engine request at INFO: noise, and measurable CPU on the hot path.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -85,15 +85,50 @@ def _token_id(token: str) -> int:
     return int(token[len(_TOKEN_ID_PREFIX) :]) if token.startswith(_TOKEN_ID_PREFIX) else -1
 
 
-def parse_chunk(choice: dict[str, Any]) -> TokenChunk:
+def parse_chunk(choice: dict[str, Any], with_tops: bool = True) -> TokenChunk:
     """Turn one completions ``choice`` (streamed or not) into a ``TokenChunk``."""
-    ids = [int(t) for t in choice.get("token_ids") or []]
+    ids = choice.get("token_ids") or []
     lp = choice.get("logprobs") or {}
     logprobs = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
-    tops = [
-        [(_token_id(tok), float(v)) for tok, v in (d or {}).items()] for d in lp.get("top_logprobs") or []
-    ]
+    tops = (
+        [[(_token_id(tok), float(v)) for tok, v in (d or {}).items()] for d in lp.get("top_logprobs") or []]
+        if with_tops
+        else []
+    )
     return TokenChunk(ids, logprobs, tops, choice.get("finish_reason"))
+
+
+def _merge(chunks: list[TokenChunk]) -> TokenChunk | None:
+    """One chunk for several engine events that arrived together: when the engine outpaces the
+    gateway, the per-token work (detokenizing, parsing, one SSE write to the client) is batched."""
+    if len(chunks) <= 1:
+        return chunks[0] if chunks else None
+    out = TokenChunk([], [], [], None)
+    for c in chunks:
+        out.token_ids += c.token_ids
+        out.logprobs += c.logprobs
+        out.top_logprobs += c.top_logprobs
+        out.finish_reason = c.finish_reason or out.finish_reason
+    return out
+
+
+async def _sse_batches(resp: httpx.Response) -> AsyncIterator[list[dict[str, Any]]]:
+    """The JSON events of a server-sent-event body, in batches of those that arrived in one read.
+    Reads the body to its end (past ``[DONE]``), so that the connection goes back to the pool."""
+    buf = b""
+    async for raw in resp.aiter_bytes():
+        buf += raw
+        batch = []
+        while (cut := buf.find(b"\n\n")) >= 0:
+            line, buf = buf[:cut], buf[cut + 2 :]
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise EngineUnavailable(f"engine failed mid-stream: {event['error']}")
+            batch.append(event)
+        if batch:
+            yield batch
 
 
 def _rejection(status: int, body: bytes) -> EngineRejected:
@@ -115,16 +150,20 @@ class EngineClient:
         self._http = http
         self._timeout = httpx.Timeout(connect=5.0, read=read_timeout, write=30.0, pool=30.0)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
-        """Stream the tokens generated after ``prompt_ids``."""
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, stream: bool = True
+    ) -> AsyncIterator[TokenChunk]:
+        """The tokens generated after ``prompt_ids``: one chunk per engine event when ``stream``,
+        else a single chunk once the engine is done (cheaper for short, non-streamed requests)."""
         body = {
             "model": self.model,
             "prompt": prompt_ids,
-            "stream": True,
+            "stream": stream,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             **params.to_engine(),
         }
+        tops = params.top_logprobs > 0
         url = f"{self.base_url}/v1/completions"
         try:
             async with self._http.stream("POST", url, json=body, timeout=self._timeout) as resp:
@@ -133,17 +172,14 @@ class EngineClient:
                     if resp.status_code < 500:
                         raise _rejection(resp.status_code, err)
                     raise EngineUnavailable(f"engine {self.base_url} answered HTTP {resp.status_code}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        return
-                    event = json.loads(data)
-                    if "error" in event:
-                        raise EngineUnavailable(f"engine {self.base_url} failed mid-stream: {event['error']}")
-                    for choice in event.get("choices") or []:
-                        yield parse_chunk(choice)
+                if not stream:
+                    for choice in json.loads(await resp.aread()).get("choices") or []:
+                        yield parse_chunk(choice, tops)
+                    return
+                async for events in _sse_batches(resp):
+                    chunk = _merge([parse_chunk(c, tops) for ev in events for c in ev.get("choices") or []])
+                    if chunk is not None:
+                        yield chunk
         except httpx.TimeoutException as e:
             raise EngineTimeout(f"engine {self.base_url} timed out: {e!r}") from e
         except (httpx.TransportError, httpx.StreamError) as e:

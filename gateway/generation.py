@@ -47,6 +47,7 @@ class GenerationRequest:
     message_keys: list[str] = field(default_factory=list)
     forced_prefix: str = ""  # text the assistant turn is forced to start with (tool_choice)
     parse_tools: bool = True
+    stream: bool = True  # stream from the engine (the client streams, or wants per-token progress)
 
 
 @dataclass(slots=True)
@@ -111,27 +112,27 @@ class TurnRunner:
 
     def _begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
         plan = req.plan
-        if req.session.ephemeral:
-            self.store.create_session(req.session)
-        turn = self.store.begin_turn(
-            TurnRecord(
-                session_id=req.session.id,
-                prompt_ids=prompt_ids,
-                prompt_gen_spans=list(plan.gen_spans),
-                parent_id=plan.parent.id if plan.parent else None,
-                ext_key=None,
-                request=req.request,
-                received_at=req.received_at,
-            )
+
+        def first_event(turn: TurnRecord) -> tuple[str, dict[str, Any]]:
+            kind = "prefix_reuse" if plan.parent else "fresh_prompt"
+            data: dict[str, Any] = {"reason": plan.reason, "reused_tokens": plan.reused_tokens}
+            if plan.parent is not None:
+                data["parent_turn"] = plan.parent.index
+            if turn.index > 0 and (plan.parent is None or turn.branch != plan.parent.branch):
+                kind = "branch"
+            return kind, data
+
+        record = TurnRecord(
+            session_id=req.session.id,
+            prompt_ids=prompt_ids,
+            prompt_gen_spans=list(plan.gen_spans),
+            parent_id=plan.parent.id if plan.parent else None,
+            ext_key=None,
+            request=req.request,
+            received_at=req.received_at,
         )
-        kind = "prefix_reuse" if plan.parent else "fresh_prompt"
-        data: dict[str, Any] = {"reason": plan.reason, "reused_tokens": plan.reused_tokens}
-        if plan.parent is not None:
-            data["parent_turn"] = plan.parent.index
-        if turn.index > 0 and (plan.parent is None or turn.branch != plan.parent.branch):
-            kind = "branch"
-        self._event(turn, kind, data)
-        return turn
+        # One transaction: the (ephemeral) session, the turn and its first event.
+        return self.store.begin_turn(record, first_event, req.session if req.session.ephemeral else None)
 
     def _event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
         self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
@@ -151,7 +152,7 @@ class TurnRunner:
             async with self.pool.lease(req.session.id) as member:
                 turn.worker = member.name
                 turn.timings["queue_ms"] = (time.monotonic() - t0) * 1000
-                async for chunk in member.client.generate(prompt_ids, params):
+                async for chunk in member.client.generate(prompt_ids, params, stream=req.stream):
                     if chunk.token_ids and "ttft_ms" not in turn.timings:
                         turn.timings["ttft_ms"] = (time.monotonic() - t0) * 1000
                     turn.output_ids += chunk.token_ids

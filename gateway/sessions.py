@@ -76,6 +76,7 @@ class SessionManager:
             created_at=time.time(),
             metadata=metadata or {},
             ephemeral=ephemeral,
+            status="closed" if ephemeral else "open",  # nothing can send a second request to it
         )
         return record if ephemeral else self.store.create_session(record)
 

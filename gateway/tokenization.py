@@ -9,12 +9,19 @@ Example::
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template, TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from belayer.errors import InvalidRequest
 
 
 @lru_cache(maxsize=1)
@@ -33,6 +40,41 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def compile_template(source: str) -> Template:
+    """Compile a chat template the way Hugging Face does: a sandboxed jinja environment with
+    ``trim_blocks``/``lstrip_blocks``, loop controls, ``tojson`` and ``raise_exception``."""
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas; joined deltas equal ``decode(all ids)``."""
 
@@ -48,41 +90,51 @@ class ChatTokenizer:
     """Renders chat messages with the model's template and maps text to and from token ids."""
 
     def __init__(self, tokenizer: Tokenizer, template: str, eos_token: str, eos_ids: frozenset[int]) -> None:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
         self.tokenizer = tokenizer
         self.eos_token = eos_token
         self.eos_ids = eos_ids
-        self._template = _compile_jinja_template(template)
+        self._template = compile_template(template)
         self._bytes: dict[int, bytes] = {}
         # Added tokens (specials, tags) are stored as plain text, not in byte-level form.
         self._added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
 
     @classmethod
     def load(cls, model_dir: str | Path) -> ChatTokenizer:
-        from transformers import AutoTokenizer, GenerationConfig
-
-        hf = AutoTokenizer.from_pretrained(str(model_dir))
-        template = hf.chat_template
+        """Load ``tokenizer.json``, the chat template and the EOS ids straight from the model directory
+        (without importing transformers and torch: seconds of start-up)."""
+        root = Path(model_dir)
+        cfg = _read_json(root / "tokenizer_config.json")
+        template = cfg.get("chat_template")
+        if not template and (root / "chat_template.jinja").exists():
+            template = (root / "chat_template.jinja").read_text()
         if not isinstance(template, str):
             raise ValueError(f"{model_dir} has no chat template; Belayer needs the model's own template")
-        eos_ids = {hf.eos_token_id} if hf.eos_token_id is not None else set()
-        try:
-            gen = GenerationConfig.from_pretrained(str(model_dir))
-            extra = gen.eos_token_id
-            eos_ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
-        except OSError:
-            pass
-        return cls(hf.backend_tokenizer, template, str(hf.eos_token), frozenset(eos_ids))
+        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        eos = cfg.get("eos_token")
+        eos_token = str(eos.get("content") if isinstance(eos, dict) else eos)
+        ids = {tokenizer.token_to_id(eos_token)}
+        gen = _read_json(root / "generation_config.json").get("eos_token_id")
+        ids |= set(gen if isinstance(gen, list) else [gen])
+        return cls(tokenizer, template, eos_token, frozenset(i for i in ids if isinstance(i, int)))
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
     ) -> str:
-        return str(
-            self._template.render(
-                messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt
+        try:
+            return str(
+                self._template.render(
+                    messages=messages,
+                    tools=tools or None,
+                    add_generation_prompt=add_generation_prompt,
+                    eos_token=self.eos_token,
+                )
             )
-        )
+        except TemplateError as e:
+            raise InvalidRequest(
+                f"the model's chat template rejected these messages: {e}",
+                param="messages",
+                code="template_error",
+            ) from e
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)

@@ -33,12 +33,6 @@ def _session(gw: Gateway, request: Request) -> SessionRecord:
     return gw.sessions.get_open(sid)
 
 
-def _finish_ephemeral(gw: Gateway, session: SessionRecord) -> None:
-    if session.ephemeral:
-        session.status = "closed"
-        gw.store.update_session(session)
-
-
 async def _respond(
     gw: Gateway,
     gen: GenerationRequest,
@@ -50,22 +44,15 @@ async def _respond(
     headers = {"x-belayer-session": gen.session.id}
     if not stream:
         tops: list[list[tuple[int, float]]] = []
-        try:
-            async for ev in events:
-                if isinstance(ev, Done):
-                    headers["x-belayer-turn"] = str(ev.turn.index)
-                    return JSONResponse(fmt.response(ev, tops), headers=headers)
-                tops += ev.top_logprobs
-        finally:
-            _finish_ephemeral(gw, gen.session)
+        async for ev in events:
+            if isinstance(ev, Done):
+                headers["x-belayer-turn"] = str(ev.turn.index)
+                return JSONResponse(fmt.response(ev, tops), headers=headers)
+            tops += ev.top_logprobs
         raise AssertionError("generation ended without Done")
     # Pull the first event before sending headers, so that errors raised before any token (no engine,
     # context length, engine rejection) still get their proper HTTP status.
-    try:
-        first = await events.__anext__()
-    except BaseException:
-        _finish_ephemeral(gw, gen.session)
-        raise
+    first = await events.__anext__()
 
     async def body() -> AsyncIterator[str]:
         async def chained() -> AsyncIterator[Delta | Done]:
@@ -83,7 +70,6 @@ async def _respond(
             yield f"data: {json.dumps(err)}\n\n"
         finally:
             await events.aclose()
-            _finish_ephemeral(gw, gen.session)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers | SSE_HEADERS)
 
@@ -96,6 +82,7 @@ async def chat_completions(request: Request) -> Response:
     gw.check_model(req.model)
     session = _session(gw, request)
     gen, top = chat_request(req, raw, session, gw.sessions)
+    gen.stream = bool(req.stream)
     fmt = ChatFormatter(req.model, gw.tokenizer, top)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await _respond(gw, gen, fmt, bool(req.stream), usage)
@@ -109,6 +96,7 @@ async def completions(request: Request) -> Response:
     gw.check_model(req.model)
     session = _session(gw, request)
     gen = completion_request(req, raw, session, gw.tokenizer)
+    gen.stream = bool(req.stream)
     fmt = CompletionFormatter(req.model, gw.tokenizer, req.logprobs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await _respond(gw, gen, fmt, bool(req.stream), usage)

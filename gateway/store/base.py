@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +95,15 @@ class TrajectoryStore(abc.ABC):
     def update_session(self, session: SessionRecord) -> None: ...
 
     @abc.abstractmethod
-    def begin_turn(self, turn: TurnRecord) -> TurnRecord:
-        """Persist a new running turn; assigns ``id``, ``index`` and ``branch``."""
+    def begin_turn(
+        self,
+        turn: TurnRecord,
+        first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
+        new_session: SessionRecord | None = None,
+    ) -> TurnRecord:
+        """Persist a new running turn; assigns ``id``, ``index`` and ``branch``. In the same
+        transaction: ``new_session`` is created first, and ``first_event(turn)`` (which may look at the
+        assigned index and branch) is recorded."""
 
     @abc.abstractmethod
     def finish_turn(self, turn: TurnRecord) -> None:

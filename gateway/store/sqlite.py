@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,20 +132,27 @@ class SqliteStore(TrajectoryStore):
             raise StoreError(f"trajectory store error: {e}") from e
 
     def create_session(self, session: SessionRecord) -> SessionRecord:
-        self._exec(
-            "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                session.id,
-                session.created_at,
-                json.dumps(session.metadata),
-                session.status,
-                session.reward,
-                json.dumps(session.reward_info) if session.reward_info is not None else None,
-                session.closed_at,
-                int(session.ephemeral),
-            ),
-        )
+        with self._lock:
+            self._insert_session(session)
         return session
+
+    def _insert_session(self, session: SessionRecord) -> None:
+        try:
+            self._db.execute(
+                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    session.id,
+                    session.created_at,
+                    json.dumps(session.metadata),
+                    session.status,
+                    session.reward,
+                    json.dumps(session.reward_info) if session.reward_info is not None else None,
+                    session.closed_at,
+                    int(session.ephemeral),
+                ),
+            )
+        except sqlite3.Error as e:
+            raise StoreError(f"trajectory store error: {e}") from e
 
     def get_session(self, session_id: str) -> SessionRecord | None:
         row = self._exec("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
@@ -166,12 +175,19 @@ class SqliteStore(TrajectoryStore):
             ),
         )
 
-    def begin_turn(self, turn: TurnRecord) -> TurnRecord:
+    def begin_turn(
+        self,
+        turn: TurnRecord,
+        first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
+        new_session: SessionRecord | None = None,
+    ) -> TurnRecord:
         try:
             with self._lock:
                 db = self._db
                 db.execute("BEGIN IMMEDIATE")
                 try:
+                    if new_session is not None:
+                        self._insert_session(new_session)
                     turn.index, turn.branch = self._next_index_and_branch(turn)
                     cur = db.execute(
                         "INSERT INTO turns (session_id, idx, branch, parent_id, ext_key, status, prompt_ids, "
@@ -193,13 +209,19 @@ class SqliteStore(TrajectoryStore):
                             turn.received_at,
                         ),
                     )
+                    turn.id = int(cur.lastrowid or 0)
+                    if first_event is not None:
+                        kind, data = first_event(turn)
+                        db.execute(
+                            "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
+                            (turn.session_id, turn.id, time.time(), kind, json.dumps(data)),
+                        )
                     db.execute("COMMIT")
                 except BaseException:
                     db.execute("ROLLBACK")
                     raise
         except sqlite3.Error as e:
             raise StoreError(f"trajectory store error: {e}") from e
-        turn.id = int(cur.lastrowid or 0)
         return turn
 
     def _next_index_and_branch(self, turn: TurnRecord) -> tuple[int, int]:

@@ -59,3 +59,31 @@ def test_context_window_and_determinism(tiny_model_dir: Path, tmp_path: Path) ->
     build_tiny(tmp_path / "again")
     for name in ("model.safetensors", "tokenizer.json", "config.json", "tokenizer_config.json"):
         assert (tmp_path / "again" / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+
+
+def test_template_errors_are_bad_requests(tokenizer: ChatTokenizer) -> None:
+    import pytest
+
+    from belayer.errors import InvalidRequest
+
+    strict = ChatTokenizer(
+        tokenizer.tokenizer, "{{ raise_exception('roles must alternate') }}", "<|im_end|>", tokenizer.eos_ids
+    )
+    with pytest.raises(InvalidRequest, match="roles must alternate") as e:
+        strict.render([{"role": "user", "content": "a"}], None, True)
+    assert e.value.code == "template_error" and e.value.param == "messages"
+
+
+def test_loads_without_transformers(tiny_model_dir: Path) -> None:
+    """The gateway's tokenizer equals Hugging Face's for the same directory."""
+    from transformers import AutoTokenizer
+
+    ours = ChatTokenizer.load(tiny_model_dir)
+    hf = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    assert ours.render(msgs, None, True) == hf.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
+    assert ours.eos_ids == {hf.eos_token_id} and ours.encode("a b") == hf.encode(
+        "a b", add_special_tokens=False
+    )
