@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from engine_pool.worker import wait_http_ok
+
 TOOLS = [
     {
         "type": "function",
@@ -36,20 +38,6 @@ USER_TURNS = [
     "Run the tests again.",
     "Summarise what you changed.",
 ]
-
-
-def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the gateway exited with {proc.returncode} during start-up; see its log above")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the gateway did not become healthy within {timeout:.0f}s")
 
 
 def _episode(url: str, turns: int) -> str:
@@ -121,7 +109,7 @@ def main(model_dir: str, turns: int) -> int:
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
-        _wait_health(url, proc)
+        wait_http_ok(f"{url}/health", proc, 300.0, "gateway")
         print(f"gateway ready in {time.monotonic() - t0:.1f}s")
         sid = _episode(url, turns)
         ok = _summary(url, sid)

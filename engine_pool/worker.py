@@ -69,6 +69,21 @@ class WorkerSpec:
         return f"http://{self.host}:{self.port}"
 
 
+def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "server") -> None:
+    """Poll ``url`` until it answers 200; fail early, with a clear message, if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EngineUnavailable(f"the {what} exited with {proc.returncode} during start-up; see its log")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise EngineUnavailable(f"the {what} did not answer {url} within {timeout:.0f}s")
+
+
 def free_port() -> int:
     import socket
 

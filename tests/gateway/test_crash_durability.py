@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.worker import free_port
+from engine_pool.worker import free_port, wait_http_ok
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -28,16 +27,7 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def _wait(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, f"process exited with {proc.returncode}"
-        assert time.monotonic() < deadline
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    wait_http_ok(url, proc, 60.0)
 
 
 def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:

@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from engine_pool.worker import free_port
+from belayer.errors import EngineUnavailable
+from engine_pool.worker import free_port, wait_http_ok
 
 pytestmark = pytest.mark.vllm
 
@@ -68,16 +69,10 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     log = open(tmp / "gateway.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, (tmp / "gateway.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "gateway not healthy in 300 s"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    try:
+        wait_http_ok(f"{url}/health", proc, 300.0, "gateway")
+    except EngineUnavailable:
+        raise AssertionError((tmp / "gateway.log").read_text()[-3000:]) from None
     srv = Server(url, proc)
     worker_pid = srv.engine["pid"]
     yield srv
