@@ -28,6 +28,7 @@ from engine_pool.worker import WorkerSpec, free_port
 from gateway import api
 from gateway.errors import handlers
 from gateway.generation import TurnRunner
+from gateway.observers import TurnObserver
 from gateway.openai import routes as openai_routes
 from gateway.sessions import SessionManager
 from gateway.state import Gateway, gateway_of
@@ -56,7 +57,9 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-def build_app(config: GatewayConfig, pool: EnginePool | None = None) -> Starlette:
+def build_app(
+    config: GatewayConfig, pool: EnginePool | None = None, observers: list[TurnObserver] | None = None
+) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
@@ -72,7 +75,7 @@ def build_app(config: GatewayConfig, pool: EnginePool | None = None) -> Starlett
                     tok,
                     the_pool,
                     SessionManager(store, tok),
-                    TurnRunner(store, the_pool, tok, config.default_max_tokens),
+                    TurnRunner(store, the_pool, tok, config.default_max_tokens, observers),
                 )
                 log.info(
                     "gateway ready: workers=%s max_model_len=%d",

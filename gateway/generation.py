@@ -17,6 +17,7 @@ from typing import Any
 from belayer.errors import ContextLengthExceeded, EngineError, EngineRejected, InvalidRequest
 from engine_pool.client import SamplingParams
 from engine_pool.pool import EnginePool, PoolMember
+from gateway.observers import TurnObserver
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
 from gateway.sessions import PromptPlan, chain_keys
 from gateway.store import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
@@ -80,11 +81,13 @@ class TurnRunner:
         pool: EnginePool,
         tokenizer: ChatTokenizer,
         default_max_tokens: int | None = None,
+        observers: list[TurnObserver] | None = None,
     ) -> None:
         self.store = store
         self.pool = pool
         self.tok = tokenizer
         self.default_max_tokens = default_max_tokens
+        self.observers = observers if observers is not None else []
 
     def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.pool.max_model_len
@@ -141,6 +144,8 @@ class TurnRunner:
         prompt_ids, params = self.prepare(req)
         t0 = time.monotonic()
         turn = self._begin(req, prompt_ids)
+        for obs in self.observers:
+            obs.turn_started(turn)
         detok = self.tok.detokenizer()
         trimmer = StopTrimmer(params.stop)
         parser = HermesToolParser(enabled=req.parse_tools)
@@ -201,6 +206,11 @@ class TurnRunner:
         turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
         self.store.finish_turn(turn)
         self._event(turn, "turn_failed", {"status": status, "error": error})
+        self._notify_finished(turn)
+
+    def _notify_finished(self, turn: TurnRecord) -> None:
+        for obs in self.observers:
+            obs.turn_finished(turn)
 
     def _complete(
         self,
@@ -228,4 +238,5 @@ class TurnRunner:
         turn.status = TURN_COMPLETE
         turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
         self.store.finish_turn(turn)
+        self._notify_finished(turn)
         return Done(turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids))
