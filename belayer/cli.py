@@ -39,7 +39,7 @@ def setup_logging(level: str = "INFO") -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from belayer.config import GatewayConfig
+    from belayer.config import FailoverConfig, GatewayConfig
     from gateway.app import build_app
 
     config = GatewayConfig(
@@ -47,6 +47,13 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name or ["policy"],
         engine_urls=args.engine_url or [],
         workers=args.workers,
+        shadows=args.shadows,
+        failover=FailoverConfig(
+            enabled=not args.no_failover,
+            max_failovers=args.max_failovers,
+            stall_timeout=args.stall_timeout,
+            no_worker_wait=args.no_worker_wait,
+        ),
         max_model_len=args.max_model_len,
         store_path=args.store,
         host=args.host,
@@ -123,6 +130,19 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--workers", type=int, default=1, help="vLLM workers to launch when no --engine-url is given"
+    )
+    s.add_argument(
+        "--shadows", type=int, default=0, help="pre-initialised standby workers, promoted on a failure"
+    )
+    s.add_argument(
+        "--no-failover", action="store_true", help="fail requests instead of resuming them elsewhere"
+    )
+    s.add_argument("--max-failovers", type=int, default=4, help="failovers allowed within one request")
+    s.add_argument(
+        "--stall-timeout", type=float, default=5.0, help="seconds without a token before probing the worker"
+    )
+    s.add_argument(
+        "--no-worker-wait", type=float, default=120.0, help="seconds a request waits for a ready worker"
     )
     s.add_argument("--served-model-name", action="append", help="model name(s) clients use (default: policy)")
     s.add_argument("--max-model-len", type=int, default=65536)

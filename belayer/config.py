@@ -5,6 +5,19 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 
+class FailoverConfig(BaseModel):
+    """Mid-stream failover: on a worker's death or stall, resubmit prompt + generated ids elsewhere."""
+
+    enabled: bool = True
+    max_failovers: int = Field(default=4, ge=0, description="failovers allowed within one request")
+    stall_timeout: float = Field(
+        default=5.0, gt=0, description="seconds without a token before probing the worker"
+    )
+    no_worker_wait: float = Field(
+        default=120.0, ge=0, description="how long a request waits for a ready worker"
+    )
+
+
 class GatewayConfig(BaseModel):
     """Everything ``belayer serve`` needs. The tokenizer always comes from ``model`` (a directory)."""
 
@@ -13,7 +26,13 @@ class GatewayConfig(BaseModel):
     )
     served_model_names: list[str] = Field(default_factory=lambda: ["policy"])
     engine_urls: list[str] = Field(default_factory=list, description="already-running vLLM servers")
-    workers: int = Field(default=1, ge=0, description="vLLM workers to launch when no engine URL is given")
+    workers: int = Field(
+        default=1, ge=0, description="active vLLM workers to launch when no engine URL is given"
+    )
+    shadows: int = Field(
+        default=0, ge=0, description="pre-initialised standby workers, promoted on a failure"
+    )
+    failover: FailoverConfig = Field(default_factory=FailoverConfig)
     max_model_len: int = 65536
     store_path: str = "belayer-trajectories.db"
     store_synchronous: str = "NORMAL"

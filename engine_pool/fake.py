@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -48,10 +49,27 @@ class FakeEngine:
     token_delay: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
     reject_next: str | None = None  # answer the next request with this 400 message
+    # Autoregressive mode: each token is a function of the whole context, like greedy decoding, so a
+    # request resumed from prompt + k generated tokens yields exactly the rest (failover tests).
+    step: Callable[[list[int]], int] | None = None
+    eos_id: int | None = None
 
-    def next_output(self, prompt: list[int]) -> list[int]:
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        assert self.step is not None
+        context, out = list(prompt), list[int]()
+        while len(out) < max_tokens:
+            t = self.step(context)
+            out.append(t)
+            context.append(t)
+            if t == self.eos_id:
+                break
+        return out
+
+    def next_output(self, prompt: list[int], max_tokens: int | None = None) -> list[int]:
         if self.outputs:
             return self.outputs.pop(0)
+        if self.step is not None:
+            return self.greedy(prompt, max_tokens or self.max_model_len - len(prompt))
         if self.script is not None:
             return self.script(prompt)
         return [(prompt[-1] * 31 + i * 7) % 200 + 10 for i in range(8)] if prompt else [10]
@@ -85,9 +103,10 @@ class FakeEngine:
         if len(prompt) + int(body.get("max_tokens") or 0) > self.max_model_len:
             msg = f"This model's maximum context length is {self.max_model_len} tokens."
             return JSONResponse({"error": {"message": msg, "type": "BadRequestError"}}, status_code=400)
-        out = self.next_output(prompt)
+        out = self.next_output(prompt, body.get("max_tokens"))
         max_tokens = int(body.get("max_tokens") or len(out))
-        finish = "length" if len(out) > max_tokens else "stop"
+        hit_eos = bool(out) and out[-1] == self.eos_id
+        finish = "length" if len(out) > max_tokens or (self.step and not hit_eos) else "stop"
         out = out[:max_tokens]
         k = body.get("logprobs")
         if body.get("stream"):
@@ -160,3 +179,66 @@ class FakeEngine:
         if usage is not None:
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Fault:
+    """What happens to the next request to one host: ``drop_after`` N streamed events then a reset
+    connection; ``refuse`` the connection; ``stall_after`` N events then silence (a hung worker)."""
+
+    kind: str
+    after: int = 0
+
+
+class FaultInjector(httpx.AsyncBaseTransport):
+    """A transport in front of fake engines that injects the failures real workers have: the same
+    exceptions httpx raises when a worker is killed (``RemoteProtocolError``, ``ConnectError``) or hangs.
+
+    ``faults[host]`` is a queue consumed one generation request at a time; ``hung`` hosts also fail
+    their health checks (time out), like a SIGSTOPped worker.
+    """
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.faults: dict[str, list[Fault]] = {}
+        self.hung: set[str] = set()
+        self.down: set[str] = set()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/health" and host in self.hung:
+            raise httpx.ReadTimeout("health check timed out", request=request)
+        queue = self.faults.get(host) or []
+        if request.url.path != "/v1/completions" or not queue:
+            return await self.inner.handle_async_request(request)
+        fault = queue.pop(0)
+        if fault.kind == "refuse":
+            raise httpx.ConnectError("connection refused", request=request)
+        response = await self.inner.handle_async_request(request)
+        body = await response.aread()
+        events = [e + b"\n\n" for e in body.split(b"\n\n") if e.strip()]
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_FaultyStream(events[: fault.after], fault, request),
+            request=request,
+        )
+
+
+class _FaultyStream(httpx.AsyncByteStream):
+    def __init__(self, events: list[bytes], fault: Fault, request: httpx.Request) -> None:
+        self.events = events
+        self.fault = fault
+        self.request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for event in self.events:
+            yield event
+            await asyncio.sleep(0)
+        if self.fault.kind == "stall_after":
+            await asyncio.Event().wait()  # never set: the worker hangs
+        raise httpx.RemoteProtocolError(
+            "peer closed connection without sending complete message body", request=self.request
+        )

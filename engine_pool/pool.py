@@ -1,17 +1,25 @@
-"""The engine pool: the workers the gateway may route to, and the choice of one per request.
+"""The engine pool: active workers, pre-initialised shadows, health probes, promotion and replacement.
 
 Workers are either launched and supervised here (``VllmWorker``) or registered by URL (an engine that
-is already running; the pool only probes and routes). Routing prefers the worker that served the
-session last (its prefix cache holds the session's tokens), then the one with the fewest outstanding
-requests.
+is already running; the pool only probes and routes). States::
+
+    starting ──> ready (active, takes traffic) ──> draining ──> dead
+        └──────> shadow (warm, no traffic) ──promote──> ready
+    ready ──failed request / probe──> unhealthy ──probe ok──> ready   (registered workers)
+
+A launched worker that dies or hangs is *fenced*: its process group is killed, so it can never come
+back half-alive, and it is replaced. A shadow is promoted into its place at once (no cold start), and a
+new shadow is launched in the background, so the pool returns to full strength.
+
+Routing prefers the worker that served the session last (its prefix cache holds the session's tokens),
+then the one with the fewest outstanding requests. ``acquire`` waits, up to a deadline, for a worker
+when none is ready (during a promotion or a restart).
 
 Example::
 
-    pool = EnginePool(http)
-    pool.add_remote("http://127.0.0.1:8000")
+    pool = EnginePool(http, spec_factory=lambda: WorkerSpec(model="./m", port=free_port()), active=2, shadows=1)
     await pool.start()
-    async with pool.lease(session_id="s1") as engine:
-        ...
+    member = await pool.acquire("session-1", wait=30.0)
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -28,10 +38,12 @@ from belayer.errors import EngineUnavailable
 from engine_pool.client import EngineClient, ModelInfo
 from engine_pool.worker import VllmWorker, WorkerSpec
 
-READY = "ready"
 STARTING = "starting"
-UNHEALTHY = "unhealthy"  # failed a probe or a request; routed to again once it passes a probe
-DEAD = "dead"  # a launched worker whose process exited
+READY = "ready"
+SHADOW = "shadow"
+UNHEALTHY = "unhealthy"  # a registered worker that failed; routed to again once it passes a probe
+DRAINING = "draining"
+DEAD = "dead"
 
 log = logging.getLogger("belayer.engine_pool")
 
@@ -45,6 +57,8 @@ class PoolMember:
     outstanding: int = 0
     served: int = 0
     info: ModelInfo | None = None
+    probe_failures: int = 0
+    history: list[tuple[float, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -53,39 +67,79 @@ class EnginePool:
 
     http: httpx.AsyncClient
     log_dir: str = "logs"
+    spec_factory: Callable[[], WorkerSpec] | None = None
+    active: int = 1
+    shadows: int = 0
+    probe_interval: float = 0.5
+    probe_timeout: float = 2.0
+    probe_failures: int = 3  # consecutive failed probes before a live worker counts as hung
+    start_timeout: float = 300.0
     members: list[PoolMember] = field(default_factory=list)
-    probe_interval: float = 2.0
     _affinity: dict[str, str] = field(default_factory=dict)
-    _monitor: asyncio.Task[None] | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _launched: int = 0
+    _closing: bool = False
+
+    # -- membership ---------------------------------------------------------------------------------
 
     def add_remote(self, url: str, model: str | None = None) -> PoolMember:
-        name = f"remote-{len(self.members)}"
-        member = PoolMember(name, EngineClient(url, model or "", self.http))
+        member = PoolMember(f"remote-{len(self.members)}", EngineClient(url, model or "", self.http))
         self.members.append(member)
         return member
 
-    def add_launched(self, spec: WorkerSpec) -> PoolMember:
-        from pathlib import Path
-
-        name = f"worker-{len(self.members)}"
+    def _new_launched(self) -> PoolMember:
+        assert self.spec_factory is not None, "the pool launches workers only with a spec_factory"
+        spec = self.spec_factory()
+        name = f"worker-{self._launched}"
+        self._launched += 1
         worker = VllmWorker(spec, Path(self.log_dir), name)
         member = PoolMember(name, EngineClient(spec.url, spec.served_name, self.http), process=worker)
         self.members.append(member)
         return member
 
-    async def start(self, timeout: float = 300.0) -> None:
-        """Launch owned workers, then probe every worker and learn its model and context window."""
+    async def start(self) -> None:
+        """Launch owned workers (active + shadows, concurrently), probe registered ones, start probing."""
+        launched = [
+            self._new_launched() for _ in range(self.active + self.shadows if self.spec_factory else 0)
+        ]
+        for m in launched:
+            assert m.process is not None
+            m.process.launch()
+        for m in launched:
+            assert m.process is not None
+            await m.process.wait_ready(self.start_timeout)
         for m in self.members:
-            if m.process is not None:
-                m.process.launch()
-        for m in self.members:
-            if m.process is not None:
-                await m.process.wait_ready(timeout)
             m.info = await m.client.model_info()
             if not m.client.model:
                 m.client.model = m.info.name
-            m.state = READY
-        self._monitor = asyncio.create_task(self._probe_forever(), name="engine-pool-probe")
+            active = sum(1 for x in self.members if x.state == READY)
+            self._set(m, READY if m.process is None or active < self.active else SHADOW, "started")
+        self._spawn(self._probe_forever(), "engine-pool-probe")
+
+    def _spawn(self, coro: object, name: str) -> None:
+        task: asyncio.Task[None] = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("pool task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def stop(self) -> None:
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for m in self.members:
+            if m.process is not None:
+                await m.process.stop()
+            self._set(m, DEAD, "pool stopped")
+
+    # -- health -------------------------------------------------------------------------------------
 
     async def _probe_forever(self) -> None:
         while True:
@@ -93,34 +147,71 @@ class EnginePool:
             await self.probe()
 
     async def probe(self) -> None:
-        """Probe every worker once and update its state."""
-        for m in self.members:
-            if m.state in (DEAD, STARTING):
-                continue
-            if m.process is not None and not m.process.alive():
-                self._set(m, DEAD, f"process exited; log tail:\n{m.process.log_tail(10)}")
-                continue
-            self._set(m, READY if await m.client.health() else UNHEALTHY, "health probe")
+        """Probe every routable or suspect worker once, concurrently, and act on the results."""
+        watched = [m for m in self.members if m.state in (READY, SHADOW, UNHEALTHY)]
+        results = await asyncio.gather(*(self._healthy(m) for m in watched))
+        for m, ok in zip(watched, results, strict=True):
+            m.probe_failures = 0 if ok else m.probe_failures + 1
+            exited = m.process is not None and not m.process.alive()
+            if ok and m.state == UNHEALTHY:
+                self._set(m, READY, "health probe passed")
+            elif exited or (m.probe_failures >= self.probe_failures and m.state != UNHEALTHY):
+                why = "process exited" if exited else f"{m.probe_failures} health probes failed"
+                self.report_failure(m, EngineUnavailable(why))
+
+    async def _healthy(self, m: PoolMember) -> bool:
+        if m.process is not None and not m.process.alive():
+            return False
+        return await m.client.health(timeout=self.probe_timeout)
+
+    async def confirm_failure(self, m: PoolMember) -> bool:
+        """A stalled stream: is the worker really gone? (One probe; on failure, report it.)"""
+        if await self._healthy(m):
+            return False
+        self.report_failure(m, EngineUnavailable("stalled and failed its health probe"))
+        return True
+
+    def report_failure(self, m: PoolMember, error: Exception) -> None:
+        """``m`` failed a request or a probe: stop routing to it; fence and replace a launched worker."""
+        if m.state in (DEAD, DRAINING, STARTING) or self._closing:
+            return
+        if m.process is None:
+            self._set(m, UNHEALTHY, f"failed: {error}")
+            return
+        was = m.state
+        self._set(m, DRAINING, f"failed: {error}")
+        self._spawn(self._fence(m), f"fence-{m.name}")
+        if was == READY:
+            self._promote()
+        self._spawn(self._launch_replacement(), "replace-worker")
+
+    async def _fence(self, m: PoolMember) -> None:
+        """Kill a failed (dead or hung) worker's whole process group, so it cannot come back."""
+        assert m.process is not None
+        await m.process.stop(grace=0.0)
+        self._set(m, DEAD, "fenced")
+
+    def _promote(self) -> None:
+        shadow = next((m for m in self.members if m.state == SHADOW), None)
+        if shadow is not None:
+            self._set(shadow, READY, "promoted from shadow")
+
+    async def _launch_replacement(self) -> None:
+        member = self._new_launched()
+        assert member.process is not None
+        await member.process.start(self.start_timeout)
+        member.info = await member.client.model_info()
+        active = sum(1 for m in self.members if m.state == READY and m.process is not None)
+        self._set(member, READY if active < self.active else SHADOW, "replacement ready")
 
     def _set(self, m: PoolMember, state: str, why: str) -> None:
         if m.state != state:
             log.warning("worker %s: %s -> %s (%s)", m.name, m.state, state, why)
             m.state = state
+            m.history.append((time.time(), state))
+            self._changed.set()
 
-    def report_failure(self, m: PoolMember, error: Exception) -> None:
-        """A request to ``m`` failed in transport: stop routing to it until it passes a probe."""
-        if m.state == READY:
-            self._set(m, UNHEALTHY, f"request failed: {error}")
-
-    async def stop(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-        for m in self.members:
-            if m.process is not None:
-                await m.process.stop()
-            m.state = DEAD
+    # -- routing ------------------------------------------------------------------------------------
 
     @property
     def max_model_len(self) -> int:
@@ -130,27 +221,40 @@ class EnginePool:
     def ready(self) -> list[PoolMember]:
         return [m for m in self.members if m.state == READY]
 
-    def pick(self, session_id: str | None = None) -> PoolMember:
+    def pick(self, session_id: str | None = None) -> PoolMember | None:
         ready = self.ready()
         if not ready:
-            raise EngineUnavailable(
-                "no healthy inference worker is available; check the workers' logs and `belayer serve` output"
-            )
-        if session_id is not None:
-            preferred = self._affinity.get(session_id)
-            for m in ready:
-                if m.name == preferred:
-                    return m
+            return None
+        preferred = self._affinity.get(session_id) if session_id is not None else None
+        for m in ready:
+            if m.name == preferred:
+                return m
         return min(ready, key=lambda m: m.outstanding)
 
+    async def acquire(self, session_id: str | None = None, wait: float = 0.0) -> PoolMember:
+        """A ready worker, waiting up to ``wait`` seconds for one (a promotion or a restart)."""
+        deadline = time.monotonic() + wait
+        while (member := self.pick(session_id)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                states = ", ".join(f"{m.name}={m.state}" for m in self.members) or "none"
+                raise EngineUnavailable(
+                    f"no healthy inference worker became available within {wait:.0f}s (workers: {states}); "
+                    "check the workers' logs in the gateway's --log-dir"
+                )
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=min(left, self.probe_interval))
+        if session_id is not None:
+            self._affinity[session_id] = member.name
+        return member
+
     @contextlib.asynccontextmanager
-    async def lease(self, session_id: str | None = None) -> AsyncIterator[PoolMember]:
-        member = self.pick(session_id)
+    async def lease(self, session_id: str | None = None, wait: float = 0.0) -> AsyncIterator[PoolMember]:
+        member = await self.acquire(session_id, wait)
         member.outstanding += 1
         try:
             yield member
         finally:
             member.outstanding -= 1
             member.served += 1
-            if session_id is not None:
-                self._affinity[session_id] = member.name

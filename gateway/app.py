@@ -39,14 +39,20 @@ log = logging.getLogger("belayer.gateway")
 
 
 def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
-    pool = EnginePool(http, log_dir=config.log_dir)
+    def spec() -> WorkerSpec:
+        return WorkerSpec(model=config.model, port=free_port(), max_model_len=config.max_model_len)
+
+    launch = not config.engine_urls
+    pool = EnginePool(
+        http,
+        log_dir=config.log_dir,
+        spec_factory=spec if launch else None,
+        active=config.workers if launch else len(config.engine_urls),
+        shadows=config.shadows if launch else 0,
+        start_timeout=config.worker_start_timeout,
+    )
     for url in config.engine_urls:
         pool.add_remote(url)
-    if not config.engine_urls:
-        for _ in range(config.workers):
-            pool.add_launched(
-                WorkerSpec(model=config.model, port=free_port(), max_model_len=config.max_model_len)
-            )
     return pool
 
 
@@ -68,14 +74,14 @@ def build_app(
             store = SqliteStore(config.store_path, config.store_synchronous)
             tok = ChatTokenizer.load(config.model)
             try:
-                await the_pool.start(config.worker_start_timeout)
+                await the_pool.start()
                 app.state.gateway = Gateway(
                     config,
                     store,
                     tok,
                     the_pool,
                     SessionManager(store, tok),
-                    TurnRunner(store, the_pool, tok, config.default_max_tokens, observers),
+                    TurnRunner(store, the_pool, tok, config.default_max_tokens, observers, config.failover),
                 )
                 log.info(
                     "gateway ready: workers=%s max_model_len=%d",

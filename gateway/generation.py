@@ -8,21 +8,31 @@ response whose turn is not on disk.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from belayer.errors import ContextLengthExceeded, EngineError, EngineRejected, InvalidRequest
-from engine_pool.client import SamplingParams
+from belayer.config import FailoverConfig
+from belayer.errors import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    InvalidRequest,
+)
+from engine_pool.client import SamplingParams, TokenChunk
 from engine_pool.pool import EnginePool, PoolMember
 from gateway.observers import TurnObserver
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
 from gateway.sessions import PromptPlan, chain_keys
 from gateway.store import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_ABORTED, TURN_COMPLETE, TURN_ERROR
-from gateway.tokenization import ChatTokenizer
+from gateway.tokenization import ChatTokenizer, IncrementalDetokenizer
 
 
 def parse_arguments(arguments: str | dict[str, Any]) -> Any:
@@ -49,6 +59,19 @@ class GenerationRequest:
     forced_prefix: str = ""  # text the assistant turn is forced to start with (tool_choice)
     parse_tools: bool = True
     stream: bool = True  # stream from the engine (the client streams, or wants per-token progress)
+
+
+@dataclass(slots=True)
+class _OutputState:
+    """Per-turn output pipeline (detokenizer → stop strings → tool parser) and failover bookkeeping."""
+
+    detok: IncrementalDetokenizer
+    trimmer: StopTrimmer
+    parser: HermesToolParser
+    content: list[str] = field(default_factory=list)
+    finish: str = "stop"
+    failovers: int = 0
+    last_token_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -82,7 +105,9 @@ class TurnRunner:
         tokenizer: ChatTokenizer,
         default_max_tokens: int | None = None,
         observers: list[TurnObserver] | None = None,
+        failover: FailoverConfig | None = None,
     ) -> None:
+        self.failover = failover or FailoverConfig()
         self.store = store
         self.pool = pool
         self.tok = tokenizer
@@ -146,47 +171,151 @@ class TurnRunner:
         turn = self._begin(req, prompt_ids)
         for obs in self.observers:
             obs.turn_started(turn)
-        detok = self.tok.detokenizer()
-        trimmer = StopTrimmer(params.stop)
-        parser = HermesToolParser(enabled=req.parse_tools)
-        parser.feed(req.forced_prefix)
-        content: list[str] = []
-        finish = "stop"
-        member: PoolMember | None = None
+        st = _OutputState(
+            self.tok.detokenizer(), StopTrimmer(params.stop), HermesToolParser(enabled=req.parse_tools)
+        )
+        st.parser.feed(req.forced_prefix)
+        fo = self.failover
+        failure: dict[str, Any] | None = None
         try:
-            async with self.pool.lease(req.session.id) as member:
-                turn.worker = member.name
-                turn.timings["queue_ms"] = (time.monotonic() - t0) * 1000
-                async for chunk in member.client.generate(prompt_ids, params, stream=req.stream):
-                    if chunk.token_ids and "ttft_ms" not in turn.timings:
-                        turn.timings["ttft_ms"] = (time.monotonic() - t0) * 1000
-                    turn.output_ids += chunk.token_ids
-                    turn.output_logprobs += chunk.logprobs
-                    text = trimmer.feed("".join(detok.step(t) for t in chunk.token_ids))
-                    finish = chunk.finish_reason or finish
-                    delta = self._delta(turn, parser.feed(text), content)
-                    delta.token_ids, delta.logprobs, delta.top_logprobs = (
-                        chunk.token_ids,
-                        chunk.logprobs,
-                        chunk.top_logprobs,
+            while not self._done_after_failure(turn, st, params, failure):
+                # A failover resubmits prompt + every token generated so far, asking for the rest.
+                remaining = replace(params, max_tokens=params.max_tokens - len(turn.output_ids))
+                async with self.pool.lease(
+                    req.session.id, wait=fo.no_worker_wait if fo.enabled else 0.0
+                ) as member:
+                    turn.worker = member.name
+                    turn.timings.setdefault("queue_ms", (time.monotonic() - t0) * 1000)
+                    stream = self._engine_stream(
+                        member, turn.prompt_ids + turn.output_ids, remaining, req.stream
                     )
-                    yield delta
-            tail = self._delta(turn, parser.feed(trimmer.finish()) + parser.finish(), content)
+                    try:
+                        async for chunk in stream:
+                            if failure is not None:
+                                self._record_failover(turn, failure, member.name)
+                                failure = None
+                            turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
+                            yield self._consume(turn, chunk, st)
+                            if (
+                                st.trimmer.stopped
+                            ):  # a stop string the engine could not see (split by a failover)
+                                break
+                        break
+                    except (EngineUnavailable, EngineTimeout) as e:
+                        self.pool.report_failure(member, e)
+                        if not fo.enabled or st.failovers >= fo.max_failovers:
+                            raise
+                        st.failovers += 1
+                        failure = {"token_index": len(turn.output_ids), "from_worker": member.name,
+                                   "error": str(e), "at": time.monotonic(), "last_token_at": st.last_token_at}  # fmt: skip
+                    finally:
+                        await stream.aclose()
+            if failure is not None:
+                self._record_failover(turn, failure, None)
+            tail = self._delta(turn, st.parser.feed(st.trimmer.finish()) + st.parser.finish(), st.content)
             if tail.content or tail.tool_calls:
                 yield tail
         except EngineRejected as e:
             self._fail(turn, TURN_ERROR, str(e), t0)
             raise InvalidRequest(f"the engine rejected the request: {e}", code="engine_rejected") from e
         except EngineError as e:
-            if member is not None:
-                self.pool.report_failure(member, e)
             self._fail(turn, TURN_ERROR, str(e), t0)
             raise
         except BaseException as e:  # client went away (cancelled) or a bug: keep what was generated
             self._fail(turn, TURN_ABORTED, repr(e), t0)
             raise
-        finish = "tool_calls" if parser.calls and finish == "stop" else finish
-        yield self._complete(req, turn, finish, "".join(content), parser.calls, t0)
+        finish = "stop" if st.trimmer.stopped else st.finish
+        finish = "tool_calls" if st.parser.calls and finish == "stop" else finish
+        yield self._complete(req, turn, finish, "".join(st.content), st.parser.calls, t0)
+
+    def _done_after_failure(
+        self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: dict[str, Any] | None
+    ) -> bool:
+        """Before a (re)submission: is the turn already complete? After a failure in the last token the
+        output may end with EOS, fill max_tokens, or contain a stop string: then nothing is resubmitted."""
+        if failure is None:
+            return False
+        if st.trimmer.stopped or (turn.output_ids and turn.output_ids[-1] in self.tok.eos_ids):
+            st.finish = "stop"
+            return True
+        if len(turn.output_ids) >= params.max_tokens:
+            st.finish = "length"
+            return True
+        return False
+
+    async def _engine_stream(
+        self, member: PoolMember, prompt: list[int], params: SamplingParams, stream: bool
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """The engine's chunks; with failover on, a stall (no token within ``stall_timeout``) that the
+        worker's health probe confirms raises ``EngineTimeout``."""
+        chunks = member.client.generate(prompt, params, stream=stream)
+        if not self.failover.enabled:
+            async for chunk in chunks:
+                yield chunk
+            return
+        queue: asyncio.Queue[TokenChunk | BaseException | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in chunks:
+                    queue.put_nowait(chunk)
+                queue.put_nowait(None)
+            except Exception as e:
+                queue.put_nowait(e)
+
+        task = asyncio.create_task(pump())
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.failover.stall_timeout)
+                except TimeoutError:
+                    if await self.pool.confirm_failure(member):
+                        raise EngineTimeout(
+                            f"{member.name} sent no token for {self.failover.stall_timeout}s and failed its health probe"
+                        ) from None
+                    continue
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _consume(self, turn: TurnRecord, chunk: TokenChunk, st: _OutputState) -> Delta:
+        """Record a chunk's tokens and turn them into visible text. Tokens are taken one at a time so
+        that a stop string ends the output at exactly the token the engine itself would stop at."""
+        pieces = []
+        n = 0
+        for t in chunk.token_ids:
+            n += 1
+            pieces.append(st.trimmer.feed(st.detok.step(t)))
+            if st.trimmer.stopped:
+                break
+        ids, lps = chunk.token_ids[:n], chunk.logprobs[:n]
+        turn.output_ids += ids
+        turn.output_logprobs += lps
+        st.last_token_at = time.monotonic()
+        st.finish = chunk.finish_reason or st.finish
+        delta = self._delta(turn, st.parser.feed("".join(pieces)), st.content)
+        delta.token_ids, delta.logprobs, delta.top_logprobs = ids, lps, chunk.top_logprobs[:n]
+        return delta
+
+    def _record_failover(self, turn: TurnRecord, failure: dict[str, Any], to_worker: str | None) -> None:
+        now = time.monotonic()
+        since = failure.pop("last_token_at") or failure["at"]
+        at = failure.pop("at")
+        failure.update(
+            to_worker=to_worker,
+            detect_ms=round((at - since) * 1000, 3),
+            lost_ms=round((now - since) * 1000, 3),
+            sampling="greedy: bit-identical"
+            if turn.request.get("temperature") == 0
+            else "sampled: prefix kept exactly, continuation re-sampled (seeded RNG restarts on the new worker)",
+        )
+        self._event(turn, "failover", failure)
 
     def _delta(self, turn: TurnRecord, events: list[Any], content: list[str]) -> Delta:
         delta = Delta("", [], [], [], [])

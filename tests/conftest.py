@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from belayer.config import GatewayConfig
+from belayer.config import FailoverConfig, GatewayConfig
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
@@ -68,7 +68,10 @@ async def gateway(
     tmp_path: Path, tiny_model_dir: Path, fake_engine: FakeEngine
 ) -> AsyncIterator[GatewayHarness]:
     config = GatewayConfig(
-        model=str(tiny_model_dir), store_path=str(tmp_path / "traj.db"), max_body_bytes=256 * 1024
+        model=str(tiny_model_dir),
+        store_path=str(tmp_path / "traj.db"),
+        max_body_bytes=256 * 1024,
+        failover=FailoverConfig(no_worker_wait=0.3, stall_timeout=1.0),
     )
     engine_http = httpx.AsyncClient(transport=httpx.ASGITransport(fake_engine.app()))
     pool = EnginePool(engine_http)
