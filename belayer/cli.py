@@ -5,6 +5,7 @@ belayer model build-tiny DIR                       build the deterministic tiny 
 belayer export --store DB --format jsonl|parquet --out FILE
 belayer fake-engine --port P                       a scripted fake engine (benchmarks)
 belayer bench gateway                              gateway overhead vs direct vs LiteLLM
+belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo                                       a short multi-turn episode through the openai SDK
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -48,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine_urls=args.engine_url or [],
         workers=args.workers,
         shadows=args.shadows,
+        admin_token=args.admin_token or os.environ.get("BELAYER_ADMIN_TOKEN"),
         failover=FailoverConfig(
             enabled=not args.no_failover,
             max_failovers=args.max_failovers,
@@ -101,10 +104,28 @@ def _fake_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from belayer.bench import gateway as bench_gateway
+BENCHES = {
+    "gateway": "belayer.bench.gateway",
+    "recovery": "belayer.bench.recovery",
+    "env-recovery": "belayer.bench.env_recovery",
+}
 
-    return bench_gateway.main(args.rest)
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    name = args.rest[0] if args.rest else ""
+    if name not in BENCHES:
+        print(f"usage: belayer bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
+        return 2
+    rc: int = importlib.import_module(BENCHES[name]).main(args.rest[1:])
+    return rc
+
+
+def _build_image(args: argparse.Namespace) -> int:
+    from sandbox import images
+
+    return images.main([args.which])
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -137,6 +158,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--no-failover", action="store_true", help="fail requests instead of resuming them elsewhere"
     )
+    s.add_argument("--admin-token", help="enables admin endpoints (POST /api/engines) for this bearer token")
     s.add_argument("--max-failovers", type=int, default=4, help="failovers allowed within one request")
     s.add_argument(
         "--stall-timeout", type=float, default=5.0, help="seconds without a token before probing the worker"
@@ -165,6 +187,12 @@ def parser() -> argparse.ArgumentParser:
     bt = msub.add_parser("build-tiny", help="write the deterministic tiny Llama model + tokenizer")
     bt.add_argument("dir")
     bt.set_defaults(func=_build_tiny)
+
+    sb = sub.add_parser("sandbox", help="sandbox utilities")
+    sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
+    bi = sbsub.add_parser("build-image", help="build the sandbox base images (cached; no registry needed)")
+    bi.add_argument("which", nargs="?", choices=["busybox", "python", "all"], default="all")
+    bi.set_defaults(func=_build_image)
 
     e = sub.add_parser("export", help="write trajectories for a trainer")
     e.add_argument("--store", default="belayer-trajectories.db")

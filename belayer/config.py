@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from sandbox.policy import PolicySettings
+
 
 class FailoverConfig(BaseModel):
     """Mid-stream failover: on a worker's death or stall, resubmit prompt + generated ids elsewhere."""
@@ -18,6 +20,20 @@ class FailoverConfig(BaseModel):
     )
 
 
+class SandboxConfig(BaseModel):
+    """Per-session Docker sandboxes with checkpoints in inference bubbles (off unless ``enabled``)."""
+
+    enabled: bool = False
+    docker_url: str | None = Field(default=None, description="engine address; None reads DOCKER_HOST")
+    checkpoint_dir: str = "/var/lib/belayer/checkpoints"
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    keep_checkpoints: int = Field(default=3, ge=1, description="checkpoints kept per session (retention)")
+    exec_grace_s: float = Field(
+        default=15.0, gt=0, description="a tool call unanswered timeout_s + this long has hung the sandbox"
+    )
+    auto_restore: bool = Field(default=True, description="restore the newest checkpoint on a failure")
+
+
 class GatewayConfig(BaseModel):
     """Everything ``belayer serve`` needs. The tokenizer always comes from ``model`` (a directory)."""
 
@@ -25,6 +41,10 @@ class GatewayConfig(BaseModel):
         description="model directory: tokenizer and chat template, and weights for launched workers"
     )
     served_model_names: list[str] = Field(default_factory=lambda: ["policy"])
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="model names (fnmatch patterns, e.g. 'claude-*') answered by a served model",
+    )
     engine_urls: list[str] = Field(default_factory=list, description="already-running vLLM servers")
     workers: int = Field(
         default=1, ge=0, description="active vLLM workers to launch when no engine URL is given"
@@ -33,6 +53,10 @@ class GatewayConfig(BaseModel):
         default=0, ge=0, description="pre-initialised standby workers, promoted on a failure"
     )
     failover: FailoverConfig = Field(default_factory=FailoverConfig)
+    admin_token: str | None = Field(
+        default=None, description="bearer token for admin endpoints (None: disabled)"
+    )
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     max_model_len: int = 65536
     store_path: str = "belayer-trajectories.db"
     store_synchronous: str = "NORMAL"

@@ -11,7 +11,8 @@
     │   ├── InvalidRequest           malformed body, wrong type, unsupported parameter
     │   ├── NotFound                 unknown session, model or route
     │   ├── ContextLengthExceeded    prompt + completion over the model's context window
-    │   └── Conflict                 e.g. a request on a closed session
+    │   ├── Conflict                 e.g. a request on a closed session
+    │   └── Forbidden                an admin endpoint without the admin token
     └── StoreError                   the trajectory store failed
 
 Transport errors (httpx) are translated into this tree at one boundary, ``engine_pool.client``;
@@ -81,6 +82,14 @@ class Conflict(RequestError):
 
     status = 409
     code = "conflict"
+
+
+class Forbidden(RequestError):
+    """An admin endpoint called without (or with a wrong) admin token."""
+
+    status = 403
+    error_type = "permission_error"
+    code = "forbidden"
 
 
 class StoreError(BelayerError):

@@ -98,6 +98,18 @@ class EnginePool:
         self.members.append(member)
         return member
 
+    async def register(self, url: str) -> PoolMember:
+        """Add a running engine at runtime (``POST /api/engines``): probed, then routed to."""
+        member = self.add_remote(url)
+        try:
+            member.info = await member.client.model_info()
+        except EngineUnavailable:
+            self._set(member, UNHEALTHY, "not answering yet")  # the probe brings it in once it answers
+            return member
+        member.client.model = member.client.model or member.info.name
+        self._set(member, READY, "registered")
+        return member
+
     async def start(self) -> None:
         """Launch owned workers (active + shadows, concurrently), probe registered ones, start probing."""
         launched = [
@@ -154,6 +166,12 @@ class EnginePool:
             m.probe_failures = 0 if ok else m.probe_failures + 1
             exited = m.process is not None and not m.process.alive()
             if ok and m.state == UNHEALTHY:
+                if m.info is None:  # registered before it answered
+                    with contextlib.suppress(EngineUnavailable):
+                        m.info = await m.client.model_info()
+                        m.client.model = m.client.model or m.info.name
+                    if m.info is None:
+                        continue
                 self._set(m, READY, "health probe passed")
             elif exited or (m.probe_failures >= self.probe_failures and m.state != UNHEALTHY):
                 why = "process exited" if exited else f"{m.probe_failures} health probes failed"

@@ -124,7 +124,7 @@ class VllmWorker:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
-        self.started_at = time.monotonic()
+        self.started_at = time.time()
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -145,7 +145,7 @@ class VllmWorker:
                     )
                 try:
                     if (await http.get(f"{self.url}/health", timeout=2.0)).status_code == 200:
-                        self.ready_at = time.monotonic()
+                        self.ready_at = time.time()
                         return
                 except httpx.HTTPError:
                     pass

@@ -25,7 +25,8 @@ from starlette.routing import Route
 from belayer.config import GatewayConfig
 from engine_pool.pool import EnginePool
 from engine_pool.worker import WorkerSpec, free_port
-from gateway import api
+from gateway import api, sandbox_api
+from gateway.anthropic import routes as anthropic_routes
 from gateway.errors import handlers
 from gateway.generation import TurnRunner
 from gateway.observers import TurnObserver
@@ -34,6 +35,7 @@ from gateway.sessions import SessionManager
 from gateway.state import Gateway, gateway_of
 from gateway.store import SqliteStore
 from gateway.tokenization import ChatTokenizer
+from sandbox.backend import SandboxBackend
 
 log = logging.getLogger("belayer.gateway")
 
@@ -64,7 +66,10 @@ async def health(request: Request) -> Response:
 
 
 def build_app(
-    config: GatewayConfig, pool: EnginePool | None = None, observers: list[TurnObserver] | None = None
+    config: GatewayConfig,
+    pool: EnginePool | None = None,
+    observers: list[TurnObserver] | None = None,
+    sandbox_backend: SandboxBackend | None = None,
 ) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -73,15 +78,21 @@ def build_app(
             the_pool = pool or build_pool(config, http)
             store = SqliteStore(config.store_path, config.store_synchronous)
             tok = ChatTokenizer.load(config.model)
+            owned = contextlib.AsyncExitStack()  # what the lifespan opens after the pool, closed first
             try:
                 await the_pool.start()
+                sandboxes = await owned.enter_async_context(
+                    sandbox_api.open_sandboxes(config.sandbox, store, the_pool, sandbox_backend)
+                )
+                watchers = [*(observers or []), *([sandboxes] if sandboxes else [])]
                 app.state.gateway = Gateway(
                     config,
                     store,
                     tok,
                     the_pool,
                     SessionManager(store, tok),
-                    TurnRunner(store, the_pool, tok, config.default_max_tokens, observers, config.failover),
+                    TurnRunner(store, the_pool, tok, config.default_max_tokens, watchers, config.failover),
+                    sandboxes,
                 )
                 log.info(
                     "gateway ready: workers=%s max_model_len=%d",
@@ -90,11 +101,18 @@ def build_app(
                 )
                 yield
             finally:
+                await owned.aclose()
                 await the_pool.stop()
                 store.close()
 
     return Starlette(
-        routes=[Route("/health", health, methods=["GET"]), *openai_routes.routes(), *api.routes()],
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            *openai_routes.routes(),
+            *anthropic_routes.routes(),
+            *api.routes(),
+            *sandbox_api.routes(),
+        ],
         exception_handlers=handlers(),
         lifespan=lifespan,
     )

@@ -2,11 +2,14 @@
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}`` and the message says what to
 change. Anything unexpected is logged with its traceback and answered with a 500 that says so.
+Under the Anthropic routes (``/v1/messages…``) the same status and message go out in Anthropic's shape,
+``{"type": "error", "error": {"type", "message"}}`` (``anthropic_error``).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -50,8 +53,28 @@ def for_exception(exc: Exception) -> tuple[int, dict[str, Any]]:
     return 500, error_body(f"internal error ({type(exc).__name__}); see the gateway log", "server_error")
 
 
+# Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors); other statuses
+# are invalid_request_error below 500 and api_error from 500 up.
+ANTHROPIC_ERROR_TYPES = {
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+_ANTHROPIC_PATH = re.compile(r"/v1/messages(/|$)")
+
+
+def anthropic_error(status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """A ``for_exception`` body in Anthropic's shape (for the Messages routes and their SSE streams)."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
+
+
 async def _handle(request: Request, exc: Exception) -> Response:
     status, body = for_exception(exc)
+    if _ANTHROPIC_PATH.search(request.url.path):
+        body = anthropic_error(status, body)
     return JSONResponse(body, status_code=status)
 
 

@@ -93,6 +93,7 @@ class Done:
     tool_calls: list[ToolCall]
     prompt_tokens: int
     completion_tokens: int
+    stop_sequence: str | None = None  # the stop string that ended the turn, if one did
 
 
 class TurnRunner:
@@ -226,7 +227,9 @@ class TurnRunner:
             raise
         finish = "stop" if st.trimmer.stopped else st.finish
         finish = "tool_calls" if st.parser.calls and finish == "stop" else finish
-        yield self._complete(req, turn, finish, "".join(st.content), st.parser.calls, t0)
+        done = self._complete(req, turn, finish, "".join(st.content), st.parser.calls, t0)
+        done.stop_sequence = st.trimmer.matched
+        yield done
 
     def _done_after_failure(
         self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: dict[str, Any] | None

@@ -17,6 +17,8 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
+from belayer.errors import InvalidRequest
+
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 
@@ -60,16 +62,18 @@ class StopTrimmer:
         self.stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that cut the text (Anthropic reports it)
 
     def feed(self, text: str) -> str:
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(at, s) for s in self.stops if (at := buf.find(s)) >= 0]
         if hits:
             self.stopped = True
             self._held = ""
-            return buf[: min(hits)]
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return buf[:at]
         keep = max(_partial_suffix(buf, s) for s in self.stops)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
@@ -77,6 +81,33 @@ class StopTrimmer:
     def finish(self) -> str:
         out, self._held = self._held, ""
         return "" if self.stopped else out
+
+
+def tool_choice_prefix(names: list[str], choice: str | None, name: str | None = None) -> tuple[str, bool]:
+    """(forced assistant prefix, whether to parse tool calls) for a tool choice in OpenAI's terms:
+    ``"auto"`` (or None), ``"none"``, ``"required"``, or a tool ``name`` to force. A call is forced by
+    starting the assistant turn with the opening of a Hermes call, which the model can only continue.
+    Both protocols use it (Anthropic's ``any`` is ``"required"``, its ``tool`` is a name).
+
+    Example::
+
+        tool_choice_prefix(["bash"], None, "bash")  # ('<tool_call>\\n{"name": "bash", "arguments": ', True)
+    """
+    if name is None and choice in (None, "auto"):
+        return "", bool(names)
+    if name is None and choice == "none":
+        return "", False
+    if not names:
+        raise InvalidRequest(
+            "tool_choice requires 'tools'; send the tools or drop tool_choice", "tool_choice"
+        )
+    if name is None:
+        return TOOL_OPEN + '\n{"name": "', True
+    if name not in names:
+        raise InvalidRequest(
+            f"tool_choice names '{name}', which is not in 'tools' ({', '.join(names)})", "tool_choice"
+        )
+    return TOOL_OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments": ', True
 
 
 def _parse_call(raw: str) -> tuple[str, str] | str:

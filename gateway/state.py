@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -16,6 +17,7 @@ from gateway.generation import TurnRunner
 from gateway.sessions import SessionManager
 from gateway.store import TrajectoryStore
 from gateway.tokenization import ChatTokenizer
+from sandbox.manager import SandboxManager
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -28,14 +30,20 @@ class Gateway:
     pool: EnginePool
     sessions: SessionManager
     runner: TurnRunner
+    sandboxes: SandboxManager | None = None
 
-    def check_model(self, model: str) -> None:
-        if model not in self.config.served_model_names:
+    def check_model(self, model: str) -> str:
+        """The served model that ``model`` names: itself, or the target of a matching ``model_aliases``."""
+        served = self.config.served_model_names
+        aliased = (to for pattern, to in self.config.model_aliases.items() if fnmatchcase(model, pattern))
+        target = model if model in served else next(aliased, None)
+        if target is None or target not in served:
             raise NotFound(
                 f"The model '{model}' does not exist here; use one of: {', '.join(self.config.served_model_names)}",
                 param="model",
                 code="model_not_found",
             )
+        return target
 
 
 def gateway_of(request: Request) -> Gateway:

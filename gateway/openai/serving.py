@@ -18,7 +18,7 @@ from gateway.openai.protocol import (
     Message,
     NamedToolChoice,
 )
-from gateway.parsing import ToolCall
+from gateway.parsing import ToolCall, tool_choice_prefix
 from gateway.sessions import PromptPlan, SessionManager
 from gateway.store import SessionRecord
 from gateway.tokenization import ChatTokenizer
@@ -77,23 +77,9 @@ def _tool_choice(req: ChatCompletionRequest) -> tuple[str, bool]:
     """(forced assistant prefix, whether to parse tool calls) for the request's tool_choice."""
     names = [t.function.name for t in req.tools or []]
     choice = req.tool_choice
-    if choice is None or choice == "auto":
-        return "", bool(names)
-    if choice == "none":
-        return "", False
-    if not names:
-        raise InvalidRequest(
-            "tool_choice requires 'tools'; send the tools or drop tool_choice", "tool_choice"
-        )
-    if choice == "required":
-        return '<tool_call>\n{"name": "', True
-    assert isinstance(choice, NamedToolChoice)
-    if choice.function.name not in names:
-        raise InvalidRequest(
-            f"tool_choice names '{choice.function.name}', which is not in 'tools' ({', '.join(names)})",
-            "tool_choice",
-        )
-    return '<tool_call>\n{"name": ' + json.dumps(choice.function.name) + ', "arguments": ', True
+    if isinstance(choice, NamedToolChoice):
+        return tool_choice_prefix(names, None, choice.function.name)
+    return tool_choice_prefix(names, choice)
 
 
 def _logprob_count(logprobs: bool | None, top: int | None) -> int | None:

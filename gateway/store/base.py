@@ -25,6 +25,8 @@ TURN_COMPLETE = "complete"
 TURN_ERROR = "error"
 TURN_ABORTED = "aborted"
 TURN_INTERRUPTED = "interrupted"
+TURN_DISCARDED = "discarded"
+"""A turn rolled back by an environment restore: kept readable, never extended by prefix reuse."""
 
 
 @dataclass(slots=True)
@@ -124,6 +126,17 @@ class TrajectoryStore(abc.ABC):
 
     @abc.abstractmethod
     def get_events(self, session_id: str) -> list[EventRecord]: ...
+
+    @abc.abstractmethod
+    def discard_turns_after(self, session_id: str, turn_index: int, reason: str) -> list[int]:
+        """Mark the session's turns with index > ``turn_index`` (not yet discarded) as discarded, and
+        record one ``turns_discarded`` event with ``reason``; return the indices marked. Indices are
+        never reused: the next turn gets the next index, so numbering has no gap."""
+
+    @abc.abstractmethod
+    def discard_turns(self, session_id: str, turn_ids: list[int], reason: str) -> list[int]:
+        """Mark exactly these turns (by id) as discarded, with a ``turns_discarded`` event; return the
+        indices marked. For a turn that finishes after the restore that discarded it."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

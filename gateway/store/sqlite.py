@@ -20,6 +20,7 @@ from typing import Any
 from belayer.errors import StoreError
 from gateway.store.base import (
     TURN_COMPLETE,
+    TURN_DISCARDED,
     TURN_INTERRUPTED,
     TURN_RUNNING,
     EventRecord,
@@ -297,6 +298,42 @@ class SqliteStore(TrajectoryStore):
             (session_id,),
         ).fetchall()
         return [EventRecord(r[0], r[1], r[2], r[3], json.loads(r[4])) for r in rows]
+
+    def discard_turns_after(self, session_id: str, turn_index: int, reason: str) -> list[int]:
+        where = "session_id = ? AND idx > ? AND status != ?"
+        return self._discard(session_id, where, (session_id, turn_index, TURN_DISCARDED), reason, turn_index)
+
+    def discard_turns(self, session_id: str, turn_ids: list[int], reason: str) -> list[int]:
+        if not turn_ids:
+            return []
+        where = f"session_id = ? AND status != ? AND id IN ({','.join('?' * len(turn_ids))})"
+        return self._discard(session_id, where, (session_id, TURN_DISCARDED, *turn_ids), reason, None)
+
+    def _discard(
+        self, session_id: str, where: str, args: tuple[Any, ...], reason: str, after: int | None
+    ) -> list[int]:
+        """One transaction: mark the matching turns discarded and record the event."""
+        try:
+            with self._lock:
+                db = self._db
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    rows = db.execute(f"SELECT idx FROM turns WHERE {where} ORDER BY idx", args).fetchall()
+                    indices = [int(r[0]) for r in rows]
+                    if indices:
+                        db.execute(f"UPDATE turns SET status = ? WHERE {where}", (TURN_DISCARDED, *args))
+                        data = {"after_turn": after, "turn_indices": indices, "reason": reason}
+                        db.execute(
+                            "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
+                            (session_id, None, time.time(), "turns_discarded", json.dumps(data)),
+                        )
+                    db.execute("COMMIT")
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as e:
+            raise StoreError(f"trajectory store error: {e}") from e
+        return indices
 
     def close(self) -> None:
         with self._lock:

@@ -77,6 +77,7 @@ async def rig(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Rig]:
         model=str(tiny_model_dir),
         store_path=str(tmp_path / "t.db"),
         failover=FailoverConfig(stall_timeout=0.3, no_worker_wait=1.0, max_failovers=3),
+        admin_token="s3cret",
     )
     app = build_app(config, pool=pool)
     async with app.router.lifespan_context(app):
@@ -202,3 +203,25 @@ async def test_failover_disabled_fails_the_request(rig: Rig) -> None:
     assert r.status_code == 503
     [turn] = (await rig.client.get(f"/api/sessions/{sid}/trajectory")).json()["turns"]
     assert turn["status"] == "error" and turn["output_ids"] == []
+
+
+async def test_register_engine_needs_admin_token_then_routes(rig: Rig) -> None:
+    r = await rig.client.post("/api/engines", json={"url": "http://e3"})
+    assert (
+        r.status_code == 403
+        and r.json()["error"]["code"] == "forbidden"
+        and "admin token" in r.json()["error"]["message"]
+    )
+    r = await rig.client.post(
+        "/api/engines", json={"url": "http://e3"}, headers={"authorization": "Bearer nope"}
+    )
+    assert r.status_code == 403
+    r = await rig.client.post(
+        "/api/engines", json={"url": "http://e3"}, headers={"authorization": "Bearer s3cret"}
+    )
+    assert r.status_code == 201 and r.json() == {"name": "remote-3", "url": "http://e3", "state": "ready"}
+    for m in rig.gw.pool.members[:3]:
+        m.state = "dead"
+    _, traj = await rig.chat(True, max_tokens=4)
+    assert traj["turns"][0]["worker"] == "remote-3"
+    check_exact(rig, traj, 4)

@@ -1,0 +1,307 @@
+"""``belayer bench env-recovery``: recovering an agent's environment from a checkpoint versus replay.
+
+One scripted episode of ``--tool-calls`` (>= 20) tool calls runs through an in-process gateway (a fake
+engine whose replies take ``--llm-latency`` s, so each LLM call is a real bubble) in a
+``belayer-sandbox-python`` container. The tool calls build and "install" a package from local files,
+generate data, and talk to a background HTTP server whose hit counter lives only in its memory.
+
+1. The episode runs with automatic checkpoints off: ``episode_no_ckpt_s``.
+2. It runs again with the adaptive policy: ``episode_adaptive_s``; ``failure_free_overhead_pct`` is the
+   difference, and ``checkpoints_in_bubbles_pct`` the share of its checkpoints that ended in their
+   bubble.
+3. A failure is injected late, after tool call F = tool_calls - 3: the state after tool calls 0..F-1 is
+   rebuilt two ways, each checked against the episode's own outputs (the server's counter included):
+   ``replay_recovery_s`` starts a new sandbox from the image and replays every tool call;
+   ``checkpoint_recovery_s`` restores the newest checkpoint that existed at F and replays the rest.
+
+Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
+Needs a Docker engine with CRIU and the images (``belayer sandbox build-image``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from belayer.config import GatewayConfig, SandboxConfig
+from engine_pool.fake import FakeEngine
+from engine_pool.pool import EnginePool
+from gateway.app import build_app
+from gateway.state import Gateway
+from sandbox.backend import SandboxSpec
+from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+from sandbox.images import PYTHON_IMAGE, ensure_python_image
+from sandbox.manager import CheckpointInfo
+from sandbox.policy import Mode, PolicySettings
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+THINKING = "Let me look at the state of the workspace and decide on the next step. " * 6
+
+SERVER = """
+import http.server
+hits = {"n": 0}
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        hits["n"] += 1
+        body = str(hits["n"]).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", 8765), H).serve_forever()
+"""
+QUERY = "python3 -c 'import urllib.request as u; print(u.urlopen(\"http://127.0.0.1:8765/\", timeout=5).read().decode())'"
+GEN_SRC = (
+    'mkdir -p src/pkg && python3 -c "\nfor i in range(400):\n'
+    "    open(f'src/pkg/m{i}.py','w').write(f'VALUE = {i}\\\\n' + 'def f(x):\\\\n    return x * %d\\\\n' % i * 20)\n"
+    "open('src/pkg/__init__.py','w').write('')\" && ls src/pkg | wc -l"
+)
+BUILD = (
+    "python3 -m compileall -q src && python3 -c \"import hashlib; h=b'build'\n"
+    'for _ in range({n}): h = hashlib.sha256(h).digest()\nprint(h.hex()[:16])"'
+)
+GEN_DATA = (
+    'python3 -c "import random, hashlib; r = random.Random(7); d = r.randbytes(24 << 20)\n'
+    "open('data.bin','wb').write(d); print(hashlib.sha256(d).hexdigest()[:16])\""
+)
+INSTALL = (
+    "mkdir -p dist /opt/site && tar czf dist/pkg.tgz src && tar xzf dist/pkg.tgz -C /opt/site && "
+    "python3 -c 'import sys; sys.path.insert(0, \"/opt/site/src\"); import pkg.m7 as m; print(m.VALUE, m.f(6))'"
+)
+ANALYSE = (
+    "python3 -c \"import hashlib; d = open('data.bin','rb').read(); h = b''\n"
+    'for i in range(0, len(d), 1 << 16): h = hashlib.sha256(h + d[i:i + (1 << 16)]).digest()\nprint(h.hex()[:16])"'
+)
+
+
+def tool_calls(n: int, work: int) -> list[str]:
+    """The episode's commands: expensive steps early and in the middle, cheap ones in between."""
+    expensive = {
+        1: GEN_SRC, 3: BUILD.replace("{n}", str(work)), 5: GEN_DATA, 7: INSTALL, 9: ANALYSE,
+        12: BUILD.replace("{n}", str(work)).replace("build", "rebuild"), 15: ANALYSE,
+    }  # fmt: skip
+    cheap = [QUERY, "echo edit-{i} >> notes.txt && wc -l < notes.txt", QUERY, "grep -c def src/pkg/m1.py"]
+    calls = [f"cat > server.py <<'EOF'\n{SERVER}\nEOF\npython3 server.py >/dev/null 2>&1 &\n"
+             f"for i in $(seq 100); do {QUERY} >/dev/null 2>&1 && break; sleep 0.05; done; echo up"]  # fmt: skip
+    for i in range(1, n):
+        calls.append(expensive.get(i, cheap[i % len(cheap)].replace("{i}", str(i))))
+    return calls
+
+
+class LatentEngine:
+    """An ASGI wrapper that makes each completion take `latency_s` first: an LLM call's bubble."""
+
+    def __init__(self, app: Any, latency_s: float) -> None:
+        self.app, self.latency_s = app, latency_s
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/completions"):
+            await asyncio.sleep(self.latency_s)
+        await self.app(scope, receive, send)
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def emit(name: str, value: float | int | str) -> None:
+    print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}", flush=True)
+
+
+class Episode:
+    """One scripted episode through the gateway: LLM call, then the tool call it names, repeated."""
+
+    def __init__(self, client: httpx.AsyncClient, gw: Gateway, commands: list[str]) -> None:
+        self.client, self.gw, self.commands = client, gw, commands
+        self.outputs: list[str] = []
+
+    async def run(self, sid: str) -> float:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "build, install and analyse"}]
+        started = time.monotonic()
+        for _ in range(len(self.commands) + 1):
+            r = await self.client.post(
+                f"/s/{sid}/v1/chat/completions",
+                json={"model": "policy", "messages": messages, "tools": TOOLS, "temperature": 0},
+            )
+            r.raise_for_status()
+            message = r.json()["choices"][0]["message"]
+            messages.append({k: message[k] for k in ("role", "content", "tool_calls") if message.get(k)})
+            for call in message.get("tool_calls") or []:
+                command = json.loads(call["function"]["arguments"])["command"]
+                x = await self.client.post(
+                    f"/api/sessions/{sid}/sandbox/exec", json={"command": command, "timeout_s": 300}
+                )
+                x.raise_for_status()
+                self.outputs.append(x.json()["stdout"])
+                messages.append(
+                    {"role": "tool", "tool_call_id": call["id"], "content": f"RESULT-: {x.json()['stdout']}"}
+                )
+        return time.monotonic() - started
+
+
+def script_for(gw: Gateway, commands: list[str]) -> Any:
+    tok = gw.tokenizer
+    eos = tok.encode(tok.eos_token)
+
+    def script(prompt: list[int]) -> list[int]:
+        step = tok.decode(prompt).count("RESULT-")
+        if step >= len(commands):
+            return tok.encode("Done.") + eos
+        call = json.dumps({"name": "bash", "arguments": {"command": commands[step]}})
+        return tok.encode(f"{THINKING}\n<tool_call>\n{call}\n</tool_call>") + eos
+
+    return script
+
+
+async def run_episode(
+    opts: argparse.Namespace, backend: DockerSandboxBackend, mode: Mode, commands: list[str], workdir: Path
+) -> tuple[float, list[str], list[CheckpointInfo], list[dict[str, Any]]]:
+    engine = FakeEngine(max_model_len=65536)
+    config = GatewayConfig(
+        model=opts.model,
+        store_path=str(workdir / f"traj-{mode}.db"),
+        sandbox=SandboxConfig(
+            enabled=True, policy=PolicySettings(mode=mode), keep_checkpoints=len(commands) + 2
+        ),
+    )
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(LatentEngine(engine.app(), opts.llm_latency)))
+    pool = EnginePool(http)
+    pool.add_remote("http://fake-engine")
+    app = build_app(config, pool=pool, sandbox_backend=backend)
+    async with app.router.lifespan_context(app):
+        gw: Gateway = app.state.gateway
+        assert gw.sandboxes is not None
+        engine.script = script_for(gw, commands)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw", timeout=600)
+        sid = (await client.post("/api/sessions", json={})).json()["id"]
+        spec = {"image": PYTHON_IMAGE, "shell": "/bin/bash", "memory_mb": 1024, "cpus": 1.0}
+        (await client.post(f"/api/sessions/{sid}/sandbox", json=spec)).raise_for_status()
+        episode = Episode(client, gw, commands)
+        seconds = await episode.run(sid)
+        await gw.sandboxes.idle()
+        ckpts = gw.sandboxes.release_checkpoints(sid)  # kept for the recovery measurement
+        events = [
+            e.data | {"kind": e.kind} for e in gw.store.get_events(sid) if e.kind.startswith("sandbox_")
+        ]
+        await client.aclose()
+    await http.aclose()
+    return seconds, episode.outputs, ckpts, events
+
+
+def replay(backend: DockerSandboxBackend, box: str, commands: list[str], expected: list[str]) -> None:
+    for command, want in zip(commands, expected, strict=True):
+        got = backend.exec(box, command, timeout_s=300).stdout
+        if got != want:
+            raise RuntimeError(f"replay diverged at {command[:60]!r}: {got!r} != {want!r}")
+
+
+def measure_recovery(
+    backend: DockerSandboxBackend,
+    commands: list[str],
+    outputs: list[str],
+    ckpts: list[CheckpointInfo],
+    fail_at: int,
+) -> tuple[float, float, int]:
+    spec = SandboxSpec(image=PYTHON_IMAGE, shell="/bin/bash", memory_bytes=1 << 30)
+    started = time.monotonic()
+    box = backend.create(spec).id
+    try:
+        replay(backend, box, commands[:fail_at], outputs[:fail_at])
+        replay_s = time.monotonic() - started
+    finally:
+        backend.destroy(box)
+    # the newest checkpoint that existed when tool call `fail_at` failed: taken in a bubble <= fail_at
+    newest = max((c for c in ckpts if c.keep_through <= fail_at), key=lambda c: c.keep_through)
+    k = newest.keep_through
+    started = time.monotonic()
+    box = backend.restore(newest.checkpoint).id
+    try:
+        replay(backend, box, commands[k:fail_at], outputs[k:fail_at])
+        ckpt_s = time.monotonic() - started
+    finally:
+        backend.destroy(box)
+    return replay_s, ckpt_s, k
+
+
+async def run(opts: argparse.Namespace) -> bool:
+    commands = tool_calls(opts.tool_calls, opts.work)
+    workdir = Path(tempfile.mkdtemp(prefix="belayer-env-bench-"))
+    config = DockerBackendConfig(checkpoint_dir=workdir / "checkpoints")
+    with DockerSandboxBackend(config) as backend:
+        ensure_python_image(backend)
+        results: dict[str, tuple[float, list[str], list[CheckpointInfo], list[dict[str, Any]]]] = {}
+        for round_ in range(opts.rounds):
+            for mode in ("never", "adaptive") if round_ % 2 == 0 else ("adaptive", "never"):
+                progress(f"round {round_ + 1}: episode of {len(commands)} tool calls, checkpoints {mode}")
+                got = await run_episode(opts, backend, mode, commands, workdir)
+                progress(f"  {got[0]:.2f}s, {len(got[2])} checkpoints")
+                if mode not in results or got[0] < results[mode][0]:
+                    for old in results.get(mode, (0.0, [], [], []))[2]:
+                        backend.delete_checkpoint(old.checkpoint)
+                    results[mode] = got
+                else:
+                    for c in got[2]:
+                        backend.delete_checkpoint(c.checkpoint)
+        t0, outputs0, _, _ = results["never"]
+        t1, outputs1, ckpts, events = results["adaptive"]
+        if outputs0 != outputs1:
+            raise RuntimeError("the two episodes' tool outputs differ")
+        fail_at = len(commands) - 3
+        progress(f"failure injected after tool call {fail_at - 1}; measuring both recoveries")
+        replay_s, ckpt_s, k = measure_recovery(backend, commands, outputs1, ckpts, fail_at)
+        for c in ckpts:
+            backend.delete_checkpoint(c.checkpoint)
+    decisions = [e for e in events if e["kind"] == "sandbox_checkpoint_decision"]
+    taken = [e for e in events if e["kind"] == "sandbox_checkpoint"]
+    in_bubble = sum(1 for e in taken if e["in_bubble"])
+    overhead = (t1 - t0) / t0 * 100
+    speedup = replay_s / ckpt_s
+    emit("tool_calls", len(commands))
+    emit("failure_after_tool_call", fail_at - 1)
+    emit("restored_checkpoint_turn", k)
+    emit("replay_recovery_s", replay_s)
+    emit("checkpoint_recovery_s", ckpt_s)
+    emit("env_recovery_speedup", speedup)
+    emit("episode_no_ckpt_s", t0)
+    emit("episode_adaptive_s", t1)
+    emit("failure_free_overhead_pct", overhead)
+    emit("checkpoints_taken", len(taken))
+    emit("checkpoints_deferred", sum(1 for d in decisions if d["action"] == "defer"))
+    emit("checkpoint_mean_s", sum(e["seconds"] for e in taken) / max(1, len(taken)))
+    emit("checkpoints_in_bubbles_pct", 100.0 * in_bubble / max(1, len(taken)))
+    emit("target_env_recovery_speedup", "pass" if speedup >= 3.5 else "fail")
+    emit("target_failure_free_overhead", "pass" if overhead <= 3.0 else "fail")
+    return True
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="belayer bench env-recovery", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model", default=".cache/tiny-model", help="the gateway's model directory (built if missing)"
+    )
+    p.add_argument("--tool-calls", type=int, default=22)
+    p.add_argument("--llm-latency", type=float, default=2.0, help="seconds each LLM call takes (the bubble)")
+    p.add_argument("--work", type=int, default=1_500_000, help="sha256 rounds of each build step")
+    p.add_argument("--rounds", type=int, default=1, help="episodes per mode (the fastest counts)")
+    opts = p.parse_args(argv)
+    if opts.tool_calls < 20:
+        p.error("--tool-calls must be at least 20")
+    return opts
+
+
+def main(argv: list[str]) -> int:
+    opts = parse_args(argv)
+    if not (Path(opts.model) / "tokenizer.json").exists():
+        from belayer.tiny_model import build_tiny
+
+        build_tiny(opts.model)
+    asyncio.run(run(opts))
+    return 0

@@ -1,0 +1,1 @@
+"""Anthropic Messages protocol: wire models, request → internal conversion, and routes."""

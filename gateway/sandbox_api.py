@@ -1,0 +1,311 @@
+"""The sandbox API of a session: create it, run tool calls and file operations, checkpoint, restore.
+
+::
+
+    POST   /api/sessions/{id}/sandbox               {"image": ..., "workdir"?, "memory_mb"?, ...} -> 201
+    GET    /api/sessions/{id}/sandbox               state, checkpoints, last restore
+    DELETE /api/sessions/{id}/sandbox
+    POST   /api/sessions/{id}/sandbox/exec          {"command": ..., "timeout_s"?, "cwd"?, "env"?}
+    GET    /api/sessions/{id}/sandbox/files?path=P  {"content", "encoding": "utf-8" | "base64"}
+    PUT    /api/sessions/{id}/sandbox/files         {"path", "content", "encoding"?, "mode"?}
+    GET    /api/sessions/{id}/sandbox/checkpoints
+    POST   /api/sessions/{id}/sandbox/checkpoints   checkpoint now
+    POST   /api/sessions/{id}/sandbox/restore       {"checkpoint_id"?}: newest when absent
+
+Sandbox errors become the gateway's OpenAI-style error JSON here, in `sandbox_errors`. A tool call during
+which the sandbox failed answers 409 `sandbox_restored`: the sandbox was restored and the trajectory
+truncated; `GET .../sandbox` says after which turn (`last_restore.keep_through`) to continue.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from belayer.config import SandboxConfig
+from belayer.errors import InvalidRequest, RequestError
+from engine_pool.pool import EnginePool
+from gateway.state import gateway_of, read_json, validate
+from gateway.store import TrajectoryStore
+from sandbox.backend import SandboxBackend, SandboxSpec
+from sandbox.errors import (
+    CheckpointError,
+    PathEscapeError,
+    SandboxError,
+    SandboxFileNotFound,
+    SandboxNotFound,
+    SandboxTimeout,
+    SandboxUnavailable,
+)
+from sandbox.manager import (
+    NoCheckpoint,
+    NoSandbox,
+    SandboxExists,
+    SandboxFailed,
+    SandboxManager,
+    SandboxRestored,
+)
+
+
+class SandboxRequestError(RequestError):
+    """A sandbox error as the client sees it: a status, an error type and a code."""
+
+    def __init__(
+        self, message: str, status: int, code: str, param: str | None = None, error_type: str | None = None
+    ) -> None:
+        super().__init__(message, param, code)
+        self.status = status
+        self.error_type = error_type or ("invalid_request_error" if status < 500 else "server_error")
+
+
+@contextlib.asynccontextmanager
+async def open_sandboxes(
+    config: SandboxConfig, store: TrajectoryStore, pool: EnginePool, backend: SandboxBackend | None = None
+) -> AsyncIterator[SandboxManager | None]:
+    """The app's sandbox manager (None when disabled), over `backend` or the local Docker engine."""
+    if not config.enabled:
+        yield None
+        return
+    owned = backend is None
+    if backend is None:
+        from pathlib import Path
+
+        from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+
+        docker_config = DockerBackendConfig(
+            base_url=config.docker_url, checkpoint_dir=Path(config.checkpoint_dir)
+        )
+        backend = DockerSandboxBackend(docker_config)
+
+    def engine_load() -> float:  # requests sharing a worker with a new one
+        return 1.0 + sum(m.outstanding for m in pool.members) / max(1, len(pool.ready()))
+
+    manager = SandboxManager(backend, store, config, engine_load)
+    try:
+        yield manager
+    finally:
+        await manager.close()
+        if owned:
+            backend.close()
+
+
+# --------------------------------------------------------------------------- wire models
+class CreateSandbox(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    image: str = Field(min_length=1)
+    workdir: str = "/workspace"
+    shell: str = "/bin/sh"
+    env: dict[str, str] = Field(default_factory=dict)
+    memory_mb: int = Field(default=512, ge=16, le=65536)
+    pids_limit: int = Field(default=256, ge=8, le=32768)
+    cpus: float = Field(default=1.0, gt=0, le=64)
+    harness_inside: bool = False
+    """The harness runs in this sandbox: a restore discards the turn it was waiting for (it retries it)."""
+
+
+class ExecRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    command: str = Field(min_length=1)
+    timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    shell_session: str = "main"
+    max_output_bytes: int = Field(default=1 << 20, ge=1, le=16 << 20)
+
+
+class WriteFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    content: str
+    encoding: Literal["utf-8", "base64"] = "utf-8"
+    mode: int = Field(default=0o644, ge=0, le=0o7777)
+
+
+class RestoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    checkpoint_id: str | None = None
+
+
+# --------------------------------------------------------------------------- errors, in one place
+@contextlib.contextmanager
+def sandbox_errors(*, creating: bool = False) -> Iterator[None]:
+    """The one place where sandbox errors become HTTP errors (OpenAI error JSON via the gateway's table)."""
+    try:
+        yield
+    except NoSandbox as e:
+        raise SandboxRequestError(str(e), 404, "sandbox_not_found", "session_id") from e
+    except SandboxExists as e:
+        raise SandboxRequestError(str(e), 409, "sandbox_exists") from e
+    except NoCheckpoint as e:
+        raise SandboxRequestError(str(e), 409, "no_checkpoint", "checkpoint_id") from e
+    except SandboxRestored as e:
+        raise SandboxRequestError(str(e), 409, "sandbox_restored", error_type="sandbox_error") from e
+    except SandboxFailed as e:
+        raise SandboxRequestError(str(e), 503, "sandbox_failed", error_type="sandbox_error") from e
+    except SandboxTimeout as e:
+        tail = e.stdout[-2000:]
+        raise SandboxRequestError(
+            f"{e}; the command was killed and the sandbox is unharmed. Output before the kill: {tail!r}",
+            408, "command_timeout", "timeout_s",
+        ) from e  # fmt: skip
+    except PathEscapeError as e:
+        raise SandboxRequestError(str(e), 400, "path_outside_sandbox", "path") from e
+    except SandboxFileNotFound as e:
+        raise SandboxRequestError(f"no such file in the sandbox: {e}", 404, "file_not_found", "path") from e
+    except SandboxUnavailable as e:
+        raise SandboxRequestError(f"{e}; retry shortly", 503, "sandbox_engine_unavailable") from e
+    except SandboxNotFound as e:
+        if creating:
+            raise SandboxRequestError(
+                f"cannot create the sandbox: {e}; build it with `belayer sandbox build-image`",
+                400, "image_not_found", "image",
+            ) from e  # fmt: skip
+        raise SandboxRequestError(str(e), 404, "sandbox_not_found") from e
+    except CheckpointError as e:
+        raise SandboxRequestError(f"checkpoint or restore failed: {e}", 500, "checkpoint_failed") from e
+    except SandboxError as e:
+        raise SandboxRequestError(str(e), 400, "sandbox_error") from e
+    except ValueError as e:
+        raise InvalidRequest(str(e), code="invalid_value") from e
+
+
+def _manager(request: Request) -> tuple[SandboxManager, str]:
+    gw = gateway_of(request)
+    if gw.sandboxes is None:
+        raise SandboxRequestError(
+            "sandboxes are not enabled on this gateway; start it with sandboxes enabled",
+            404, "sandboxes_disabled",
+        )  # fmt: skip
+    session = gw.sessions.get(request.path_params["session_id"])
+    return gw.sandboxes, session.id
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    gw = gateway_of(request)
+    return await read_json(request, gw.config.max_body_bytes) if await request.body() else {}
+
+
+# --------------------------------------------------------------------------- routes
+async def create_sandbox(request: Request) -> Response:
+    manager, sid = _manager(request)
+    gateway_of(request).sessions.get_open(sid)
+    req = validate(CreateSandbox, await _body(request))
+    try:
+        spec = SandboxSpec(
+            image=req.image, workdir=req.workdir, shell=req.shell, env=req.env,
+            memory_bytes=req.memory_mb << 20, pids_limit=req.pids_limit, cpus=req.cpus,
+        )  # fmt: skip
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"])
+        raise InvalidRequest(f"invalid value for '{param}': {first['msg']}", param, "invalid_value") from e
+    with sandbox_errors(creating=True):
+        await manager.create(sid, spec, harness_inside=req.harness_inside)
+    return JSONResponse(manager.describe(sid), status_code=201)
+
+
+async def get_sandbox(request: Request) -> Response:
+    manager, sid = _manager(request)
+    with sandbox_errors():
+        return JSONResponse(manager.describe(sid))
+
+
+async def delete_sandbox(request: Request) -> Response:
+    manager, sid = _manager(request)
+    with sandbox_errors():
+        await manager.destroy(sid)
+    return JSONResponse({"session_id": sid, "deleted": True})
+
+
+async def exec_command(request: Request) -> Response:
+    manager, sid = _manager(request)
+    req = validate(ExecRequest, await _body(request))
+    with sandbox_errors():
+        r = await manager.exec(
+            sid, req.command, timeout_s=req.timeout_s, cwd=req.cwd, env=req.env,
+            shell_session=req.shell_session, max_output_bytes=req.max_output_bytes,
+        )  # fmt: skip
+    return JSONResponse(
+        {
+            "exit_code": r.exit_code,
+            "stdout": r.stdout,
+            "stderr": r.stderr,
+            "duration_s": round(r.duration_s, 4),
+            "stdout_truncated": r.stdout_truncated,
+            "stderr_truncated": r.stderr_truncated,
+            # Output that was not UTF-8 was decoded with replacement characters; read files instead.
+            "output_not_utf8": "\ufffd" in r.stdout or "\ufffd" in r.stderr,
+        }
+    )
+
+
+async def read_file(request: Request) -> Response:
+    manager, sid = _manager(request)
+    path = request.query_params.get("path")
+    if path is None:
+        raise InvalidRequest("the query parameter 'path' is required", "path", "missing_required_parameter")
+    with sandbox_errors():
+        data = await manager.read_file(sid, path)
+    try:
+        content, encoding = data.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        content, encoding = base64.b64encode(data).decode(), "base64"
+    return JSONResponse({"path": path, "size": len(data), "encoding": encoding, "content": content})
+
+
+async def write_file(request: Request) -> Response:
+    manager, sid = _manager(request)
+    req = validate(WriteFile, await _body(request))
+    try:
+        data = (
+            base64.b64decode(req.content, validate=True) if req.encoding == "base64" else req.content.encode()
+        )
+    except binascii.Error as e:
+        raise InvalidRequest(f"'content' is not valid base64: {e}", "content", "invalid_value") from e
+    with sandbox_errors():
+        await manager.write_file(sid, req.path, data, mode=req.mode)
+    return JSONResponse({"path": req.path, "size": len(data)})
+
+
+async def list_checkpoints(request: Request) -> Response:
+    manager, sid = _manager(request)
+    with sandbox_errors():
+        return JSONResponse({"data": [c.as_json() for c in manager.checkpoints(sid)]})
+
+
+async def create_checkpoint(request: Request) -> Response:
+    manager, sid = _manager(request)
+    with sandbox_errors():
+        info = await manager.checkpoint(sid)
+    return JSONResponse(info.as_json(), status_code=201)
+
+
+async def restore(request: Request) -> Response:
+    manager, sid = _manager(request)
+    req = validate(RestoreRequest, await _body(request))
+    with sandbox_errors():
+        info = await manager.restore(sid, req.checkpoint_id)
+    return JSONResponse(info.as_json())
+
+
+def routes() -> list[Route]:
+    base = "/api/sessions/{session_id}/sandbox"
+    return [
+        Route(base, create_sandbox, methods=["POST"]),
+        Route(base, get_sandbox, methods=["GET"]),
+        Route(base, delete_sandbox, methods=["DELETE"]),
+        Route(f"{base}/exec", exec_command, methods=["POST"]),
+        Route(f"{base}/files", read_file, methods=["GET"]),
+        Route(f"{base}/files", write_file, methods=["PUT"]),
+        Route(f"{base}/checkpoints", list_checkpoints, methods=["GET"]),
+        Route(f"{base}/checkpoints", create_checkpoint, methods=["POST"]),
+        Route(f"{base}/restore", restore, methods=["POST"]),
+    ]

@@ -1,0 +1,495 @@
+"""Per-session sandboxes for the gateway: tool calls, checkpoints in inference bubbles, and recovery.
+
+`SandboxManager` owns at most one sandbox per session. It runs the blocking `SandboxBackend` in worker
+threads (`asyncio.to_thread`), one operation at a time per sandbox, and is a `TurnObserver`: when a
+session's LLM call starts, `AdaptivePolicy` decides whether to checkpoint the idle sandbox in that
+bubble. Every decision and every checkpoint is a trajectory event.
+
+Each checkpoint is tagged with the session and a turn index, and with `keep_through`: the last turn
+the checkpoint is consistent with. A checkpoint taken in turn k's bubble holds the environment the
+harness had when it asked for turn k, so:
+
+- a harness outside the sandbox keeps turn k: it resumes by re-running turn k's tool calls;
+- a harness inside the sandbox is restored *waiting for* turn k; it will retry that call, so turn k is
+  discarded and the retry extends turn k-1 (prefix reuse ignores discarded turns).
+
+On a sandbox failure (the container is gone or stopped, the exec transport breaks, a tool call hangs
+past its deadline plus `exec_grace_s`), or on an explicit `restore`, the newest checkpoint is restored
+into a new sandbox and the session's later turns are marked discarded (`store.discard_turns_after`).
+A tool call that hit the failure raises `SandboxRestored`, which says where to resume.
+
+Example::
+
+    manager = SandboxManager(DockerSandboxBackend(DockerBackendConfig()), store, SandboxConfig(enabled=True))
+    await manager.create("ses_1", SandboxSpec(image="belayer-sandbox-python"))
+    try:
+        result = await manager.exec("ses_1", "pytest -q", timeout_s=120)
+    except SandboxRestored as restored:
+        resume_after_turn = restored.info.keep_through
+    await manager.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from belayer.config import SandboxConfig
+from gateway.store import EventRecord, TrajectoryStore, TurnRecord
+from sandbox.backend import DEFAULT_SESSION, Checkpoint, ExecResult, SandboxBackend, SandboxSpec
+from sandbox.errors import (
+    PathEscapeError,
+    SandboxError,
+    SandboxFileNotFound,
+    SandboxNotFound,
+    SandboxTimeout,
+    SandboxUnavailable,
+)
+from sandbox.policy import AdaptivePolicy, Decision
+
+log = logging.getLogger("belayer.sandbox")
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- errors
+class NoSandbox(SandboxNotFound):
+    """The session has no sandbox (none was created, or it was destroyed)."""
+
+
+class SandboxExists(SandboxError):
+    """The session already has a sandbox."""
+
+
+class NoCheckpoint(SandboxError, LookupError):
+    """A restore was asked for, but the session has no (such) checkpoint."""
+
+
+class SandboxFailed(SandboxError):
+    """The sandbox failed and there was no checkpoint to restore; the session has no sandbox now."""
+
+
+class SandboxRestored(SandboxError):
+    """The sandbox failed during this call and was restored; resume after turn `info.keep_through`."""
+
+    def __init__(self, message: str, info: RestoreInfo) -> None:
+        super().__init__(message)
+        self.info = info
+
+
+# --------------------------------------------------------------------------- records
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A checkpoint of a session's sandbox, tagged with the turn it belongs to."""
+
+    checkpoint: Checkpoint
+    session_id: str
+    turn_index: int
+    """The turn in whose bubble it was taken (or, outside a bubble, the last turn started); -1: none."""
+    in_bubble: bool
+    """Taken while turn `turn_index`'s LLM call ran."""
+    keep_through: int
+    """The last turn consistent with it: a restore discards the turns after this one."""
+    seconds: float
+    dump_bytes: int
+    trigger: str
+
+    def as_json(self) -> dict[str, Any]:
+        c = self.checkpoint
+        return {
+            "id": c.id, "session_id": self.session_id, "turn_index": self.turn_index,
+            "in_bubble": self.in_bubble, "keep_through": self.keep_through, "trigger": self.trigger,
+            "seconds": round(self.seconds, 4), "fs_seconds": round(c.fs_seconds, 4),
+            "process_seconds": round(c.process_seconds, 4), "dump_bytes": self.dump_bytes,
+            "created_at": c.created_at, "location": c.location,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreInfo:
+    """What a restore did: which checkpoint, the new sandbox, and which turns it discarded."""
+
+    checkpoint_id: str
+    turn_index: int
+    keep_through: int
+    discarded_turns: list[int]
+    sandbox_id: str
+    seconds: float
+    reason: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.checkpoint_id, "turn_index": self.turn_index,
+            "keep_through": self.keep_through, "discarded_turns": self.discarded_turns,
+            "sandbox_id": self.sandbox_id, "seconds": round(self.seconds, 4), "reason": self.reason,
+        }  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One session's sandbox and its recovery state."""
+
+    session_id: str
+    spec: SandboxSpec
+    harness_inside: bool
+    sandbox_id: str | None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    checkpoints: list[CheckpointInfo] = field(default_factory=list)
+    running: dict[int, int] = field(default_factory=dict)  # turn id -> index, LLM calls in flight
+    last_turn: int = -1
+    turns_since_checkpoint: int = 0
+    bytes_written: int = 0
+    session_cost_s: float | None = None
+    checkpointing: bool = False
+    discarded_ids: set[int] = field(default_factory=set)
+    last_restore: RestoreInfo | None = None
+    failure: str | None = None
+
+
+def _tree_bytes(location: str) -> int:
+    root = Path(location)
+    if not root.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+# --------------------------------------------------------------------------- the manager
+class SandboxManager:
+    """Sandboxes per session, their checkpoints, and recovery. See the module docstring."""
+
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        store: TrajectoryStore,
+        settings: SandboxConfig | None = None,
+        engine_load: Callable[[], float] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.settings = settings or SandboxConfig()
+        self.policy = AdaptivePolicy(self.settings.policy)
+        self._engine_load = engine_load or (lambda: 1.0)
+        self._slots: dict[str, _Slot] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def create(self, session_id: str, spec: SandboxSpec, *, harness_inside: bool = False) -> str:
+        """Start the session's sandbox; returns its id."""
+        if session_id in self._slots and self._slots[session_id].sandbox_id is not None:
+            raise SandboxExists(f"session {session_id} already has a sandbox; DELETE it first")
+        labels = {**spec.labels, "belayer.session": session_id}
+        spec = spec.model_copy(update={"labels": labels})
+        box = await asyncio.to_thread(self.backend.create, spec)
+        self._slots[session_id] = _Slot(session_id, spec, harness_inside, box.id)
+        self._event(session_id, None, "sandbox_created", {"sandbox_id": box.id, "image": spec.image})
+        return box.id
+
+    async def destroy(self, session_id: str) -> None:
+        """Remove the session's sandbox and all its checkpoints."""
+        slot = self._slot(session_id)
+        async with slot.lock:
+            self._slots.pop(session_id, None)
+            if slot.sandbox_id is not None:
+                with contextlib.suppress(SandboxError):
+                    await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
+            for info in slot.checkpoints:
+                with contextlib.suppress(SandboxError):
+                    await asyncio.to_thread(self.backend.delete_checkpoint, info.checkpoint)
+        self._event(session_id, None, "sandbox_destroyed", {"sandbox_id": slot.sandbox_id})
+
+    async def close(self) -> None:
+        """Wait for checkpoints in progress, then destroy every sandbox (and its checkpoints)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for session_id in list(self._slots):
+            await self.destroy(session_id)
+
+    def has_sandbox(self, session_id: str) -> bool:
+        return session_id in self._slots
+
+    def describe(self, session_id: str) -> dict[str, Any]:
+        slot = self._slot(session_id)
+        return {
+            "session_id": session_id,
+            "sandbox_id": slot.sandbox_id,
+            "status": "failed" if slot.failure else "running",
+            "failure": slot.failure,
+            "image": slot.spec.image,
+            "harness_inside": slot.harness_inside,
+            "checkpoints": [c.as_json() for c in slot.checkpoints],
+            "last_restore": slot.last_restore.as_json() if slot.last_restore else None,
+        }
+
+    def checkpoints(self, session_id: str) -> list[CheckpointInfo]:
+        return list(self._slot(session_id).checkpoints)
+
+    def release_checkpoints(self, session_id: str) -> list[CheckpointInfo]:
+        """Hand the session's checkpoints to the caller: the manager forgets them and will not delete them."""
+        slot = self._slot(session_id)
+        released, slot.checkpoints = slot.checkpoints, []
+        return released
+
+    def sandbox_id(self, session_id: str) -> str:
+        return self._live(self._slot(session_id))
+
+    # ------------------------------------------------------------------ tool calls
+    async def exec(
+        self,
+        session_id: str,
+        command: str,
+        *,
+        timeout_s: float = 30.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        shell_session: str = DEFAULT_SESSION,
+        max_output_bytes: int = 1 << 20,
+    ) -> ExecResult:
+        """Run a command in the session's sandbox. A failure of the sandbox itself restores it and
+        raises `SandboxRestored` (or `SandboxFailed` when there is no checkpoint)."""
+
+        def call(box: str) -> ExecResult:
+            return self.backend.exec(
+                box, command, timeout_s=timeout_s, cwd=cwd, env=env, session=shell_session,
+                max_output_bytes=max_output_bytes,
+            )  # fmt: skip
+
+        return await self._guarded(session_id, call, timeout_s + self.settings.exec_grace_s, "exec")
+
+    async def read_file(self, session_id: str, path: str) -> bytes:
+        return await self._guarded(
+            session_id, lambda box: self.backend.read_file(box, path), None, "read_file"
+        )
+
+    async def write_file(self, session_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        def call(box: str) -> None:
+            self.backend.write_file(box, path, data, mode=mode)
+
+        await self._guarded(session_id, call, None, "write_file")
+        self._slot(session_id).bytes_written += len(data)
+
+    async def _guarded(self, session_id: str, call: Callable[[str], T], deadline: float | None, op: str) -> T:
+        """Run `call(sandbox_id)` in a thread under the slot's lock; turn sandbox failures into recovery."""
+        slot = self._slot(session_id)
+        async with slot.lock:
+            box = self._live(slot)
+            try:
+                work = asyncio.to_thread(call, box)
+                return await (asyncio.wait_for(work, deadline) if deadline is not None else work)
+            except (SandboxTimeout, PathEscapeError, SandboxFileNotFound, SandboxUnavailable, ValueError):
+                raise  # the command's or the caller's problem, or the engine's: the sandbox is fine
+            except TimeoutError:
+                kind, detail = "tool_hang", f"{op} did not return within {deadline:g}s"
+            except SandboxError as exc:
+                kind, detail = "sandbox_error", f"{op} failed: {exc}"
+            info = await self._recover_locked(slot, kind, detail)
+        raise SandboxRestored(
+            f"the sandbox failed ({detail}); it was restored to the checkpoint of turn {info.turn_index}: "
+            f"continue after turn {info.keep_through} (turns {info.discarded_turns} were discarded)",
+            info,
+        )
+
+    # ------------------------------------------------------------------ checkpoints and restore
+    async def checkpoint(self, session_id: str, *, trigger: str = "explicit") -> CheckpointInfo:
+        """Checkpoint now (waits for the sandbox's current operation)."""
+        slot = self._slot(session_id)
+        async with slot.lock:
+            return await self._checkpoint_locked(slot, trigger, None)
+
+    async def restore(
+        self, session_id: str, checkpoint_id: str | None = None, *, reason: str = "explicit"
+    ) -> RestoreInfo:
+        """Restore the newest (or the given) checkpoint into a new sandbox; truncate the trajectory."""
+        slot = self._slot(session_id)
+        async with slot.lock:
+            return await self._restore_locked(slot, checkpoint_id, reason)
+
+    async def _checkpoint_locked(
+        self, slot: _Slot, trigger: str, bubble: TurnRecord | None
+    ) -> CheckpointInfo:
+        box = self._live(slot)
+        running = bubble.index if bubble is not None else (max(slot.running.values(), default=None))
+        turn_index = running if running is not None else slot.last_turn
+        started = time.monotonic()
+        ckpt = await asyncio.to_thread(
+            self.backend.checkpoint, box, label=f"{slot.session_id}/turn-{turn_index}"
+        )
+        seconds = time.monotonic() - started
+        dump_bytes = await asyncio.to_thread(_tree_bytes, ckpt.location)
+        in_bubble = running is not None and (bubble is None or bubble.id in slot.running)
+        keep = turn_index - 1 if (running is not None and slot.harness_inside) else turn_index
+        info = CheckpointInfo(
+            ckpt, slot.session_id, turn_index, in_bubble, keep, seconds, dump_bytes, trigger
+        )
+        slot.checkpoints.append(info)
+        slot.turns_since_checkpoint = 0
+        slot.bytes_written = 0
+        slot.session_cost_s = seconds
+        self.policy.observe_checkpoint(seconds=seconds, dump_bytes=dump_bytes)
+        self._event(slot.session_id, bubble.id if bubble else None, "sandbox_checkpoint", info.as_json())
+        while len(slot.checkpoints) > self.settings.keep_checkpoints:
+            await self._delete(slot.checkpoints.pop(0))
+        return info
+
+    async def _restore_locked(self, slot: _Slot, checkpoint_id: str | None, reason: str) -> RestoreInfo:
+        if not slot.checkpoints:
+            raise NoCheckpoint(f"session {slot.session_id} has no checkpoint to restore")
+        chosen = slot.checkpoints[-1] if checkpoint_id is None else None
+        for i, candidate in enumerate(slot.checkpoints):
+            if candidate.checkpoint.id == checkpoint_id:
+                chosen = candidate
+                for newer in slot.checkpoints[i + 1 :]:  # they belong to the branch being discarded
+                    await self._delete(newer)
+                del slot.checkpoints[i + 1 :]
+        if chosen is None:
+            raise NoCheckpoint(f"session {slot.session_id} has no checkpoint {checkpoint_id!r}")
+        started = time.monotonic()
+        if slot.sandbox_id is not None:
+            with contextlib.suppress(SandboxError):
+                await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
+            slot.sandbox_id = None
+        try:
+            box = await asyncio.to_thread(self.backend.restore, chosen.checkpoint)
+        except SandboxError as exc:
+            slot.failure = f"restore of checkpoint {chosen.checkpoint.id} failed: {exc}"
+            raise
+        slot.sandbox_id, slot.failure = box.id, None
+        seconds = time.monotonic() - started
+        discarded = self.store.discard_turns_after(
+            slot.session_id, chosen.keep_through, f"sandbox restore: {reason}"
+        )
+        slot.discarded_ids |= set(slot.running)  # in flight now: discarded again when they finish
+        slot.last_turn = chosen.keep_through
+        slot.turns_since_checkpoint = 0
+        info = RestoreInfo(
+            chosen.checkpoint.id, chosen.turn_index, chosen.keep_through, discarded, box.id, seconds, reason
+        )
+        slot.last_restore = info
+        self._event(slot.session_id, None, "sandbox_restored", info.as_json())
+        return info
+
+    async def _recover_locked(self, slot: _Slot, kind: str, detail: str) -> RestoreInfo:
+        self._event(
+            slot.session_id,
+            None,
+            "sandbox_failure",
+            {"kind": kind, "detail": detail, "sandbox_id": slot.sandbox_id},
+        )
+        log.warning("session %s: sandbox %s failed: %s", slot.session_id, slot.sandbox_id, detail)
+        if self.settings.auto_restore and slot.checkpoints:
+            return await self._restore_locked(slot, None, f"{kind}: {detail}")
+        if slot.sandbox_id is not None:
+            with contextlib.suppress(SandboxError):
+                await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
+        slot.sandbox_id, slot.failure = None, f"{kind}: {detail}"
+        raise SandboxFailed(
+            f"the sandbox failed ({detail}) and there is no checkpoint to restore; "
+            "create a new sandbox or a new session"
+        )
+
+    async def _delete(self, info: CheckpointInfo) -> None:
+        with contextlib.suppress(SandboxError):
+            await asyncio.to_thread(self.backend.delete_checkpoint, info.checkpoint)
+
+    # ------------------------------------------------------------------ TurnObserver: the bubble
+    def turn_started(self, turn: TurnRecord) -> None:
+        slot = self._slots.get(turn.session_id)
+        if slot is None or slot.sandbox_id is None:
+            return
+        slot.running[turn.id] = turn.index
+        slot.last_turn = max(slot.last_turn, turn.index)
+        slot.turns_since_checkpoint += 1
+        decision = self.policy.decide(
+            prompt_tokens=len(turn.prompt_ids),
+            engine_load=self._engine_load(),
+            turns_since_checkpoint=slot.turns_since_checkpoint,
+            last_dump_bytes=slot.checkpoints[-1].dump_bytes if slot.checkpoints else 0,
+            bytes_written_since=slot.bytes_written,
+            session_cost_s=slot.session_cost_s,
+        )
+        busy = slot.checkpointing or slot.lock.locked()
+        action = "busy" if decision.checkpoint and busy else decision.action
+        self._event(
+            turn.session_id, turn.id, "sandbox_checkpoint_decision", _decision_json(decision, action, slot)
+        )
+        if decision.checkpoint and not busy:
+            slot.checkpointing = True
+            self._spawn(self._bubble_checkpoint(slot, turn, decision))
+
+    def turn_finished(self, turn: TurnRecord) -> None:
+        slot = self._slots.get(turn.session_id)
+        if slot is None:
+            return
+        slot.running.pop(turn.id, None)
+        if turn.id in slot.discarded_ids:  # it finished after a restore had discarded it
+            slot.discarded_ids.discard(turn.id)
+            self.store.discard_turns(turn.session_id, [turn.id], "finished after a sandbox restore")
+        total_ms, ttft_ms = turn.timings.get("total_ms"), turn.timings.get("ttft_ms")
+        if total_ms is not None:
+            self.policy.observe_turn(
+                prompt_tokens=len(turn.prompt_ids), output_tokens=len(turn.output_ids),
+                seconds=total_ms / 1000, ttft_s=ttft_ms / 1000 if ttft_ms is not None else None,
+            )  # fmt: skip
+
+    async def _bubble_checkpoint(self, slot: _Slot, turn: TurnRecord, decision: Decision) -> None:
+        try:
+            async with slot.lock:
+                if slot.sandbox_id is None or self._slots.get(slot.session_id) is not slot:
+                    return
+                if turn.id not in slot.running:  # the bubble is over: the harness may act again
+                    self._event(
+                        slot.session_id, turn.id, "sandbox_checkpoint_skipped", {"reason": "bubble over"}
+                    )
+                    return
+                await self._checkpoint_locked(slot, decision.action, turn)
+        except SandboxError as exc:
+            log.warning("session %s: checkpoint in turn %d failed: %s", slot.session_id, turn.index, exc)
+            self._event(slot.session_id, turn.id, "sandbox_checkpoint_failed", {"error": str(exc)})
+        finally:
+            slot.checkpointing = False
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sandbox background task failed", exc_info=task.exception())
+
+    async def idle(self) -> None:
+        """Wait until no background checkpoint is running (tests, benchmarks, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # ------------------------------------------------------------------ helpers
+    def _slot(self, session_id: str) -> _Slot:
+        slot = self._slots.get(session_id)
+        if slot is None:
+            raise NoSandbox(
+                f"session {session_id} has no sandbox; create one with POST /api/sessions/{session_id}/sandbox"
+            )
+        return slot
+
+    def _live(self, slot: _Slot) -> str:
+        if slot.sandbox_id is None:
+            raise SandboxFailed(f"the session's sandbox failed earlier ({slot.failure}) and was not restored")
+        return slot.sandbox_id
+
+    def _event(self, session_id: str, turn_id: int | None, kind: str, data: dict[str, Any]) -> None:
+        self.store.add_event(EventRecord(session_id, turn_id, time.time(), kind, data))
+
+
+def _decision_json(d: Decision, action: str, slot: _Slot) -> dict[str, Any]:
+    return {
+        "action": action,
+        "predicted_bubble_s": round(d.predicted_bubble_s, 4),
+        "predicted_cost_s": round(d.predicted_cost_s, 4),
+        "turns_since_checkpoint": slot.turns_since_checkpoint,
+        "reason": d.reason,
+    }
