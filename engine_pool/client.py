@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +98,7 @@ def parse_chunk(choice: dict[str, Any], with_tops: bool = True) -> TokenChunk:
     return TokenChunk(ids, logprobs, tops, choice.get("finish_reason"))
 
 
-def _merge(chunks: list[TokenChunk]) -> TokenChunk | None:
+def merge_chunks(chunks: list[TokenChunk]) -> TokenChunk | None:
     """One chunk for several engine events that arrived together: when the engine outpaces the
     gateway, the per-token work (detokenizing, parsing, one SSE write to the client) is batched."""
     if len(chunks) <= 1:
@@ -152,7 +152,7 @@ class EngineClient:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, stream: bool = True
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         """The tokens generated after ``prompt_ids``: one chunk per engine event when ``stream``,
         else a single chunk once the engine is done (cheaper for short, non-streamed requests)."""
         body = {
@@ -177,7 +177,9 @@ class EngineClient:
                         yield parse_chunk(choice, tops)
                     return
                 async for events in _sse_batches(resp):
-                    chunk = _merge([parse_chunk(c, tops) for ev in events for c in ev.get("choices") or []])
+                    chunk = merge_chunks(
+                        [parse_chunk(c, tops) for ev in events for c in ev.get("choices") or []]
+                    )
                     if chunk is not None:
                         yield chunk
         except httpx.TimeoutException as e:

@@ -25,7 +25,7 @@ from belayer.errors import (
     EngineUnavailable,
     InvalidRequest,
 )
-from engine_pool.client import SamplingParams, TokenChunk
+from engine_pool.client import SamplingParams, TokenChunk, merge_chunks
 from engine_pool.pool import EnginePool, PoolMember
 from gateway.observers import TurnObserver
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
@@ -72,6 +72,28 @@ class _OutputState:
     finish: str = "stop"
     failovers: int = 0
     last_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Pipe:
+    """Chunks handed from the task that reads the engine to the request that consumes them."""
+
+    items: list[TokenChunk] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    done: bool = False
+    error: Exception | None = None
+
+    async def fill(self, chunks: AsyncGenerator[TokenChunk, None]) -> None:
+        try:
+            async for chunk in chunks:
+                self.items.append(chunk)
+                self.wake.set()
+        except Exception as e:
+            self.error = e
+        finally:
+            self.done = True
+            self.wake.set()
+            await chunks.aclose()
 
 
 @dataclass(slots=True)
@@ -249,43 +271,43 @@ class TurnRunner:
     async def _engine_stream(
         self, member: PoolMember, prompt: list[int], params: SamplingParams, stream: bool
     ) -> AsyncGenerator[TokenChunk, None]:
-        """The engine's chunks; with failover on, a stall (no token within ``stall_timeout``) that the
-        worker's health probe confirms raises ``EngineTimeout``."""
+        """The engine's chunks. With failover on, a pump task reads the engine while this side waits with a
+        deadline: no token within ``stall_timeout`` and a failed health probe raise ``EngineTimeout``.
+        Chunks that piled up while the client was being served are merged, so the hand-off costs one wake-up
+        per batch, not per token."""
         chunks = member.client.generate(prompt, params, stream=stream)
         if not self.failover.enabled:
             async for chunk in chunks:
                 yield chunk
             return
-        queue: asyncio.Queue[TokenChunk | BaseException | None] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for chunk in chunks:
-                    queue.put_nowait(chunk)
-                queue.put_nowait(None)
-            except Exception as e:
-                queue.put_nowait(e)
-
-        task = asyncio.create_task(pump())
+        pipe = _Pipe()
+        pump = asyncio.create_task(pipe.fill(chunks))
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), self.failover.stall_timeout)
-                except TimeoutError:
-                    if await self.pool.confirm_failure(member):
-                        raise EngineTimeout(
-                            f"{member.name} sent no token for {self.failover.stall_timeout}s and failed its health probe"
-                        ) from None
-                    continue
-                if item is None:
+                if not pipe.items and not pipe.done:
+                    pipe.wake.clear()
+                    try:
+                        async with asyncio.timeout(self.failover.stall_timeout):
+                            await pipe.wake.wait()
+                    except TimeoutError:
+                        if await self.pool.confirm_failure(member):
+                            raise EngineTimeout(
+                                f"{member.name} sent no token for {self.failover.stall_timeout}s and failed its health probe"
+                            ) from None
+                        continue
+                if pipe.items:
+                    batch, pipe.items = pipe.items, []
+                    merged = merge_chunks(batch)
+                    assert merged is not None
+                    yield merged
+                elif pipe.error is not None:
+                    raise pipe.error
+                elif pipe.done:
                     return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
         finally:
-            task.cancel()
+            pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await pump
 
     def _consume(self, turn: TurnRecord, chunk: TokenChunk, st: _OutputState) -> Delta:
         """Record a chunk's tokens and turn them into visible text. Tokens are taken one at a time so

@@ -35,6 +35,7 @@ from belayer.bench.gateway import (
     Service,
     StreamTally,
     Target,
+    _raise_interrupt,
     base_url,
     emit,
     ensure_model,
@@ -102,10 +103,12 @@ async def _engines(http: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:
     return data
 
 
-async def _wait_until(http: httpx.AsyncClient, url: str, ready: int, shadows: int, timeout: float) -> float:
+async def _wait_until(
+    http: httpx.AsyncClient, url: str, ready: int, shadows: int, timeout: float, exclude: str = ""
+) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        states = [e["state"] for e in await _engines(http, url)]
+        states = [e["state"] for e in await _engines(http, url) if e["name"] != exclude]
         if states.count("ready") >= ready and states.count("shadow") >= shadows:
             return time.monotonic()
         await asyncio.sleep(0.02)
@@ -113,30 +116,38 @@ async def _wait_until(http: httpx.AsyncClient, url: str, ready: int, shadows: in
 
 
 async def kill_once(url: str, opts: argparse.Namespace) -> dict[str, float]:
-    """Stream a long reply, SIGKILL its worker after a few tokens, and time the recovery."""
+    """Stream a long greedy reply, SIGKILL its worker after a few tokens, and time the recovery.
+
+    Tokens are counted exactly (the stream carries one logprob entry per token), so the client's first
+    token generated *after* the failover is known from the trajectory's failover event."""
     async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
-        await _wait_until(http, url, opts.workers, opts.shadows, 600)
+        await _wait_until(http, url, opts.workers, opts.shadows, 900)
         sid = (await http.post(f"{url}/api/sessions", json={})).json()["id"]
         body = {"model": "policy", "messages": [{"role": "user", "content": "count"}], "temperature": 0,
-                "max_tokens": 4000, "stream": True}  # fmt: skip
-        seen, t_kill, failover = 0, 0.0, 0.0
+                "max_tokens": opts.kill_after + 400, "stream": True, "logprobs": True}  # fmt: skip
+        arrivals: list[float] = []  # arrival time of each token at the client
+        t_kill = 0.0
         async with http.stream("POST", f"{url}/s/{sid}/v1/chat/completions", json=body) as r:
             async for line in r.aiter_lines():
-                if not line.startswith("data: {") or '"content":"' not in line:
+                if not line.startswith("data: {"):
                     continue
-                seen += 1
-                if t_kill:
-                    failover = time.monotonic() - t_kill
-                    break
-                if seen == opts.kill_after:
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                n = len(((choices[0].get("logprobs") or {}).get("content")) or [])
+                arrivals += [time.monotonic()] * n
+                if not t_kill and len(arrivals) >= opts.kill_after:
                     victim = next(e for e in await _engines(http, url) if e["outstanding"] > 0)
                     t_kill = time.monotonic()
                     os.killpg(victim["pid"], signal.SIGKILL)
-        capacity = await _wait_until(http, url, opts.workers, 0, 600) - t_kill
-        full = await _wait_until(http, url, opts.workers, opts.shadows, 900) - t_kill
+                    # polled alongside the stream: the pool is back at its configured ready count when?
+                    restored = asyncio.create_task(
+                        _wait_until(http, url, opts.workers, 0, 600, exclude=victim["name"])
+                    )
+        capacity = await restored - t_kill
         events = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()["events"]
-        assert any(e["kind"] == "failover" for e in events), "the failover was not recorded"
-        return {"failover_s": failover, "capacity_restored_s": capacity, "full_strength_s": full}
+        [failover] = [e["data"] for e in events if e["kind"] == "failover"]
+        failover_s = arrivals[failover["token_index"]] - t_kill  # the first resumed token
+        full = await _wait_until(http, url, opts.workers, opts.shadows, 900) - t_kill
+        return {"failover_s": failover_s, "capacity_restored_s": capacity, "full_strength_s": full}
 
 
 async def cold_starts(url: str) -> list[float]:
@@ -191,6 +202,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating throughput rounds per gateway")
     p.add_argument("--skip-overhead", action="store_true")
     opts = p.parse_args(argv[1:] if argv[:1] == ["recovery"] else argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM, like Ctrl-C, stops the servers on the way out
     ensure_model(opts.model)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="belayer-bench-recovery-") as tmp:
