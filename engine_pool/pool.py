@@ -146,9 +146,8 @@ class EnginePool:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await asyncio.gather(*(m.process.stop() for m in self.members if m.process is not None))
         for m in self.members:
-            if m.process is not None:
-                await m.process.stop()
             self._set(m, DEAD, "pool stopped")
 
     # -- health -------------------------------------------------------------------------------------

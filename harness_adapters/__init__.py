@@ -1,2 +1,2 @@
-"""Adapters that run real agent harnesses (Claude Code, mini-swe-agent, OpenHands, OpenCode) against a
-session's base URL, unchanged. Not built yet: see the harness issue."""
+"""Adapters that run real agent harnesses against a session's base URL, unchanged: ``base`` (the seam),
+``claude_code``, ``mini_swe_agent``, and ``scripted_engine`` (a scripted policy for their tests)."""

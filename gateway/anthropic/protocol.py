@@ -74,7 +74,8 @@ Block = Annotated[
 
 
 class Message(_Wire):
-    role: Literal["user", "assistant"]
+    # "system": a mid-conversation system message (Claude Code's beta mid-conversation-system-2026-04-07)
+    role: Literal["user", "assistant", "system"]
     content: Annotated[list[Block], BeforeValidator(_as_blocks)]
 
 

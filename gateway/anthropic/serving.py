@@ -16,6 +16,10 @@ arguments, ``tool`` messages). So they share the chat template, prefix reuse and
   carry no thinking blocks yet: generated ``<think>`` text stays in the text block. A reasoning parser
   must split so that ``<think>{thinking}</think>{text}`` is the generated text.) ``tool_use`` blocks
   become tool calls.
+- A ``system`` message inside ``messages`` (Claude Code sends them, beta
+  ``mid-conversation-system-2026-04-07``) stays a ``system`` message in place, its text blocks joined
+  with ``"\n"``; the chat template decides how it renders (a template that allows a system message
+  only first rejects it with a 400).
 - Blocks the model cannot read (``image``, ``document``, ``redacted_thinking``, …) are a 400 naming the
   block and its index, never dropped. So is a final assistant message (prefill).
 - The request's ``thinking`` setting is ignored: whether the policy thinks is up to the policy.
@@ -56,6 +60,7 @@ ALLOWED = {
     "a user message": "text and tool_result",
     "an assistant message": "text, thinking and tool_use",
     "a tool_result": "text",
+    "a system message": "text",
 }
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -116,6 +121,15 @@ def _user(message: Message, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def _mid_system(message: Message, where: str) -> dict[str, Any]:
+    texts = []
+    for j, block in enumerate(message.content):
+        if not isinstance(block, TextBlock):
+            raise _unsupported(block.type, f"{where}.content[{j}]", "a system message")
+        texts.append(block.text)
+    return {"role": "system", "content": "\n".join(texts)}
+
+
 def _assistant(message: Message, where: str) -> dict[str, Any]:
     text: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -148,6 +162,8 @@ def normalize_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if m.role == "assistant":
             out.append(_assistant(m, where))
+        elif m.role == "system":
+            out.append(_mid_system(m, where))
         else:
             out += _user(m, where)
     return out

@@ -348,7 +348,7 @@ CASES: list[tuple[str, Any, int, str, str]] = [
     ("missing max_tokens", {"model": "policy", "messages": [{"role": "user", "content": "x"}]}, 400,
      "invalid_request_error", "max_tokens"),
     ("empty messages", body(messages=[]), 400, "invalid_request_error", "messages"),
-    ("system role in messages", body(messages=[{"role": "system", "content": "x"}]), 400,
+    ("tool role in messages", body(messages=[{"role": "tool", "content": "x"}]), 400,
      "invalid_request_error", "messages.0.role"),
     ("temperature over 1", body(temperature=1.5), 400, "invalid_request_error", "temperature"),
     ("tool_use without id", body(messages=[{"role": "assistant", "content": [
@@ -471,3 +471,19 @@ async def test_engine_lost_mid_stream_is_an_error_event(tmp_path: Path, tiny_mod
         assert name == "error" and data["type"] == "error" and data["error"]["type"] == "overloaded_error"
         assert "message_stop" not in [n for n, _ in events]
     await engine_http.aclose()
+
+
+async def test_mid_conversation_system_message(gateway: GatewayHarness, claude: Claude) -> None:
+    """Claude Code (beta mid-conversation-system-2026-04-07) sends ``system`` messages inside ``messages``."""
+    gateway.engine.outputs.append(gateway.encode_reply("ok"))
+    msgs: Any = [
+        {"role": "user", "content": "task"},
+        {"role": "system", "content": [{"type": "text", "text": "agents:"}, {"type": "text", "text": "- a"}]},
+    ]
+    await claude().messages.create(model="policy", max_tokens=8, system="top", messages=msgs)
+    expected = [
+        {"role": "system", "content": "top"},
+        {"role": "user", "content": "task"},
+        {"role": "system", "content": "agents:\n- a"},
+    ]
+    assert prompt_text(gateway) == gateway.gw.tokenizer.render(expected, None, add_generation_prompt=True)

@@ -169,6 +169,7 @@ async def test_no_worker_left_waits_then_503(rig: Rig) -> None:
 
 async def test_request_waits_for_a_worker_to_come_back(rig: Rig) -> None:
     pool = rig.gw.pool
+    rig.gw.runner.failover = FailoverConfig(stall_timeout=0.3, no_worker_wait=30.0)  # robust on a busy machine
     for m in pool.members[1:]:
         m.state = "dead"  # only e0 is left in the pool
     rig.faults.faults["e0"] = [Fault("drop_after", 2)]

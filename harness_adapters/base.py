@@ -1,0 +1,95 @@
+"""The harness seam: install a real agent program, point it at one gateway session, run it on a task
+directory, and collect what it reports. The harness itself runs unchanged; only its command line and
+environment name the session URL.
+
+Example::
+
+    adapter = ClaudeCode(root=Path(".cache/harness"))
+    adapter.install()                                        # idempotent
+    outcome = adapter.run(Episode(task="fix hello.py", workdir=repo), session_base_url)
+    assert outcome.ok, outcome.stderr
+
+``session_base_url`` is what ``POST /api/sessions`` returns (``http://host:port/s/{id}/v1``); each
+adapter derives the form its harness wants from it.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class HarnessError(Exception):
+    """A harness could not be installed or started."""
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    task: str
+    workdir: Path
+    max_turns: int = 8
+    timeout_s: float = 180.0
+    home: Path | None = None  # the harness's HOME (its config and state); a fresh temp dir if None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    returncode: int
+    ok: bool  # the harness says the episode finished without an error
+    stdout: str
+    stderr: str
+    duration_s: float
+    report: dict[str, Any] = field(default_factory=dict)  # the harness's own summary, parsed
+
+
+class HarnessAdapter(abc.ABC):
+    """One agent program. Subclasses say how to install it, how to call it and how to read its result."""
+
+    name: str
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()  # where installs go, e.g. .cache/harness
+
+    @abc.abstractmethod
+    def install(self) -> None:
+        """Install the harness under ``root`` unless it is already there."""
+
+    @abc.abstractmethod
+    def command(self, episode: Episode, session_base_url: str, home: Path) -> list[str]: ...
+
+    @abc.abstractmethod
+    def env(self, session_base_url: str, home: Path) -> dict[str, str]:
+        """Variables added to a minimal environment: the session URL, a dummy key, telemetry off."""
+
+    @abc.abstractmethod
+    def collect(self, proc: subprocess.CompletedProcess[str], home: Path, duration_s: float) -> Outcome: ...
+
+    def run(self, episode: Episode, session_base_url: str) -> Outcome:
+        with tempfile.TemporaryDirectory(prefix=f"{self.name}-home-") as tmp:
+            home = episode.home or Path(tmp)
+            home.mkdir(parents=True, exist_ok=True)
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8"}
+            env |= self.env(session_base_url, home)
+            start = time.monotonic()
+            proc = subprocess.run(
+                self.command(episode, session_base_url, home),
+                cwd=episode.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=episode.timeout_s,
+                check=False,
+            )
+            return self.collect(proc, home, time.monotonic() - start)
+
+
+def session_root(session_base_url: str) -> str:
+    """``http://h/s/{id}/v1`` → ``http://h/s/{id}`` (for clients that append ``/v1/...`` themselves)."""
+    return session_base_url.rstrip("/").removesuffix("/v1")
