@@ -169,7 +169,9 @@ async def test_no_worker_left_waits_then_503(rig: Rig) -> None:
 
 async def test_request_waits_for_a_worker_to_come_back(rig: Rig) -> None:
     pool = rig.gw.pool
-    rig.gw.runner.failover = FailoverConfig(stall_timeout=0.3, no_worker_wait=30.0)  # robust on a busy machine
+    rig.gw.runner.failover = FailoverConfig(
+        stall_timeout=0.3, no_worker_wait=30.0
+    )  # robust on a busy machine
     for m in pool.members[1:]:
         m.state = "dead"  # only e0 is left in the pool
     rig.faults.faults["e0"] = [Fault("drop_after", 2)]
@@ -226,3 +228,27 @@ async def test_register_engine_needs_admin_token_then_routes(rig: Rig) -> None:
     _, traj = await rig.chat(True, max_tokens=4)
     assert traj["turns"][0]["worker"] == "remote-3"
     check_exact(rig, traj, 4)
+
+
+async def test_failover_is_invisible_in_an_anthropic_stream(rig: Rig) -> None:
+    rig.faults.faults["e0"] = [Fault("drop_after", 4)]
+    sid = (await rig.client.post("/api/sessions", json={})).json()["id"]
+    body = {
+        "model": "policy",
+        "max_tokens": 10,
+        "stream": True,
+        "messages": [{"role": "user", "content": "go"}],
+    }
+    r = await rig.client.post(f"/s/{sid}/v1/messages", json=body)
+    assert r.status_code == 200
+    kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert "error" not in kinds and kinds[-1] == "message_stop"
+    text = "".join(
+        json.loads(line[6:])["delta"].get("text", "")
+        for line in r.text.splitlines()
+        if line.startswith("data: ") and '"content_block_delta"' in line
+    )
+    traj = (await rig.client.get(f"/api/sessions/{sid}/trajectory")).json()
+    check_exact(rig, traj, 10)
+    assert text == rig.gw.tokenizer.decode(traj["turns"][0]["output_ids"])
+    assert [(f["token_index"], f["to_worker"]) for f in failovers(traj)] == [(4, "remote-1")]
