@@ -98,7 +98,9 @@ def _fake_engine(args: argparse.Namespace) -> int:
     from engine_pool.fake import FakeEngine
 
     engine = FakeEngine(
-        model=args.model, script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(args.tokens)]
+        model=args.model,
+        script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(args.tokens)],
+        token_delay=args.token_delay,
     )
     uvicorn.run(engine.app(), host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

@@ -6,10 +6,8 @@ output for ``/v1/messages…`` paths, and errors raised mid-stream become an ``e
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -19,53 +17,9 @@ from gateway.anthropic.serving import (
     message_request,
     prompt_tokens,
     reject_unsupported,
-    sse,
 )
-from gateway.errors import anthropic_error, for_exception
-from gateway.generation import Delta, Done, GenerationRequest
-from gateway.state import Gateway, gateway_of, read_json, validate
-from gateway.store import SessionRecord
-
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-
-def _session(gw: Gateway, request: Request) -> SessionRecord:
-    sid = request.path_params.get("session_id")
-    if sid is None:
-        return gw.sessions.create({"source": request.url.path}, ephemeral=True)
-    return gw.sessions.get_open(sid)
-
-
-async def _respond(gw: Gateway, gen: GenerationRequest, fmt: MessageFormatter) -> Response:
-    events = gw.runner.run(gen)
-    headers = {"x-belayer-session": gen.session.id}
-    if not gen.stream:
-        async for ev in events:
-            if isinstance(ev, Done):
-                headers["x-belayer-turn"] = str(ev.turn.index)
-                return JSONResponse(fmt.response(ev), headers=headers)
-            fmt.feed(ev)
-        raise AssertionError("generation ended without Done")
-    # Pull the first event before sending headers, so that errors raised before any token (no engine,
-    # context length, engine rejection) still get their proper HTTP status.
-    first = await events.__anext__()
-
-    async def body() -> AsyncIterator[str]:
-        async def chained() -> AsyncIterator[Delta | Done]:
-            yield first
-            async for ev in events:
-                yield ev
-
-        try:
-            async for chunk in fmt.stream(chained()):
-                yield chunk
-        except Exception as e:  # headers are sent: report it in the stream, as Anthropic does
-            status, err = for_exception(e)
-            yield sse("error", anthropic_error(status, err))
-        finally:
-            await events.aclose()
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers | SSE_HEADERS)
+from gateway.responding import respond, session_for
+from gateway.state import gateway_of, read_json, validate
 
 
 async def messages(request: Request) -> Response:
@@ -74,10 +28,10 @@ async def messages(request: Request) -> Response:
     reject_unsupported(raw)
     req = validate(MessagesRequest, raw)
     gw.check_model(req.model)
-    session = _session(gw, request)
+    session = session_for(gw, request)
     gen = message_request(req, raw, session, gw.sessions)
     fmt = MessageFormatter(req.model, prompt_tokens(gen.plan.prompt_ids, gen.forced_prefix, gw.tokenizer))
-    return await _respond(gw, gen, fmt)
+    return await respond(gw, gen, fmt)
 
 
 async def messages_count_tokens(request: Request) -> Response:

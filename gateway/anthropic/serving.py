@@ -48,6 +48,7 @@ from gateway.anthropic.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from gateway.errors import anthropic_error, for_exception
 from gateway.generation import Delta, Done, GenerationRequest, parse_arguments
 from gateway.parsing import ToolCall, tool_choice_prefix
 from gateway.sessions import SessionManager
@@ -374,6 +375,11 @@ class MessageFormatter:
             ("message_delta", {"type": "message_delta", "delta": delta, "usage": message["usage"]}),
             ("message_stop", {"type": "message_stop"}),
         ]
+
+    def stream_error(self, exc: Exception) -> str:
+        """An error after the headers went out: Anthropic's ``event: error``."""
+        status, err = for_exception(exc)
+        return sse("error", anthropic_error(status, err))
 
     def response(self, done: Done) -> dict[str, Any]:
         return self._message(self.blocks, done)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from belayer.errors import BelayerError
-from gateway.errors import for_exception
-from gateway.generation import Delta, Done, GenerationRequest
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving import (
     ChatFormatter,
@@ -20,58 +16,8 @@ from gateway.openai.serving import (
     completion_request,
     reject_unsupported,
 )
-from gateway.state import Gateway, gateway_of, read_json, validate
-from gateway.store import SessionRecord
-
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-
-def _session(gw: Gateway, request: Request) -> SessionRecord:
-    sid = request.path_params.get("session_id")
-    if sid is None:
-        return gw.sessions.create({"source": request.url.path}, ephemeral=True)
-    return gw.sessions.get_open(sid)
-
-
-async def _respond(
-    gw: Gateway,
-    gen: GenerationRequest,
-    fmt: ChatFormatter | CompletionFormatter,
-    stream: bool,
-    include_usage: bool,
-) -> Response:
-    events = gw.runner.run(gen)
-    headers = {"x-belayer-session": gen.session.id}
-    if not stream:
-        tops: list[list[tuple[int, float]]] = []
-        async for ev in events:
-            if isinstance(ev, Done):
-                headers["x-belayer-turn"] = str(ev.turn.index)
-                return JSONResponse(fmt.response(ev, tops), headers=headers)
-            tops += ev.top_logprobs
-        raise AssertionError("generation ended without Done")
-    # Pull the first event before sending headers, so that errors raised before any token (no engine,
-    # context length, engine rejection) still get their proper HTTP status.
-    first = await events.__anext__()
-
-    async def body() -> AsyncIterator[str]:
-        async def chained() -> AsyncIterator[Delta | Done]:
-            yield first
-            async for ev in events:
-                yield ev
-
-        try:
-            async for line in fmt.stream(chained(), include_usage):
-                yield line
-        except BelayerError as e:
-            import json
-
-            _, err = for_exception(e)
-            yield f"data: {json.dumps(err)}\n\n"
-        finally:
-            await events.aclose()
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers | SSE_HEADERS)
+from gateway.responding import respond, session_for
+from gateway.state import gateway_of, read_json, validate
 
 
 async def chat_completions(request: Request) -> Response:
@@ -80,12 +26,11 @@ async def chat_completions(request: Request) -> Response:
     reject_unsupported(raw)
     req = validate(ChatCompletionRequest, raw)
     gw.check_model(req.model)
-    session = _session(gw, request)
+    session = session_for(gw, request)
     gen, top = chat_request(req, raw, session, gw.sessions)
     gen.stream = bool(req.stream)
-    fmt = ChatFormatter(req.model, gw.tokenizer, top)
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await _respond(gw, gen, fmt, bool(req.stream), usage)
+    return await respond(gw, gen, ChatFormatter(req.model, gw.tokenizer, top, usage))
 
 
 async def completions(request: Request) -> Response:
@@ -94,12 +39,11 @@ async def completions(request: Request) -> Response:
     reject_unsupported(raw)
     req = validate(CompletionRequest, raw)
     gw.check_model(req.model)
-    session = _session(gw, request)
+    session = session_for(gw, request)
     gen = completion_request(req, raw, session, gw.tokenizer)
     gen.stream = bool(req.stream)
-    fmt = CompletionFormatter(req.model, gw.tokenizer, req.logprobs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await _respond(gw, gen, fmt, bool(req.stream), usage)
+    return await respond(gw, gen, CompletionFormatter(req.model, gw.tokenizer, req.logprobs, usage))
 
 
 async def models(request: Request) -> Response:

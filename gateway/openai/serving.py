@@ -10,6 +10,7 @@ from typing import Any
 
 from belayer.errors import InvalidRequest
 from engine_pool.client import SamplingParams
+from gateway.errors import for_exception
 from gateway.generation import Delta, Done, GenerationRequest, parse_arguments
 from gateway.openai.protocol import (
     UNSUPPORTED,
@@ -170,10 +171,29 @@ def completion_request(
     )
 
 
-class ChatFormatter:
+class _OpenAIFormatter:
+    """What both OpenAI formatters share: top logprobs gathered from non-streamed deltas, and the
+    in-stream error event."""
+
+    top: int | None
+    tops: list[list[tuple[int, float]]]
+
+    def feed(self, delta: Delta) -> None:
+        self.tops += delta.top_logprobs
+
+    def stream_error(self, exc: Exception) -> str:
+        _, err = for_exception(exc)
+        return f"data: {json.dumps(err)}\n\n"
+
+
+class ChatFormatter(_OpenAIFormatter):
     """Formats one chat completion's events as OpenAI objects."""
 
-    def __init__(self, model: str, tok: ChatTokenizer, top_logprobs: int | None) -> None:
+    def __init__(
+        self, model: str, tok: ChatTokenizer, top_logprobs: int | None, include_usage: bool = False
+    ) -> None:
+        self.include_usage = include_usage
+        self.tops = []
         self.id = f"chatcmpl-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
@@ -219,14 +239,14 @@ class ChatFormatter:
             "total_tokens": done.prompt_tokens + done.completion_tokens,
         }
 
-    def response(self, done: Done, tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
+    def response(self, done: Done) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": done.content or None}
         if done.tool_calls:
             message["tool_calls"] = self._calls(done.tool_calls, stream=False)
         turn = done.turn
         logprobs = None
         if self.top is not None:
-            logprobs = self._logprobs(turn.output_ids, turn.output_logprobs, tops)
+            logprobs = self._logprobs(turn.output_ids, turn.output_logprobs, self.tops)
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -248,12 +268,12 @@ class ChatFormatter:
         }
         return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    async def stream(self, events: AsyncIterator[Delta | Done], include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, events: AsyncIterator[Delta | Done]) -> AsyncIterator[str]:
         yield self._chunk({"role": "assistant", "content": ""})
         async for ev in events:
             if isinstance(ev, Done):
                 yield self._chunk({}, ev.finish_reason)
-                if include_usage:
+                if self.include_usage:
                     body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                             "model": self.model, "choices": [], "usage": self.usage(ev)}  # fmt: skip
                     yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
@@ -269,10 +289,14 @@ class ChatFormatter:
         yield "data: [DONE]\n\n"
 
 
-class CompletionFormatter:
+class CompletionFormatter(_OpenAIFormatter):
     """Formats one text completion's events as OpenAI ``text_completion`` objects."""
 
-    def __init__(self, model: str, tok: ChatTokenizer, top_logprobs: int | None) -> None:
+    def __init__(
+        self, model: str, tok: ChatTokenizer, top_logprobs: int | None, include_usage: bool = False
+    ) -> None:
+        self.include_usage = include_usage
+        self.tops = []
         self.id = f"cmpl-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
@@ -301,16 +325,16 @@ class CompletionFormatter:
             body["usage"] = usage
         return body
 
-    def response(self, done: Done, tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
+    def response(self, done: Done) -> dict[str, Any]:
         t = done.turn
-        lp = self._logprobs(t.output_ids, t.output_logprobs, tops) if self.top is not None else None
+        lp = self._logprobs(t.output_ids, t.output_logprobs, self.tops) if self.top is not None else None
         return self._body(done.content, done.finish_reason, lp, ChatFormatter.usage(done))
 
-    async def stream(self, events: AsyncIterator[Delta | Done], include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, events: AsyncIterator[Delta | Done]) -> AsyncIterator[str]:
         async for ev in events:
             if isinstance(ev, Done):
                 body = self._body(
-                    "", ev.finish_reason, None, ChatFormatter.usage(ev) if include_usage else None
+                    "", ev.finish_reason, None, ChatFormatter.usage(ev) if self.include_usage else None
                 )
             else:
                 lp = (

@@ -95,7 +95,9 @@ def test_sigkill_mid_stream_keeps_committed_turns(engine: str, tmp_path: Path, t
         turns = httpx.get(f"{url}/api/sessions/{sid}/trajectory").json()["turns"]
     finally:
         _stop(gw)
-    assert [t["status"] for t in turns] == ["complete", "complete", "interrupted"]
+    assert [t["status"] for t in turns] == ["complete", "complete", "interrupted"], [
+        (t["status"], len(t["output_ids"]), t["timings"], t["finish_reason"]) for t in turns
+    ]
     for before, after in zip(done, turns, strict=False):
         assert after["prompt_ids"] == before["prompt_ids"] and after["output_ids"] == before["output_ids"]
         assert after["output_logprobs"] == before["output_logprobs"]
