@@ -41,7 +41,7 @@ def setup_logging(level: str = "INFO") -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from belayer.config import FailoverConfig, GatewayConfig
+    from belayer.config import FailoverConfig, GatewayConfig, SandboxConfig
     from gateway.app import build_app
 
     config = GatewayConfig(
@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         shadows=args.shadows,
         admin_token=args.admin_token or os.environ.get("BELAYER_ADMIN_TOKEN"),
+        sandbox=SandboxConfig(enabled=args.sandboxes, checkpoint_dir=args.checkpoint_dir),
         failover=FailoverConfig(
             enabled=not args.no_failover,
             max_failovers=args.max_failovers,
@@ -159,6 +160,14 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--no-failover", action="store_true", help="fail requests instead of resuming them elsewhere"
+    )
+    s.add_argument(
+        "--sandboxes",
+        action="store_true",
+        help="per-session Docker sandboxes with checkpoints (needs Docker + CRIU)",
+    )
+    s.add_argument(
+        "--checkpoint-dir", default="/var/lib/belayer/checkpoints", help="where sandbox checkpoints go"
     )
     s.add_argument("--admin-token", help="enables admin endpoints (POST /api/engines) for this bearer token")
     s.add_argument("--max-failovers", type=int, default=4, help="failovers allowed within one request")
