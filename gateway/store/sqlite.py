@@ -248,7 +248,7 @@ class SqliteStore(TrajectoryStore):
 
     def finish_turn(self, turn: TurnRecord) -> None:
         self._exec(
-            "UPDATE turns SET status = ?, ext_key = ?, output_ids = ?, output_logprobs = ?, response = ?, "
+            "UPDATE turns SET status = CASE status WHEN 'discarded' THEN status ELSE ? END, ext_key = ?, output_ids = ?, output_logprobs = ?, response = ?, "
             "finish_reason = ?, worker = ?, timings = ?, error = ? WHERE id = ?",
             (
                 turn.status,
