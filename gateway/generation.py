@@ -154,7 +154,9 @@ class TurnRunner:
     def prepare(self, req: GenerationRequest) -> tuple[list[int], SamplingParams]:
         """Final prompt ids and sampling parameters; raises the 4xx errors before anything is stored."""
         prompt_ids = req.plan.prompt_ids + (self.tok.encode(req.forced_prefix) if req.forced_prefix else [])
-        bad = next((t for t in prompt_ids if t < 0 or t >= self.tok.vocab_size), None)
+        # Client-supplied token ids (raw completions) may be anything; templated prompts are ours.
+        raw_ids = prompt_ids if req.messages is None else []
+        bad = next((t for t in raw_ids if t < 0 or t >= self.tok.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(
                 f"token id {bad} is outside the vocabulary (0..{self.tok.vocab_size - 1})", "prompt"
@@ -219,9 +221,8 @@ class TurnRunner:
                                 failure = None
                             turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
                             yield self._consume(turn, chunk, st)
-                            if (
-                                st.trimmer.stopped
-                            ):  # a stop string the engine could not see (split by a failover)
+                            # A stop string the engine could not see (split by a failover) ends it here.
+                            if st.trimmer.stopped:
                                 break
                         break
                     except (EngineUnavailable, EngineTimeout) as e:
