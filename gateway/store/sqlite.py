@@ -8,12 +8,13 @@ that, at the cost of an fsync per commit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,21 @@ class SqliteStore(TrajectoryStore):
         except sqlite3.Error as e:
             raise StoreError(f"trajectory store error: {e}") from e
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """Several writes committed together (or not at all), under the store's lock."""
+        try:
+            with self._lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as e:
+            raise StoreError(f"trajectory store error: {e}") from e
+
     def create_session(self, session: SessionRecord) -> SessionRecord:
         with self._lock:
             self._insert_session(session)
@@ -182,47 +198,34 @@ class SqliteStore(TrajectoryStore):
         first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
         new_session: SessionRecord | None = None,
     ) -> TurnRecord:
-        try:
-            with self._lock:
-                db = self._db
-                db.execute("BEGIN IMMEDIATE")
-                try:
-                    if new_session is not None:
-                        self._insert_session(new_session)
-                    turn.index, turn.branch = self._next_index_and_branch(turn)
-                    cur = db.execute(
-                        "INSERT INTO turns (session_id, idx, branch, parent_id, ext_key, status, prompt_ids, "
-                        "prompt_gen_spans, output_ids, output_logprobs, request, timings, received_at) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (
-                            turn.session_id,
-                            turn.index,
-                            turn.branch,
-                            turn.parent_id,
-                            turn.ext_key,
-                            turn.status,
-                            array("I", turn.prompt_ids).tobytes(),
-                            json.dumps(turn.prompt_gen_spans),
-                            b"",
-                            b"",
-                            json.dumps(turn.request),
-                            json.dumps(turn.timings),
-                            turn.received_at,
-                        ),
-                    )
-                    turn.id = int(cur.lastrowid or 0)
-                    if first_event is not None:
-                        kind, data = first_event(turn)
-                        db.execute(
-                            "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
-                            (turn.session_id, turn.id, time.time(), kind, json.dumps(data)),
-                        )
-                    db.execute("COMMIT")
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-        except sqlite3.Error as e:
-            raise StoreError(f"trajectory store error: {e}") from e
+        with self._transaction() as db:
+            if new_session is not None:
+                self._insert_session(new_session)
+            turn.index, turn.branch = self._next_index_and_branch(turn)
+            cur = db.execute(
+                "INSERT INTO turns (session_id, idx, branch, parent_id, ext_key, status, prompt_ids, "
+                "prompt_gen_spans, output_ids, output_logprobs, request, timings, received_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    turn.session_id,
+                    turn.index,
+                    turn.branch,
+                    turn.parent_id,
+                    turn.ext_key,
+                    turn.status,
+                    array("I", turn.prompt_ids).tobytes(),
+                    json.dumps(turn.prompt_gen_spans),
+                    b"",
+                    b"",
+                    json.dumps(turn.request),
+                    json.dumps(turn.timings),
+                    turn.received_at,
+                ),
+            )
+            turn.id = int(cur.lastrowid or 0)
+            if first_event is not None:
+                kind, data = first_event(turn)
+                self._insert_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
         return turn
 
     def _next_index_and_branch(self, turn: TurnRecord) -> tuple[int, int]:
@@ -287,7 +290,11 @@ class SqliteStore(TrajectoryStore):
         return _turn(max(rows, key=lambda r: (rank[r[5]], r[0])))
 
     def add_event(self, event: EventRecord) -> None:
-        self._exec(
+        with self._transaction():
+            self._insert_event(event)
+
+    def _insert_event(self, event: EventRecord) -> None:
+        self._db.execute(
             "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
             (event.session_id, event.turn_id, event.ts, event.kind, json.dumps(event.data)),
         )
@@ -313,26 +320,13 @@ class SqliteStore(TrajectoryStore):
         self, session_id: str, where: str, args: tuple[Any, ...], reason: str, after: int | None
     ) -> list[int]:
         """One transaction: mark the matching turns discarded and record the event."""
-        try:
-            with self._lock:
-                db = self._db
-                db.execute("BEGIN IMMEDIATE")
-                try:
-                    rows = db.execute(f"SELECT idx FROM turns WHERE {where} ORDER BY idx", args).fetchall()
-                    indices = [int(r[0]) for r in rows]
-                    if indices:
-                        db.execute(f"UPDATE turns SET status = ? WHERE {where}", (TURN_DISCARDED, *args))
-                        data = {"after_turn": after, "turn_indices": indices, "reason": reason}
-                        db.execute(
-                            "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
-                            (session_id, None, time.time(), "turns_discarded", json.dumps(data)),
-                        )
-                    db.execute("COMMIT")
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-        except sqlite3.Error as e:
-            raise StoreError(f"trajectory store error: {e}") from e
+        with self._transaction() as db:
+            rows = db.execute(f"SELECT idx FROM turns WHERE {where} ORDER BY idx", args).fetchall()
+            indices = [int(r[0]) for r in rows]
+            if indices:
+                db.execute(f"UPDATE turns SET status = ? WHERE {where}", (TURN_DISCARDED, *args))
+                data = {"after_turn": after, "turn_indices": indices, "reason": reason}
+                self._insert_event(EventRecord(session_id, None, time.time(), "turns_discarded", data))
         return indices
 
     def close(self) -> None:
