@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,13 +92,16 @@ def _system(blocks: list[TextBlock] | None) -> str:
     return "".join(b.text for b in blocks or [] if not b.text.startswith(BILLING_HEADER))
 
 
-def _tool_result(block: ToolResultBlock, where: str) -> dict[str, Any]:
-    texts = []
-    for k, part in enumerate(block.content):
+def _joined_text(blocks: Sequence[Any], where: str, context: str) -> str:
+    """The text of blocks that may only be text, joined with newlines; anything else is a clear 400."""
+    for k, part in enumerate(blocks):
         if not isinstance(part, TextBlock):
-            raise _unsupported(part.type, f"{where}.content[{k}]", "a tool_result")
-        texts.append(part.text)
-    text = "\n".join(texts)
+            raise _unsupported(part.type, f"{where}.content[{k}]", context)
+    return "\n".join(part.text for part in blocks)
+
+
+def _tool_result(block: ToolResultBlock, where: str) -> dict[str, Any]:
+    text = _joined_text(block.content, where, "a tool_result")
     if block.is_error:
         text = TOOL_ERROR_PREFIX + text
     return {"role": "tool", "content": text, "tool_call_id": block.tool_use_id}
@@ -123,12 +126,7 @@ def _user(message: Message, where: str) -> list[dict[str, Any]]:
 
 
 def _mid_system(message: Message, where: str) -> dict[str, Any]:
-    texts = []
-    for j, block in enumerate(message.content):
-        if not isinstance(block, TextBlock):
-            raise _unsupported(block.type, f"{where}.content[{j}]", "a system message")
-        texts.append(block.text)
-    return {"role": "system", "content": "\n".join(texts)}
+    return {"role": "system", "content": _joined_text(message.content, where, "a system message")}
 
 
 def _assistant(message: Message, where: str) -> dict[str, Any]:
