@@ -32,6 +32,18 @@ class SandboxConfig(BaseModel):
         default=15.0, gt=0, description="a tool call unanswered timeout_s + this long has hung the sandbox"
     )
     auto_restore: bool = Field(default=True, description="restore the newest checkpoint on a failure")
+    watch_interval_s: float = Field(
+        default=0.5, gt=0, description="how often idle sandboxes are checked for a stopped container"
+    )
+    sandbox_port: int | None = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description=(
+            "port of the listener that network='gateway' sandboxes reach (on the sandbox network's host "
+            "address; it serves only each sandbox's own session); 0 picks a free one, None turns it off"
+        ),
+    )
 
 
 class GatewayConfig(BaseModel):

@@ -1,4 +1,7 @@
-"""The trainer's sessions API: create, read, reward, close."""
+"""The trainer's sessions API: create (optionally with a sandbox), read, reward, close.
+
+Closing a session destroys its sandbox and the sandbox's checkpoints; the trajectory stays.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from belayer.errors import Forbidden
+from gateway import sandbox_api
 from gateway.export import aligned_logprobs, branch_leaves
 from gateway.state import Gateway, gateway_of, read_json, validate
 from gateway.store import SessionRecord, TurnRecord
@@ -20,6 +24,8 @@ from gateway.store import SessionRecord, TurnRecord
 class CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     metadata: dict[str, Any] = Field(default_factory=dict)
+    sandbox: dict[str, Any] | None = None
+    """A sandbox spec (the body of POST /api/sessions/{id}/sandbox) to create with the session."""
 
 
 class Reward(BaseModel):
@@ -77,8 +83,17 @@ async def create_session(request: Request) -> Response:
     gw = gateway_of(request)
     body = await read_json(request, gw.config.max_body_bytes) if await request.body() else {}
     req = validate(CreateSession, body)
+    if req.sandbox is not None:
+        manager = sandbox_api.manager_of(gw)
     session = gw.sessions.create(req.metadata)
-    return JSONResponse(_summary(gw, request, session), status_code=201)
+    summary = _summary(gw, request, session)
+    if req.sandbox is not None:
+        try:
+            summary["sandbox"] = await sandbox_api.create_for(manager, session.id, req.sandbox)
+        except Exception:  # no session without the sandbox it was asked with
+            _close(gw, session)
+            raise
+    return JSONResponse(summary, status_code=201)
 
 
 async def list_sessions(request: Request) -> Response:
@@ -137,10 +152,17 @@ async def set_reward(request: Request) -> Response:
 async def close_session(request: Request) -> Response:
     gw = gateway_of(request)
     session = gw.sessions.get(request.path_params["session_id"])
+    _close(gw, session)
+    if gw.sandboxes is not None and gw.sandboxes.has_sandbox(session.id):
+        with sandbox_api.sandbox_errors():
+            await gw.sandboxes.destroy(session.id)
+    return JSONResponse(_summary(gw, request, session))
+
+
+def _close(gw: Gateway, session: SessionRecord) -> None:
     if session.status == "open":
         session.status, session.closed_at = "closed", time.time()
         gw.store.update_session(session)
-    return JSONResponse(_summary(gw, request, session))
 
 
 async def engines(request: Request) -> Response:

@@ -31,6 +31,7 @@ from gateway.errors import handlers
 from gateway.generation import TurnRunner
 from gateway.observers import TurnObserver
 from gateway.openai import routes as openai_routes
+from gateway.sandbox_listener import serve_sandboxes
 from gateway.sessions import SessionManager
 from gateway.state import Gateway, gateway_of
 from gateway.store import SqliteStore
@@ -84,6 +85,10 @@ def build_app(
                 sandboxes = await owned.enter_async_context(
                     sandbox_api.open_sandboxes(config.sandbox, store, the_pool, sandbox_backend)
                 )
+                if sandboxes is not None and config.sandbox.sandbox_port is not None:
+                    await owned.enter_async_context(
+                        serve_sandboxes(app, sandboxes, sandboxes.backend, config.sandbox.sandbox_port)
+                    )
                 watchers = [*(observers or []), *([sandboxes] if sandboxes else [])]
                 app.state.gateway = Gateway(
                     config,

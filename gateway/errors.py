@@ -62,7 +62,7 @@ ANTHROPIC_ERROR_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
-_ANTHROPIC_PATH = re.compile(r"/v1/messages(/|$)")
+ANTHROPIC_PATH = re.compile(r"/v1/messages(/|$)")
 
 
 def anthropic_error(status: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def anthropic_error(status: int, body: dict[str, Any]) -> dict[str, Any]:
 
 async def _handle(request: Request, exc: Exception) -> Response:
     status, body = for_exception(exc)
-    if _ANTHROPIC_PATH.search(request.url.path):
+    if ANTHROPIC_PATH.search(request.url.path):
         body = anthropic_error(status, body)
     return JSONResponse(body, status_code=status)
 

@@ -32,11 +32,17 @@ class Formatter(Protocol):
         """Streamed: the SSE text that reports an error after the headers went out."""
 
 
-def session_for(gw: Gateway, request: Request) -> SessionRecord:
-    """The request's session: ``/s/{id}/…`` names an open one; plain ``/v1/…`` gets a one-request session."""
+async def session_for(gw: Gateway, request: Request) -> SessionRecord:
+    """The request's session: ``/s/{id}/…`` names an open one; plain ``/v1/…`` gets a one-request session.
+
+    While the session's sandbox is being restored, this waits: the request must meet the truncated
+    trajectory (a harness inside the sandbox retries its call as soon as it is back).
+    """
     sid = request.path_params.get("session_id")
     if sid is None:
         return gw.sessions.create({"source": request.url.path}, ephemeral=True)
+    if gw.sandboxes is not None:
+        await gw.sandboxes.settled(sid)
     return gw.sessions.get_open(sid)
 
 

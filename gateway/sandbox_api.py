@@ -3,6 +3,7 @@
 ::
 
     POST   /api/sessions/{id}/sandbox               {"image": ..., "workdir"?, "memory_mb"?, ...} -> 201
+                                                    (or POST /api/sessions {"sandbox": {...}})
     GET    /api/sessions/{id}/sandbox               state, checkpoints, last restore
     DELETE /api/sessions/{id}/sandbox
     POST   /api/sessions/{id}/sandbox/exec          {"command": ..., "timeout_s"?, "cwd"?, "env"?}
@@ -33,7 +34,7 @@ from starlette.routing import Route
 from belayer.config import SandboxConfig
 from belayer.errors import InvalidRequest, RequestError
 from engine_pool.pool import EnginePool
-from gateway.state import gateway_of, read_json, validate
+from gateway.state import Gateway, gateway_of, read_json, validate
 from gateway.store import TrajectoryStore
 from sandbox.backend import SandboxBackend, SandboxSpec
 from sandbox.errors import (
@@ -107,6 +108,8 @@ class CreateSandbox(BaseModel):
     memory_mb: int = Field(default=512, ge=16, le=65536)
     pids_limit: int = Field(default=256, ge=8, le=32768)
     cpus: float = Field(default=1.0, gt=0, le=64)
+    network: Literal["none", "gateway", "full"] = "none"
+    """none: loopback only; gateway: only this gateway's sandbox listener (for a harness inside)."""
     harness_inside: bool = False
     """The harness runs in this sandbox: a restore discards the turn it was waiting for (it retries it)."""
 
@@ -179,13 +182,16 @@ def sandbox_errors(*, creating: bool = False) -> Iterator[None]:
 
 def _manager(request: Request) -> tuple[SandboxManager, str]:
     gw = gateway_of(request)
+    return manager_of(gw), gw.sessions.get(request.path_params["session_id"]).id
+
+
+def manager_of(gw: Gateway) -> SandboxManager:
     if gw.sandboxes is None:
         raise SandboxRequestError(
             "sandboxes are not enabled on this gateway; start it with sandboxes enabled",
             404, "sandboxes_disabled",
         )  # fmt: skip
-    session = gw.sessions.get(request.path_params["session_id"])
-    return gw.sandboxes, session.id
+    return gw.sandboxes
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -197,11 +203,17 @@ async def _body(request: Request) -> dict[str, Any]:
 async def create_sandbox(request: Request) -> Response:
     manager, sid = _manager(request)
     gateway_of(request).sessions.get_open(sid)
-    req = validate(CreateSandbox, await _body(request))
+    return JSONResponse(await create_for(manager, sid, await _body(request)), status_code=201)
+
+
+async def create_for(manager: SandboxManager, sid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Create session `sid`'s sandbox from a `CreateSandbox` body; return its description."""
+    req = validate(CreateSandbox, body)
     try:
         spec = SandboxSpec(
             image=req.image, workdir=req.workdir, shell=req.shell, env=req.env,
             memory_bytes=req.memory_mb << 20, pids_limit=req.pids_limit, cpus=req.cpus,
+            network=req.network,
         )  # fmt: skip
     except ValidationError as e:
         first = e.errors()[0]
@@ -209,7 +221,7 @@ async def create_sandbox(request: Request) -> Response:
         raise InvalidRequest(f"invalid value for '{param}': {first['msg']}", param, "invalid_value") from e
     with sandbox_errors(creating=True):
         await manager.create(sid, spec, harness_inside=req.harness_inside)
-    return JSONResponse(manager.describe(sid), status_code=201)
+    return manager.describe(sid)
 
 
 async def get_sandbox(request: Request) -> Response:

@@ -26,7 +26,7 @@ import posixpath
 import re
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -42,6 +42,12 @@ class SandboxSpec(BaseModel):
     """What to create: the image, the agent's shell, and the isolation limits.
 
     Defaults are locked down: no network, every capability dropped, no-new-privileges.
+    `network` is one of:
+
+    - ``"none"``: no interface but loopback;
+    - ``"gateway"``: the one address where the gateway listens for its sandboxes, and nothing else
+      (for a harness that runs inside the sandbox); see `SandboxBackend.open_gateway`;
+    - ``"full"``: the engine's default bridge, with outbound access.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -55,9 +61,16 @@ class SandboxSpec(BaseModel):
     memory_bytes: int = 512 * 1024 * 1024
     pids_limit: int = 256
     cpus: float = 1.0
-    network: bool = False
+    network: Literal["none", "gateway", "full"] = "none"
     cap_add: tuple[str, ...] = ()
     labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("network", mode="before")
+    @classmethod
+    def _network_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # the older boolean form
+            return "full" if value else "none"
+        return value
 
     @field_validator("workdir", "shell")
     @classmethod
@@ -121,6 +134,20 @@ class Checkpoint:
     """The container's full environment (image ENV plus `spec.env`), as `NAME=value`."""
 
 
+@dataclass(frozen=True, slots=True)
+class SandboxStatus:
+    """Whether a sandbox still runs, and why not."""
+
+    running: bool
+    exit_code: int | None = None
+    oom_killed: bool = False
+    detail: str = ""
+
+    @property
+    def failure_kind(self) -> str:
+        return "oom" if self.oom_killed else "exited"
+
+
 class SandboxBackend(abc.ABC):
     """Creates sandboxes, runs commands in them, and checkpoints and restores them."""
 
@@ -170,6 +197,27 @@ class SandboxBackend(abc.ABC):
     @abc.abstractmethod
     def delete_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Free the checkpoint's storage; it cannot be restored afterwards."""
+
+    @abc.abstractmethod
+    def status(self, sandbox_id: str) -> SandboxStatus:
+        """Whether the sandbox runs; raises `SandboxNotFound` when it is gone altogether."""
+
+    @abc.abstractmethod
+    def address(self, sandbox_id: str) -> str | None:
+        """The sandbox's address on the gateway network (None when it is not on it)."""
+
+    @abc.abstractmethod
+    def gateway_address(self) -> str:
+        """Prepare the network of ``network="gateway"`` sandboxes; return the host's address on it."""
+
+    @abc.abstractmethod
+    def open_gateway(self, port: int) -> None:
+        """Let ``network="gateway"`` sandboxes reach `port` at `gateway_address()`, and nothing else
+        (idempotent; several gateways may share the network)."""
+
+    @abc.abstractmethod
+    def close_gateway(self, port: int) -> None:
+        """Withdraw what `open_gateway(port)` allowed."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release the backend's own resources (not the sandboxes)."""

@@ -52,6 +52,7 @@ from sandbox.backend import (
     Sandbox,
     SandboxBackend,
     SandboxSpec,
+    SandboxStatus,
     check_env_name,
     check_session_name,
     resolve_in_root,
@@ -66,6 +67,7 @@ from sandbox.errors import (
     SandboxTimeout,
     SandboxUnavailable,
 )
+from sandbox.network import GatewayNetwork
 
 _CRIU_NAME = "criu"
 _SPEC_LABEL = "belayer.spec"
@@ -89,6 +91,9 @@ class DockerBackendConfig(BaseModel):
     """Flatten a sandbox's snapshot image before its layer chain reaches Docker's limit of 125."""
     name_prefix: str = "belayer-sbx"
     checkpoint_repository: str = "belayer-checkpoint"
+    gateway_network: str = "belayer-gateway"
+    """The internal network of `network="gateway"` sandboxes (see `sandbox.network`)."""
+    gateway_bridge: str = "belayer-gw0"
 
 
 @contextlib.contextmanager
@@ -119,6 +124,7 @@ class DockerSandboxBackend(SandboxBackend):
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._data_root: Path | None = None
+        self._network = GatewayNetwork(self._api, config.gateway_network, config.gateway_bridge)
 
     # ------------------------------------------------------------------ lifecycle
     def create(self, spec: SandboxSpec) -> Sandbox:
@@ -149,6 +155,39 @@ class DockerSandboxBackend(SandboxBackend):
 
     def close(self) -> None:
         self._client.close()
+
+    def status(self, sandbox_id: str) -> SandboxStatus:
+        with docker_errors():
+            state = self._api.inspect_container(sandbox_id)["State"]
+        if state.get("Running"):
+            return SandboxStatus(running=True)
+        detail = f"container {state.get('Status', 'stopped')}, exit code {state.get('ExitCode')}"
+        if state.get("OOMKilled"):
+            detail += ", killed for running out of memory (raise memory_mb)"
+        if state.get("Error"):
+            detail += f": {state['Error']}"
+        return SandboxStatus(
+            running=False, exit_code=state.get("ExitCode"), oom_killed=bool(state.get("OOMKilled")),
+            detail=detail,
+        )  # fmt: skip
+
+    def address(self, sandbox_id: str) -> str | None:
+        with docker_errors():
+            networks = self._api.inspect_container(sandbox_id)["NetworkSettings"].get("Networks") or {}
+        ip = (networks.get(self._config.gateway_network) or {}).get("IPAddress")
+        return str(ip) if ip else None
+
+    def gateway_address(self) -> str:
+        with docker_errors(SandboxUnavailable):
+            return self._network.ensure()
+
+    def open_gateway(self, port: int) -> None:
+        with docker_errors(SandboxUnavailable):
+            self._network.open(port)
+
+    def close_gateway(self, port: int) -> None:
+        with docker_errors(SandboxUnavailable):
+            self._network.close(port)
 
     # ------------------------------------------------------------------ exec
     def exec(
@@ -351,8 +390,11 @@ class DockerSandboxBackend(SandboxBackend):
 
     # ------------------------------------------------------------------ helpers
     def _create_container(self, name: str, spec: SandboxSpec, image: str, env: list[str]) -> str:
+        if spec.network == "gateway":
+            self._network.ensure()
+        network_mode = {"none": "none", "full": "bridge", "gateway": self._config.gateway_network}
         host_config = self._api.create_host_config(
-            network_mode="bridge" if spec.network else "none",
+            network_mode=network_mode[spec.network],
             cap_drop=["ALL"],
             cap_add=list(spec.cap_add) or None,
             security_opt=["no-new-privileges"],

@@ -18,6 +18,16 @@ past its deadline plus `exec_grace_s`), or on an explicit `restore`, the newest 
 into a new sandbox and the session's later turns are marked discarded (`store.discard_turns_after`).
 A tool call that hit the failure raises `SandboxRestored`, which says where to resume.
 
+A watcher polls every sandbox's state (`watch_interval_s`), so a container that dies while nobody
+calls into it (an OOM kill, a crash of a harness running inside) is restored at once. A harness
+outside learns of it from its next tool call (`SandboxRestored`, before anything runs). While a
+session's sandbox is being restored, `settled()` holds the session's next LLM request back, so that
+the request is matched against the truncated trajectory.
+
+A sandbox with ``network="gateway"`` can reach the gateway's sandbox listener (`gateway_url`) and
+nothing else; it gets ``OPENAI_BASE_URL``, ``ANTHROPIC_BASE_URL`` and ``BELAYER_SESSION_URL`` pointing
+at its own session, and the listener only serves that session (`session_for_address`).
+
 Example::
 
     manager = SandboxManager(DockerSandboxBackend(DockerBackendConfig()), store, SandboxConfig(enabled=True))
@@ -42,7 +52,14 @@ from typing import Any, TypeVar
 
 from belayer.config import SandboxConfig
 from gateway.store import EventRecord, TrajectoryStore, TurnRecord
-from sandbox.backend import DEFAULT_SESSION, Checkpoint, ExecResult, SandboxBackend, SandboxSpec
+from sandbox.backend import (
+    DEFAULT_SESSION,
+    Checkpoint,
+    ExecResult,
+    SandboxBackend,
+    SandboxSpec,
+    SandboxStatus,
+)
 from sandbox.errors import (
     PathEscapeError,
     SandboxError,
@@ -148,6 +165,10 @@ class _Slot:
     checkpointing: bool = False
     discarded_ids: set[int] = field(default_factory=set)
     last_restore: RestoreInfo | None = None
+    unreported: RestoreInfo | None = None
+    """A restore made while no call was in flight; the next tool call of a harness outside reports it."""
+    restoring: bool = False
+    address: str | None = None
     failure: str | None = None
 
 
@@ -176,6 +197,9 @@ class SandboxManager:
         self._engine_load = engine_load or (lambda: 1.0)
         self._slots: dict[str, _Slot] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._watcher: asyncio.Task[None] | None = None
+        self.gateway_url: str | None = None
+        """Where sandboxes with network="gateway" reach the gateway (set by the app's listener)."""
 
     # ------------------------------------------------------------------ lifecycle
     async def create(self, session_id: str, spec: SandboxSpec, *, harness_inside: bool = False) -> str:
@@ -183,11 +207,48 @@ class SandboxManager:
         if session_id in self._slots and self._slots[session_id].sandbox_id is not None:
             raise SandboxExists(f"session {session_id} already has a sandbox; DELETE it first")
         labels = {**spec.labels, "belayer.session": session_id}
-        spec = spec.model_copy(update={"labels": labels})
+        spec = spec.model_copy(update={"labels": labels, "env": self._gateway_env(session_id, spec)})
         box = await asyncio.to_thread(self.backend.create, spec)
-        self._slots[session_id] = _Slot(session_id, spec, harness_inside, box.id)
-        self._event(session_id, None, "sandbox_created", {"sandbox_id": box.id, "image": spec.image})
+        slot = _Slot(session_id, spec, harness_inside, box.id)
+        self._slots[session_id] = slot
+        await self._locate(slot)
+        self._event(
+            session_id, None, "sandbox_created",
+            {"sandbox_id": box.id, "image": spec.image, "network": spec.network, "address": slot.address},
+        )  # fmt: skip
+        self._ensure_watcher()
         return box.id
+
+    def _gateway_env(self, session_id: str, spec: SandboxSpec) -> dict[str, str]:
+        if spec.network != "gateway":
+            return spec.env
+        if self.gateway_url is None:
+            raise SandboxError(
+                "network='gateway' needs the gateway's sandbox listener, which is not running here "
+                "(it needs a Docker engine and iptables as root); use network='none'"
+            )
+        url = f"{self.gateway_url}/s/{session_id}"
+        defaults = {
+            "BELAYER_SESSION_URL": url, "OPENAI_BASE_URL": f"{url}/v1", "ANTHROPIC_BASE_URL": url,
+            "OPENAI_API_KEY": "belayer", "ANTHROPIC_API_KEY": "belayer",
+        }  # fmt: skip
+        return {**defaults, **spec.env}
+
+    async def _locate(self, slot: _Slot) -> None:
+        slot.address = None
+        if slot.spec.network == "gateway" and slot.sandbox_id is not None:
+            slot.address = await asyncio.to_thread(self.backend.address, slot.sandbox_id)
+
+    def session_for_address(self, address: str) -> str | None:
+        """The session whose sandbox has this address on the gateway network, if any."""
+        return next((s.session_id for s in self._slots.values() if s.address == address), None)
+
+    async def settled(self, session_id: str) -> None:
+        """Return once the session's sandbox is not being restored (the trajectory is truncated)."""
+        slot = self._slots.get(session_id)
+        if slot is not None and slot.restoring:
+            async with slot.lock:
+                pass
 
     async def destroy(self, session_id: str) -> None:
         """Remove the session's sandbox and all its checkpoints."""
@@ -204,6 +265,11 @@ class SandboxManager:
 
     async def close(self) -> None:
         """Wait for checkpoints in progress, then destroy every sandbox (and its checkpoints)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for session_id in list(self._slots):
@@ -276,6 +342,14 @@ class SandboxManager:
         """Run `call(sandbox_id)` in a thread under the slot's lock; turn sandbox failures into recovery."""
         slot = self._slot(session_id)
         async with slot.lock:
+            if slot.unreported is not None and not slot.harness_inside:
+                info, slot.unreported = slot.unreported, None
+                raise SandboxRestored(
+                    f"the sandbox failed ({info.reason}) before this call and was restored to the checkpoint "
+                    f"of turn {info.turn_index}: continue after turn {info.keep_through} (turns "
+                    f"{info.discarded_turns} were discarded); nothing of this call ran",
+                    info,
+                )
             box = self._live(slot)
             try:
                 work = asyncio.to_thread(call, box)
@@ -286,6 +360,9 @@ class SandboxManager:
                 kind, detail = "tool_hang", f"{op} did not return within {deadline:g}s"
             except SandboxError as exc:
                 kind, detail = "sandbox_error", f"{op} failed: {exc}"
+                status = await self._status(box)
+                if status is not None and not status.running:
+                    kind, detail = status.failure_kind, f"{op} failed: {status.detail}"
             info = await self._recover_locked(slot, kind, detail)
         raise SandboxRestored(
             f"the sandbox failed ({detail}); it was restored to the checkpoint of turn {info.turn_index}: "
@@ -348,16 +425,11 @@ class SandboxManager:
         if chosen is None:
             raise NoCheckpoint(f"session {slot.session_id} has no checkpoint {checkpoint_id!r}")
         started = time.monotonic()
-        if slot.sandbox_id is not None:
-            with contextlib.suppress(SandboxError):
-                await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
-            slot.sandbox_id = None
+        slot.restoring, slot.unreported = True, None
         try:
-            box = await asyncio.to_thread(self.backend.restore, chosen.checkpoint)
-        except SandboxError as exc:
-            slot.failure = f"restore of checkpoint {chosen.checkpoint.id} failed: {exc}"
-            raise
-        slot.sandbox_id, slot.failure = box.id, None
+            box = await self._restore_sandbox(slot, chosen)
+        finally:
+            slot.restoring = False
         seconds = time.monotonic() - started
         discarded = self.store.discard_turns_after(
             slot.session_id, chosen.keep_through, f"sandbox restore: {reason}"
@@ -366,11 +438,25 @@ class SandboxManager:
         slot.last_turn = chosen.keep_through
         slot.turns_since_checkpoint = 0
         info = RestoreInfo(
-            chosen.checkpoint.id, chosen.turn_index, chosen.keep_through, discarded, box.id, seconds, reason
+            chosen.checkpoint.id, chosen.turn_index, chosen.keep_through, discarded, box, seconds, reason
         )
         slot.last_restore = info
         self._event(slot.session_id, None, "sandbox_restored", info.as_json())
         return info
+
+    async def _restore_sandbox(self, slot: _Slot, chosen: CheckpointInfo) -> str:
+        if slot.sandbox_id is not None:
+            with contextlib.suppress(SandboxError):
+                await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
+            slot.sandbox_id, slot.address = None, None
+        try:
+            box = await asyncio.to_thread(self.backend.restore, chosen.checkpoint)
+        except SandboxError as exc:
+            slot.failure = f"restore of checkpoint {chosen.checkpoint.id} failed: {exc}"
+            raise
+        slot.sandbox_id, slot.failure = box.id, None
+        await self._locate(slot)
+        return box.id
 
     async def _recover_locked(self, slot: _Slot, kind: str, detail: str) -> RestoreInfo:
         self._event(
@@ -385,7 +471,7 @@ class SandboxManager:
         if slot.sandbox_id is not None:
             with contextlib.suppress(SandboxError):
                 await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
-        slot.sandbox_id, slot.failure = None, f"{kind}: {detail}"
+        slot.sandbox_id, slot.address, slot.failure = None, None, f"{kind}: {detail}"
         raise SandboxFailed(
             f"the sandbox failed ({detail}) and there is no checkpoint to restore; "
             "create a new sandbox or a new session"
@@ -394,6 +480,46 @@ class SandboxManager:
     async def _delete(self, info: CheckpointInfo) -> None:
         with contextlib.suppress(SandboxError):
             await asyncio.to_thread(self.backend.delete_checkpoint, info.checkpoint)
+
+    # ------------------------------------------------------------------ the watcher
+    def _ensure_watcher(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Poll every idle sandbox; restore one that stopped (see the module docstring)."""
+        while True:
+            await asyncio.sleep(self.settings.watch_interval_s)
+            for slot in list(self._slots.values()):
+                if slot.sandbox_id is None or slot.lock.locked():
+                    continue  # failed already, or a call in progress will see the failure itself
+                status = await self._status(slot.sandbox_id)
+                if status is None or status.running:
+                    continue
+                try:
+                    await self._recover_stopped(slot, status)
+                except SandboxError as exc:
+                    log.warning("session %s: recovery failed: %s", slot.session_id, exc)
+
+    async def _recover_stopped(self, slot: _Slot, status: SandboxStatus) -> None:
+        async with slot.lock:
+            box = slot.sandbox_id
+            if box is None or self._slots.get(slot.session_id) is not slot:
+                return
+            status = await self._status(box) or status  # re-check under the lock
+            if status.running:
+                return
+            info = await self._recover_locked(slot, status.failure_kind, f"sandbox stopped: {status.detail}")
+            slot.unreported = info
+
+    async def _status(self, box: str) -> SandboxStatus | None:
+        """The sandbox's state; a vanished container counts as stopped, an unreachable engine as unknown."""
+        try:
+            return await asyncio.to_thread(self.backend.status, box)
+        except SandboxNotFound:
+            return SandboxStatus(running=False, detail="the container no longer exists")
+        except SandboxError:
+            return None
 
     # ------------------------------------------------------------------ TurnObserver: the bubble
     def turn_started(self, turn: TurnRecord) -> None:

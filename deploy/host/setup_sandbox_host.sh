@@ -3,7 +3,7 @@
 #
 #   setup_sandbox_host.sh [install]  install what is missing: Docker (Debian's docker.io), debootstrap,
 #                                    busybox-static, and CRIU >= 4.2 built from Debian's source archive;
-#                                    make /etc/criu/runc.conf enable tcp-established; run `criu check`
+#                                    make /etc/criu/runc.conf enable tcp-close; run `criu check`
 #   setup_sandbox_host.sh check      report what is present and what is missing; change nothing
 #   setup_sandbox_host.sh start      start `dockerd --experimental` unless an engine already answers
 #   setup_sandbox_host.sh stop       stop dockerd, only if `start` started it (recorded PID)
@@ -165,13 +165,23 @@ ensure_criu() {
 }
 
 ensure_runc_conf() {
+  # A restore goes into a *new* container: a new network namespace with a new address, so no TCP
+  # connection can be carried over. `tcp-close` dumps connected sockets without freezing them (the live
+  # container keeps its connections) and restores them closed: the program sees a reset, as after a
+  # network failure, and retries (an agent inside the sandbox re-sends its in-flight LLM call).
+  # Without it CRIU refuses to dump a process with a connection; `tcp-established` would instead make
+  # every restore with a connection to the gateway fail, because the address is gone.
   local f=/etc/criu/runc.conf
   mkdir -p /etc/criu
-  if grep -qsx 'tcp-established' "$f"; then
-    say "criu: $f already has tcp-established"
+  if [ -f "$f" ] && grep -qsx 'tcp-established' "$f"; then
+    sed -i '/^tcp-established$/d' "$f"
+    say "criu: removed tcp-established from $f (replaced by tcp-close)"
+  fi
+  if grep -qsx 'tcp-close' "$f"; then
+    say "criu: $f already has tcp-close"
   else
-    echo 'tcp-established' >>"$f"
-    say "criu: added tcp-established to $f"
+    echo 'tcp-close' >>"$f"
+    say "criu: added tcp-close to $f"
   fi
 }
 
@@ -265,8 +275,8 @@ cmd_check() {
   have debootstrap "needed for the python sandbox image (apt-get install debootstrap)" \
     command -v debootstrap || gaps=1
   have busybox "busybox-static provides /bin/busybox" test -x /bin/busybox || gaps=1
-  have "tcp-established in /etc/criu/runc.conf" "'$0 install' adds it" \
-    grep -qsx tcp-established /etc/criu/runc.conf || gaps=1
+  have "tcp-close in /etc/criu/runc.conf" "'$0 install' adds it" \
+    grep -qsx tcp-close /etc/criu/runc.conf || gaps=1
   if [ "$gaps" = 0 ]; then say "check: docker $(dockerd --version 2>/dev/null | awk '{print $3}' | tr -d ,), criu $(criu_version "$(working_criu)")"; fi
   return "$gaps"
 }

@@ -28,7 +28,7 @@ async def messages(request: Request) -> Response:
     reject_unsupported(raw)
     req = validate(MessagesRequest, raw)
     gw.check_model(req.model)
-    session = session_for(gw, request)
+    session = await session_for(gw, request)
     gen = message_request(req, raw, session, gw.sessions)
     fmt = MessageFormatter(req.model, prompt_tokens(gen.plan.prompt_ids, gen.forced_prefix, gw.tokenizer))
     return await respond(gw, gen, fmt)

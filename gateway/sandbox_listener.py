@@ -1,0 +1,101 @@
+"""The gateway's second listener, the only thing a ``network="gateway"`` sandbox can reach.
+
+It listens on the host's address on the sandbox network (`SandboxBackend.gateway_address`), and the
+backend's firewall lets sandboxes reach that port and nothing else. It serves the same app, but a
+request must come from a sandbox and name that sandbox's own session: ``/s/{its session}/…`` (and
+``/health``). Everything else, the admin, sandbox and sessions APIs and other sessions included, is
+refused with a 403 in the protocol's error JSON. The request's source address tells the sandbox
+(`SandboxManager.session_for_address`); sandboxes cannot spoof it, since they have no capabilities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import socket
+from collections.abc import AsyncIterator
+
+import uvicorn
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import ANTHROPIC_PATH, anthropic_error, error_body
+from sandbox.backend import SandboxBackend
+from sandbox.errors import SandboxError
+from sandbox.manager import SandboxManager
+
+log = logging.getLogger("belayer.gateway")
+_SESSION_PATH = re.compile(r"/s/([^/]+)/")
+
+
+class SandboxFacing:
+    """ASGI wrapper: pass a sandbox's requests for its own session, refuse the rest (see above)."""
+
+    def __init__(self, app: ASGIApp, manager: SandboxManager) -> None:
+        self.app = app
+        self.manager = manager
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                path = scope["path"]
+                body = error_body(refusal, "permission_error", None, "forbidden")
+                if ANTHROPIC_PATH.search(path):
+                    body = anthropic_error(403, body)
+                await JSONResponse(body, status_code=403)(scope, receive, send)
+                return
+        elif scope["type"] != "lifespan":
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> str | None:
+        path: str = scope["path"]
+        if path == "/health":
+            return None
+        client = scope.get("client")
+        owner = self.manager.session_for_address(client[0]) if client else None
+        if owner is None:
+            return "this listener serves Belayer sandboxes only, and the request comes from none"
+        match = _SESSION_PATH.match(path)
+        if match is None or match.group(1) != owner:
+            return f"a sandbox may only call its own session's model endpoints under /s/{owner}/"
+        return None
+
+
+@contextlib.asynccontextmanager
+async def serve_sandboxes(
+    app: ASGIApp, manager: SandboxManager, backend: SandboxBackend, port: int
+) -> AsyncIterator[str | None]:
+    """Run the listener for the lifespan; yield its URL (None, with a warning, when it cannot run)."""
+    try:
+        host = await asyncio.to_thread(backend.gateway_address)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        port = sock.getsockname()[1]
+        await asyncio.to_thread(backend.open_gateway, port)
+    except (SandboxError, OSError) as exc:
+        log.warning("no listener for network='gateway' sandboxes (%s); they cannot be created", exc)
+        yield None
+        return
+    config = uvicorn.Config(
+        SandboxFacing(app, manager), lifespan="off", log_config=None, access_log=False, timeout_keep_alive=30
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    url = f"http://{host}:{port}"
+    manager.gateway_url = url
+    log.info("sandbox listener on %s", url)
+    try:
+        yield url
+    finally:
+        manager.gateway_url = None
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        sock.close()
+        with contextlib.suppress(SandboxError):
+            await asyncio.to_thread(backend.close_gateway, port)
