@@ -56,6 +56,8 @@ def for_exception(exc: Exception) -> tuple[int, dict[str, Any]]:
 # Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors); other statuses
 # are invalid_request_error below 500 and api_error from 500 up.
 ANTHROPIC_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_error",
     503: "overloaded_error",

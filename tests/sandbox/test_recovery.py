@@ -27,22 +27,12 @@ from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
 from gateway.state import Gateway
-from gateway.tokenization import ChatTokenizer
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.policy import PolicySettings
+from tests.sandbox.scripting import TOOLS, scripted
 
 pytestmark = pytest.mark.docker
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "bash",
-            "description": "run a shell command",
-            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
-        },
-    }
-]
 # A background process whose state lives only in memory: each SIGUSR1 bumps n and writes it out.
 SERVER = (
     'sh -c \'n=0; trap "n=\\$((n+1)); echo \\$n > /workspace/count" USR1; '
@@ -63,19 +53,6 @@ class Env:
     client: httpx.AsyncClient
     gw: Gateway
     engine: FakeEngine
-
-
-def scripted(tok: ChatTokenizer, commands: list[str]) -> Any:
-    eos = tok.encode(tok.eos_token)
-
-    def script(prompt: list[int]) -> list[int]:
-        step = tok.decode(prompt).count("RESULT-")
-        if step >= len(commands):
-            return tok.encode("All done.") + eos
-        call = {"name": "bash", "arguments": {"command": commands[step]}}
-        return tok.encode(f"<tool_call>\n{json.dumps(call)}\n</tool_call>") + eos
-
-    return script
 
 
 @pytest.fixture
