@@ -148,7 +148,12 @@ class DockerSandboxBackend(SandboxBackend):
 
     def destroy(self, sandbox_id: str) -> None:
         with docker_errors():
+            try:
+                image = str(self._api.inspect_container(sandbox_id)["Config"]["Image"])
+            except docker.errors.NotFound:
+                image = ""
             self._api.remove_container(sandbox_id, force=True, v=True)
+            self._drop_orphan_snapshot(image)
         with self._guard:
             self._specs.pop(sandbox_id, None)
             self._locks.pop(sandbox_id, None)
@@ -324,6 +329,19 @@ class DockerSandboxBackend(SandboxBackend):
         except docker.errors.APIError as exc:
             if exc.status_code != 409:  # 409: a restored sandbox still uses it
                 raise
+
+    def _drop_orphan_snapshot(self, image: str) -> None:
+        """A restored sandbox kept its snapshot image alive after its checkpoint was deleted (409 in
+        `_discard_snapshot`); remove the image with the last such sandbox."""
+        repo, _, tag = image.partition(":")
+        if repo != self._config.checkpoint_repository or (self._config.checkpoint_dir / tag).exists():
+            return
+        with contextlib.suppress(docker.errors.NotFound):
+            try:
+                self._api.remove_image(image)
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # still used by another restored sandbox
+                    raise
 
     def load_checkpoint(self, checkpoint_id: str) -> Checkpoint:
         """Read a checkpoint's record back from `checkpoint_dir` (e.g. after a restart)."""

@@ -85,3 +85,16 @@ def box(backend: DockerSandboxBackend, busybox_image: str, make_sandbox: list[Sa
     sandbox = backend.create(SandboxSpec(image=busybox_image))
     make_sandbox.append(sandbox)
     return sandbox
+
+
+def snapshot_images(backend: DockerSandboxBackend) -> set[str]:
+    images = backend._api.images(name="belayer-checkpoint")
+    return {tag for image in images for tag in image.get("RepoTags") or []}
+
+
+@pytest.fixture
+def no_leaked_snapshots(backend: DockerSandboxBackend) -> Iterator[None]:
+    """After the test (and its gateway) finished, no checkpoint snapshot image is left behind."""
+    before = snapshot_images(backend)
+    yield
+    assert snapshot_images(backend) - before == set()

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
+import docker.errors
 import httpx
 import pytest
 
@@ -125,7 +126,11 @@ class Env:
 
 @pytest.fixture
 async def env(
-    tmp_path: Path, tiny_model_dir: Path, backend: DockerSandboxBackend, python_image: str
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    backend: DockerSandboxBackend,
+    python_image: str,
+    no_leaked_snapshots: None,
 ) -> AsyncIterator[Env]:
     tok = ChatTokenizer.load(tiny_model_dir)
     engine = FakeEngine(max_model_len=8192)
@@ -304,3 +309,10 @@ print(json.dumps({{
     # the own call was recorded in the sandbox's session; the other session got nothing
     assert len(env.gw.store.get_turns(sid)) == 1
     assert env.gw.store.get_turns(other) == []
+    # closing the session removes its sandbox (the trajectory stays)
+    box = manager.sandbox_id(sid)
+    r = await env.client.post(f"/api/sessions/{sid}/close")
+    assert (r.status_code, r.json()["status"], manager.has_sandbox(sid)) == (200, "closed", False)
+    with pytest.raises(docker.errors.NotFound):
+        docker.from_env().containers.get(box)
+    assert len(env.gw.store.get_turns(sid)) == 1

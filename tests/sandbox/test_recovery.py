@@ -57,7 +57,11 @@ class Env:
 
 @pytest.fixture
 async def env(
-    tmp_path: Path, tiny_model_dir: Path, backend: DockerSandboxBackend, busybox_image: str
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    backend: DockerSandboxBackend,
+    busybox_image: str,
+    no_leaked_snapshots: None,
 ) -> AsyncIterator[Env]:
     engine = FakeEngine(max_model_len=8192)
     config = GatewayConfig(
