@@ -51,7 +51,11 @@ def _serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         shadows=args.shadows,
         admin_token=args.admin_token or os.environ.get("BELAYER_ADMIN_TOKEN"),
-        sandbox=SandboxConfig(enabled=args.sandboxes, checkpoint_dir=args.checkpoint_dir),
+        sandbox=SandboxConfig(
+            enabled=args.sandboxes,
+            checkpoint_dir=args.checkpoint_dir,
+            sandbox_port=None if args.sandbox_port < 0 else args.sandbox_port,
+        ),
         failover=FailoverConfig(
             enabled=not args.no_failover,
             max_failovers=args.max_failovers,
@@ -168,6 +172,12 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--checkpoint-dir", default="/var/lib/belayer/checkpoints", help="where sandbox checkpoints go"
+    )
+    s.add_argument(
+        "--sandbox-port",
+        type=int,
+        default=0,
+        help="port of the listener that network=gateway sandboxes reach (0: any free port, -1: none)",
     )
     s.add_argument("--admin-token", help="enables admin endpoints (POST /api/engines) for this bearer token")
     s.add_argument("--max-failovers", type=int, default=4, help="failovers allowed within one request")
