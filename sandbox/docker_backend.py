@@ -218,7 +218,31 @@ class DockerSandboxBackend(SandboxBackend):
                 exec_id = self._api.exec_create(sandbox_id, argv, user="0:0", workdir="/")["Id"]
                 out, err = self._api.exec_start(exec_id, demux=True)
             elapsed = time.monotonic() - started
-        return parse_client_output(out or b"", err or b"", max_output_bytes, elapsed, timeout_s)
+        try:
+            return parse_client_output(out or b"", err or b"", max_output_bytes, elapsed, timeout_s)
+        except SandboxTimeout:
+            raise
+        except SandboxError as exc:
+            raise SandboxError(f"{exc}{self._failure_note(sandbox_id)}") from exc
+
+    def _failure_note(self, sandbox_id: str) -> str:
+        """Why the exec client may have failed: the container stopped, or its process slots ran out."""
+        with contextlib.suppress(docker.errors.DockerException, requests.RequestException):
+            self._api.wait(sandbox_id, timeout=1)  # a dying container: its state lags the broken exec
+        try:
+            status = self.status(sandbox_id)
+            if not status.running:
+                return f"; {status.detail}"
+            current = len(self._api.top(sandbox_id).get("Processes") or [])  # listed from the host
+        except (SandboxError, docker.errors.DockerException):
+            return ""
+        limit = self._spec(sandbox_id).pids_limit
+        if limit - current > 4:  # an exec needs a few processes itself
+            return ""
+        return (
+            f"; the sandbox is out of process slots ({current} processes, pids_limit {limit}): "
+            "processes started by earlier commands hold them"
+        )
 
     def _client_argv(
         self,
@@ -497,14 +521,23 @@ def parse_client_output(out: bytes, err: bytes, limit: int, elapsed: float, time
     stdout, stderr = out.decode(errors="replace"), err[:cut].decode(errors="replace")
     if fields["timeout"] == "1":
         raise SandboxTimeout(f"command timed out after {timeout_s:g}s", stdout=stdout, stderr=stderr)
+    rc = fields.get("rc", "")
     return ExecResult(
-        exit_code=int(fields["rc"]),
+        exit_code=int(rc) if rc.lstrip("-").isdigit() else 255,
         stdout=stdout,
         stderr=stderr,
         duration_s=elapsed,
-        stdout_truncated=int(fields["out"]) > limit,
-        stderr_truncated=int(fields["err"]) > limit,
+        stdout_truncated=_cut(fields.get("out"), stdout, limit),
+        stderr_truncated=_cut(fields.get("err"), stderr, limit),
     )
+
+
+def _cut(size: str | None, shown: str, limit: int) -> bool:
+    """Whether output was cut at `limit`; a size the client could not measure (no process left to
+    fork under `pids_limit`) counts as cut when the output reaches the limit."""
+    if size is not None and size.isdigit():
+        return int(size) > limit
+    return len(shown.encode()) >= limit
 
 
 def _single_file(raw: bytes, target: str) -> bytes:

@@ -8,7 +8,13 @@ import pytest
 
 from sandbox.backend import Sandbox, SandboxSpec
 from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
-from sandbox.errors import PathEscapeError, SandboxFileNotFound, SandboxNotFound, SandboxTimeout
+from sandbox.errors import (
+    PathEscapeError,
+    SandboxError,
+    SandboxFileNotFound,
+    SandboxNotFound,
+    SandboxTimeout,
+)
 
 pytestmark = pytest.mark.docker
 
@@ -230,3 +236,52 @@ def test_repeated_restores_flatten_the_image_chain(
             backend.destroy(box.id)
             for ckpt in reversed(checkpoints):  # newest first: each commit is its successor's parent
                 backend.delete_checkpoint(ckpt)
+
+
+def test_locked_down_by_default(backend: DockerSandboxBackend, box: Sandbox) -> None:
+    status = backend.exec(
+        box.id, "grep -E '^(CapEff|CapBnd|NoNewPrivs):' /proc/self/status; ls /sys/class/net"
+    )
+    assert status.stdout.split() == [
+        "CapEff:", "0000000000000000", "CapBnd:", "0000000000000000", "NoNewPrivs:", "1", "lo",
+    ]  # fmt: skip
+    host = backend._api.inspect_container(box.id)["HostConfig"]
+    spec = SandboxSpec(image=box.spec.image)
+    assert (host["Memory"], host["MemorySwap"], host["PidsLimit"], host["NanoCpus"]) == (
+        spec.memory_bytes, spec.memory_bytes, spec.pids_limit, int(spec.cpus * 1e9),
+    )  # fmt: skip
+    assert (host["NetworkMode"], host["SecurityOpt"]) == ("none", ["no-new-privileges"])
+    assert backend.status(box.id).running and backend.address(box.id) is None
+
+
+def test_pids_limit_holds_and_a_fork_bomb_is_a_sandbox_failure(
+    backend: DockerSandboxBackend, busybox_image: str, make_sandbox: list[Sandbox]
+) -> None:
+    box = backend.create(SandboxSpec(image=busybox_image, pids_limit=32))
+    make_sandbox.append(box)
+    r = backend.exec(box.id, "for i in $(seq 64); do sleep 600 & done")
+    assert (r.exit_code, "can't fork" in r.stderr) == (2, True)  # the limit held
+    # Every slot is taken: the session shell died of it, and the supervisor cannot fork a new one (ash
+    # exits when it cannot fork), so the container stops. The error says so; the manager then restores.
+    with pytest.raises(SandboxError, match=r"container exited, exit code \d+"):
+        backend.exec(box.id, "echo hello")
+    assert not backend.status(box.id).running
+
+
+def test_status_reports_a_stopped_container(
+    backend: DockerSandboxBackend, busybox_image: str, make_sandbox: list[Sandbox]
+) -> None:
+    box = backend.create(SandboxSpec(image=busybox_image))
+    make_sandbox.append(box)
+    backend._api.kill(box.id)
+    backend._api.wait(box.id, timeout=20)
+    status = backend.status(box.id)
+    assert (status.running, status.exit_code, status.oom_killed, status.failure_kind) == (
+        False,
+        137,
+        False,
+        "exited",
+    )
+    backend.destroy(box.id)
+    with pytest.raises(SandboxNotFound):
+        backend.status(box.id)
