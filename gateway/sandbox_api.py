@@ -14,8 +14,11 @@
     POST   /api/sessions/{id}/sandbox/restore       {"checkpoint_id"?}: newest when absent
 
 Sandbox errors become the gateway's OpenAI-style error JSON here, in `sandbox_errors`. A tool call during
-which the sandbox failed answers 409 `sandbox_restored`: the sandbox was restored and the trajectory
-truncated; `GET .../sandbox` says after which turn (`last_restore.keep_through`) to continue.
+which the sandbox failed is, by default (`"recovery": "replay"`), run again on the restored sandbox
+after the calls since its checkpoint were replayed: it just answers. With `"recovery": "truncate"` it
+answers 409 `sandbox_restored`: the trajectory was truncated, and `GET .../sandbox` says after which turn
+(`last_restore.keep_through`) to continue. A call that breaks the sandbox twice answers 422
+`command_broke_sandbox`.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from sandbox.errors import (
 from sandbox.manager import (
     NoCheckpoint,
     NoSandbox,
+    SandboxCallFailed,
     SandboxExists,
     SandboxFailed,
     SandboxManager,
@@ -112,6 +116,9 @@ class CreateSandbox(BaseModel):
     """none: loopback only; gateway: only this gateway's sandbox listener (for a harness inside)."""
     harness_inside: bool = False
     """The harness runs in this sandbox: a restore discards the turn it was waiting for (it retries it)."""
+    recovery: Literal["replay", "truncate"] = "replay"
+    """After a failure, replay: restore + re-run the tool calls since the checkpoint (the harness never
+    notices); truncate: restore, discard the later turns, answer 409 sandbox_restored."""
 
 
 class ExecRequest(BaseModel):
@@ -149,6 +156,8 @@ def sandbox_errors(*, creating: bool = False) -> Iterator[None]:
         raise SandboxRequestError(str(e), 409, "sandbox_exists") from e
     except NoCheckpoint as e:
         raise SandboxRequestError(str(e), 409, "no_checkpoint", "checkpoint_id") from e
+    except SandboxCallFailed as e:
+        raise SandboxRequestError(str(e), 422, "command_broke_sandbox", "command", "sandbox_error") from e
     except SandboxRestored as e:
         raise SandboxRequestError(str(e), 409, "sandbox_restored", error_type="sandbox_error") from e
     except SandboxFailed as e:
@@ -220,7 +229,7 @@ async def create_for(manager: SandboxManager, sid: str, body: dict[str, Any]) ->
         param = ".".join(str(p) for p in first["loc"])
         raise InvalidRequest(f"invalid value for '{param}': {first['msg']}", param, "invalid_value") from e
     with sandbox_errors(creating=True):
-        await manager.create(sid, spec, harness_inside=req.harness_inside)
+        await manager.create(sid, spec, harness_inside=req.harness_inside, recovery=req.recovery)
     return manager.describe(sid)
 
 

@@ -16,7 +16,16 @@ harness had when it asked for turn k, so:
 On a sandbox failure (the container is gone or stopped, the exec transport breaks, a tool call hangs
 past its deadline plus `exec_grace_s`), or on an explicit `restore`, the newest checkpoint is restored
 into a new sandbox and the session's later turns are marked discarded (`store.discard_turns_after`).
-A tool call that hit the failure raises `SandboxRestored`, which says where to resume.
+What happens next depends on the sandbox's `recovery` mode:
+
+- ``"replay"`` (the default for a harness outside): the manager journals every tool call (exec, file
+  write) since the newest checkpoint. It restores that checkpoint, replays the journal, then runs the
+  failed call again and returns its result: the harness never notices, and no turn is discarded. A
+  replayed call whose exit code or output differs from the original is counted as diverged.
+- ``"truncate"``: the session's later turns are discarded, and the call raises `SandboxRestored`,
+  which says after which turn to resume (for harnesses that can rebuild their history).
+
+A harness *inside* the sandbox is always truncated: its memory comes back with the checkpoint.
 
 A watcher polls every sandbox's state (`watch_interval_s`), so a container that dies while nobody
 calls into it (an OOM kill, a crash of a harness running inside) is restored at once. A harness
@@ -43,12 +52,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from belayer.config import SandboxConfig
 from gateway.store import EventRecord, TrajectoryStore, TurnRecord
@@ -71,7 +81,6 @@ from sandbox.errors import (
 from sandbox.policy import AdaptivePolicy, Decision
 
 log = logging.getLogger("belayer.sandbox")
-T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- errors
@@ -89,6 +98,10 @@ class NoCheckpoint(SandboxError, LookupError):
 
 class SandboxFailed(SandboxError):
     """The sandbox failed and there was no checkpoint to restore; the session has no sandbox now."""
+
+
+class SandboxCallFailed(SandboxError):
+    """This call broke the sandbox twice (the second time after a restore); it was restored without it."""
 
 
 class SandboxRestored(SandboxError):
@@ -138,13 +151,42 @@ class RestoreInfo:
     sandbox_id: str
     seconds: float
     reason: str
+    mode: str = "truncate"
+    replayed: int = 0
+    """Journaled tool calls run again after the restore (replay mode)."""
+    diverged: int = 0
+    """Of those, how many gave another exit code or output than the first time."""
 
     def as_json(self) -> dict[str, Any]:
         return {
             "checkpoint_id": self.checkpoint_id, "turn_index": self.turn_index,
             "keep_through": self.keep_through, "discarded_turns": self.discarded_turns,
             "sandbox_id": self.sandbox_id, "seconds": round(self.seconds, 4), "reason": self.reason,
+            "mode": self.mode, "replayed": self.replayed, "diverged": self.diverged,
         }  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Call:
+    """One operation on a sandbox; exec and write_file are journaled for replay."""
+
+    op: str
+    run: Callable[[str], Any]
+    journaled: bool
+    result: Any = None
+    fingerprint: tuple[int, str] | None = None
+    """Exit code and output digest of an exec, kept in the journal instead of the output itself."""
+
+    def take(self) -> Any:
+        """The result, handed to the caller once (the journal keeps only the fingerprint)."""
+        if isinstance(self.result, ExecResult):
+            self.fingerprint = _fingerprint(self.result)
+        result, self.result = self.result, None
+        return result
+
+
+def _fingerprint(result: ExecResult) -> tuple[int, str]:
+    return result.exit_code, hashlib.sha256(result.stdout.encode()).hexdigest()
 
 
 @dataclass(slots=True)
@@ -155,7 +197,9 @@ class _Slot:
     spec: SandboxSpec
     harness_inside: bool
     sandbox_id: str | None
+    recovery: str = "replay"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    journal: list[_Call] = field(default_factory=list)
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
     running: dict[int, int] = field(default_factory=dict)  # turn id -> index, LLM calls in flight
     last_turn: int = -1
@@ -202,14 +246,18 @@ class SandboxManager:
         """Where sandboxes with network="gateway" reach the gateway (set by the app's listener)."""
 
     # ------------------------------------------------------------------ lifecycle
-    async def create(self, session_id: str, spec: SandboxSpec, *, harness_inside: bool = False) -> str:
-        """Start the session's sandbox; returns its id."""
+    async def create(
+        self, session_id: str, spec: SandboxSpec, *, harness_inside: bool = False, recovery: str = "replay"
+    ) -> str:
+        """Start the session's sandbox; returns its id. `recovery`: "replay" or "truncate" (see above)."""
+        if recovery not in ("replay", "truncate"):
+            raise ValueError(f"recovery must be 'replay' or 'truncate', not {recovery!r}")
         if session_id in self._slots and self._slots[session_id].sandbox_id is not None:
             raise SandboxExists(f"session {session_id} already has a sandbox; DELETE it first")
         labels = {**spec.labels, "belayer.session": session_id}
         spec = spec.model_copy(update={"labels": labels, "env": self._gateway_env(session_id, spec)})
         box = await asyncio.to_thread(self.backend.create, spec)
-        slot = _Slot(session_id, spec, harness_inside, box.id)
+        slot = _Slot(session_id, spec, harness_inside, box.id, "truncate" if harness_inside else recovery)
         self._slots[session_id] = slot
         await self._locate(slot)
         self._event(
@@ -287,6 +335,8 @@ class SandboxManager:
             "failure": slot.failure,
             "image": slot.spec.image,
             "harness_inside": slot.harness_inside,
+            "recovery": slot.recovery,
+            "journaled_calls": len(slot.journal),
             "checkpoints": [c.as_json() for c in slot.checkpoints],
             "last_restore": slot.last_restore.as_json() if slot.last_restore else None,
         }
@@ -324,25 +374,29 @@ class SandboxManager:
                 max_output_bytes=max_output_bytes,
             )  # fmt: skip
 
-        return await self._guarded(session_id, call, timeout_s + self.settings.exec_grace_s, "exec")
+        result: ExecResult = await self._guarded(
+            session_id, _Call("exec", call, True), timeout_s + self.settings.exec_grace_s
+        )
+        return result
 
     async def read_file(self, session_id: str, path: str) -> bytes:
-        return await self._guarded(
-            session_id, lambda box: self.backend.read_file(box, path), None, "read_file"
+        data: bytes = await self._guarded(
+            session_id, _Call("read_file", lambda box: self.backend.read_file(box, path), False), None
         )
+        return data
 
     async def write_file(self, session_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
         def call(box: str) -> None:
             self.backend.write_file(box, path, data, mode=mode)
 
-        await self._guarded(session_id, call, None, "write_file")
+        await self._guarded(session_id, _Call("write_file", call, True), None)
         self._slot(session_id).bytes_written += len(data)
 
-    async def _guarded(self, session_id: str, call: Callable[[str], T], deadline: float | None, op: str) -> T:
-        """Run `call(sandbox_id)` in a thread under the slot's lock; turn sandbox failures into recovery."""
+    async def _guarded(self, session_id: str, call: _Call, deadline: float | None) -> Any:
+        """Run `call` in a thread under the slot's lock; turn sandbox failures into recovery."""
         slot = self._slot(session_id)
         async with slot.lock:
-            if slot.unreported is not None and not slot.harness_inside:
+            if slot.unreported is not None and slot.recovery == "truncate" and not slot.harness_inside:
                 info, slot.unreported = slot.unreported, None
                 raise SandboxRestored(
                     f"the sandbox failed ({info.reason}) before this call and was restored to the checkpoint "
@@ -350,25 +404,59 @@ class SandboxManager:
                     f"{info.discarded_turns} were discarded); nothing of this call ran",
                     info,
                 )
+            slot.unreported = None
             box = self._live(slot)
-            try:
-                work = asyncio.to_thread(call, box)
-                return await (asyncio.wait_for(work, deadline) if deadline is not None else work)
-            except (SandboxTimeout, PathEscapeError, SandboxFileNotFound, SandboxUnavailable, ValueError):
-                raise  # the command's or the caller's problem, or the engine's: the sandbox is fine
-            except TimeoutError:
-                kind, detail = "tool_hang", f"{op} did not return within {deadline:g}s"
-            except SandboxError as exc:
-                kind, detail = "sandbox_error", f"{op} failed: {exc}"
-                status = await self._status(box)
-                if status is not None and not status.running:
-                    kind, detail = status.failure_kind, f"{op} failed: {status.detail}"
-            info = await self._recover_locked(slot, kind, detail)
+            failure = await self._attempt(slot, box, call, deadline)
+            if failure is None:
+                return call.take()
+            info = await self._recover_locked(slot, *failure)
+            if info.mode == "replay":
+                retry = await self._attempt(slot, info.sandbox_id, call, deadline)
+                if retry is None:
+                    return call.take()
+                # The replayed calls or this one break it again: restore without replaying anything.
+                self._event(
+                    slot.session_id, None, "sandbox_failure",
+                    {"kind": retry[0], "detail": retry[1], "sandbox_id": slot.sandbox_id, "after_replay": True},
+                )  # fmt: skip
+                replayed = info.replayed
+                info = await self._restore_locked(slot, None, f"failed again after a replay: {retry[1]}")
+                raise SandboxCallFailed(
+                    f"this call broke the sandbox again after a restore and a replay of the "
+                    f"{replayed} tool calls before it ({retry[1]}); the sandbox was restored to the "
+                    f"checkpoint of turn {info.turn_index} without replaying: continue after turn "
+                    f"{info.keep_through} (turns {info.discarded_turns} were discarded)"
+                )
         raise SandboxRestored(
-            f"the sandbox failed ({detail}); it was restored to the checkpoint of turn {info.turn_index}: "
+            f"the sandbox failed ({failure[1]}); it was restored to the checkpoint of turn {info.turn_index}: "
             f"continue after turn {info.keep_through} (turns {info.discarded_turns} were discarded)",
             info,
         )
+
+    async def _attempt(
+        self, slot: _Slot, box: str, call: _Call, deadline: float | None
+    ) -> tuple[str, str] | None:
+        """Run `call` once; None when the sandbox held up (the result is in `call.result`), else the
+        failure's kind and detail. The command's own errors (timeout, bad path...) propagate."""
+        try:
+            work = asyncio.to_thread(call.run, box)
+            call.result = await (asyncio.wait_for(work, deadline) if deadline is not None else work)
+        except SandboxTimeout:
+            if call.journaled:  # it ran, and what it did until the kill is part of the state
+                slot.journal.append(call)
+            raise
+        except (PathEscapeError, SandboxFileNotFound, SandboxUnavailable, ValueError):
+            raise  # the caller's problem, or the engine's: the sandbox is fine
+        except TimeoutError:
+            return "tool_hang", f"{call.op} did not return within {deadline:g}s"
+        except SandboxError as exc:
+            status = await self._status(box)
+            if status is not None and not status.running:
+                return status.failure_kind, f"{call.op} failed: {status.detail}"
+            return "sandbox_error", f"{call.op} failed: {exc}"
+        if call.journaled:
+            slot.journal.append(call)
+        return None
 
     # ------------------------------------------------------------------ checkpoints and restore
     async def checkpoint(self, session_id: str, *, trigger: str = "explicit") -> CheckpointInfo:
@@ -403,6 +491,7 @@ class SandboxManager:
             ckpt, slot.session_id, turn_index, in_bubble, keep, seconds, dump_bytes, trigger
         )
         slot.checkpoints.append(info)
+        slot.journal = []
         slot.turns_since_checkpoint = 0
         slot.bytes_written = 0
         slot.session_cost_s = seconds
@@ -425,7 +514,7 @@ class SandboxManager:
         if chosen is None:
             raise NoCheckpoint(f"session {slot.session_id} has no checkpoint {checkpoint_id!r}")
         started = time.monotonic()
-        slot.restoring, slot.unreported = True, None
+        slot.restoring, slot.unreported, slot.journal = True, None, []
         try:
             box = await self._restore_sandbox(slot, chosen)
         finally:
@@ -443,6 +532,45 @@ class SandboxManager:
         slot.last_restore = info
         self._event(slot.session_id, None, "sandbox_restored", info.as_json())
         return info
+
+    async def _replay_locked(self, slot: _Slot, reason: str) -> RestoreInfo:
+        """Restore the newest checkpoint (or, with none, start again from the image) and run the
+        journal again; the trajectory stays whole."""
+        chosen = slot.checkpoints[-1] if slot.checkpoints else None
+        started = time.monotonic()
+        slot.restoring = True
+        try:
+            if chosen is not None:
+                box = await self._restore_sandbox(slot, chosen)
+            else:
+                box = await self._recreate_sandbox(slot)
+            diverged = 0
+            for call in slot.journal:
+                try:
+                    again = await asyncio.to_thread(call.run, box)
+                except SandboxTimeout:
+                    continue  # it timed out the first time too
+                if isinstance(again, ExecResult) and call.fingerprint != _fingerprint(again):
+                    diverged += 1
+        finally:
+            slot.restoring = False
+        info = RestoreInfo(
+            chosen.checkpoint.id if chosen else "", chosen.turn_index if chosen else -1, slot.last_turn,
+            [], box, time.monotonic() - started, reason, "replay", len(slot.journal), diverged,
+        )  # fmt: skip
+        slot.last_restore = info
+        self._event(slot.session_id, None, "sandbox_restored", info.as_json())
+        return info
+
+    async def _recreate_sandbox(self, slot: _Slot) -> str:
+        if slot.sandbox_id is not None:
+            with contextlib.suppress(SandboxError):
+                await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
+            slot.sandbox_id, slot.address = None, None
+        box = await asyncio.to_thread(self.backend.create, slot.spec)
+        slot.sandbox_id, slot.failure = box.id, None
+        await self._locate(slot)
+        return box.id
 
     async def _restore_sandbox(self, slot: _Slot, chosen: CheckpointInfo) -> str:
         if slot.sandbox_id is not None:
@@ -466,6 +594,8 @@ class SandboxManager:
             {"kind": kind, "detail": detail, "sandbox_id": slot.sandbox_id},
         )
         log.warning("session %s: sandbox %s failed: %s", slot.session_id, slot.sandbox_id, detail)
+        if self.settings.auto_restore and slot.recovery == "replay":
+            return await self._replay_locked(slot, f"{kind}: {detail}")
         if self.settings.auto_restore and slot.checkpoints:
             return await self._restore_locked(slot, None, f"{kind}: {detail}")
         if slot.sandbox_id is not None:

@@ -2,8 +2,12 @@
 
 A scripted harness (outside the sandbox) asks the gateway for each step; the fake engine answers with
 the next tool call, chosen by how many tool results the prompt already holds. The harness runs each
-call through the sandbox API. When a call answers 409 `sandbox_restored`, it rebuilds its messages
-from the gateway's trajectory up to `keep_through`, as a real harness would, and carries on.
+call through the sandbox API.
+
+- With ``recovery: truncate``, a call answers 409 `sandbox_restored`; the harness rebuilds its messages
+  from the gateway's trajectory up to `keep_through` and carries on.
+- With ``recovery: replay`` (the default) the harness notices nothing: the gateway restores the
+  checkpoint, replays the tool calls since it, and answers the call; no turn is discarded.
 """
 
 from __future__ import annotations
@@ -156,10 +160,11 @@ def kill(sandbox_id: str) -> None:
     docker.from_env().containers.get(sandbox_id).kill()
 
 
-async def start(env: Env, commands: list[str]) -> tuple[str, Harness]:
+async def start(env: Env, commands: list[str], recovery: str = "truncate") -> tuple[str, Harness]:
     env.engine.script = scripted(env.gw.tokenizer, commands)
     sid = (await env.client.post("/api/sessions", json={})).json()["id"]
-    r = await env.client.post(f"/api/sessions/{sid}/sandbox", json={"image": "belayer-sandbox-busybox"})
+    spec = {"image": "belayer-sandbox-busybox", "recovery": recovery}
+    r = await env.client.post(f"/api/sessions/{sid}/sandbox", json=spec)
     assert r.status_code == 201, r.text
     return sid, Harness(env, sid)
 
@@ -291,3 +296,50 @@ async def test_bad_input_gets_clear_errors_and_harms_nothing(env: Env) -> None:
     assert (r.json()["stdout"], state["status"], state["last_restore"]) == ("fine\n", "running", None)
     kinds = {e.kind for e in env.gw.store.get_events(sid)}
     assert "sandbox_failure" not in kinds
+
+
+async def test_replay_recovery_is_invisible_to_the_harness(env: Env) -> None:
+    commands = [step_command(i) for i in range(6)]
+    sid, harness = await start(env, commands, recovery="replay")
+
+    async def run_tools(calls: list[dict[str, Any]]) -> None:
+        step = sum(m["role"] == "tool" for m in harness.messages)
+        await original(calls)
+        if step == 3:  # after tool call 3, before turn 4's bubble checkpoint
+            kill(env.gw.sandboxes.sandbox_id(sid))  # type: ignore[union-attr]
+
+    original = harness.run_tools
+    harness.run_tools = run_tools  # type: ignore[method-assign]
+    await harness.run()
+
+    assert harness.restores == []  # no 409: the harness never noticed
+    traj = await check_consistent(env, sid, len(commands))
+    assert [t["status"] for t in traj["turns"]] == ["complete"] * (len(commands) + 1)
+    assert {t["branch"] for t in traj["turns"]} == {0}  # nothing discarded, no branch
+    [restored] = [e["data"] for e in traj["events"] if e["kind"] == "sandbox_restored"]
+    # turn 4's bubble checkpoint failed on the dead container; turn 3's (taken before tool call 3)
+    # was restored, tool call 3 replayed (same output), and tool call 4 ran on the new sandbox
+    assert (restored["mode"], restored["turn_index"], restored["replayed"], restored["diverged"]) == (
+        "replay", 3, 1, 0,
+    )  # fmt: skip
+    assert restored["discarded_turns"] == [] and restored["keep_through"] == 4
+
+
+async def test_a_call_that_breaks_the_sandbox_twice_is_refused(env: Env) -> None:
+    sid, _ = await start(env, [], recovery="replay")
+    base = f"/api/sessions/{sid}/sandbox"
+    r = await env.client.post(f"{base}/exec", json={"command": "echo kept > /workspace/a"})
+    assert r.status_code == 200
+    assert (await env.client.post(f"{base}/checkpoints")).status_code == 201
+    r = await env.client.post(f"{base}/exec", json={"command": "echo also-kept >> /workspace/a"})
+    # the command kills the exec client it runs under: the call breaks every time it runs
+    command = "kill -9 $(ps -o pid,args | grep '[c]lient.sh' | awk '{print $1}'); sleep 5"
+    r = await env.client.post(f"{base}/exec", json={"command": command})
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "command_broke_sandbox"), r.text
+    assert "after a restore and a replay of the 1 tool calls before it" in r.json()["error"]["message"]
+    r = await env.client.get(f"{base}/files", params={"path": "a"})
+    assert r.json()["content"] == "kept\n"  # back at the checkpoint, nothing replayed
+    r = await env.client.post(f"{base}/exec", json={"command": "echo fine"})
+    assert r.json()["stdout"] == "fine\n"
+    kinds = [e.kind for e in env.gw.store.get_events(sid)]
+    assert (kinds.count("sandbox_failure"), kinds.count("sandbox_restored")) == (2, 2)
