@@ -7,6 +7,7 @@ belayer fake-engine --port P                       a scripted fake engine (bench
 belayer bench gateway                              gateway overhead vs direct vs LiteLLM
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo                                       a short multi-turn episode through the openai SDK
+belayer run-episode --harness NAME --task DIR      one real harness episode on a task, with its verifier
 """
 
 from __future__ import annotations
@@ -141,6 +142,35 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(args.model_dir, args.turns)
 
 
+def _run_episode(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from harness_adapters.base import HarnessError
+    from harness_adapters.episode import EpisodeRunner, Task, TaskError
+    from harness_adapters.registry import adapter
+
+    def progress(message: str) -> None:
+        print(f"[episode] {message}", file=sys.stderr, flush=True)
+
+    try:
+        task = Task.load(Path(args.task))
+        harness = adapter(args.harness, Path(args.cache), model=args.model)
+        runner = EpisodeRunner(args.gateway, harness, progress=progress)
+        report = runner.run(task, inside=args.inside, keep=args.keep)
+    except (TaskError, HarnessError) as exc:
+        print(f"belayer run-episode: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    progress(
+        f"verified={report['verified']} turns={report['turns']} prefix_reuse={report['prefix_reuse']} "
+        f"branches={report['branches']} failovers={report['failovers']}"
+    )
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="belayer", description="Fault-tolerant rollout gateway for agentic RL")
     sub = p.add_subparsers(dest="command", required=True)
@@ -238,6 +268,23 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--model-dir", default=".cache/tiny-model")
     d.add_argument("--turns", type=int, default=4)
     d.set_defaults(func=_demo)
+
+    r = sub.add_parser("run-episode", help="run one harness episode on a task directory, then its verifier")
+    r.add_argument("--harness", required=True, help="claude-code | mini-swe-agent")
+    r.add_argument("--task", required=True, help="directory with instruction.md, repo/, verify.sh")
+    r.add_argument("--gateway", default="http://127.0.0.1:8000", help="a running `belayer serve --sandboxes`")
+    r.add_argument("--model", default="policy", help="the served model name the harness asks for")
+    where = r.add_mutually_exclusive_group()
+    where.add_argument(
+        "--inside", dest="inside", action="store_true", default=None, help="run it in the sandbox"
+    )
+    where.add_argument(
+        "--beside", dest="inside", action="store_false", help="run it here, commands in the sandbox"
+    )
+    r.add_argument("--keep", action="store_true", help="keep the session open and its sandbox")
+    r.add_argument("--cache", default=".cache/harness", help="where harnesses are installed")
+    r.add_argument("--out", help="also write the JSON report here")
+    r.set_defaults(func=_run_episode)
     return p
 
 

@@ -53,6 +53,9 @@ class FakeEngine:
     # request resumed from prompt + k generated tokens yields exactly the rest (failover tests).
     step: Callable[[list[int]], int] | None = None
     eos_id: int | None = None
+    # Fault hook: called with (prompt, tokens sent so far) before a non-streamed answer (None) and after
+    # each streamed token; a harness test's engine process exits in it to die mid-stream for real.
+    crash: Callable[[list[int], int | None], None] | None = None
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         assert self.step is not None
@@ -110,7 +113,10 @@ class FakeEngine:
         out = out[:max_tokens]
         k = body.get("logprobs")
         if body.get("stream"):
-            return StreamingResponse(self._stream(out, k, finish), media_type="text/event-stream")
+            stream = self._stream(prompt, out, k, finish)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        if self.crash is not None:
+            self.crash(prompt, None)
         choice = self._choice(out, 0, k, finish)
         return JSONResponse({"object": "text_completion", "model": self.model, "choices": [choice]})
 
@@ -127,7 +133,9 @@ class FakeEngine:
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops}
         return choice
 
-    async def _stream(self, out: list[int], k: int | None, finish: str) -> AsyncIterator[str]:
+    async def _stream(
+        self, prompt: list[int], out: list[int], k: int | None, finish: str
+    ) -> AsyncIterator[str]:
         for i, tid in enumerate(out):
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
@@ -135,6 +143,8 @@ class FakeEngine:
             choice = self._choice([tid], i, k, finish if last else None)
             event = {"object": "text_completion", "model": self.model, "choices": [choice]}
             yield f"data: {json.dumps(event)}\n\n"
+            if self.crash is not None:
+                self.crash(prompt, i + 1)
         if not out:
             event = {"object": "text_completion", "choices": [self._choice([], 0, k, finish)]}
             yield f"data: {json.dumps(event)}\n\n"

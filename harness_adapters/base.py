@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import os
+import shlex
 import subprocess
 import tempfile
 import time
@@ -30,12 +31,22 @@ class HarnessError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class SandboxRef:
+    """The session's sandbox, for a harness beside it that runs its commands there."""
+
+    gateway: str  # the gateway's root URL (its sandbox API)
+    session_id: str
+    workdir: str = "/workspace"
+
+
+@dataclass(frozen=True, slots=True)
 class Episode:
     task: str
     workdir: Path
     max_turns: int = 8
     timeout_s: float = 180.0
     home: Path | None = None  # the harness's HOME (its config and state); a fresh temp dir if None
+    sandbox: SandboxRef | None = None  # run the harness's commands in this sandbox (harnesses beside)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +60,15 @@ class Outcome:
 
 
 class HarnessAdapter(abc.ABC):
-    """One agent program. Subclasses say how to install it, how to call it and how to read its result."""
+    """One agent program. Subclasses say how to install it, how to call it and how to read its result.
+
+    A harness with ``inside = True`` runs inside the task's sandbox (`belayer run-episode`): its
+    `image_files` are added to the python sandbox image, and `inside_script` starts it there with
+    `program(inside=True)`. Others run beside the sandbox, with `Episode.sandbox` naming it.
+    """
 
     name: str
+    inside: bool = False
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()  # where installs go, e.g. .cache/harness
@@ -61,7 +78,27 @@ class HarnessAdapter(abc.ABC):
         """Install the harness under ``root`` unless it is already there."""
 
     @abc.abstractmethod
-    def command(self, episode: Episode, session_base_url: str, home: Path) -> list[str]: ...
+    def command(
+        self, episode: Episode, session_base_url: str, home: Path, inside: bool = False
+    ) -> list[str]: ...
+
+    def image_files(self) -> dict[str, Path]:
+        """Files (container path → host path) a sandbox image needs to run this harness inside."""
+        raise HarnessError(f"{self.name} does not run inside a sandbox")
+
+    def inside_script(self, episode: Episode, session_base_url: str, home: str, out_dir: str) -> str:
+        """A shell script that runs the harness in the sandbox: stdout, stderr and the exit code go
+        to files in `out_dir`."""
+        env = self.env(session_base_url, Path(home)) | {"HOME": home, "LANG": "C.UTF-8"}
+        argv = self.command(episode, session_base_url, Path(home), inside=True)
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+        lines += [
+            f"mkdir -p {shlex.quote(home)} {shlex.quote(out_dir)}",
+            f"cd {shlex.quote(str(episode.workdir))}",
+            f"{shlex.join(argv)} </dev/null >{out_dir}/stdout 2>{out_dir}/stderr",
+            f"echo $? >{out_dir}/rc",
+        ]
+        return "\n".join(lines) + "\n"
 
     @abc.abstractmethod
     def env(self, session_base_url: str, home: Path) -> dict[str, str]:

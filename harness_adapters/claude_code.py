@@ -33,8 +33,12 @@ PACKAGE = "@anthropic-ai/claude-code"
 ALLOWED_TOOLS = "Bash Read Edit Write Glob Grep"
 
 
+INSIDE_BINARY = "/usr/local/bin/claude"
+
+
 class ClaudeCode(HarnessAdapter):
     name = "claude-code"
+    inside = True  # its linux binary runs in the python (Debian) sandbox image
 
     def __init__(
         self, root: Path, model: str = "policy", tools: str | None = None, max_retries: int = 2
@@ -91,8 +95,12 @@ class ClaudeCode(HarnessAdapter):
             "CLAUDE_CODE_MAX_RETRIES": str(self.max_retries),
         }
 
-    def command(self, episode: Episode, session_base_url: str, home: Path) -> list[str]:
-        cmd = [str(self.binary()), "-p", episode.task, "--model", self.model, "--output-format", "json"]
+    def image_files(self) -> dict[str, Path]:
+        return {INSIDE_BINARY: self.binary().resolve()}
+
+    def command(self, episode: Episode, session_base_url: str, home: Path, inside: bool = False) -> list[str]:
+        program = INSIDE_BINARY if inside else str(self.binary())
+        cmd = [program, "-p", episode.task, "--model", self.model, "--output-format", "json"]
         cmd += ["--max-turns", str(episode.max_turns), "--permission-mode", "acceptEdits"]
         cmd += ["--allowedTools", ALLOWED_TOOLS, "--no-session-persistence"]
         if self.tools is not None:

@@ -1,7 +1,8 @@
 """mini-swe-agent (PyPI ``mini-swe-agent``) against a session's OpenAI endpoint, through LiteLLM's
 ``openai/`` provider with ``api_base`` set to the session base URL.
 
-It lives in a venv of its own (it pins LiteLLM and friends). Its default config (``mini.yaml``, 2.x)
+It lives in a venv of its own (it pins LiteLLM and friends). With ``Episode.sandbox`` set, its commands
+run in that Belayer sandbox (``plugins/belayer_mini_env.py``) instead of the local shell. Its default config (``mini.yaml``, 2.x)
 asks for a ``bash`` tool call per step (``{"command": ...}``), not a fenced ```bash block (that is
 ``mini_textbased.yaml``), and it finishes when a command prints ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``.
 What it sends: non-streamed ``POST /v1/chat/completions`` with ``model``, ``messages`` and ``tools``
@@ -24,6 +25,7 @@ from pathlib import Path
 from harness_adapters.base import Episode, HarnessAdapter, HarnessError, Outcome
 
 VERSION = "2.4.6"
+PLUGINS = Path(__file__).resolve().parent / "plugins"
 TRAJECTORY = "mini.traj.json"
 
 
@@ -59,6 +61,7 @@ class MiniSweAgent(HarnessAdapter):
 
     def env(self, session_base_url: str, home: Path) -> dict[str, str]:
         return {
+            "PYTHONPATH": str(PLUGINS),  # belayer_mini_env, for commands run in a Belayer sandbox
             "OPENAI_API_KEY": "dummy",
             "MSWEA_CONFIGURED": "1",  # skip the first-run setup prompt
             "MSWEA_SILENT_STARTUP": "1",
@@ -67,7 +70,18 @@ class MiniSweAgent(HarnessAdapter):
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # don't fetch the cost map from the internet
         }
 
-    def command(self, episode: Episode, session_base_url: str, home: Path) -> list[str]:
+    def command(self, episode: Episode, session_base_url: str, home: Path, inside: bool = False) -> list[str]:
+        if inside:
+            raise HarnessError("mini-swe-agent runs beside its sandbox (its environment is the sandbox)")
+        where: list[str] = []
+        if episode.sandbox is not None:
+            sb = episode.sandbox
+            where = [
+                "-c", "environment.environment_class=belayer_mini_env.BelayerEnvironment",
+                "-c", f"environment.gateway={sb.gateway}",
+                "-c", f"environment.session={sb.session_id}",
+                "-c", f"environment.cwd={sb.workdir}",
+            ]  # fmt: skip
         return [
             str(self.executable),
             "--model", f"openai/{self.model}",
@@ -77,6 +91,7 @@ class MiniSweAgent(HarnessAdapter):
             "--yolo", "--exit-immediately",
             "--task", episode.task,
             "--output", str(home / TRAJECTORY),
+            *where,
         ]  # fmt: skip
 
     def collect(self, proc: subprocess.CompletedProcess[str], home: Path, duration_s: float) -> Outcome:

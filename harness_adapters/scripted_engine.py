@@ -7,6 +7,13 @@ retries cannot shift the script. Several scripts can share one engine: a prompt 
 whose ``marker`` it contains; a prompt that matches none (a harness's side query: a title, a summary)
 gets ``FALLBACK``. Every reply is the encoded text plus the EOS id, logged with its prompt.
 
+A failover resubmits the prompt plus the tokens already generated: when the prompt ends with the
+start of this turn's reply, the engine answers only the rest (logged with ``resumed`` = tokens kept).
+``crash`` (``--crash TURN:TOKENS``) makes the engine *process* exit after streaming TOKENS tokens of
+script turn TURN (before answering, for a non-streamed request): a real engine death mid-episode.
+Never in a resubmission, and with ``--crash-once FILE`` only in the first engine to get there, so
+that several engines behind one gateway give exactly one failover.
+
 Example (a Hermes tool call, then a final answer)::
 
     script = Script(marker="TASK-7", turns=[bash_call("ls"), "Done."])
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +65,7 @@ class Emission:
     output_ids: list[int]
     turn: int | None  # None: the fallback answer to a side request
     script: int | None = None  # which script answered
+    resumed: int = 0  # tokens of the reply already in the prompt (a failover's resubmission)
 
 
 @dataclass(slots=True)
@@ -66,7 +75,11 @@ class ScriptedEngine:
     eos_id: int
     emitted: list[Emission] = field(default_factory=list)
     log_path: Path | None = None
+    crash_at: tuple[int, int] | None = None  # (script turn, tokens streamed): exit the process there
+    crash_once: Path | None = None  # created by the engine that crashes; none crashes if it exists
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _assistant: list[int] = field(default_factory=list)
+    _crash_memo: tuple[list[int], bool] | None = None
 
     @classmethod
     def load(
@@ -76,6 +89,12 @@ class ScriptedEngine:
         return cls(tok, scripts, tok.encode(tok.eos_token)[0], log_path=log_path)
 
     def reply(self, prompt: list[int]) -> list[int]:
+        turn, which, out = self._answer(prompt)
+        resumed = self._already_generated(prompt, out)
+        self._record(Emission(list(prompt), out[resumed:], turn, which, resumed))
+        return out[resumed:]
+
+    def _answer(self, prompt: list[int]) -> tuple[int | None, int | None, list[int]]:
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
         which = next((i for i, s in enumerate(self.scripts) if s.marker is None or s.marker in text), None)
         turn: int | None = None
@@ -84,9 +103,35 @@ class ScriptedEngine:
             turns = self.scripts[which].turns
             turn = min(max(text.count(ASSISTANT) - 1, 0), len(turns) - 1)
             answer = turns[turn]
-        out = [*self.tokenizer.encode(answer), self.eos_id]
-        self._record(Emission(list(prompt), out, turn, which))
-        return out
+        return turn, which, [*self.tokenizer.encode(answer), self.eos_id]
+
+    def _already_generated(self, prompt: list[int], out: list[int]) -> int:
+        """How many of `out`'s tokens end the prompt, after its last assistant header."""
+        if not self._assistant:
+            self._assistant = self.tokenizer.encode(ASSISTANT)
+        h = len(self._assistant)
+        starts = [i + h for i in range(len(prompt) - h, -1, -1) if prompt[i : i + h] == self._assistant]
+        if not starts:
+            return 0
+        partial = prompt[starts[0] :]
+        return len(partial) if partial and out[: len(partial)] == partial else 0
+
+    def crash_hook(self, prompt: list[int], sent: int | None) -> None:
+        """`FakeEngine.crash`: exit the process at `crash_at` (the first time only, being dead after)."""
+        if self.crash_at is None:
+            return
+        turn, tokens = self.crash_at
+        if self._crash_memo is None or self._crash_memo[0] is not prompt:  # once per request
+            at, _, out = self._answer(prompt)
+            self._crash_memo = (prompt, at == turn and not self._already_generated(prompt, out))
+        if not self._crash_memo[1] or (sent is not None and sent < tokens):
+            return
+        if self.crash_once is not None:
+            try:
+                self.crash_once.open("x").close()
+            except FileExistsError:
+                return
+        os._exit(17)
 
     def _record(self, emission: Emission) -> None:
         with self._lock:
@@ -94,18 +139,26 @@ class ScriptedEngine:
             if self.log_path is not None:
                 with self.log_path.open("a") as f:
                     row = {"prompt_ids": emission.prompt_ids, "output_ids": emission.output_ids}
-                    extra = {"turn": emission.turn, "script": emission.script}
+                    extra = {"turn": emission.turn, "script": emission.script, "resumed": emission.resumed}
                     f.write(json.dumps({**row, **extra}) + "\n")
 
-    def fake(self, model: str = "scripted", max_model_len: int = 65536) -> FakeEngine:
-        return FakeEngine(model=model, script=self.reply, max_model_len=max_model_len)
+    def fake(
+        self, model: str = "scripted", max_model_len: int = 65536, token_delay: float = 0.0
+    ) -> FakeEngine:
+        crash = self.crash_hook if self.crash_at is not None else None
+        return FakeEngine(
+            model=model, script=self.reply, max_model_len=max_model_len, token_delay=token_delay, crash=crash
+        )
 
 
 def read_log(path: Path) -> list[Emission]:
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [Emission(r["prompt_ids"], r["output_ids"], r["turn"], r.get("script")) for r in rows]
+    return [
+        Emission(r["prompt_ids"], r["output_ids"], r["turn"], r.get("script"), r.get("resumed", 0))
+        for r in rows
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,10 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--max-model-len", type=int, default=65536)
     p.add_argument("--log", help="append each emission (prompt_ids, output_ids) as a JSON line")
+    p.add_argument("--crash", help="TURN:TOKENS: exit after streaming TOKENS tokens of script turn TURN")
+    p.add_argument("--crash-once", help="a file: only the engine that creates it crashes")
+    p.add_argument("--token-delay", type=float, default=0.0, help="seconds per streamed token")
     args = p.parse_args(argv)
     scripts = ScriptFile.model_validate_json(Path(args.script).read_text()).scripts
     engine = ScriptedEngine.load(args.model_dir, scripts, Path(args.log) if args.log else None)
-    app = engine.fake(max_model_len=args.max_model_len).app()
+    if args.crash:
+        turn, tokens = (int(x) for x in args.crash.split(":"))
+        engine.crash_at = (turn, tokens)
+        engine.crash_once = Path(args.crash_once) if args.crash_once else None
+    app = engine.fake(max_model_len=args.max_model_len, token_delay=args.token_delay).app()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 

@@ -426,6 +426,25 @@ class DockerSandboxBackend(SandboxBackend):
             else:
                 self._import(io.BytesIO(rootfs_tar), name, changes)
 
+    def derive_image(self, name: str, base: str, files: dict[str, Path]) -> None:
+        """Build image `name` (tag included) as `base` plus `files` (container path → host file)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for target, source in files.items():
+                info = tar.gettarinfo(str(source), arcname=target.lstrip("/"))
+                info.uid = info.gid = 0
+                info.uname = info.gname = "root"
+                with source.open("rb") as f:
+                    tar.addfile(info, f)
+        with docker_errors(ImageBuildError):
+            container = self._api.create_container(base, command=["true"], labels={"belayer": "image-build"})
+            try:
+                self._api.put_archive(container["Id"], "/", buf.getvalue())
+                repo, _, tag = name.partition(":")
+                self._api.commit(container["Id"], repository=repo, tag=tag or "latest")
+            finally:
+                self._api.remove_container(container["Id"], force=True)
+
     def _import(self, stream: io.BufferedIOBase, name: str, changes: list[str]) -> None:
         chunks = iter(lambda: stream.read(1 << 20), b"")
         self._api.import_image(src=chunks, repository=name, tag="latest", changes=changes, stream_src=True)

@@ -42,6 +42,20 @@ class ImageStore(Protocol):
 
     def import_image(self, name: str, rootfs_tar: Path | bytes, changes: list[str]) -> None: ...
 
+    def derive_image(self, name: str, base: str, files: dict[str, Path]) -> None: ...
+
+
+def ensure_harness_image(store: ImageStore, harness: str, version: str, files: dict[str, Path]) -> str:
+    """`belayer-harness-<harness>:<version>`: the python sandbox image plus the harness's files
+    (e.g. Claude Code's native binary), built unless it exists; returns its name."""
+    name = f"belayer-harness-{harness}:{version}"
+    if not store.has_image(name):
+        missing = [str(p) for p in files.values() if not p.is_file()]
+        if missing:
+            raise ImageBuildError(f"cannot build {name}: missing {missing}; install the harness first")
+        store.derive_image(name, ensure_python_image(store), files)
+    return name
+
 
 def ensure_busybox_image(store: ImageStore, busybox: Path = Path("/bin/busybox")) -> str:
     """Import `belayer-sandbox-busybox` unless it exists; return its name."""

@@ -335,6 +335,12 @@ class SandboxManager:
             "failure": slot.failure,
             "image": slot.spec.image,
             "harness_inside": slot.harness_inside,
+            "network": slot.spec.network,
+            "gateway_url": (
+                f"{self.gateway_url}/s/{session_id}"
+                if slot.spec.network == "gateway" and self.gateway_url
+                else None
+            ),
             "recovery": slot.recovery,
             "journaled_calls": len(slot.journal),
             "checkpoints": [c.as_json() for c in slot.checkpoints],

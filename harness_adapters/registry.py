@@ -1,0 +1,21 @@
+"""The harnesses `belayer run-episode --harness NAME` knows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness_adapters.base import HarnessAdapter, HarnessError
+from harness_adapters.claude_code import ClaudeCode
+from harness_adapters.mini_swe_agent import MiniSweAgent
+
+ADAPTERS: dict[str, type[HarnessAdapter]] = {
+    ClaudeCode.name: ClaudeCode,
+    MiniSweAgent.name: MiniSweAgent,
+}
+
+
+def adapter(name: str, root: Path, model: str = "policy") -> HarnessAdapter:
+    """The adapter for harness `name`, installing under `root`."""
+    if name not in ADAPTERS:
+        raise HarnessError(f"unknown harness {name!r}; known: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[name](root, model=model)  # type: ignore[call-arg]

@@ -1,0 +1,179 @@
+"""Real harnesses (Claude Code, mini-swe-agent), unchanged, through `belayer run-episode`: a real
+``belayer serve --sandboxes`` in front of two scripted engine processes, a task directory with a failing
+test, and the task's verifier. Claude Code runs *inside* its sandbox (on the gateway-only network);
+mini-swe-agent runs beside it, with its commands executed in the sandbox.
+
+One engine process exits mid-episode (``--crash``): the gateway fails over to the other, and the
+harness does not notice. Every turn is in the trajectory with exactly the ids the engines saw and sent.
+
+The installs go to ``.cache/harness`` (idempotent); this needs the npm and PyPI registries once.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_pool.worker import free_port
+from harness_adapters.claude_code import ClaudeCode
+from harness_adapters.episode import EpisodeRunner, Task
+from harness_adapters.mini_swe_agent import MiniSweAgent
+from harness_adapters.scripted_engine import Emission, read_log, tool_call
+
+pytestmark = [pytest.mark.harness, pytest.mark.docker]
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / ".cache" / "harness"
+TASK = REPO / "tasks" / "fix-greet"
+RUN_TEST = "python3 -m unittest -q test_hello 2>&1 | tail -3"
+FIX = {"old_string": 'return "hello"', "new_string": 'return "hello, world"'}
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    url: str
+    logs: list[Path]
+    dir: Path
+
+    def emissions(self) -> list[Emission]:
+        return [e for log in self.logs for e in read_log(log)]
+
+
+CLAUDE_TURNS = [
+    tool_call("Bash", {"command": RUN_TEST, "description": "Run the failing test"}),
+    tool_call("Read", {"file_path": "/workspace/hello.py"}),  # Claude Code edits only files it has read
+    tool_call("Edit", {"file_path": "/workspace/hello.py", **FIX}),
+    tool_call("Bash", {"command": RUN_TEST, "description": "Run the test again"}),
+    'Done: greet() returns "hello, world" and the test passes.',
+]
+MINI_TURNS = [
+    tool_call("bash", {"command": RUN_TEST}),
+    tool_call("bash", {"command": 'sed -i \'s/return "hello"/return "hello, world"/\' hello.py'}),
+    tool_call("bash", {"command": "python3 -m unittest -q test_hello"}),
+    tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
+]
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.poll() is None, f"{p.args!r} exited with {p.returncode}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)  # a server process starting up: poll its health with a deadline
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
+
+
+def start_stack(tmp: Path, model_dir: Path, marker: str, turns: list[str], crash: str) -> Iterator[Stack]:
+    """Two scripted engine processes (either may crash once at `crash`) and `belayer serve --sandboxes`."""
+    (tmp / "scripts.json").write_text(json.dumps({"scripts": [{"marker": marker, "turns": turns}]}))
+    out = (tmp / "servers.log").open("wb")
+    procs: list[subprocess.Popen[bytes]] = []
+    logs, engine_urls = [], []
+    try:
+        for i in range(2):
+            port = free_port()
+            logs.append(tmp / f"emitted-{i}.jsonl")
+            cmd = [sys.executable, "-m", "harness_adapters.scripted_engine", "--model-dir", str(model_dir)]
+            cmd += ["--script", str(tmp / "scripts.json"), "--port", str(port), "--log", str(logs[-1])]
+            cmd += ["--crash", crash, "--crash-once", str(tmp / "crashed"), "--token-delay", "0.01"]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+            engine_urls.append(f"http://127.0.0.1:{port}")
+            wait_healthy(engine_urls[-1], procs)
+        gw_port = free_port()
+        cmd = [sys.executable, "-m", "belayer.cli", "serve", "--model", str(model_dir), "--sandboxes"]
+        for url in engine_urls:
+            cmd += ["--engine-url", url]
+        cmd += ["--max-model-len", "65536", "--port", str(gw_port), "--store", str(tmp / "traj.db")]
+        cmd += ["--checkpoint-dir", str(tmp / "checkpoints"), "--log-level", "WARNING"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+        wait_healthy(f"http://127.0.0.1:{gw_port}", procs)
+        yield Stack(f"http://127.0.0.1:{gw_port}", logs, tmp)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        out.close()
+
+
+def make_task(tmp: Path, marker: str) -> Task:
+    root = tmp / "task"
+    shutil.copytree(TASK, root)
+    (root / "instruction.md").write_text(f"{marker}: {(TASK / 'instruction.md').read_text()}")
+    return Task.load(root)
+
+
+def check_trajectory(stack: Stack, sid: str, n_turns: int) -> list[dict[str, Any]]:
+    """Every turn is complete, with the prompt ids the engine saw and the ids it sent (a failover's
+    turn: the crashed engine's whole reply, of which the other engine sent the rest; or, not streamed,
+    the other engine's answer to the same prompt)."""
+    first = [e for e in stack.emissions() if e.resumed == 0 and e.turn is not None]
+    turns: list[dict[str, Any]] = httpx.get(f"{stack.url}/api/sessions/{sid}/trajectory").json()["turns"]
+    assert [t["status"] for t in turns] == ["complete"] * n_turns
+    for turn in turns:
+        answers = [e.output_ids for e in first if e.prompt_ids == turn["prompt_ids"]]
+        assert answers and all(turn["output_ids"] == answer for answer in answers)
+    return turns
+
+
+def failover_turns(stack: Stack, sid: str) -> list[int]:
+    traj = httpx.get(f"{stack.url}/api/sessions/{sid}/trajectory").json()
+    return [e["turn_index"] for e in traj["events"] if e["kind"] == "failover"]
+
+
+@pytest.fixture
+def claude_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Iterator[Stack]:
+    yield from start_stack(tmp_path, tiny_model_dir, "CLAUDE-TASK", CLAUDE_TURNS, crash="2:5")
+
+
+@pytest.fixture
+def mini_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Iterator[Stack]:
+    yield from start_stack(tmp_path, tiny_model_dir, "MINI-TASK", MINI_TURNS, crash="1:0")
+
+
+def test_claude_code_episode_inside_its_sandbox(claude_stack: Stack, tmp_path: Path) -> None:
+    runner = EpisodeRunner(claude_stack.url, ClaudeCode(CACHE))
+    report = runner.run(make_task(tmp_path, "CLAUDE-TASK"))
+    (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
+    assert report["inside"] is True
+    assert report["verified"] is True, report
+    assert report["harness_ok"] is True, report["harness_stderr_tail"]
+    assert report["harness_report"]["num_turns"] == 5
+    assert report["harness_report"]["result"].startswith("Done:")
+    check_trajectory(claude_stack, report["session_id"], 5)
+    assert failover_turns(claude_stack, report["session_id"]) == [2]  # the engine died mid-Edit
+    assert (claude_stack.dir / "crashed").exists()
+    assert report["prefix_reuse"] + report["branches"] == 4  # every turn after the first extends one
+    for reason in report["branch_reasons"]:  # and every branch says where the history changed
+        assert "message_index" in reason or "difference" in reason
+
+
+def test_mini_swe_agent_episode_in_a_sandbox(mini_stack: Stack, tmp_path: Path) -> None:
+    runner = EpisodeRunner(mini_stack.url, MiniSweAgent(CACHE))
+    report = runner.run(make_task(tmp_path, "MINI-TASK"))
+    (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
+    assert report["inside"] is False
+    assert report["verified"] is True, report
+    assert report["harness_ok"] is True, report["harness_stderr_tail"]
+    assert report["harness_report"]["exit_status"] == "Submitted"
+    check_trajectory(mini_stack, report["session_id"], 4)
+    assert failover_turns(mini_stack, report["session_id"]) == [1]
+    # mini sends its history back unchanged: pure prefix reuse, no branch
+    assert (report["prefix_reuse"], report["branches"], report["fresh_prompts"]) == (3, 0, 1)
