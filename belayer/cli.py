@@ -39,6 +39,13 @@ def setup_logging(level: str = "INFO") -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
+def _alias(text: str) -> tuple[str, str]:
+    pattern, sep, name = text.partition("=")
+    if not sep or not pattern or not name:
+        raise SystemExit(f"--model-alias takes PATTERN=NAME, e.g. 'claude-*=policy'; got {text!r}")
+    return pattern, name
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -70,6 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
         public_url=args.public_url,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
+        max_tokens_cap=args.max_tokens_cap,
+        model_aliases=dict(_alias(a) for a in args.model_alias or []),
         log_dir=args.log_dir,
     )
     setup_logging(args.log_level)
@@ -228,6 +237,15 @@ def parser() -> argparse.ArgumentParser:
         "--default-max-tokens",
         type=int,
         help="max_tokens when a request gives none (default: the rest of the context)",
+    )
+    s.add_argument(
+        "--max-tokens-cap", type=int, help="an upper bound on every request's max_tokens (short rollouts)"
+    )
+    s.add_argument(
+        "--model-alias",
+        action="append",
+        metavar="PATTERN=NAME",
+        help="answer model names matching PATTERN (fnmatch, e.g. 'claude-*') with served model NAME",
     )
     s.add_argument("--log-dir", default="logs", help="where launched workers' logs go")
     s.add_argument("--log-level", default="INFO")

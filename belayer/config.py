@@ -77,5 +77,8 @@ class GatewayConfig(BaseModel):
     public_url: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     default_max_tokens: int | None = None
+    """max_tokens for a request that gives none (None: the rest of the context)."""
+    max_tokens_cap: int | None = None
+    """An upper bound on every request's max_tokens (e.g. short rollouts on a slow engine)."""
     log_dir: str = "logs"
     worker_start_timeout: float = 300.0

@@ -96,7 +96,15 @@ def build_app(
                     tok,
                     the_pool,
                     SessionManager(store, tok),
-                    TurnRunner(store, the_pool, tok, config.default_max_tokens, watchers, config.failover),
+                    TurnRunner(
+                        store,
+                        the_pool,
+                        tok,
+                        config.default_max_tokens,
+                        watchers,
+                        config.failover,
+                        config.max_tokens_cap,
+                    ),
                     sandboxes,
                 )
                 log.info(

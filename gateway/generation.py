@@ -129,7 +129,9 @@ class TurnRunner:
         default_max_tokens: int | None = None,
         observers: list[TurnObserver] | None = None,
         failover: FailoverConfig | None = None,
+        max_tokens_cap: int | None = None,
     ) -> None:
+        self.max_tokens_cap = max_tokens_cap
         self.failover = failover or FailoverConfig()
         self.store = store
         self.pool = pool
@@ -149,7 +151,8 @@ class TurnRunner:
                 param="messages",
             )
         room = limit - prompt_len
-        return min(x for x in (max_tokens, self.default_max_tokens, room) if x is not None)
+        wanted = max_tokens if max_tokens is not None else self.default_max_tokens
+        return min(x for x in (wanted, self.max_tokens_cap, room) if x is not None)
 
     def prepare(self, req: GenerationRequest) -> tuple[list[int], SamplingParams]:
         """Final prompt ids and sampling parameters; raises the 4xx errors before anything is stored."""

@@ -319,4 +319,13 @@ def _messages(turn: dict[str, Any]) -> list[Any]:
 
 
 def _norm(message: Any) -> str:
-    return json.dumps(message, sort_keys=True, ensure_ascii=False)
+    return json.dumps(_strip(message), sort_keys=True, ensure_ascii=False)
+
+
+def _strip(value: Any) -> Any:
+    """Drop what does not render into the prompt (Anthropic's cache_control moves between requests)."""
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
