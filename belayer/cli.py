@@ -296,7 +296,7 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     r = sub.add_parser("run-episode", help="run one harness episode on a task directory, then its verifier")
-    r.add_argument("--harness", required=True, help="claude-code | mini-swe-agent")
+    r.add_argument("--harness", required=True, help="claude-code | mini-swe-agent | opencode")
     r.add_argument("--task", required=True, help="directory with instruction.md, repo/, verify.sh")
     r.add_argument("--gateway", default="http://127.0.0.1:8000", help="a running `belayer serve --sandboxes`")
     r.add_argument("--model", default="policy", help="the served model name the harness asks for")

@@ -7,10 +7,12 @@ from pathlib import Path
 from harness_adapters.base import HarnessAdapter, HarnessError
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.mini_swe_agent import MiniSweAgent
+from harness_adapters.opencode import OpenCode
 
 ADAPTERS: dict[str, type[HarnessAdapter]] = {
     ClaudeCode.name: ClaudeCode,
     MiniSweAgent.name: MiniSweAgent,
+    OpenCode.name: OpenCode,
 }
 
 

