@@ -39,10 +39,17 @@ def setup_logging(level: str = "INFO") -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
-def _alias(text: str) -> tuple[str, str]:
+def _alias(text: str, flag: str = "--model-alias") -> tuple[str, str]:
     pattern, sep, name = text.partition("=")
     if not sep or not pattern or not name:
-        raise SystemExit(f"--model-alias takes PATTERN=NAME, e.g. 'claude-*=policy'; got {text!r}")
+        raise SystemExit(f"{flag} takes PATTERN=VALUE, e.g. 'claude-*=policy'; got {text!r}")
+    if flag == "--aux-model":
+        from gateway.auxiliary import AuxRoute
+
+        try:
+            AuxRoute.parse(name)
+        except ValueError as exc:
+            raise SystemExit(f"{flag}: {exc}") from None
     return pattern, name
 
 
@@ -81,6 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         max_tokens_cap=args.max_tokens_cap,
         model_aliases=dict(_alias(a) for a in args.model_alias or []),
+        auxiliary_models=dict(_alias(a, "--aux-model") for a in args.aux_model or []),
         log_dir=args.log_dir,
     )
     setup_logging(args.log_level)
@@ -254,6 +262,13 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         metavar="PATTERN=NAME",
         help="answer model names matching PATTERN (fnmatch, e.g. 'claude-*') with served model NAME",
+    )
+    s.add_argument(
+        "--aux-model",
+        action="append",
+        metavar="PATTERN=ROUTE",
+        help="a harness's auxiliary model calls: ROUTE is policy (recorded in the session's -aux side "
+        "session), http(s)://provider/v1#model (passed through, e.g. to a LiteLLM proxy) or reject",
     )
     s.add_argument("--log-dir", default="logs", help="where launched workers' logs go")
     s.add_argument("--log-level", default="INFO")

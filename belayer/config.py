@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from sandbox.policy import PolicySettings
 
@@ -57,7 +57,24 @@ class GatewayConfig(BaseModel):
         default_factory=dict,
         description="model names (fnmatch patterns, e.g. 'claude-*') answered by a served model",
     )
+    auxiliary_models: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "model-name patterns (fnmatch) of a harness's auxiliary calls -> 'policy' (recorded in the "
+            "session's -aux side session), 'http(s)://provider/v1#model' (passed through) or 'reject'"
+        ),
+    )
     engine_urls: list[str] = Field(default_factory=list, description="already-running vLLM servers")
+
+    @field_validator("auxiliary_models")
+    @classmethod
+    def _aux_routes(cls, value: dict[str, str]) -> dict[str, str]:
+        for pattern, route in value.items():
+            if route not in ("policy", "reject") and not route.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"auxiliary route for {pattern!r} must be 'policy', 'reject' or 'http(s)://provider/v1#model'"
+                )
+        return value
     workers: int = Field(
         default=1, ge=0, description="active vLLM workers to launch when no engine URL is given"
     )

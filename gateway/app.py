@@ -71,6 +71,7 @@ def build_app(
     pool: EnginePool | None = None,
     observers: list[TurnObserver] | None = None,
     sandbox_backend: SandboxBackend | None = None,
+    aux_transport: httpx.AsyncBaseTransport | None = None,
 ) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -106,6 +107,7 @@ def build_app(
                         config.max_tokens_cap,
                     ),
                     sandboxes,
+                    await owned.enter_async_context(httpx.AsyncClient(timeout=None, transport=aux_transport)),
                 )
                 log.info(
                     "gateway ready: workers=%s max_model_len=%d",

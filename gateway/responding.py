@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from gateway import auxiliary
 from gateway.generation import Delta, Done, GenerationRequest
 from gateway.state import Gateway
 from gateway.store import SessionRecord
@@ -32,18 +33,25 @@ class Formatter(Protocol):
         """Streamed: the SSE text that reports an error after the headers went out."""
 
 
-async def session_for(gw: Gateway, request: Request) -> SessionRecord:
+async def session_for(gw: Gateway, request: Request, auxiliary_model: str | None = None) -> SessionRecord:
     """The request's session: ``/s/{id}/…`` names an open one; plain ``/v1/…`` gets a one-request session.
+    An auxiliary call (`auxiliary_model`) goes to the session's side session instead.
 
     While the session's sandbox is being restored, this waits: the request must meet the truncated
     trajectory (a harness inside the sandbox retries its call as soon as it is back).
     """
     sid = request.path_params.get("session_id")
     if sid is None:
-        return gw.sessions.create({"source": request.url.path}, ephemeral=True)
+        meta: dict[str, object] = {"source": request.url.path}
+        if auxiliary_model is not None:
+            meta["auxiliary_model"] = auxiliary_model
+        return gw.sessions.create(meta, ephemeral=True)
     if gw.sandboxes is not None:
         await gw.sandboxes.settled(sid)
-    return gw.sessions.get_open(sid)
+    session = gw.sessions.get_open(sid)
+    if auxiliary_model is not None:
+        return auxiliary.side_session(gw.store, session, auxiliary_model)
+    return session
 
 
 async def respond(gw: Gateway, gen: GenerationRequest, fmt: Formatter) -> Response:

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
+import httpx
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from belayer.config import GatewayConfig
-from belayer.errors import InvalidRequest, NotFound
+from belayer.errors import EngineUnavailable, InvalidRequest, NotFound
 from engine_pool.pool import EnginePool
+from gateway.auxiliary import AuxRoute, refuse
 from gateway.generation import TurnRunner
 from gateway.sessions import SessionManager
 from gateway.store import TrajectoryStore
@@ -31,6 +33,24 @@ class Gateway:
     sessions: SessionManager
     runner: TurnRunner
     sandboxes: SandboxManager | None = None
+    aux_http: httpx.AsyncClient | None = None
+
+    def route_model(self, model: str) -> AuxRoute | None:
+        """None when the policy serves `model` (a served name or an alias); its auxiliary route when an
+        ``auxiliary_models`` pattern matches (checked first); raises for ``reject`` and unknown names."""
+        for pattern, text in self.config.auxiliary_models.items():
+            if fnmatchcase(model, pattern):
+                route = AuxRoute.parse(text)
+                if route.kind == "reject":
+                    raise refuse(model, pattern)
+                return route
+        self.check_model(model)
+        return None
+
+    def aux_http_client(self) -> httpx.AsyncClient:
+        if self.aux_http is None:
+            raise EngineUnavailable("the gateway has no client for auxiliary providers (it is shutting down)")
+        return self.aux_http
 
     def check_model(self, model: str) -> str:
         """The served model that ``model`` names: itself, or the target of a matching ``model_aliases``."""

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway import auxiliary
 from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.anthropic.serving import (
     MessageFormatter,
@@ -27,8 +28,10 @@ async def messages(request: Request) -> Response:
     raw = await read_json(request, gw.config.max_body_bytes)
     reject_unsupported(raw)
     req = validate(MessagesRequest, raw)
-    gw.check_model(req.model)
-    session = await session_for(gw, request)
+    route = gw.route_model(req.model)
+    if route is not None and route.kind == "external":
+        return await auxiliary.forward(gw.aux_http_client(), gw.store, route, raw, "messages", request)
+    session = await session_for(gw, request, auxiliary_model=req.model if route else None)
     gen = message_request(req, raw, session, gw.sessions)
     fmt = MessageFormatter(req.model, prompt_tokens(gen.plan.prompt_ids, gen.forced_prefix, gw.tokenizer))
     return await respond(gw, gen, fmt)

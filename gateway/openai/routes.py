@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway import auxiliary
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving import (
     ChatFormatter,
@@ -25,8 +26,12 @@ async def chat_completions(request: Request) -> Response:
     raw = await read_json(request, gw.config.max_body_bytes)
     reject_unsupported(raw)
     req = validate(ChatCompletionRequest, raw)
-    gw.check_model(req.model)
-    session = await session_for(gw, request)
+    route = gw.route_model(req.model)
+    if route is not None and route.kind == "external":
+        return await auxiliary.forward(
+            gw.aux_http_client(), gw.store, route, raw, "chat/completions", request
+        )
+    session = await session_for(gw, request, auxiliary_model=req.model if route else None)
     gen, top = chat_request(req, raw, session, gw.sessions)
     gen.stream = bool(req.stream)
     usage = bool(req.stream_options and req.stream_options.include_usage)
