@@ -98,6 +98,23 @@ def parse_chunk(choice: dict[str, Any], with_tops: bool = True) -> TokenChunk:
     return TokenChunk(ids, logprobs, tops, choice.get("finish_reason"))
 
 
+def parse_prompt_logprobs(entries: list[Any], prompt_ids: list[int]) -> list[float | None]:
+    """vLLM's ``prompt_logprobs``: per position None or ``{token: {"logprob", "rank", ...}}``, the
+    token keyed by its id (or ``token_id:<id>``); pick each prompt token's own entry."""
+    out: list[float | None] = []
+    for i, tid in enumerate(prompt_ids):
+        entry = entries[i] if i < len(entries) else None
+        value = None
+        if isinstance(entry, dict):
+            hit = entry.get(str(tid), entry.get(f"token_id:{tid}"))
+            if isinstance(hit, dict):
+                value = hit.get("logprob")
+            elif isinstance(hit, int | float):
+                value = hit
+        out.append(float(value) if value is not None else None)
+    return out
+
+
 def merge_chunks(chunks: list[TokenChunk]) -> TokenChunk | None:
     """One chunk for several engine events that arrived together: when the engine outpaces the
     gateway, the per-token work (detokenizing, parsing, one SSE write to the client) is batched."""
@@ -186,6 +203,30 @@ class EngineClient:
             raise EngineTimeout(f"engine {self.base_url} timed out: {e!r}") from e
         except (httpx.TransportError, httpx.StreamError) as e:
             raise EngineUnavailable(f"engine {self.base_url} unreachable: {e!r}") from e
+
+    async def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
+        """The model's logprob of each prompt token given the ones before it (None for the first):
+        one forward pass over the prompt (``prompt_logprobs=0``, one generated token, discarded)."""
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        try:
+            resp = await self._http.post(f"{self.base_url}/v1/completions", json=body, timeout=self._timeout)
+        except httpx.TimeoutException as e:
+            raise EngineTimeout(f"engine {self.base_url} timed out: {e!r}") from e
+        except httpx.TransportError as e:
+            raise EngineUnavailable(f"engine {self.base_url} unreachable: {e!r}") from e
+        if resp.status_code >= 400:
+            if resp.status_code < 500:
+                raise _rejection(resp.status_code, resp.content)
+            raise EngineUnavailable(f"engine {self.base_url} answered HTTP {resp.status_code}")
+        entries = (resp.json().get("choices") or [{}])[0].get("prompt_logprobs") or []
+        return parse_prompt_logprobs(entries, prompt_ids)
 
     async def health(self, timeout: float = 2.0) -> bool:
         try:

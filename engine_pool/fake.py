@@ -112,6 +112,12 @@ class FakeEngine:
         finish = "length" if len(out) > max_tokens or (self.step and not hit_eos) else "stop"
         out = out[:max_tokens]
         k = body.get("logprobs")
+        if body.get("prompt_logprobs") is not None:  # like vLLM: each prompt token's own logprob
+            entries = [None] + [
+                {str(t): {"logprob": fake_logprob(-1 - i, t), "rank": 1}} for i, t in enumerate(prompt[1:], 1)
+            ]
+            choice = {**self._choice(out, 0, k, finish), "prompt_logprobs": entries}
+            return JSONResponse({"object": "text_completion", "model": self.model, "choices": [choice]})
         if body.get("stream"):
             stream = self._stream(prompt, out, k, finish)
             return StreamingResponse(stream, media_type="text/event-stream")

@@ -16,9 +16,9 @@ from starlette.routing import Route
 
 from belayer.errors import Forbidden
 from gateway import sandbox_api
-from gateway.export import aligned_logprobs, branch_leaves
+from gateway.export import aligned_logprobs, branch_leaves, recomputed_mask, recomputed_runs
 from gateway.state import Gateway, gateway_of, read_json, validate
-from gateway.store import SessionRecord, TurnRecord
+from gateway.store import EventRecord, SessionRecord, TurnRecord
 
 
 class CreateSession(BaseModel):
@@ -55,7 +55,9 @@ def _summary(gw: Gateway, request: Request, s: SessionRecord) -> dict[str, Any]:
     }
 
 
-def _turn_json(t: TurnRecord, by_id: dict[int, TurnRecord], events: list[dict[str, Any]]) -> dict[str, Any]:
+def _turn_json(
+    t: TurnRecord, by_id: dict[int, TurnRecord], events: list[dict[str, Any]], raw_events: list[EventRecord]
+) -> dict[str, Any]:
     parent = by_id.get(t.parent_id) if t.parent_id is not None else None
     return {
         "index": t.index,
@@ -67,7 +69,8 @@ def _turn_json(t: TurnRecord, by_id: dict[int, TurnRecord], events: list[dict[st
         "output_ids": t.output_ids,
         "output_logprobs": t.output_logprobs,
         "loss_mask": t.loss_mask(),
-        "logprobs": aligned_logprobs(t, by_id),
+        "logprobs": aligned_logprobs(t, by_id, recomputed_runs(raw_events, t.id)),
+        "recomputed_mask": recomputed_mask(t, recomputed_runs(raw_events, t.id)),
         "request": t.request,
         "response": t.response,
         "finish_reason": t.finish_reason,
@@ -121,6 +124,7 @@ async def trajectory(request: Request) -> Response:
         }
         for leaf in branch_leaves(turns)
     ]
+    raw_events = gw.store.get_events(session.id)
     events = [
         {
             "turn_index": by_id[e.turn_id].index if e.turn_id in by_id else None,
@@ -128,12 +132,12 @@ async def trajectory(request: Request) -> Response:
             "kind": e.kind,
             "data": e.data,
         }
-        for e in gw.store.get_events(session.id)
+        for e in raw_events
     ]
     return JSONResponse(
         {
             "session": _summary(gw, request, session),
-            "turns": [_turn_json(t, by_id, events) for t in turns],
+            "turns": [_turn_json(t, by_id, events, raw_events) for t in turns],
             "branches": branches,
             "events": events,
         }

@@ -15,12 +15,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gateway.store import TrajectoryStore, TurnRecord
+from gateway.store import EventRecord, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_COMPLETE
 
 
-def aligned_logprobs(turn: TurnRecord, by_id: dict[int, TurnRecord]) -> list[float | None]:
-    """Logprobs aligned with ``prompt_ids + output_ids``: span k of the prompt is ancestor k's output."""
+def aligned_logprobs(
+    turn: TurnRecord,
+    by_id: dict[int, TurnRecord],
+    recomputed: list[tuple[int, list[float | None]]] | None = None,
+) -> list[float | None]:
+    """Logprobs aligned with ``prompt_ids + output_ids``: a generated span of the prompt has the
+    logprobs its turn sampled; a rewritten span has those the engine recomputed (``recomputed``:
+    (start, logprobs) runs, from ``recomputed_logprobs`` events); other prompt tokens have None."""
     chain: list[TurnRecord] = []
     parent = turn.parent_id
     while parent is not None and parent in by_id:
@@ -28,9 +34,32 @@ def aligned_logprobs(turn: TurnRecord, by_id: dict[int, TurnRecord]) -> list[flo
         parent = by_id[parent].parent_id
     chain.reverse()
     out: list[float | None] = [None] * len(turn.prompt_ids)
-    for (start, end), ancestor in zip(turn.prompt_gen_spans, chain, strict=False):
-        out[start:end] = ancestor.output_logprobs[: end - start]
+    for start, values in recomputed or []:
+        out[start : start + len(values)] = values
+    positional = iter(chain)  # spans recorded without their turn id belong to the ancestors, in order
+    for start, end, source in turn.prompt_gen_spans:
+        origin = by_id.get(source) if source >= 0 else next(positional, None)
+        if origin is not None:
+            out[start:end] = origin.output_logprobs[: end - start]
     return out + list(turn.output_logprobs)
+
+
+def recomputed_mask(turn: TurnRecord, runs: list[tuple[int, list[float | None]]]) -> list[int]:
+    """1 for the prompt tokens whose logprobs were recomputed (rewritten assistant text), else 0."""
+    mask = [0] * (len(turn.prompt_ids) + len(turn.output_ids))
+    for start, values in runs:
+        mask[start : start + len(values)] = [1] * len(values)
+    return mask
+
+
+def recomputed_runs(events: list[EventRecord], turn_id: int) -> list[tuple[int, list[float | None]]]:
+    """The ``recomputed_logprobs`` events of one turn, as (start, logprobs) runs."""
+    return [
+        (int(start), list(values))
+        for e in events
+        if e.kind == "recomputed_logprobs" and e.turn_id == turn_id
+        for start, values in e.data["runs"]
+    ]
 
 
 def branch_leaves(turns: list[TurnRecord]) -> list[TurnRecord]:
@@ -48,6 +77,7 @@ def session_rows(store: TrajectoryStore, session_id: str) -> list[dict[str, Any]
         return []
     turns = store.get_turns(session_id)
     by_id = {t.id: t for t in turns}
+    events = store.get_events(session_id)
     rows = []
     for leaf in branch_leaves(turns):
         rows.append(
@@ -57,7 +87,8 @@ def session_rows(store: TrajectoryStore, session_id: str) -> list[dict[str, Any]
                 "num_turns": sum(1 for t in turns if t.branch == leaf.branch and t.status == TURN_COMPLETE),
                 "input_ids": leaf.prompt_ids + leaf.output_ids,
                 "loss_mask": leaf.loss_mask(),
-                "logprobs": aligned_logprobs(leaf, by_id),
+                "logprobs": aligned_logprobs(leaf, by_id, recomputed_runs(events, leaf.id)),
+                "recomputed_mask": recomputed_mask(leaf, recomputed_runs(events, leaf.id)),
                 "prompt_len": len(leaf.prompt_ids),
                 "finish_reason": leaf.finish_reason,
                 "reward": session.reward,

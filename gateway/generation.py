@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,8 @@ from gateway.sessions import PromptPlan, chain_keys
 from gateway.store import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_ABORTED, TURN_COMPLETE, TURN_ERROR
 from gateway.tokenization import ChatTokenizer, IncrementalDetokenizer
+
+log = logging.getLogger("belayer.gateway")
 
 
 def parse_arguments(arguments: str | dict[str, Any]) -> Any:
@@ -132,6 +135,7 @@ class TurnRunner:
         max_tokens_cap: int | None = None,
     ) -> None:
         self.max_tokens_cap = max_tokens_cap
+        self._background: set[asyncio.Task[None]] = set()
         self.failover = failover or FailoverConfig()
         self.store = store
         self.pool = pool
@@ -358,6 +362,30 @@ class TurnRunner:
         content.append(delta.content)
         return delta
 
+    async def _recompute(self, req: GenerationRequest, turn: TurnRecord) -> None:
+        """Logprobs for the rewritten assistant tokens of this turn's prompt (history a harness
+        changed): one prompt-logprobs pass on a worker, recorded as a ``recomputed_logprobs`` event."""
+        spans = req.plan.rewritten
+        try:
+            async with self.pool.lease(req.session.id, wait=self.failover.no_worker_wait) as member:
+                values = await member.client.prompt_logprobs(turn.prompt_ids[: max(b for _, b in spans)])
+                worker = member.name
+        except Exception as e:
+            log.warning("turn %s: logprob recomputation failed: %s", turn.id, e)
+            self._event(turn, "recompute_failed", {"spans": spans, "error": f"{type(e).__name__}: {e}"})
+            return
+        runs = [[a, values[a:b]] for a, b in spans]
+        self._event(
+            turn,
+            "recomputed_logprobs",
+            {"runs": runs, "worker": worker, "tokens": sum(b - a for a, b in spans)},
+        )
+
+    async def idle(self) -> None:
+        """Wait for background logprob recomputations (tests, shutdown)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
     def _fail(self, turn: TurnRecord, status: str, error: str, t0: float) -> None:
         turn.status = status
         turn.error = error
@@ -397,4 +425,8 @@ class TurnRunner:
         turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
         self.store.finish_turn(turn)
         self._notify_finished(turn)
+        if req.plan.rewritten:
+            task = asyncio.get_running_loop().create_task(self._recompute(req, turn))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         return Done(turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids))

@@ -17,11 +17,12 @@ import hashlib
 import json
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from belayer.errors import Conflict, NotFound
 from gateway.store import SessionRecord, TrajectoryStore, TurnRecord
+from gateway.store.base import TURN_COMPLETE
 from gateway.tokenization import ChatTokenizer
 
 
@@ -54,10 +55,14 @@ def chain_keys(
 @dataclass(frozen=True, slots=True)
 class PromptPlan:
     prompt_ids: list[int]
-    gen_spans: list[tuple[int, int]]
+    gen_spans: list[tuple[int, int, int]]
+    """(start, end, turn id): prompt tokens that are exactly turn `id`'s generated tokens."""
     parent: TurnRecord | None
     reused_tokens: int
     reason: str
+    rewritten: list[tuple[int, int]] = field(default_factory=list)
+    """Prompt tokens of assistant messages that no earlier turn generated as they are now (a harness
+    rewrote them, or they were re-tokenized differently); their logprobs are recomputed."""
 
 
 class SessionManager:
@@ -112,13 +117,68 @@ class SessionManager:
             j = keys.index(str(parent.ext_key))
             plan = self._extend(parent, messages, j, tools, full_text)
             if plan is not None:
-                return plan, keys
+                return self._identify(session_id, plan, messages, tools, full_text, j + 1), keys
         reason = (
             "no earlier turn is a prefix of these messages"
             if parent is None
             else "template not prefix-stable"
         )
-        return PromptPlan(self.tok.encode(full_text), [], None, 0, reason), keys
+        plan = PromptPlan(self.tok.encode(full_text), [], None, 0, reason)
+        return self._identify(session_id, plan, messages, tools, full_text, 0), keys
+
+    def _identify(
+        self,
+        session_id: str,
+        plan: PromptPlan,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        full_text: str,
+        first: int,
+    ) -> PromptPlan:
+        """Find the tokens of the assistant messages from `first` on, in the part of the prompt that
+        was tokenized from text: those that an earlier turn generated exactly keep that turn's identity
+        (a generated span); the others are marked rewritten."""
+        later = [j for j in range(first, len(messages)) if messages[j]["role"] == "assistant"]
+        if not later:
+            return plan
+        seg_token = plan.reused_tokens  # the tokenized text is the prompt after the reused tokens
+        seg_text = self.tok.decode(plan.prompt_ids[seg_token:], skip_special_tokens=False)
+        seg_char = len(full_text) - len(seg_text)
+        if seg_char < 0 or not full_text.endswith(seg_text):
+            return plan
+        ids, offsets = self.tok.encode_with_offsets(seg_text)
+        if ids != plan.prompt_ids[seg_token:]:
+            return plan
+        spans, rewritten = list(plan.gen_spans), list(plan.rewritten)
+        generated: dict[str, TurnRecord] | None = None
+        for j in later:
+            before = self.tok.render(messages[:j], tools, add_generation_prompt=True)
+            through = self.tok.render(messages[: j + 1], tools, add_generation_prompt=False)
+            if not (through.startswith(before) and full_text.startswith(through)):
+                continue
+            eot = through.rfind(self.tok.eos_token)
+            if eot < len(before):
+                continue
+            start, end = len(before) - seg_char, eot + len(self.tok.eos_token) - seg_char
+            inside = [i for i, (a, b) in enumerate(offsets) if a >= start and b <= end and b > a]
+            if not inside:
+                continue
+            a, b = seg_token + inside[0], seg_token + inside[-1] + 1
+            if generated is None:  # what each earlier turn answered, by its canonical message
+                generated = {
+                    canonical_message(t.response["message"]): t
+                    for t in self.store.get_turns(session_id)
+                    if t.response is not None and t.status == TURN_COMPLETE
+                }
+            source = generated.get(canonical_message(messages[j]))
+            out = source.output_ids if source is not None else []
+            if out and plan.prompt_ids[a : a + len(out)] == out:
+                spans.append((a, a + len(out), source.id))  # type: ignore[union-attr]
+                a += len(out)
+            if a < b:
+                rewritten.append((a, b))
+        spans.sort()
+        return replace(plan, gen_spans=spans, rewritten=rewritten)
 
     def _extend(
         self,
@@ -140,7 +200,7 @@ class SessionManager:
         ended = bool(parent.output_ids) and parent.output_ids[-1] in self.tok.eos_ids
         tail = region[eot + len(self.tok.eos_token) if ended else eot :] + full_text[len(through) :]
         base = parent.prompt_ids + parent.output_ids
-        spans = [*parent.prompt_gen_spans, (len(parent.prompt_ids), len(base))]
+        spans = [*parent.prompt_gen_spans, (len(parent.prompt_ids), len(base), parent.id)]
         return PromptPlan(
             base + self.tok.encode(tail), spans, parent, len(base), f"extends turn {parent.index}"
         )

@@ -47,7 +47,9 @@ class TurnRecord:
 
     session_id: str
     prompt_ids: list[int]
-    prompt_gen_spans: list[tuple[int, int]]
+    prompt_gen_spans: list[tuple[int, int, int]]
+    """(start, end, turn id): prompt tokens that turn `id` generated (-1: an ancestor, by position;
+    stores written before the turn id was kept)."""
     parent_id: int | None
     ext_key: str | None
     request: dict[str, Any]
@@ -67,7 +69,7 @@ class TurnRecord:
     def loss_mask(self) -> list[int]:
         """1 for every token the policy generated (earlier turns' outputs and this turn's), else 0."""
         mask = [0] * len(self.prompt_ids)
-        for start, end in self.prompt_gen_spans:
+        for start, end, _ in self.prompt_gen_spans:
             mask[start:end] = [1] * (end - start)
         return mask + [1] * len(self.output_ids)
 

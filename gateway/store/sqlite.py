@@ -79,7 +79,9 @@ def _turn(row: tuple[Any, ...]) -> TurnRecord:
         ext_key=row[5],
         status=row[6],
         prompt_ids=_ids(row[7]),
-        prompt_gen_spans=[(s, e) for s, e in json.loads(row[8])],
+        prompt_gen_spans=[
+            (span[0], span[1], span[2] if len(span) > 2 else -1) for span in json.loads(row[8])
+        ],
         output_ids=_ids(row[9]),
         output_logprobs=_floats(row[10]),
         request=json.loads(row[11]),

@@ -6,6 +6,7 @@ import itertools
 import json
 from typing import Any
 
+from engine_pool.fake import fake_logprob
 from tests.conftest import GatewayHarness
 
 CALL = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
@@ -137,17 +138,51 @@ async def test_history_rewrite_branches_and_both_stay_readable(gateway: GatewayH
         {"role": "user", "content": "c"},
     ]
     await chat(gateway, sid, rewritten)
+    await gateway.gw.runner.idle()  # the rewritten answer's logprobs are recomputed in the background
     # ... and another request extends the ORIGINAL turn 1 (an older turn): also a branch.
     await chat(gateway, sid, [*msgs[:2], {"role": "user", "content": "b2"}])
     t = await traj(gateway, sid)
     assert [x["branch"] for x in t["turns"]] == [0, 0, 1, 2]
     assert [x["parent_index"] for x in t["turns"]] == [None, 0, None, 0]
     assert [b["turn_indices"] for b in t["branches"]] == [[0, 1], [2], [3]]
-    assert [e["kind"] for e in t["events"]] == ["fresh_prompt", "prefix_reuse", "branch", "branch"]
+    kinds = [e["kind"] for e in t["events"]]
+    assert kinds == ["fresh_prompt", "prefix_reuse", "branch", "recomputed_logprobs", "branch"]
     assert t["turns"][2]["loss_mask"].count(1) == len(t["turns"][2]["output_ids"])  # fresh tokenization
+    # The rewritten answer ("(summary)" and its end-of-turn) has the engine's prompt logprobs, marked.
+    t2 = t["turns"][2]
+    span = [i for i, m in enumerate(t2["recomputed_mask"]) if m]
+    tok = gateway.gw.tokenizer
+    assert tok.decode([t2["prompt_ids"][i] for i in span], skip_special_tokens=False) == "(summary)<|im_end|>"
+    assert [t2["logprobs"][i] for i in span] == [fake_logprob(-1 - i, t2["prompt_ids"][i]) for i in span]
+    assert gateway.engine.requests[-2]["prompt_logprobs"] == 0  # one prompt-logprobs pass
+    others = [lp for i, lp in enumerate(t2["logprobs"][: len(t2["prompt_ids"])]) if i not in span]
+    assert others == [None] * len(others)  # user and system tokens: no logprob, as before
     base = t["turns"][0]["prompt_ids"] + t["turns"][0]["output_ids"]
     assert t["turns"][3]["prompt_ids"][: len(base)] == base
     assert m2["content"] == "two"
+
+
+async def test_a_fresh_prompt_keeps_the_identity_of_unchanged_answers(gateway: GatewayHarness) -> None:
+    gateway.engine.outputs += [gateway.encode_reply(x) for x in ("one", "two")]
+    sid, _ = await gateway.new_session()
+    m1 = await chat(gateway, sid, [{"role": "user", "content": "a"}])
+    # the harness edits the first user message: no turn is a prefix, so the prompt is tokenized afresh
+    await chat(gateway, sid, [{"role": "user", "content": "a, edited"}, m1, {"role": "user", "content": "b"}])
+    await gateway.gw.runner.idle()
+    t = await traj(gateway, sid)
+    t0, t1 = t["turns"]
+    assert t1["parent_index"] is None and t1["branch"] == 1
+    # ... but its copy of answer "one" is exactly turn 0's tokens: generated, with turn 0's logprobs
+    start = next(
+        i
+        for i in range(len(t1["prompt_ids"]))
+        if t1["prompt_ids"][i : i + len(t0["output_ids"])] == t0["output_ids"]
+    )
+    span = range(start, start + len(t0["output_ids"]))
+    assert [t1["loss_mask"][i] for i in span] == [1] * len(span)
+    assert [t1["logprobs"][i] for i in span] == t0["output_logprobs"]
+    assert sum(t1["loss_mask"][: len(t1["prompt_ids"])]) == len(span) and sum(t1["recomputed_mask"]) == 0
+    assert "recomputed_logprobs" not in [e["kind"] for e in t["events"]]
 
 
 async def test_tool_call_ids_do_not_break_reuse(gateway: GatewayHarness) -> None:

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from belayer.errors import EngineUnavailable
+from engine_pool.client import parse_prompt_logprobs
 from engine_pool.worker import free_port, wait_http_ok
 
 pytestmark = pytest.mark.vllm
@@ -163,6 +164,40 @@ def test_logprobs_match_engine(server: Server) -> None:
     assert all(
         len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content
     )  # type: ignore[union-attr]
+
+
+def test_rewritten_history_gets_the_engines_prompt_logprobs(server: Server) -> None:
+    sid, base = server.session()
+    client = openai.OpenAI(base_url=base, api_key="x")
+    kw: Any = {"model": "policy", "temperature": 0, "max_tokens": 8}
+    first = client.chat.completions.create(messages=MSGS, **kw).choices[0].message
+    # the harness rewrites the answer (compaction): a branch whose rewritten tokens need logprobs
+    rewritten: Any = [
+        *MSGS,
+        {"role": "assistant", "content": "A summary."},
+        {"role": "user", "content": "Go on."},
+    ]
+    client.chat.completions.create(messages=rewritten, **kw)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # recomputed in the background after the turn
+        traj = server.trajectory(sid)
+        if any(e["kind"] == "recomputed_logprobs" for e in traj["events"]):
+            break
+        time.sleep(0.2)
+    t0, t1 = traj["turns"]
+    span = [i for i, m in enumerate(t1["recomputed_mask"]) if m]
+    assert span and all(isinstance(t1["logprobs"][i], float) and t1["logprobs"][i] <= 0 for i in span)
+    # the recomputation is the engine's own: prompt logprobs of turn 0's greedy answer equal its sampled ones
+    choice = httpx.post(
+        f"{server.engine['url']}/v1/completions",
+        json={"model": "policy", "prompt": t0["prompt_ids"] + t0["output_ids"], "max_tokens": 1,
+              "temperature": 0, "prompt_logprobs": 0, "return_tokens_as_token_ids": True},
+        timeout=120,
+    ).json()["choices"][0]  # fmt: skip
+    again = parse_prompt_logprobs(choice["prompt_logprobs"], t0["prompt_ids"] + t0["output_ids"])
+    for sampled, recomputed in zip(t0["output_logprobs"], again[len(t0["prompt_ids"]) :], strict=True):
+        assert recomputed is not None and abs(sampled - recomputed) < 1e-3
+    assert first.content is not None
 
 
 def test_stop_string_and_completions_endpoint(server: Server) -> None:
