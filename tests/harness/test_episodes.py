@@ -6,7 +6,8 @@ mini-swe-agent runs beside it, with its commands executed in the sandbox.
 One engine process exits mid-episode (``--crash``): the gateway fails over to the other, and the
 harness does not notice. Every turn is in the trajectory with exactly the ids the engines saw and sent.
 Claude Code's container is also killed mid-episode: Claude Code comes back from its last checkpoint
-(CRIU: its memory, its connection closed), retries its LLM call, and still solves the task.
+(CRIU: its memory, its connection closed), retries its LLM call, and still solves the task. So is
+mini-swe-agent's: the gateway restores the checkpoint and replays the commands since, unseen by mini.
 
 The installs go to ``.cache/harness`` (idempotent); this needs the npm and PyPI registries once.
 """
@@ -172,7 +173,7 @@ def opencode_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) ->
 
 @pytest.fixture
 def mini_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Iterator[Stack]:
-    yield from start_stack(tmp_path, tiny_model_dir, "MINI-TASK", MINI_TURNS, crash="1:0")
+    yield from start_stack(tmp_path, tiny_model_dir, "MINI-TASK", MINI_TURNS, crash="1:0", policy="always")
 
 
 def kill_after_checkpoint(stack: Stack, turn: int, done: threading.Event) -> dict[str, Any]:
@@ -245,13 +246,24 @@ def test_opencode_episode_inside_its_sandbox(opencode_stack: Stack, tmp_path: Pa
 
 def test_mini_swe_agent_episode_in_a_sandbox(mini_stack: Stack, tmp_path: Path) -> None:
     runner = EpisodeRunner(mini_stack.url, MiniSweAgent(CACHE))
-    report = runner.run(make_task(tmp_path, "MINI-TASK"))
+    done = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        episode = pool.submit(runner.run, make_task(tmp_path, "MINI-TASK"))
+        episode.add_done_callback(lambda _f: done.set())
+        killed = kill_after_checkpoint(mini_stack, 2, done)  # its sandbox dies mid-episode
+        report = episode.result(timeout=600)
     (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
     assert report["inside"] is False
     assert report["verified"] is True, report
     assert report["harness_ok"] is True, report["harness_stderr_tail"]
     assert report["harness_report"]["exit_status"] == "Submitted"
+    # mini never noticed the container's death: the gateway restored the checkpoint, replayed the
+    # commands run since, and answered the call; no turn was discarded
     check_trajectory(mini_stack, report["session_id"], 4)
     assert failover_turns(mini_stack, report["session_id"]) == [1]
+    traj = httpx.get(f"{mini_stack.url}/api/sessions/{report['session_id']}/trajectory").json()
+    [restored] = [e["data"] for e in traj["events"] if e["kind"] == "sandbox_restored"]
+    assert (restored["mode"], restored["discarded_turns"], restored["diverged"]) == ("replay", [], 0)
+    assert restored["sandbox_id"] != killed["sandbox_id"]
     # mini sends its history back unchanged: pure prefix reuse, no branch
     assert (report["prefix_reuse"], report["branches"], report["fresh_prompts"]) == (3, 0, 1)
