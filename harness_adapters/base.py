@@ -16,6 +16,7 @@ adapter derives the form its harness wants from it.
 from __future__ import annotations
 
 import abc
+import json
 import os
 import shlex
 import subprocess
@@ -125,6 +126,38 @@ class HarnessAdapter(abc.ABC):
                 check=False,
             )
             return self.collect(proc, home, time.monotonic() - start)
+
+
+class NpmHarness(HarnessAdapter):
+    """A harness shipped as an npm package with a native binary, installed under ``root/<name>``."""
+
+    package: str
+    version: str
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.prefix = self.root / self.name
+
+    @abc.abstractmethod
+    def binary(self) -> Path:
+        """The platform's native binary inside the install."""
+
+    def installed_version(self) -> str | None:
+        manifest = self.prefix / "node_modules" / self.package / "package.json"
+        if not manifest.exists() or not self.binary().exists():
+            return None
+        version: str = json.loads(manifest.read_text())["version"]
+        return version
+
+    def install(self) -> None:
+        if self.installed_version() == self.version:
+            return
+        self.prefix.mkdir(parents=True, exist_ok=True)
+        spec = f"{self.package}@{self.version}"
+        cmd = ["npm", "install", "--prefix", str(self.prefix), "--no-audit", "--no-fund", spec]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        if proc.returncode != 0 or self.installed_version() != self.version:
+            raise HarnessError(f"npm install {spec} failed: {proc.stderr[-2000:]}")
 
 
 def session_root(session_base_url: str) -> str:

@@ -26,7 +26,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from harness_adapters.base import Episode, HarnessAdapter, HarnessError, Outcome, session_root
+from harness_adapters.base import Episode, NpmHarness, Outcome, session_root
 
 VERSION = "2.1.197"
 PACKAGE = "@anthropic-ai/claude-code"
@@ -36,9 +36,10 @@ ALLOWED_TOOLS = "Bash Read Edit Write Glob Grep"
 INSIDE_BINARY = "/usr/local/bin/claude"
 
 
-class ClaudeCode(HarnessAdapter):
+class ClaudeCode(NpmHarness):
     name = "claude-code"
     inside = True  # its linux binary runs in the python (Debian) sandbox image
+    package, version = PACKAGE, VERSION
 
     def __init__(
         self, root: Path, model: str = "policy", tools: str | None = None, max_retries: int = 2
@@ -47,37 +48,12 @@ class ClaudeCode(HarnessAdapter):
         self.model = model
         self.max_retries = max_retries  # its own retries of failed API calls (default 10, with backoff)
         self.tools = tools  # --tools: the built-in tools offered (None: all of them, ~21k tokens of schemas)
-        self.prefix = self.root / "claude-code"
 
     def binary(self) -> Path:
         """The platform's native binary (the wrapper's ``bin/claude.exe`` is only a copy of it)."""
         arch = {"x86_64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine(), "x64")
         native = self.prefix / "node_modules" / "@anthropic-ai" / f"claude-code-linux-{arch}" / "claude"
         return native if native.exists() else self.prefix / "node_modules" / ".bin" / "claude"
-
-    def installed_version(self) -> str | None:
-        manifest = self.prefix / "node_modules" / "@anthropic-ai" / "claude-code" / "package.json"
-        if not manifest.exists() or not self.binary().exists():
-            return None
-        version: str = json.loads(manifest.read_text())["version"]
-        return version
-
-    def install(self) -> None:
-        if self.installed_version() == VERSION:
-            return
-        self.prefix.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            "npm",
-            "install",
-            "--prefix",
-            str(self.prefix),
-            "--no-audit",
-            "--no-fund",
-            f"{PACKAGE}@{VERSION}",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        if proc.returncode != 0 or self.installed_version() != VERSION:
-            raise HarnessError(f"npm install {PACKAGE}@{VERSION} failed: {proc.stderr[-2000:]}")
 
     def env(self, session_base_url: str, home: Path) -> dict[str, str]:
         return {

@@ -28,7 +28,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from harness_adapters.base import Episode, HarnessAdapter, HarnessError, Outcome
+from harness_adapters.base import Episode, NpmHarness, Outcome
 
 VERSION = "1.18.33"
 PACKAGE = "opencode-ai"
@@ -36,43 +36,19 @@ INSIDE_BINARY = "/usr/local/bin/opencode"
 PROVIDER = "belayer"
 
 
-class OpenCode(HarnessAdapter):
+class OpenCode(NpmHarness):
     name = "opencode"
     inside = True
+    package, version = PACKAGE, VERSION
 
     def __init__(self, root: Path, model: str = "policy", max_output_tokens: int = 4096) -> None:
         super().__init__(root)
         self.model = model
         self.max_output_tokens = max_output_tokens
-        self.prefix = self.root / "opencode"
 
     def binary(self) -> Path:
         arch = {"x86_64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine(), "x64")
         return self.prefix / "node_modules" / f"opencode-linux-{arch}" / "bin" / "opencode"
-
-    def installed_version(self) -> str | None:
-        manifest = self.prefix / "node_modules" / PACKAGE / "package.json"
-        if not manifest.exists() or not self.binary().exists():
-            return None
-        version: str = json.loads(manifest.read_text())["version"]
-        return version
-
-    def install(self) -> None:
-        if self.installed_version() == VERSION:
-            return
-        self.prefix.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            "npm",
-            "install",
-            "--prefix",
-            str(self.prefix),
-            "--no-audit",
-            "--no-fund",
-            f"{PACKAGE}@{VERSION}",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-        if proc.returncode != 0 or self.installed_version() != VERSION:
-            raise HarnessError(f"npm install {PACKAGE}@{VERSION} failed: {proc.stderr[-2000:]}")
 
     def image_files(self) -> dict[str, Path]:
         return {INSIDE_BINARY: self.binary().resolve()}
