@@ -75,6 +75,7 @@ class GatewayConfig(BaseModel):
                     f"auxiliary route for {pattern!r} must be 'policy', 'reject' or 'http(s)://provider/v1#model'"
                 )
         return value
+
     workers: int = Field(
         default=1, ge=0, description="active vLLM workers to launch when no engine URL is given"
     )

@@ -12,7 +12,9 @@ generate data, and talk to a background HTTP server whose hit counter lives only
 3. A failure is injected late, after tool call F = tool_calls - 3: the state after tool calls 0..F-1 is
    rebuilt two ways, each checked against the episode's own outputs (the server's counter included):
    ``replay_recovery_s`` starts a new sandbox from the image and replays every tool call;
-   ``checkpoint_recovery_s`` restores the newest checkpoint that existed at F and replays the rest.
+   ``checkpoint_recovery_s`` restores the newest checkpoint that existed at F and replays the rest;
+   ``stale_checkpoint_recovery_s`` does the same from a checkpoint ``--stale-lag`` calls older (as if the
+   policy had deferred), so that the "replay the rest" part is measured too.
 
 Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
 Needs a Docker engine with CRIU and the images (``belayer sandbox build-image``).
@@ -203,32 +205,40 @@ def replay(backend: DockerSandboxBackend, box: str, commands: list[str], expecte
             raise RuntimeError(f"replay diverged at {command[:60]!r}: {got!r} != {want!r}")
 
 
-def measure_recovery(
-    backend: DockerSandboxBackend,
-    commands: list[str],
-    outputs: list[str],
-    ckpts: list[CheckpointInfo],
-    fail_at: int,
-) -> tuple[float, float, int]:
+def measure_replay(
+    backend: DockerSandboxBackend, commands: list[str], outputs: list[str], fail_at: int
+) -> float:
+    """Recovery without checkpoints: a new sandbox from the image, every tool call replayed."""
     spec = SandboxSpec(image=PYTHON_IMAGE, shell="/bin/bash", memory_bytes=1 << 30)
     started = time.monotonic()
     box = backend.create(spec).id
     try:
         replay(backend, box, commands[:fail_at], outputs[:fail_at])
-        replay_s = time.monotonic() - started
+        return time.monotonic() - started
     finally:
         backend.destroy(box)
-    # the newest checkpoint that existed when tool call `fail_at` failed: taken in a bubble <= fail_at
-    newest = max((c for c in ckpts if c.keep_through <= fail_at), key=lambda c: c.keep_through)
-    k = newest.keep_through
+
+
+def measure_checkpoint(
+    backend: DockerSandboxBackend,
+    commands: list[str],
+    outputs: list[str],
+    ckpts: list[CheckpointInfo],
+    fail_at: int,
+    lag: int = 0,
+) -> tuple[float, int]:
+    """Recovery from the newest checkpoint at least `lag` tool calls older than the failure (0: the
+    newest that existed): restore it, replay the calls after it. Returns (seconds, its turn)."""
+    usable = [c for c in ckpts if c.keep_through <= fail_at - lag]
+    chosen = max(usable, key=lambda c: c.keep_through)
+    k = chosen.keep_through
     started = time.monotonic()
-    box = backend.restore(newest.checkpoint).id
+    box = backend.restore(chosen.checkpoint).id
     try:
         replay(backend, box, commands[k:fail_at], outputs[k:fail_at])
-        ckpt_s = time.monotonic() - started
+        return time.monotonic() - started, k
     finally:
         backend.destroy(box)
-    return replay_s, ckpt_s, k
 
 
 async def run(opts: argparse.Namespace) -> bool:
@@ -256,7 +266,10 @@ async def run(opts: argparse.Namespace) -> bool:
             raise RuntimeError("the two episodes' tool outputs differ")
         fail_at = len(commands) - 3
         progress(f"failure injected after tool call {fail_at - 1}; measuring both recoveries")
-        replay_s, ckpt_s, k = measure_recovery(backend, commands, outputs1, ckpts, fail_at)
+        replay_s = measure_replay(backend, commands, outputs1, fail_at)
+        ckpt_s, k = measure_checkpoint(backend, commands, outputs1, ckpts, fail_at)
+        # as if the policy had deferred: an older checkpoint, and the calls since it replayed
+        stale_s, stale_k = measure_checkpoint(backend, commands, outputs1, ckpts, fail_at, opts.stale_lag)
         for c in ckpts:
             backend.delete_checkpoint(c.checkpoint)
     decisions = [e for e in events if e["kind"] == "sandbox_checkpoint_decision"]
@@ -270,6 +283,10 @@ async def run(opts: argparse.Namespace) -> bool:
     emit("replay_recovery_s", replay_s)
     emit("checkpoint_recovery_s", ckpt_s)
     emit("env_recovery_speedup", speedup)
+    emit("stale_checkpoint_turn", stale_k)
+    emit("stale_checkpoint_replayed_calls", fail_at - stale_k)
+    emit("stale_checkpoint_recovery_s", stale_s)
+    emit("stale_env_recovery_speedup", replay_s / stale_s)
     emit("episode_no_ckpt_s", t0)
     emit("episode_adaptive_s", t1)
     emit("failure_free_overhead_pct", overhead)
@@ -291,6 +308,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--llm-latency", type=float, default=2.0, help="seconds each LLM call takes (the bubble)")
     p.add_argument("--work", type=int, default=1_500_000, help="sha256 rounds of each build step")
     p.add_argument("--rounds", type=int, default=1, help="episodes per mode (the fastest counts)")
+    p.add_argument(
+        "--stale-lag", type=int, default=5, help="tool calls between the failure and the older checkpoint"
+    )
     opts = p.parse_args(argv)
     if opts.tool_calls < 20:
         p.error("--tool-calls must be at least 20")
