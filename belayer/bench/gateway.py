@@ -168,15 +168,17 @@ def gateway_service(workdir: Path, model_dir: str, engine: str, log_level: str) 
     return Service("gateway", argv, f"http://127.0.0.1:{port}/health", workdir / "gateway.log")
 
 
-def litellm_config(engine: str) -> str:
-    """A model list that maps ``policy`` to the fake engine, with every callback and cost lookup off."""
+def litellm_config(engine: str, provider: str = "openai") -> str:
+    """A model list that maps ``policy`` to the fake engine, with every callback and cost lookup off.
+    (``hosted_vllm``: LiteLLM then serves its Anthropic ``/v1/messages`` through chat completions too,
+    where ``openai`` would use the Responses API.)"""
     return json.dumps(  # JSON is YAML
         {
             "model_list": [
                 {
                     "model_name": SERVED_MODEL,
                     "litellm_params": {
-                        "model": f"openai/{FAKE_MODEL}",
+                        "model": f"{provider}/{FAKE_MODEL}",
                         "api_base": f"{engine}/v1",
                         "api_key": "none",
                     },
@@ -193,10 +195,12 @@ def litellm_config(engine: str) -> str:
     )
 
 
-def litellm_service(workdir: Path, venv: Path, engine: str, master_key: str) -> Service:
+def litellm_service(
+    workdir: Path, venv: Path, engine: str, master_key: str, provider: str = "openai"
+) -> Service:
     port = free_port()
     config = workdir / "litellm.yaml"
-    config.write_text(litellm_config(engine))
+    config.write_text(litellm_config(engine, provider))
     argv = [str(venv / "bin" / "litellm"), "--config", str(config)]
     argv += ["--host", "127.0.0.1", "--port", str(port)]
     env: dict[str, str | None] = {
