@@ -16,9 +16,9 @@ from starlette.routing import Route
 
 from belayer.errors import Forbidden
 from gateway import sandbox_api
-from gateway.export import aligned_logprobs, branch_leaves, recomputed_mask, recomputed_runs
+from gateway.export import Runs, aligned_logprobs, branch_leaves, recomputed_mask, recomputed_runs
 from gateway.state import Gateway, gateway_of, read_json, validate
-from gateway.store import EventRecord, SessionRecord, TurnRecord
+from gateway.store import SessionRecord, TurnRecord
 
 
 class CreateSession(BaseModel):
@@ -56,7 +56,7 @@ def _summary(gw: Gateway, request: Request, s: SessionRecord) -> dict[str, Any]:
 
 
 def _turn_json(
-    t: TurnRecord, by_id: dict[int, TurnRecord], events: list[dict[str, Any]], raw_events: list[EventRecord]
+    t: TurnRecord, by_id: dict[int, TurnRecord], events: list[dict[str, Any]], recomputed: dict[int, Runs]
 ) -> dict[str, Any]:
     parent = by_id.get(t.parent_id) if t.parent_id is not None else None
     return {
@@ -69,8 +69,8 @@ def _turn_json(
         "output_ids": t.output_ids,
         "output_logprobs": t.output_logprobs,
         "loss_mask": t.loss_mask(),
-        "logprobs": aligned_logprobs(t, by_id, recomputed_runs(raw_events, t.id)),
-        "recomputed_mask": recomputed_mask(t, recomputed_runs(raw_events, t.id)),
+        "logprobs": aligned_logprobs(t, by_id, recomputed.get(t.id)),
+        "recomputed_mask": recomputed_mask(t, recomputed.get(t.id, [])),
         "request": t.request,
         "response": t.response,
         "finish_reason": t.finish_reason,
@@ -125,6 +125,7 @@ async def trajectory(request: Request) -> Response:
         for leaf in branch_leaves(turns)
     ]
     raw_events = gw.store.get_events(session.id)
+    recomputed = recomputed_runs(raw_events)
     events = [
         {
             "turn_index": by_id[e.turn_id].index if e.turn_id in by_id else None,
@@ -137,7 +138,7 @@ async def trajectory(request: Request) -> Response:
     return JSONResponse(
         {
             "session": _summary(gw, request, session),
-            "turns": [_turn_json(t, by_id, events, raw_events) for t in turns],
+            "turns": [_turn_json(t, by_id, events, recomputed) for t in turns],
             "branches": branches,
             "events": events,
         }

@@ -18,11 +18,14 @@ from typing import Any
 from gateway.store import EventRecord, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_COMPLETE
 
+Runs = list[tuple[int, list[float | None]]]
+"""(start, logprobs) runs of recomputed prompt logprobs."""
+
 
 def aligned_logprobs(
     turn: TurnRecord,
     by_id: dict[int, TurnRecord],
-    recomputed: list[tuple[int, list[float | None]]] | None = None,
+    recomputed: Runs | None = None,
 ) -> list[float | None]:
     """Logprobs aligned with ``prompt_ids + output_ids``: a generated span of the prompt has the
     logprobs its turn sampled; a rewritten span has those the engine recomputed (``recomputed``:
@@ -44,7 +47,7 @@ def aligned_logprobs(
     return out + list(turn.output_logprobs)
 
 
-def recomputed_mask(turn: TurnRecord, runs: list[tuple[int, list[float | None]]]) -> list[int]:
+def recomputed_mask(turn: TurnRecord, runs: Runs) -> list[int]:
     """1 for the prompt tokens whose logprobs were recomputed (rewritten assistant text), else 0."""
     mask = [0] * (len(turn.prompt_ids) + len(turn.output_ids))
     for start, values in runs:
@@ -52,14 +55,15 @@ def recomputed_mask(turn: TurnRecord, runs: list[tuple[int, list[float | None]]]
     return mask
 
 
-def recomputed_runs(events: list[EventRecord], turn_id: int) -> list[tuple[int, list[float | None]]]:
-    """The ``recomputed_logprobs`` events of one turn, as (start, logprobs) runs."""
-    return [
-        (int(start), list(values))
-        for e in events
-        if e.kind == "recomputed_logprobs" and e.turn_id == turn_id
-        for start, values in e.data["runs"]
-    ]
+def recomputed_runs(events: list[EventRecord]) -> dict[int, Runs]:
+    """The ``recomputed_logprobs`` events, as (start, logprobs) runs per turn id (one pass)."""
+    runs: dict[int, Runs] = {}
+    for e in events:
+        if e.kind == "recomputed_logprobs" and e.turn_id is not None:
+            runs.setdefault(e.turn_id, []).extend(
+                (int(start), list(values)) for start, values in e.data["runs"]
+            )
+    return runs
 
 
 def branch_leaves(turns: list[TurnRecord]) -> list[TurnRecord]:
@@ -77,7 +81,7 @@ def session_rows(store: TrajectoryStore, session_id: str) -> list[dict[str, Any]
         return []
     turns = store.get_turns(session_id)
     by_id = {t.id: t for t in turns}
-    events = store.get_events(session_id)
+    recomputed = recomputed_runs(store.get_events(session_id))
     rows = []
     for leaf in branch_leaves(turns):
         rows.append(
@@ -87,8 +91,8 @@ def session_rows(store: TrajectoryStore, session_id: str) -> list[dict[str, Any]
                 "num_turns": sum(1 for t in turns if t.branch == leaf.branch and t.status == TURN_COMPLETE),
                 "input_ids": leaf.prompt_ids + leaf.output_ids,
                 "loss_mask": leaf.loss_mask(),
-                "logprobs": aligned_logprobs(leaf, by_id, recomputed_runs(events, leaf.id)),
-                "recomputed_mask": recomputed_mask(leaf, recomputed_runs(events, leaf.id)),
+                "logprobs": aligned_logprobs(leaf, by_id, recomputed.get(leaf.id)),
+                "recomputed_mask": recomputed_mask(leaf, recomputed.get(leaf.id, [])),
                 "prompt_len": len(leaf.prompt_ids),
                 "finish_reason": leaf.finish_reason,
                 "reward": session.reward,

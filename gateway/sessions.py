@@ -13,6 +13,7 @@ or none, opens a new branch: the rewritten history and the original both stay re
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import secrets
@@ -115,40 +116,44 @@ class SessionManager:
         parent = self.store.find_turn_by_ext_keys(session_id, candidates)
         if parent is not None:
             j = keys.index(str(parent.ext_key))
-            plan = self._extend(parent, messages, j, tools, full_text)
-            if plan is not None:
-                return self._identify(session_id, plan, messages, tools, full_text, j + 1), keys
+            spliced = self._extend(parent, messages, j, tools, full_text)
+            if spliced is not None:
+                plan, tail_char, offsets = spliced
+                later = (session_id, messages, tools, full_text, j + 1, tail_char, offsets)
+                return self._identify(plan, *later), keys
         reason = (
             "no earlier turn is a prefix of these messages"
             if parent is None
             else "template not prefix-stable"
         )
-        plan = PromptPlan(self.tok.encode(full_text), [], None, 0, reason)
-        return self._identify(session_id, plan, messages, tools, full_text, 0), keys
+        ids, offsets = self._encode(full_text, _has_assistant(messages, 0))
+        plan = PromptPlan(ids, [], None, 0, reason)
+        return self._identify(plan, session_id, messages, tools, full_text, 0, 0, offsets), keys
+
+    def _encode(self, text: str, offsets: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids, and their character offsets only when `_identify` will need them."""
+        return self.tok.encode_with_offsets(text) if offsets else (self.tok.encode(text), [])
 
     def _identify(
         self,
-        session_id: str,
         plan: PromptPlan,
+        session_id: str,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         full_text: str,
         first: int,
+        seg_char: int,
+        offsets: list[tuple[int, int]],
     ) -> PromptPlan:
         """Find the tokens of the assistant messages from `first` on, in the part of the prompt that
-        was tokenized from text: those that an earlier turn generated exactly keep that turn's identity
-        (a generated span); the others are marked rewritten."""
+        was tokenized from text (``full_text[seg_char:]``, with each token's `offsets` in it): those
+        that an earlier turn generated exactly keep that turn's identity (a generated span); the
+        others are marked rewritten."""
         later = [j for j in range(first, len(messages)) if messages[j]["role"] == "assistant"]
-        if not later:
+        if not later or not offsets:
             return plan
         seg_token = plan.reused_tokens  # the tokenized text is the prompt after the reused tokens
-        seg_text = self.tok.decode(plan.prompt_ids[seg_token:], skip_special_tokens=False)
-        seg_char = len(full_text) - len(seg_text)
-        if seg_char < 0 or not full_text.endswith(seg_text):
-            return plan
-        ids, offsets = self.tok.encode_with_offsets(seg_text)
-        if ids != plan.prompt_ids[seg_token:]:
-            return plan
+        starts, ends = [a for a, _ in offsets], [b for _, b in offsets]
         spans, rewritten = list(plan.gen_spans), list(plan.rewritten)
         generated: dict[str, TurnRecord] | None = None
         for j in later:
@@ -160,7 +165,8 @@ class SessionManager:
             if eot < len(before):
                 continue
             start, end = len(before) - seg_char, eot + len(self.tok.eos_token) - seg_char
-            inside = [i for i, (a, b) in enumerate(offsets) if a >= start and b <= end and b > a]
+            candidates = range(bisect.bisect_left(starts, start), bisect.bisect_right(ends, end))
+            inside = [i for i in candidates if starts[i] >= start and ends[i] > starts[i]]
             if not inside:
                 continue
             a, b = seg_token + inside[0], seg_token + inside[-1] + 1
@@ -187,8 +193,9 @@ class SessionManager:
         j: int,
         tools: list[dict[str, Any]] | None,
         full_text: str,
-    ) -> PromptPlan | None:
-        """Splice: parent prompt + parent output + tokens of the text after the parent's turn."""
+    ) -> tuple[PromptPlan, int, list[tuple[int, int]]] | None:
+        """Splice: parent prompt + parent output + tokens of the text after the parent's turn. Also
+        returns where that text starts in `full_text` and its tokens' offsets."""
         before = self.tok.render(messages[:j], tools, add_generation_prompt=True)
         through = self.tok.render(messages[: j + 1], tools, add_generation_prompt=False)
         if not (through.startswith(before) and full_text.startswith(through)):
@@ -201,6 +208,10 @@ class SessionManager:
         tail = region[eot + len(self.tok.eos_token) if ended else eot :] + full_text[len(through) :]
         base = parent.prompt_ids + parent.output_ids
         spans = [*parent.prompt_gen_spans, (len(parent.prompt_ids), len(base), parent.id)]
-        return PromptPlan(
-            base + self.tok.encode(tail), spans, parent, len(base), f"extends turn {parent.index}"
-        )
+        tail_ids, offsets = self._encode(tail, _has_assistant(messages, j + 1))
+        plan = PromptPlan(base + tail_ids, spans, parent, len(base), f"extends turn {parent.index}")
+        return plan, len(full_text) - len(tail), offsets
+
+
+def _has_assistant(messages: list[dict[str, Any]], first: int) -> bool:
+    return any(m["role"] == "assistant" for m in messages[first:])
