@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from belayer.errors import EngineUnavailable, InvalidRequest
-from gateway.store import EventRecord, SessionRecord
+from gateway.store import EventRecord, SessionRecord, TrajectoryStore
 
 API_KEY_ENV = "BELAYER_AUX_API_KEY"
 
@@ -60,10 +60,10 @@ def refuse(model: str, pattern: str) -> InvalidRequest:
     )
 
 
-def side_session(store: Any, session: SessionRecord, model: str) -> SessionRecord:
+def side_session(store: TrajectoryStore, session: SessionRecord, model: str) -> SessionRecord:
     """The episode's auxiliary side session, created on first use."""
     aux_id = f"{session.id}-aux"
-    existing: SessionRecord | None = store.get_session(aux_id)
+    existing = store.get_session(aux_id)
     if existing is not None:
         return existing
     record = SessionRecord(
@@ -71,13 +71,12 @@ def side_session(store: Any, session: SessionRecord, model: str) -> SessionRecor
         created_at=time.time(),
         metadata={"auxiliary_of": session.id, "auxiliary_model": model},
     )
-    created: SessionRecord = store.create_session(record)
-    return created
+    return store.create_session(record)
 
 
 async def forward(
     http: httpx.AsyncClient,
-    store: Any,
+    store: TrajectoryStore,
     route: AuxRoute,
     raw: dict[str, Any],
     endpoint: Literal["chat/completions", "messages"],

@@ -157,6 +157,13 @@ class RestoreInfo:
     diverged: int = 0
     """Of those, how many gave another exit code or output than the first time."""
 
+    @property
+    def resume_hint(self) -> str:
+        return (
+            f"restored to the checkpoint of turn {self.turn_index}: continue after turn {self.keep_through} "
+            f"(turns {self.discarded_turns} were discarded)"
+        )
+
     def as_json(self) -> dict[str, Any]:
         return {
             "checkpoint_id": self.checkpoint_id, "turn_index": self.turn_index,
@@ -303,13 +310,11 @@ class SandboxManager:
         slot = self._slot(session_id)
         async with slot.lock:
             self._slots.pop(session_id, None)
-            if slot.sandbox_id is not None:
-                with contextlib.suppress(SandboxError):
-                    await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
+            box = slot.sandbox_id
+            await self._drop_sandbox(slot)
             for info in slot.checkpoints:
-                with contextlib.suppress(SandboxError):
-                    await asyncio.to_thread(self.backend.delete_checkpoint, info.checkpoint)
-        self._event(session_id, None, "sandbox_destroyed", {"sandbox_id": slot.sandbox_id})
+                await self._delete(info)
+        self._event(session_id, None, "sandbox_destroyed", {"sandbox_id": box})
 
     async def close(self) -> None:
         """Wait for checkpoints in progress, then destroy every sandbox (and its checkpoints)."""
@@ -405,9 +410,8 @@ class SandboxManager:
             if slot.unreported is not None and slot.recovery == "truncate" and not slot.harness_inside:
                 info, slot.unreported = slot.unreported, None
                 raise SandboxRestored(
-                    f"the sandbox failed ({info.reason}) before this call and was restored to the checkpoint "
-                    f"of turn {info.turn_index}: continue after turn {info.keep_through} (turns "
-                    f"{info.discarded_turns} were discarded); nothing of this call ran",
+                    f"the sandbox failed ({info.reason}) before this call and was {info.resume_hint}; "
+                    "nothing of this call ran",
                     info,
                 )
             slot.unreported = None
@@ -429,15 +433,10 @@ class SandboxManager:
                 info = await self._restore_locked(slot, None, f"failed again after a replay: {retry[1]}")
                 raise SandboxCallFailed(
                     f"this call broke the sandbox again after a restore and a replay of the "
-                    f"{replayed} tool calls before it ({retry[1]}); the sandbox was restored to the "
-                    f"checkpoint of turn {info.turn_index} without replaying: continue after turn "
-                    f"{info.keep_through} (turns {info.discarded_turns} were discarded)"
+                    f"{replayed} tool calls before it ({retry[1]}); the sandbox was, without replaying, "
+                    f"{info.resume_hint}"
                 )
-        raise SandboxRestored(
-            f"the sandbox failed ({failure[1]}); it was restored to the checkpoint of turn {info.turn_index}: "
-            f"continue after turn {info.keep_through} (turns {info.discarded_turns} were discarded)",
-            info,
-        )
+        raise SandboxRestored(f"the sandbox failed ({failure[1]}); it was {info.resume_hint}", info)
 
     async def _attempt(
         self, slot: _Slot, box: str, call: _Call, deadline: float | None
@@ -546,10 +545,7 @@ class SandboxManager:
         started = time.monotonic()
         slot.restoring = True
         try:
-            if chosen is not None:
-                box = await self._restore_sandbox(slot, chosen)
-            else:
-                box = await self._recreate_sandbox(slot)
+            box = await self._restore_sandbox(slot, chosen)
             diverged = 0
             for call in slot.journal:
                 try:
@@ -568,29 +564,28 @@ class SandboxManager:
         self._event(slot.session_id, None, "sandbox_restored", info.as_json())
         return info
 
-    async def _recreate_sandbox(self, slot: _Slot) -> str:
-        if slot.sandbox_id is not None:
-            with contextlib.suppress(SandboxError):
-                await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
-            slot.sandbox_id, slot.address = None, None
-        box = await asyncio.to_thread(self.backend.create, slot.spec)
-        slot.sandbox_id, slot.failure = box.id, None
-        await self._locate(slot)
-        return box.id
-
-    async def _restore_sandbox(self, slot: _Slot, chosen: CheckpointInfo) -> str:
-        if slot.sandbox_id is not None:
-            with contextlib.suppress(SandboxError):
-                await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
-            slot.sandbox_id, slot.address = None, None
+    async def _restore_sandbox(self, slot: _Slot, chosen: CheckpointInfo | None) -> str:
+        """Replace the slot's sandbox: restored from `chosen`, or (None) started afresh from its spec."""
+        await self._drop_sandbox(slot)
         try:
-            box = await asyncio.to_thread(self.backend.restore, chosen.checkpoint)
+            if chosen is None:
+                box = await asyncio.to_thread(self.backend.create, slot.spec)
+            else:
+                box = await asyncio.to_thread(self.backend.restore, chosen.checkpoint)
         except SandboxError as exc:
-            slot.failure = f"restore of checkpoint {chosen.checkpoint.id} failed: {exc}"
+            what = f"restore of checkpoint {chosen.checkpoint.id}" if chosen else "a fresh sandbox"
+            slot.failure = f"{what} failed: {exc}"
             raise
         slot.sandbox_id, slot.failure = box.id, None
         await self._locate(slot)
         return box.id
+
+    async def _drop_sandbox(self, slot: _Slot) -> None:
+        """Remove the slot's sandbox, if any (a failed one may be gone already)."""
+        if slot.sandbox_id is not None:
+            with contextlib.suppress(SandboxError):
+                await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
+        slot.sandbox_id, slot.address = None, None
 
     async def _recover_locked(self, slot: _Slot, kind: str, detail: str) -> RestoreInfo:
         self._event(
@@ -604,10 +599,8 @@ class SandboxManager:
             return await self._replay_locked(slot, f"{kind}: {detail}")
         if self.settings.auto_restore and slot.checkpoints:
             return await self._restore_locked(slot, None, f"{kind}: {detail}")
-        if slot.sandbox_id is not None:
-            with contextlib.suppress(SandboxError):
-                await asyncio.to_thread(self.backend.destroy, slot.sandbox_id)
-        slot.sandbox_id, slot.address, slot.failure = None, None, f"{kind}: {detail}"
+        await self._drop_sandbox(slot)
+        slot.failure = f"{kind}: {detail}"
         raise SandboxFailed(
             f"the sandbox failed ({detail}) and there is no checkpoint to restore; "
             "create a new sandbox or a new session"

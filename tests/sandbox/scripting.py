@@ -1,4 +1,5 @@
-"""The scripted policy of the sandbox tests: step i's tool call, chosen from the prompt alone."""
+"""The sandbox tests' shared pieces: the scripted policy (step i's tool call, chosen from the prompt
+alone) and a background process whose state lives only in memory."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ TOOLS = [
         },
     }
 ]
+
+
+# A shell "server" whose state lives only in memory: each SIGUSR1 bumps n and writes it out.
+COUNTER_SERVER = (
+    'sh -c \'n=0; trap "n=\\$((n+1)); echo \\$n > /workspace/count" USR1; '
+    "while :; do sleep 0.2 & wait $!; done' >/dev/null 2>&1 &\n"
+    "echo $! > /workspace/server.pid"
+)
 
 
 def step_of(tok: ChatTokenizer, prompt: list[int]) -> int:

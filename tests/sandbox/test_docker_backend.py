@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from belayer.bench.env_recovery import SERVER  # a Python server whose hit count lives in memory
 from sandbox.backend import Sandbox, SandboxSpec
 from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
 from sandbox.errors import (
@@ -15,30 +16,12 @@ from sandbox.errors import (
     SandboxNotFound,
     SandboxTimeout,
 )
+from tests.sandbox.scripting import COUNTER_SERVER
 
 pytestmark = pytest.mark.docker
 
-# A shell "server" whose state lives only in memory: each SIGUSR1 bumps n and writes it out.
-COUNTER_SERVER = (
-    'sh -c \'n=0; trap "n=\\$((n+1)); echo \\$n > /workspace/count" USR1; '
-    "while :; do sleep 0.2 & wait $!; done' >/dev/null 2>&1 &\n"
-    "echo $! > /workspace/server.pid"
-)
 BUMP = 'kill -USR1 "$(cat /workspace/server.pid)"; sleep 0.4; cat /workspace/count'
 
-PY_SERVER = """
-import http.server
-hits = {"n": 0}
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        hits["n"] += 1
-        body = str(hits["n"]).encode()
-        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", 8765), H).serve_forever()
-"""
 PY_GET = (
     "python3 -c 'import urllib.request as u; "
     'print(u.urlopen("http://127.0.0.1:8765/", timeout=5).read().decode())\''
@@ -189,7 +172,7 @@ def test_python_server_state_survives_restore(
 ) -> None:
     box = backend.create(SandboxSpec(image=python_image, shell="/bin/bash"))
     make_sandbox.append(box)
-    backend.write_file(box.id, "server.py", PY_SERVER.encode())
+    backend.write_file(box.id, "server.py", SERVER.encode())
     backend.exec(box.id, "python3 server.py >/dev/null 2>&1 & sleep 0.1")
     backend.exec(box.id, "for i in $(seq 50); do " + PY_GET + " >/dev/null 2>&1 && break; sleep 0.1; done")
     assert backend.exec(box.id, PY_GET).stdout == "2\n"

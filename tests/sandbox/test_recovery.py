@@ -33,22 +33,15 @@ from gateway.app import build_app
 from gateway.state import Gateway
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.policy import PolicySettings
-from tests.sandbox.scripting import TOOLS, scripted
+from tests.sandbox.scripting import COUNTER_SERVER, TOOLS, scripted
 
 pytestmark = pytest.mark.docker
-
-# A background process whose state lives only in memory: each SIGUSR1 bumps n and writes it out.
-SERVER = (
-    'sh -c \'n=0; trap "n=\\$((n+1)); echo \\$n > /workspace/count" USR1; '
-    "while :; do sleep 0.2 & wait $!; done' >/dev/null 2>&1 &\n"
-    "echo $! > /workspace/server.pid"
-)
 
 
 def step_command(i: int) -> str:
     bump = 'kill -USR1 "$(cat /workspace/server.pid)"; while [ "$(cat /workspace/count 2>/dev/null)" != "{n}" ]; do sleep 0.05; done'
     if i == 0:
-        return SERVER
+        return COUNTER_SERVER
     return f"echo {i} >> /workspace/log; " + bump.replace("{n}", str(i)) + "; cat /workspace/count"
 
 
