@@ -37,12 +37,14 @@ demo: setup
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: setup sandbox-host lint
 	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
 
+# Fast: nothing beyond the venv (no vLLM worker, Docker, harness program or third-party service).
 unit: setup
-	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos"
+	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos and not external"
 
 bench: setup
 	$(VENV)/bin/belayer bench gateway

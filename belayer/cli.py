@@ -56,9 +56,9 @@ def _alias(text: str, flag: str = "--model-alias") -> tuple[str, str]:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from belayer.config import FailoverConfig, GatewayConfig, SandboxConfig
     from gateway.app import build_app
-    from sandbox.policy import PolicySettings
+    from gateway.config import FailoverConfig, GatewayConfig, SandboxConfig
+    from gateway.sandboxes.policy import PolicySettings
 
     config = GatewayConfig(
         model=args.model,
@@ -164,8 +164,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _run_episode(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from harness_adapters.base import HarnessError
-    from harness_adapters.episode import EpisodeRunner, Task, TaskError
+    from core.errors import HarnessError, TaskError
+    from harness_adapters.episode import EpisodeRunner, Task
     from harness_adapters.registry import adapter
 
     def progress(message: str) -> None:

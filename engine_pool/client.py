@@ -2,7 +2,7 @@
 
 It speaks vLLM's ``/v1/completions`` with a token-id prompt and ``return_token_ids``, streamed, so the
 gateway sees every token as soon as it is generated. Transport errors are translated here, and only
-here, into ``belayer.errors``: connection failures become ``EngineUnavailable``, time-outs
+here, into ``core.errors``: connection failures become ``EngineUnavailable``, time-outs
 ``EngineTimeout``, and 4xx answers ``EngineRejected`` (bad input, never retried).
 
 Example::
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from belayer.errors import EngineRejected, EngineTimeout, EngineUnavailable
+from core.errors import EngineRejected, EngineTimeout, EngineUnavailable
 
 _TOKEN_ID_PREFIX = "token_id:"
 

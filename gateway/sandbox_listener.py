@@ -21,10 +21,10 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from core.errors import SandboxError
 from gateway.errors import ANTHROPIC_PATH, anthropic_error, error_body
+from gateway.sandboxes.manager import SandboxManager
 from sandbox.backend import SandboxBackend
-from sandbox.errors import SandboxError
-from sandbox.manager import SandboxManager
 
 log = logging.getLogger("belayer.gateway")
 _SESSION_PATH = re.compile(r"/s/([^/]+)/")

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from belayer.errors import Conflict, NotFound
+from core.errors import Conflict, NotFound
 from gateway.store import SessionRecord, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_COMPLETE
 from gateway.tokenization import ChatTokenizer

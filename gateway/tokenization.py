@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from belayer.errors import InvalidRequest
+from core.errors import InvalidRequest
 
 
 @lru_cache(maxsize=1)

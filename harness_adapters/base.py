@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class HarnessError(Exception):
-    """A harness could not be installed or started."""
+from core.errors import HarnessError
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,14 +42,11 @@ from typing import Any
 
 import httpx
 
-from harness_adapters.base import Episode, HarnessAdapter, HarnessError, Outcome, SandboxRef
+from core.errors import HarnessError, TaskError
+from harness_adapters.base import Episode, HarnessAdapter, Outcome, SandboxRef
 
 OUT_DIR = "/tmp/belayer-harness"
 HOME = "/root"
-
-
-class TaskError(ValueError):
-    """A task directory is incomplete or malformed."""
 
 
 @dataclass(frozen=True, slots=True)

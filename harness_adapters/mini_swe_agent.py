@@ -22,7 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness_adapters.base import Episode, HarnessAdapter, HarnessError, Outcome
+from core.errors import HarnessError
+from harness_adapters.base import Episode, HarnessAdapter, Outcome
 
 VERSION = "2.4.6"
 PLUGINS = Path(__file__).resolve().parent / "plugins"

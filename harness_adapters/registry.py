@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness_adapters.base import HarnessAdapter, HarnessError
+from core.errors import HarnessError
+from harness_adapters.base import HarnessAdapter
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.opencode import OpenCode

@@ -6,8 +6,7 @@ CRIU checkpoints; `sandbox.images` builds their base images without a registry.
 
 from __future__ import annotations
 
-from sandbox.backend import Checkpoint, ExecResult, Sandbox, SandboxBackend, SandboxSpec
-from sandbox.errors import (
+from core.errors import (
     CheckpointError,
     ImageBuildError,
     PathEscapeError,
@@ -18,6 +17,7 @@ from sandbox.errors import (
     SandboxTimeout,
     SandboxUnavailable,
 )
+from sandbox.backend import Checkpoint, ExecResult, Sandbox, SandboxBackend, SandboxSpec
 
 __all__ = [
     "Checkpoint",

@@ -30,7 +30,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sandbox.errors import PathEscapeError
+from core.errors import PathEscapeError, SandboxArgumentError
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SESSION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
@@ -235,16 +235,16 @@ class SandboxBackend(abc.ABC):
 
 
 def check_env_name(name: str) -> str:
-    """Return `name` if it is a valid shell variable name, else raise ValueError."""
+    """Return `name` if it is a valid shell variable name, else raise `SandboxArgumentError`."""
     if not _ENV_NAME.match(name):
-        raise ValueError(f"not a valid environment variable name: {name!r}")
+        raise SandboxArgumentError(f"not a valid environment variable name: {name!r}")
     return name
 
 
 def check_session_name(name: str) -> str:
     """Return `name` if it is a valid session name (letters, digits, `_`, `-`), else raise."""
     if not _SESSION_NAME.match(name):
-        raise ValueError(f"not a valid session name: {name!r}")
+        raise SandboxArgumentError(f"not a valid session name: {name!r}")
     return name
 
 

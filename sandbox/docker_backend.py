@@ -45,6 +45,17 @@ import docker.errors
 import requests
 from pydantic import BaseModel, ConfigDict
 
+from core.errors import (
+    CheckpointError,
+    ImageBuildError,
+    RestoreError,
+    SandboxArgumentError,
+    SandboxError,
+    SandboxFileNotFound,
+    SandboxNotFound,
+    SandboxTimeout,
+    SandboxUnavailable,
+)
 from sandbox import supervisor
 from sandbox.backend import (
     DEFAULT_SESSION,
@@ -57,16 +68,6 @@ from sandbox.backend import (
     check_env_name,
     check_session_name,
     resolve_in_root,
-)
-from sandbox.errors import (
-    CheckpointError,
-    ImageBuildError,
-    RestoreError,
-    SandboxError,
-    SandboxFileNotFound,
-    SandboxNotFound,
-    SandboxTimeout,
-    SandboxUnavailable,
 )
 from sandbox.network import GatewayNetwork
 
@@ -209,7 +210,7 @@ class DockerSandboxBackend(SandboxBackend):
     ) -> ExecResult:
         check_session_name(session)
         if timeout_s <= 0 or max_output_bytes <= 0:
-            raise ValueError("timeout_s and max_output_bytes must be positive")
+            raise SandboxArgumentError("timeout_s and max_output_bytes must be positive")
         spec = self._spec(sandbox_id)
         script = build_script(command, cwd=cwd, env=env or {})
         with self._lock(sandbox_id):

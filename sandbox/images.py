@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from sandbox.errors import ImageBuildError
+from core.errors import ImageBuildError
 
 BUSYBOX_IMAGE = "belayer-sandbox-busybox"
 PYTHON_IMAGE = "belayer-sandbox-python"

@@ -32,7 +32,7 @@ from typing import Any
 import docker
 import docker.errors
 
-from sandbox.errors import SandboxUnavailable
+from core.errors import SandboxUnavailable
 
 CHAIN = "BELAYER-GATEWAY"
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from belayer.config import FailoverConfig, GatewayConfig
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.state import Gateway
+from gateway.config import FailoverConfig, GatewayConfig
+from gateway.runtime import Gateway
 from gateway.tokenization import ChatTokenizer
 
 REPO = Path(__file__).resolve().parent.parent

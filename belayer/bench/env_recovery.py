@@ -33,16 +33,16 @@ from typing import Any
 
 import httpx
 
-from belayer.config import GatewayConfig, SandboxConfig
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.state import Gateway
+from gateway.config import GatewayConfig, SandboxConfig
+from gateway.runtime import Gateway
+from gateway.sandboxes.manager import CheckpointInfo
+from gateway.sandboxes.policy import Mode, PolicySettings
 from sandbox.backend import SandboxSpec
 from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
 from sandbox.images import PYTHON_IMAGE, ensure_python_image
-from sandbox.manager import CheckpointInfo
-from sandbox.policy import Mode, PolicySettings
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 THINKING = "Let me look at the state of the workspace and decide on the next step. " * 6

@@ -43,6 +43,8 @@ from typing import Any
 
 import httpx
 
+from core.errors import BelayerError
+
 DEFAULT_LITELLM_VENV = ".cache/litellm-venv"
 DEFAULT_LITELLM_SPEC = "litellm[proxy]"
 DEFAULT_MODEL_DIR = ".cache/tiny-model"
@@ -51,7 +53,7 @@ SERVED_MODEL = "policy"
 RUN_BUDGET_S = 60.0
 
 
-class BenchError(RuntimeError):
+class BenchError(BelayerError):
     """The benchmark could not run (a server did not start, a path answered an error)."""
 
 

@@ -19,8 +19,9 @@ from gateway.anthropic.serving import (
     prompt_tokens,
     reject_unsupported,
 )
+from gateway.bodies import read_json, validate
 from gateway.responding import respond, session_for
-from gateway.state import gateway_of, read_json, validate
+from gateway.runtime import gateway_of
 
 
 async def messages(request: Request) -> Response:

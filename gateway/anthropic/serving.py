@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from belayer.errors import InvalidRequest
+from core.errors import InvalidRequest
 from engine_pool.client import SamplingParams
 from gateway.anthropic.protocol import (
     UNSUPPORTED,
@@ -49,11 +49,11 @@ from gateway.anthropic.protocol import (
     ToolUseBlock,
 )
 from gateway.errors import anthropic_error, for_exception
-from gateway.generation import Delta, Done, GenerationRequest, parse_arguments
 from gateway.parsing import ToolCall, tool_choice_prefix
 from gateway.sessions import SessionManager
 from gateway.store import SessionRecord
 from gateway.tokenization import ChatTokenizer
+from gateway.turn_runner import Delta, Done, GenerationRequest, parse_arguments
 
 BILLING_HEADER = "x-anthropic-billing-header"
 TOOL_ERROR_PREFIX = "Error: "

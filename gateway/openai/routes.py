@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import auxiliary
+from gateway.bodies import read_json, validate
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving import (
     ChatFormatter,
@@ -18,7 +19,7 @@ from gateway.openai.serving import (
     reject_unsupported,
 )
 from gateway.responding import respond, session_for
-from gateway.state import gateway_of, read_json, validate
+from gateway.runtime import gateway_of
 
 
 async def chat_completions(request: Request) -> Response:

@@ -8,10 +8,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from belayer.errors import InvalidRequest
+from core.errors import InvalidRequest
 from engine_pool.client import SamplingParams
 from gateway.errors import for_exception
-from gateway.generation import Delta, Done, GenerationRequest, parse_arguments
 from gateway.openai.protocol import (
     UNSUPPORTED,
     ChatCompletionRequest,
@@ -23,6 +22,7 @@ from gateway.parsing import ToolCall, tool_choice_prefix
 from gateway.sessions import PromptPlan, SessionManager
 from gateway.store import SessionRecord
 from gateway.tokenization import ChatTokenizer
+from gateway.turn_runner import Delta, Done, GenerationRequest, parse_arguments
 
 
 def reject_unsupported(body: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from belayer.errors import StoreError
+from core.errors import StoreError
 from gateway.store.base import (
     TURN_COMPLETE,
     TURN_DISCARDED,

@@ -5,7 +5,7 @@ needs only mini-swe-agent and the standard library; mini-swe-agent itself is unc
     mini ... -c environment.environment_class=belayer_mini_env.BelayerEnvironment \\
              -c environment.gateway=http://127.0.0.1:8000 -c environment.session=ses_1
 
-A sandbox failure during a call is handled by the gateway (restore + replay, see ``sandbox.manager``);
+A sandbox failure during a call is handled by the gateway (restore + replay, see ``gateway.sandboxes.manager``);
 a refused call (422, 409, 408 timeout) comes back to the agent as the command's output.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from belayer.errors import EngineRejected, EngineTimeout, EngineUnavailable
+from core.errors import EngineRejected, EngineTimeout, EngineUnavailable
 from engine_pool.client import EngineClient, SamplingParams
 from engine_pool.fake import FakeEngine, fake_logprob
 from engine_pool.worker import free_port
@@ -59,4 +59,4 @@ async def test_errors_are_translated(handler: object, error: type[Exception]) ->
         with pytest.raises(error) as e:
             await collect(EngineClient("http://e", "m", http), [1])
     if error is EngineRejected:
-        assert str(e.value) == "bad prompt" and e.value.status == 400  # type: ignore[attr-defined]
+        assert str(e.value) == "bad prompt" and e.value.engine_status == 400  # type: ignore[attr-defined]

@@ -15,10 +15,10 @@ import anthropic
 import httpx
 import pytest
 
-from belayer.config import FailoverConfig, GatewayConfig
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
+from gateway.config import FailoverConfig, GatewayConfig
 from gateway.errors import anthropic_error
 from tests.conftest import GatewayHarness
 

@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
-from belayer.config import FailoverConfig, GatewayConfig
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.state import Gateway
+from gateway.config import FailoverConfig, GatewayConfig
+from gateway.runtime import Gateway
 from tests.gateway.test_anthropic import sdk_http
 
 AUX = {

@@ -19,11 +19,11 @@ from belayer.bench.gateway import (
     litellm_service,
     running,
 )
-from belayer.config import GatewayConfig
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.state import Gateway
+from gateway.config import GatewayConfig
+from gateway.runtime import Gateway
 from tests.gateway.test_anthropic import sdk_http
 
 pytestmark = pytest.mark.external

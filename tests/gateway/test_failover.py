@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from belayer.config import FailoverConfig, GatewayConfig
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.state import Gateway
+from gateway.config import FailoverConfig, GatewayConfig
+from gateway.runtime import Gateway
 
 HOSTS = ["e0", "e1", "e2"]
 

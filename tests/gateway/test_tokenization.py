@@ -64,7 +64,7 @@ def test_context_window_and_determinism(tiny_model_dir: Path, tmp_path: Path) ->
 def test_template_errors_are_bad_requests(tokenizer: ChatTokenizer) -> None:
     import pytest
 
-    from belayer.errors import InvalidRequest
+    from core.errors import InvalidRequest
 
     strict = ChatTokenizer(
         tokenizer.tokenizer, "{{ raise_exception('roles must alternate') }}", "<|im_end|>", tokenizer.eos_ids

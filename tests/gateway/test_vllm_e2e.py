@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from belayer.errors import EngineUnavailable
+from core.errors import EngineUnavailable
 from engine_pool.client import parse_prompt_logprobs
 from engine_pool.worker import free_port, wait_http_ok
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import SandboxError, SandboxUnavailable
 from sandbox.backend import Sandbox, SandboxSpec
 from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
-from sandbox.errors import SandboxError, SandboxUnavailable
 from sandbox.images import ensure_busybox_image, ensure_python_image
 
 SETUP = Path(__file__).resolve().parents[2] / "deploy" / "host" / "setup_sandbox_host.sh"

@@ -7,15 +7,15 @@ import time
 import pytest
 
 from belayer.bench.env_recovery import SERVER  # a Python server whose hit count lives in memory
-from sandbox.backend import Sandbox, SandboxSpec
-from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
-from sandbox.errors import (
+from core.errors import (
     PathEscapeError,
     SandboxError,
     SandboxFileNotFound,
     SandboxNotFound,
     SandboxTimeout,
 )
+from sandbox.backend import Sandbox, SandboxSpec
+from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
 from tests.sandbox.scripting import COUNTER_SERVER
 
 pytestmark = pytest.mark.docker

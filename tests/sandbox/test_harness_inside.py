@@ -30,14 +30,14 @@ import docker.errors
 import httpx
 import pytest
 
-from belayer.config import FailoverConfig, GatewayConfig, SandboxConfig
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.state import Gateway
+from gateway.config import FailoverConfig, GatewayConfig, SandboxConfig
+from gateway.runtime import Gateway
+from gateway.sandboxes.policy import PolicySettings
 from gateway.tokenization import ChatTokenizer
 from sandbox.docker_backend import DockerSandboxBackend
-from sandbox.policy import PolicySettings
 from tests.sandbox.scripting import TOOLS, scripted, step_of
 
 pytestmark = pytest.mark.docker

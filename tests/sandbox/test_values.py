@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.errors import PathEscapeError, SandboxError, SandboxTimeout
 from sandbox.backend import Checkpoint, SandboxSpec, check_session_name, resolve_in_root
 from sandbox.docker_backend import (
     build_script,
@@ -11,7 +12,6 @@ from sandbox.docker_backend import (
     checkpoint_to_json,
     parse_client_output,
 )
-from sandbox.errors import PathEscapeError, SandboxError, SandboxTimeout
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ Closing a session destroys its sandbox and the sandbox's checkpoints; the trajec
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any
 
@@ -14,10 +13,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from belayer.errors import Forbidden
 from gateway import sandbox_api
+from gateway.bodies import read_json, validate
 from gateway.export import Runs, aligned_logprobs, branch_leaves, recomputed_mask, recomputed_runs
-from gateway.state import Gateway, gateway_of, read_json, validate
+from gateway.runtime import Gateway, gateway_of
 from gateway.store import SessionRecord, TurnRecord
 
 
@@ -84,7 +83,7 @@ def _turn_json(
 
 async def create_session(request: Request) -> Response:
     gw = gateway_of(request)
-    body = await read_json(request, gw.config.max_body_bytes) if await request.body() else {}
+    body = await read_json(request, gw.config.max_body_bytes, optional=True)
     req = validate(CreateSession, body)
     if req.sandbox is not None:
         manager = sandbox_api.manager_of(gw)
@@ -159,8 +158,7 @@ async def close_session(request: Request) -> Response:
     session = gw.sessions.get(request.path_params["session_id"])
     _close(gw, session)
     if gw.sandboxes is not None and gw.sandboxes.has_sandbox(session.id):
-        with sandbox_api.sandbox_errors():
-            await gw.sandboxes.destroy(session.id)
+        await gw.sandboxes.destroy(session.id)
     return JSONResponse(_summary(gw, request, session))
 
 
@@ -170,57 +168,8 @@ def _close(gw: Gateway, session: SessionRecord) -> None:
         gw.store.update_session(session)
 
 
-async def engines(request: Request) -> Response:
-    gw = gateway_of(request)
-    data = [
-        {
-            "name": m.name,
-            "url": m.client.base_url,
-            "state": m.state,
-            "outstanding": m.outstanding,
-            "served": m.served,
-            "pid": m.process.pid if m.process else None,
-            "launched_at": m.process.started_at if m.process else None,
-            "ready_at": m.process.ready_at if m.process else None,
-            "max_model_len": m.info.max_model_len if m.info else None,
-        }
-        for m in gw.pool.members
-    ]
-    return JSONResponse({"data": data})
-
-
-class RegisterEngine(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    url: str
-
-
-def require_admin(gw: Gateway, request: Request) -> None:
-    """Admin endpoints need ``Authorization: Bearer <admin token>``; with no token configured they are off."""
-    token = gw.config.admin_token
-    if token is None:
-        raise Forbidden(
-            "admin endpoints are disabled; start the gateway with --admin-token (or BELAYER_ADMIN_TOKEN)"
-        )
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
-        raise Forbidden("this endpoint needs the gateway's admin token: send 'Authorization: Bearer <token>'")
-
-
-async def register_engine(request: Request) -> Response:
-    """Register a running vLLM server by URL; the pool probes it and routes to it once it answers."""
-    gw = gateway_of(request)
-    require_admin(gw, request)
-    req = validate(RegisterEngine, await read_json(request, gw.config.max_body_bytes))
-    member = await gw.pool.register(req.url)
-    return JSONResponse(
-        {"name": member.name, "url": member.client.base_url, "state": member.state}, status_code=201
-    )
-
-
 def routes() -> list[Route]:
     return [
-        Route("/api/engines", engines, methods=["GET"]),
-        Route("/api/engines", register_engine, methods=["POST"]),
         Route("/api/sessions", create_session, methods=["POST"]),
         Route("/api/sessions", list_sessions, methods=["GET"]),
         Route("/api/sessions/{session_id}", get_session, methods=["GET"]),

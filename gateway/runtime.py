@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import Request
 
-from belayer.config import GatewayConfig
-from belayer.errors import EngineUnavailable, InvalidRequest, NotFound
+from core.errors import EngineUnavailable, NotFound
 from engine_pool.pool import EnginePool
 from gateway.auxiliary import AuxRoute, refuse
-from gateway.generation import TurnRunner
+from gateway.config import GatewayConfig
+from gateway.sandboxes.manager import SandboxManager
 from gateway.sessions import SessionManager
 from gateway.store import TrajectoryStore
 from gateway.tokenization import ChatTokenizer
-from sandbox.manager import SandboxManager
+from gateway.turn_runner import TurnRunner
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -69,52 +68,3 @@ class Gateway:
 def gateway_of(request: Request) -> Gateway:
     gw: Gateway = request.app.state.gateway
     return gw
-
-
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object, enforcing the size limit while reading."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise InvalidRequest("the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise InvalidRequest(
-            f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json"
-        ) from e
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
-    return body
-
-
-def _too_large(size: int, limit: int) -> InvalidRequest:
-    err = InvalidRequest(
-        f"the request body is {size} bytes, over the gateway's limit of {limit} bytes; send a shorter request "
-        "or raise --max-body-bytes",
-        code="request_too_large",
-    )
-    err.status = 413
-    return err
-
-
-def validate(model: type[M], body: dict[str, Any]) -> M:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        raise InvalidRequest(
-            f"invalid value for '{loc}': {first['msg']} ({e.error_count()} error(s) in total)",
-            param=loc or None,
-            code="invalid_type" if "type" in first["type"] else "invalid_value",
-        ) from e

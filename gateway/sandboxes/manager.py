@@ -60,7 +60,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from belayer.config import SandboxConfig
+from core.errors import (
+    ImageNotFound,
+    NoCheckpoint,
+    NoSandbox,
+    SandboxArgumentError,
+    SandboxCallFailed,
+    SandboxError,
+    SandboxExists,
+    SandboxFailed,
+    SandboxFileNotFound,
+    SandboxNotFound,
+    SandboxRestored,
+    SandboxTimeout,
+    SandboxUnavailable,
+)
+from gateway.config import SandboxConfig
+from gateway.sandboxes.policy import AdaptivePolicy, Decision
 from gateway.store import EventRecord, TrajectoryStore, TurnRecord
 from sandbox.backend import (
     DEFAULT_SESSION,
@@ -70,46 +86,8 @@ from sandbox.backend import (
     SandboxSpec,
     SandboxStatus,
 )
-from sandbox.errors import (
-    PathEscapeError,
-    SandboxError,
-    SandboxFileNotFound,
-    SandboxNotFound,
-    SandboxTimeout,
-    SandboxUnavailable,
-)
-from sandbox.policy import AdaptivePolicy, Decision
 
 log = logging.getLogger("belayer.sandbox")
-
-
-# --------------------------------------------------------------------------- errors
-class NoSandbox(SandboxNotFound):
-    """The session has no sandbox (none was created, or it was destroyed)."""
-
-
-class SandboxExists(SandboxError):
-    """The session already has a sandbox."""
-
-
-class NoCheckpoint(SandboxError, LookupError):
-    """A restore was asked for, but the session has no (such) checkpoint."""
-
-
-class SandboxFailed(SandboxError):
-    """The sandbox failed and there was no checkpoint to restore; the session has no sandbox now."""
-
-
-class SandboxCallFailed(SandboxError):
-    """This call broke the sandbox twice (the second time after a restore); it was restored without it."""
-
-
-class SandboxRestored(SandboxError):
-    """The sandbox failed during this call and was restored; resume after turn `info.keep_through`."""
-
-    def __init__(self, message: str, info: RestoreInfo) -> None:
-        super().__init__(message)
-        self.info = info
 
 
 # --------------------------------------------------------------------------- records
@@ -258,12 +236,17 @@ class SandboxManager:
     ) -> str:
         """Start the session's sandbox; returns its id. `recovery`: "replay" or "truncate" (see above)."""
         if recovery not in ("replay", "truncate"):
-            raise ValueError(f"recovery must be 'replay' or 'truncate', not {recovery!r}")
+            raise SandboxArgumentError(f"recovery must be 'replay' or 'truncate', not {recovery!r}")
         if session_id in self._slots and self._slots[session_id].sandbox_id is not None:
             raise SandboxExists(f"session {session_id} already has a sandbox; DELETE it first")
         labels = {**spec.labels, "belayer.session": session_id}
         spec = spec.model_copy(update={"labels": labels, "env": self._gateway_env(session_id, spec)})
-        box = await asyncio.to_thread(self.backend.create, spec)
+        try:
+            box = await asyncio.to_thread(self.backend.create, spec)
+        except SandboxNotFound as e:
+            raise ImageNotFound(
+                f"cannot create the sandbox: {e}; build it with `belayer sandbox build-image`"
+            ) from e
         slot = _Slot(session_id, spec, harness_inside, box.id, "truncate" if harness_inside else recovery)
         self._slots[session_id] = slot
         await self._locate(slot)
@@ -450,7 +433,7 @@ class SandboxManager:
             if call.journaled:  # it ran, and what it did until the kill is part of the state
                 slot.journal.append(call)
             raise
-        except (PathEscapeError, SandboxFileNotFound, SandboxUnavailable, ValueError):
+        except (SandboxArgumentError, SandboxFileNotFound, SandboxUnavailable):
             raise  # the caller's problem, or the engine's: the sandbox is fine
         except TimeoutError:
             return "tool_hang", f"{call.op} did not return within {deadline:g}s"

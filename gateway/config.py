@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, field_validator
 
-from sandbox.policy import PolicySettings
+from gateway.sandboxes.policy import PolicySettings
 
 
 class FailoverConfig(BaseModel):

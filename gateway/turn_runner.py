@@ -17,17 +17,16 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from belayer.config import FailoverConfig
-from belayer.errors import (
+from core.errors import (
     ContextLengthExceeded,
     EngineError,
-    EngineRejected,
     EngineTimeout,
     EngineUnavailable,
     InvalidRequest,
 )
 from engine_pool.client import SamplingParams, TokenChunk, merge_chunks
 from engine_pool.pool import EnginePool, PoolMember
+from gateway.config import FailoverConfig
 from gateway.observers import TurnObserver
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
 from gateway.sessions import PromptPlan, chain_keys
@@ -246,10 +245,7 @@ class TurnRunner:
             tail = self._delta(turn, st.parser.feed(st.trimmer.finish()) + st.parser.finish(), st.content)
             if tail.content or tail.tool_calls:
                 yield tail
-        except EngineRejected as e:
-            self._fail(turn, TURN_ERROR, str(e), t0)
-            raise InvalidRequest(f"the engine rejected the request: {e}", code="engine_rejected") from e
-        except EngineError as e:
+        except EngineError as e:  # EngineRejected among them: answered as the client's error (400)
             self._fail(turn, TURN_ERROR, str(e), t0)
             raise
         except BaseException as e:  # client went away (cancelled) or a bug: keep what was generated

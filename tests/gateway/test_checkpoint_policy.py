@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandbox.policy import AdaptivePolicy, PolicySettings
+from gateway.sandboxes.policy import AdaptivePolicy, PolicySettings
 
 PRIORS = PolicySettings(
     margin=1.0, max_deferred_turns=2, alpha=0.5, prior_prefill_tps=1000.0, prior_decode_tps=50.0,

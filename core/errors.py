@@ -1,0 +1,224 @@
+"""The project's one exception tree. Every error Belayer raises is a `BelayerError`.
+
+::
+
+    BelayerError
+    ├── ConfigError                    a setting cannot work (start-up); the message says what to change
+    ├── EngineError                    anything between the gateway and an inference worker
+    │   ├── EngineUnavailable          connection refused/reset, worker died, no healthy worker
+    │   ├── EngineTimeout              no answer (or no token) within a deadline
+    │   ├── EngineRejected             the engine answered 4xx: bad input, never retried
+    │   └── EngineProtocolError        the engine answered something that is not its protocol
+    ├── AuxiliaryUnavailable           an auxiliary model's provider cannot be reached (not the policy)
+    ├── RequestError                   the client's request cannot be served as sent (-> 4xx)
+    │   ├── InvalidRequest             malformed body, wrong type, unsupported parameter
+    │   │   └── RequestTooLarge        the body is over the size limit
+    │   ├── NotFound                   unknown session, model or route
+    │   ├── ContextLengthExceeded      prompt + completion over the model's context window
+    │   ├── Conflict                   e.g. a request on a closed session
+    │   ├── Forbidden                  an admin endpoint without the admin token
+    │   └── SandboxesDisabled          a sandbox route on a gateway without sandboxes
+    ├── StoreError                     the trajectory store failed
+    ├── SandboxError                   anything raised by sandbox/ and the gateway's sandbox manager
+    │   ├── SandboxUnavailable (ConnectionError)     the container engine does not answer
+    │   ├── SandboxNotFound (LookupError)            unknown or destroyed sandbox / checkpoint
+    │   │   ├── NoSandbox                            the session has no sandbox
+    │   │   └── ImageNotFound                        the image to create a sandbox from is missing
+    │   ├── SandboxFileNotFound (FileNotFoundError)  read_file on a path that does not exist
+    │   ├── SandboxArgumentError (ValueError)        a bad argument: env name, shell session name
+    │   │   └── PathEscapeError                      a file path that leaves the sandbox's root
+    │   ├── SandboxTimeout (TimeoutError)            exec ran past its timeout; carries partial output
+    │   ├── SandboxExists                            the session already has a sandbox
+    │   ├── NoCheckpoint (LookupError)               a restore without a (such) checkpoint
+    │   ├── SandboxFailed                            it failed, and there was nothing to restore
+    │   ├── SandboxCallFailed                        this call broke it twice (after a replay)
+    │   ├── SandboxRestored                          it failed during this call and was restored
+    │   ├── CheckpointError                          checkpoint (filesystem or process dump) failed
+    │   │   └── RestoreError                         restore from a checkpoint failed
+    │   └── ImageBuildError                          building a sandbox image failed
+    ├── HarnessError                   a harness could not be installed or run
+    └── TaskError (ValueError)         a task directory is not usable
+
+Foreign errors are translated at one boundary each: httpx in ``engine_pool.client`` (and, for
+auxiliary providers, ``gateway.auxiliary``), Docker in ``sandbox.docker_backend.docker_errors``. The
+gateway maps this tree to OpenAI and Anthropic error JSON in one table, ``gateway.errors``.
+
+>>> issubclass(PathEscapeError, BelayerError) and issubclass(PathEscapeError, ValueError)
+True
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover - only for the annotation of SandboxRestored.info
+    from typing import Any
+
+
+class BelayerError(Exception):
+    """Root of every error raised by Belayer."""
+
+
+class ConfigError(BelayerError):
+    """A setting that cannot work; raised at start-up, before anything is launched."""
+
+
+# --------------------------------------------------------------------------- engines
+class EngineError(BelayerError):
+    """Something went wrong talking to an inference worker."""
+
+
+class EngineUnavailable(EngineError):
+    """The worker cannot be reached or died mid-request; another worker may serve the request."""
+
+
+class EngineTimeout(EngineError, TimeoutError):
+    """The worker did not answer within the deadline."""
+
+
+class EngineRejected(EngineError):
+    """The worker rejected the request (HTTP 4xx). Retrying elsewhere would fail the same way.
+    `engine_status` is the engine's own HTTP status (what the gateway answers is in its table)."""
+
+    def __init__(self, message: str, engine_status: int = 400) -> None:
+        super().__init__(message)
+        self.engine_status = engine_status
+
+
+class EngineProtocolError(EngineError):
+    """The worker answered, but not in its protocol (a malformed stream line, a body that is not JSON)."""
+
+
+class AuxiliaryUnavailable(BelayerError):
+    """An auxiliary route's provider (not the policy's engines) cannot be reached."""
+
+
+# --------------------------------------------------------------------------- requests
+class RequestError(BelayerError):
+    """The client's request is wrong. `param` names the offending field when there is one; `code`
+    refines the table's code for this class when given."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(RequestError):
+    """Malformed body, wrong type or unsupported parameter."""
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request body is over the gateway's size limit."""
+
+
+class NotFound(RequestError):
+    """An unknown session, model or resource."""
+
+
+class ContextLengthExceeded(RequestError):
+    """Prompt plus requested completion do not fit in the model's context window."""
+
+
+class Conflict(RequestError):
+    """The request conflicts with the resource's state (e.g. the session is closed)."""
+
+
+class Forbidden(RequestError):
+    """An admin endpoint called without (or with a wrong) admin token."""
+
+
+class SandboxesDisabled(RequestError):
+    """A sandbox route on a gateway started without sandboxes."""
+
+
+class StoreError(BelayerError):
+    """The trajectory store failed."""
+
+
+# --------------------------------------------------------------------------- sandboxes
+class SandboxError(BelayerError):
+    """Root of every sandbox failure: the backend's and the session manager's."""
+
+
+class SandboxUnavailable(SandboxError, ConnectionError):
+    """The container engine cannot be reached."""
+
+
+class SandboxNotFound(SandboxError, LookupError):
+    """The sandbox (or checkpoint) does not exist, or no longer exists."""
+
+
+class NoSandbox(SandboxNotFound):
+    """The session has no sandbox (none was created, or it was destroyed)."""
+
+
+class ImageNotFound(SandboxNotFound):
+    """The image a sandbox was to be created from does not exist."""
+
+
+class SandboxFileNotFound(SandboxError, FileNotFoundError):
+    """A file read from a sandbox does not exist."""
+
+
+class SandboxArgumentError(SandboxError, ValueError):
+    """An argument the sandbox cannot take (an environment variable or shell session name)."""
+
+
+class PathEscapeError(SandboxArgumentError):
+    """A file path resolves outside the sandbox's root directory."""
+
+
+class SandboxTimeout(SandboxError, TimeoutError):
+    """A command ran past its timeout and was killed; `stdout`/`stderr` hold what it printed."""
+
+    def __init__(self, message: str, *, stdout: str = "", stderr: str = "") -> None:
+        super().__init__(message)
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+class SandboxExists(SandboxError):
+    """The session already has a sandbox."""
+
+
+class NoCheckpoint(SandboxError, LookupError):
+    """A restore was asked for, but the session has no (such) checkpoint."""
+
+
+class SandboxFailed(SandboxError):
+    """The sandbox failed and there was no checkpoint to restore; the session has no sandbox now."""
+
+
+class SandboxCallFailed(SandboxError):
+    """This call broke the sandbox twice (the second time after a restore); it was restored without it."""
+
+
+class SandboxRestored(SandboxError):
+    """The sandbox failed during this call and was restored; `info` (the manager's ``RestoreInfo``)
+    says after which turn to resume (`info.keep_through`)."""
+
+    def __init__(self, message: str, info: Any) -> None:
+        super().__init__(message)
+        self.info = info
+
+
+class CheckpointError(SandboxError):
+    """Taking a checkpoint (filesystem snapshot or CRIU process dump) failed."""
+
+
+class RestoreError(CheckpointError):
+    """Restoring a sandbox from a checkpoint failed."""
+
+
+class ImageBuildError(SandboxError):
+    """Building or importing a sandbox image failed."""
+
+
+# --------------------------------------------------------------------------- harnesses and tasks
+class HarnessError(BelayerError):
+    """A harness could not be installed, configured or run."""
+
+
+class TaskError(BelayerError, ValueError):
+    """A task directory is missing something or holds something invalid."""

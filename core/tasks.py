@@ -1,0 +1,83 @@
+"""One owner for background work: every task has a name, a failure is logged, and close() cancels and
+joins what is left. The pool, the sandbox manager and the turn runner each hold one.
+
+Example::
+
+    owner = TaskOwner("engine-pool")
+    owner.spawn(probe_forever(), "probe")
+    await owner.join()         # wait for what is running (tests, a drain)
+    await owner.close()        # cancel what is left and wait for it
+
+>>> import asyncio
+>>> async def demo() -> list[str]:
+...     owner = TaskOwner("demo")
+...     done: list[str] = []
+...     async def work() -> None:
+...         done.append("ran")
+...     owner.spawn(work(), "work")
+...     await owner.join()
+...     await owner.close()
+...     return done
+>>> asyncio.run(demo())
+['ran']
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+log = logging.getLogger("belayer.tasks")
+
+
+class TaskOwner:
+    """Spawns named tasks, logs the ones that fail, and cancels and joins them on `close`."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self.failures = 0
+        """Tasks that ended with an exception (each one is logged)."""
+
+    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run `work` as a task named ``<owner>/<name>``. After `close`, the coroutine is closed unrun."""
+        if self._closed:
+            work.close()
+            raise RuntimeError(f"{self.owner} is closed; no new background work")
+        task = asyncio.get_running_loop().create_task(work, name=f"{self.owner}/{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.failures += 1
+            log.error("background task %s failed: %s", task.get_name(), exc, exc_info=exc)
+
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    def names(self) -> list[str]:
+        return sorted(t.get_name() for t in self._tasks)
+
+    async def join(self) -> None:
+        """Wait until no task is running (tasks spawned meanwhile are waited for too)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel every task and wait for all of them; no new task can be spawned afterwards."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
