@@ -2,8 +2,9 @@
 
 It speaks vLLM's ``/v1/completions`` with a token-id prompt and ``return_token_ids``, streamed, so the
 gateway sees every token as soon as it is generated. Transport errors are translated here, and only
-here, into ``core.errors``: connection failures become ``EngineUnavailable``, time-outs
-``EngineTimeout``, and 4xx answers ``EngineRejected`` (bad input, never retried).
+here (``transport_errors``), into ``core.errors``: connection failures become ``EngineUnavailable``,
+time-outs ``EngineTimeout``, 4xx answers ``EngineRejected`` (bad input, never retried), and an answer
+that is not the engine's protocol (a stream line or body that is not JSON) ``EngineProtocolError``.
 
 Example::
 
@@ -15,14 +16,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from core.errors import EngineRejected, EngineTimeout, EngineUnavailable
+from core.errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnavailable
 
 _TOKEN_ID_PREFIX = "token_id:"
 
@@ -86,8 +88,19 @@ def _token_id(token: str) -> int:
 
 
 def parse_chunk(choice: dict[str, Any], with_tops: bool = True) -> TokenChunk:
-    """Turn one completions ``choice`` (streamed or not) into a ``TokenChunk``."""
-    ids = choice.get("token_ids") or []
+    """Turn one completions ``choice`` (streamed or not) into a ``TokenChunk``.
+
+    >>> parse_chunk({"token_ids": [5], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "stop"})
+    TokenChunk(token_ids=[5], logprobs=[-0.5], top_logprobs=[], finish_reason='stop')
+    """
+    try:
+        return _parse_chunk(choice, with_tops)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise EngineProtocolError(f"engine sent a malformed choice ({e!r}): {str(choice)[:200]}") from e
+
+
+def _parse_chunk(choice: dict[str, Any], with_tops: bool) -> TokenChunk:
+    ids = [int(t) for t in choice.get("token_ids") or []]
     lp = choice.get("logprobs") or {}
     logprobs = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
     tops = (
@@ -115,6 +128,16 @@ def parse_prompt_logprobs(entries: list[Any], prompt_ids: list[int]) -> list[flo
     return out
 
 
+def _choices(event: Any) -> list[dict[str, Any]]:
+    """An engine answer's ``choices``; anything else in their place is a protocol error."""
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if choices is None:
+        return []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise EngineProtocolError(f"engine sent 'choices' that are not a list of objects: {str(choices)[:200]}")
+    return choices
+
+
 def merge_chunks(chunks: list[TokenChunk]) -> TokenChunk | None:
     """One chunk for several engine events that arrived together: when the engine outpaces the
     gateway, the per-token work (detokenizing, parsing, one SSE write to the client) is batched."""
@@ -140,12 +163,40 @@ async def _sse_batches(resp: httpx.Response) -> AsyncIterator[list[dict[str, Any
             line, buf = buf[:cut], buf[cut + 2 :]
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            event = json.loads(line[6:])
+            event = _json(line[6:], "stream event")
+            if not isinstance(event, dict):
+                raise EngineProtocolError(f"engine sent a stream event that is not an object: {line[:200]!r}")
             if "error" in event:
                 raise EngineUnavailable(f"engine failed mid-stream: {event['error']}")
             batch.append(event)
         if batch:
             yield batch
+
+
+def _json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise EngineProtocolError(f"engine sent a {what} that is not JSON ({e}): {raw[:200]!r}") from e
+
+
+def _check_status(base_url: str, status: int, body: bytes) -> None:
+    """An engine's HTTP error: 4xx is the request's fault (never retried), 5xx the engine's."""
+    if status >= 500:
+        raise EngineUnavailable(f"engine {base_url} answered HTTP {status}")
+    if status >= 400:
+        raise _rejection(status, body)
+
+
+@contextlib.contextmanager
+def transport_errors(base_url: str) -> Iterator[None]:
+    """The one place where httpx's errors become the engine errors of ``core.errors``."""
+    try:
+        yield
+    except httpx.TimeoutException as e:
+        raise EngineTimeout(f"engine {base_url} timed out: {e!r}") from e
+    except (httpx.TransportError, httpx.StreamError) as e:
+        raise EngineUnavailable(f"engine {base_url} unreachable: {e!r}") from e
 
 
 def _rejection(status: int, body: bytes) -> EngineRejected:
@@ -182,27 +233,18 @@ class EngineClient:
         }
         tops = params.top_logprobs > 0
         url = f"{self.base_url}/v1/completions"
-        try:
+        with transport_errors(self.base_url):
             async with self._http.stream("POST", url, json=body, timeout=self._timeout) as resp:
                 if resp.status_code >= 400:
-                    err = await resp.aread()
-                    if resp.status_code < 500:
-                        raise _rejection(resp.status_code, err)
-                    raise EngineUnavailable(f"engine {self.base_url} answered HTTP {resp.status_code}")
+                    _check_status(self.base_url, resp.status_code, await resp.aread())
                 if not stream:
-                    for choice in json.loads(await resp.aread()).get("choices") or []:
+                    for choice in _choices(_json(await resp.aread(), "response")):
                         yield parse_chunk(choice, tops)
                     return
                 async for events in _sse_batches(resp):
-                    chunk = merge_chunks(
-                        [parse_chunk(c, tops) for ev in events for c in ev.get("choices") or []]
-                    )
+                    chunk = merge_chunks([parse_chunk(c, tops) for ev in events for c in _choices(ev)])
                     if chunk is not None:
                         yield chunk
-        except httpx.TimeoutException as e:
-            raise EngineTimeout(f"engine {self.base_url} timed out: {e!r}") from e
-        except (httpx.TransportError, httpx.StreamError) as e:
-            raise EngineUnavailable(f"engine {self.base_url} unreachable: {e!r}") from e
 
     async def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
         """The model's logprob of each prompt token given the ones before it (None for the first):
@@ -215,17 +257,10 @@ class EngineClient:
             "prompt_logprobs": 0,
             "return_tokens_as_token_ids": True,
         }
-        try:
+        with transport_errors(self.base_url):
             resp = await self._http.post(f"{self.base_url}/v1/completions", json=body, timeout=self._timeout)
-        except httpx.TimeoutException as e:
-            raise EngineTimeout(f"engine {self.base_url} timed out: {e!r}") from e
-        except httpx.TransportError as e:
-            raise EngineUnavailable(f"engine {self.base_url} unreachable: {e!r}") from e
-        if resp.status_code >= 400:
-            if resp.status_code < 500:
-                raise _rejection(resp.status_code, resp.content)
-            raise EngineUnavailable(f"engine {self.base_url} answered HTTP {resp.status_code}")
-        entries = (resp.json().get("choices") or [{}])[0].get("prompt_logprobs") or []
+        _check_status(self.base_url, resp.status_code, resp.content)
+        entries = (_choices(_json(resp.content, "response")) or [{}])[0].get("prompt_logprobs") or []
         return parse_prompt_logprobs(entries, prompt_ids)
 
     async def health(self, timeout: float = 2.0) -> bool:
@@ -242,5 +277,8 @@ class EngineClient:
             resp.raise_for_status()
         except httpx.HTTPError as e:
             raise EngineUnavailable(f"engine {self.base_url} did not list its models: {e!r}") from e
-        card = resp.json()["data"][0]
-        return ModelInfo(card["id"], int(card.get("max_model_len") or 0))
+        try:
+            card = _json(resp.content, "model list")["data"][0]
+            return ModelInfo(str(card["id"]), int(card.get("max_model_len") or 0))
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineProtocolError(f"engine {self.base_url} listed no usable model: {e!r}") from e

@@ -12,8 +12,10 @@ back half-alive, and it is replaced. A shadow is promoted into its place at once
 new shadow is launched in the background, so the pool returns to full strength.
 
 Routing prefers the worker that served the session last (its prefix cache holds the session's tokens),
-then the one with the fewest outstanding requests. ``acquire`` waits, up to a deadline, for a worker
-when none is ready (during a promotion or a restart).
+then the one with the fewest outstanding requests. The affinity map holds named sessions only (a plain
+``/v1`` request's one-request session is not remembered), is forgotten when a session closes, and is
+bounded (least recently used first out). ``acquire`` waits, up to a deadline, for a worker when none is
+ready (during a promotion or a restart); every state change wakes every waiter.
 
 Example::
 
@@ -28,13 +30,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from core.errors import EngineUnavailable
+from core.tasks import TaskOwner
 from engine_pool.client import EngineClient, ModelInfo
 from engine_pool.worker import VllmWorker, WorkerSpec
 
@@ -74,10 +79,12 @@ class EnginePool:
     probe_timeout: float = 2.0
     probe_failures: int = 3  # consecutive failed probes before a live worker counts as hung
     start_timeout: float = 300.0
+    max_affinity: int = 65536
+    """Sessions whose last worker is remembered (least recently used forgotten first)."""
     members: list[PoolMember] = field(default_factory=list)
-    _affinity: dict[str, str] = field(default_factory=dict)
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _affinity: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    _tasks: TaskOwner = field(default_factory=lambda: TaskOwner("engine-pool"))
+    _waiters: set[asyncio.Future[None]] = field(default_factory=set)
     _launched: int = 0
     _closing: bool = False
 
@@ -129,23 +136,12 @@ class EnginePool:
             self._set(m, READY if m.process is None or active < self.active else SHADOW, "started")
         self._spawn(self._probe_forever(), "engine-pool-probe")
 
-    def _spawn(self, coro: object, name: str) -> None:
-        task: asyncio.Task[None] = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("pool task %s failed", task.get_name(), exc_info=task.exception())
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.spawn(work, name)
 
     async def stop(self) -> None:
         self._closing = True
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._tasks.close()
         await asyncio.gather(*(m.process.stop() for m in self.members if m.process is not None))
         for m in self.members:
             self._set(m, DEAD, "pool stopped")
@@ -226,7 +222,14 @@ class EnginePool:
             log.warning("worker %s: %s -> %s (%s)", m.name, m.state, state, why)
             m.state = state
             m.history.append((time.time(), state))
-            self._changed.set()
+            self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Every waiter in ``acquire`` looks again (each has its own future: none can miss a change)."""
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
 
     # -- routing ------------------------------------------------------------------------------------
 
@@ -259,12 +262,31 @@ class EnginePool:
                     f"no healthy inference worker became available within {wait:.0f}s (workers: {states}); "
                     "check the workers' logs in the gateway's --log-dir"
                 )
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout=min(left, self.probe_interval))
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.add(waiter)
+            try:
+                await asyncio.wait({waiter}, timeout=left)
+            finally:
+                self._waiters.discard(waiter)
+                waiter.cancel()
         if session_id is not None:
-            self._affinity[session_id] = member.name
+            self._remember(session_id, member.name)
         return member
+
+    def _remember(self, session_id: str, worker: str) -> None:
+        self._affinity[session_id] = worker
+        self._affinity.move_to_end(session_id)
+        while len(self._affinity) > self.max_affinity:
+            self._affinity.popitem(last=False)
+
+    def forget(self, session_id: str) -> None:
+        """The session is over: its worker need not be remembered."""
+        self._affinity.pop(session_id, None)
+
+    @property
+    def remembered_sessions(self) -> int:
+        """Sessions in the affinity map (bounded by ``max_affinity``)."""
+        return len(self._affinity)
 
     @contextlib.asynccontextmanager
     async def lease(self, session_id: str | None = None, wait: float = 0.0) -> AsyncIterator[PoolMember]:

@@ -91,23 +91,23 @@ def build_app(
                         serve_sandboxes(app, sandboxes, sandboxes.backend, config.sandbox.sandbox_port)
                     )
                 watchers = [*(observers or []), *([sandboxes] if sandboxes else [])]
-                app.state.gateway = Gateway(
-                    config,
+                aux_http = await owned.enter_async_context(
+                    httpx.AsyncClient(timeout=None, transport=aux_transport)
+                )
+                runner = TurnRunner(
                     store,
-                    tok,
                     the_pool,
-                    SessionManager(store, tok),
-                    TurnRunner(
-                        store,
-                        the_pool,
-                        tok,
-                        config.default_max_tokens,
-                        watchers,
-                        config.failover,
-                        config.max_tokens_cap,
-                    ),
-                    sandboxes,
-                    await owned.enter_async_context(httpx.AsyncClient(timeout=None, transport=aux_transport)),
+                    tok,
+                    config.default_max_tokens,
+                    watchers,
+                    config.failover,
+                    config.max_tokens_cap,
+                )
+                # Closed first: its recomputations finish (or are cancelled) while pool and store are up.
+                owned.push_async_callback(runner.close)
+                sessions = SessionManager(store, tok)
+                app.state.gateway = Gateway(
+                    config, store, tok, the_pool, sessions, runner, sandboxes, aux_http
                 )
                 log.info(
                     "gateway ready: workers=%s max_model_len=%d",

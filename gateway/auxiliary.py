@@ -26,7 +26,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from core.errors import EngineUnavailable, InvalidRequest
+from core.errors import AuxiliaryUnavailable, InvalidRequest
 from gateway.store import EventRecord, SessionRecord, TrajectoryStore
 
 API_KEY_ENV = "BELAYER_AUX_API_KEY"
@@ -106,7 +106,10 @@ async def forward(
         upstream = await http.send(http.build_request("POST", url, json=body, headers=headers), stream=True)
     except httpx.TransportError as exc:
         record(502)
-        raise EngineUnavailable(f"the auxiliary provider at {route.url} is unreachable ({exc})") from exc
+        raise AuxiliaryUnavailable(
+            f"the auxiliary provider at {route.url} is unreachable ({exc}); check that it runs, or route "
+            "this model elsewhere with --aux-model"
+        ) from exc
     media = upstream.headers.get("content-type", "application/json")
     if not body.get("stream"):
         content = await upstream.aread()

@@ -10,7 +10,7 @@ import httpx
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from core.errors import EngineUnavailable, NotFound
+from core.errors import AuxiliaryUnavailable, NotFound
 from engine_pool.pool import EnginePool
 from gateway.auxiliary import AuxRoute, refuse
 from gateway.config import GatewayConfig
@@ -48,7 +48,7 @@ class Gateway:
 
     def aux_http_client(self) -> httpx.AsyncClient:
         if self.aux_http is None:
-            raise EngineUnavailable("the gateway has no client for auxiliary providers (it is shutting down)")
+            raise AuxiliaryUnavailable("the gateway has no client for auxiliary providers (it is shutting down)")
         return self.aux_http
 
     def check_model(self, model: str) -> str:

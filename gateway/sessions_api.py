@@ -157,6 +157,7 @@ async def close_session(request: Request) -> Response:
     gw = gateway_of(request)
     session = gw.sessions.get(request.path_params["session_id"])
     _close(gw, session)
+    gw.pool.forget(session.id)
     if gw.sandboxes is not None and gw.sandboxes.has_sandbox(session.id):
         await gw.sandboxes.destroy(session.id)
     return JSONResponse(_summary(gw, request, session))

@@ -1,9 +1,13 @@
 """One turn, protocol-independent: prompt ids → engine → text deltas and tool calls → trajectory.
 
-Both OpenAI and (later) Anthropic front ends build a ``GenerationRequest`` and consume the ``Delta`` and
-``Done`` events of ``TurnRunner.run``. The turn is written to the store before the engine is called
-(status running, prompt ids) and finished, durably, before ``Done`` is yielded, so a client never holds a
-response whose turn is not on disk.
+The OpenAI and Anthropic front ends build a ``GenerationRequest`` and consume the ``Delta`` and ``Done``
+events of ``TurnRunner.run``. The turn is written to the store before the engine is called (status
+running, prompt ids) and finished, durably, before ``Done`` is yielded, so a client never holds a
+response whose turn is not on disk. When a worker is lost mid-turn, the runner resubmits the prompt plus
+the tokens generated so far to another worker (``gateway.failover``); the client's stream goes on.
+
+Logprob recomputations for rewritten history run in the background, owned by the runner's
+``TaskOwner``; ``close`` waits for them (with a grace period) before the pool and the store close.
 """
 
 from __future__ import annotations
@@ -17,16 +21,12 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from core.errors import (
-    ContextLengthExceeded,
-    EngineError,
-    EngineTimeout,
-    EngineUnavailable,
-    InvalidRequest,
-)
-from engine_pool.client import SamplingParams, TokenChunk, merge_chunks
+from core.errors import ContextLengthExceeded, EngineError, EngineTimeout, EngineUnavailable, InvalidRequest
+from core.tasks import TaskOwner
+from engine_pool.client import SamplingParams, TokenChunk
 from engine_pool.pool import EnginePool, PoolMember
 from gateway.config import FailoverConfig
+from gateway.failover import Failure, stall_guarded
 from gateway.observers import TurnObserver
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
 from gateway.sessions import PromptPlan, chain_keys
@@ -77,28 +77,6 @@ class _OutputState:
 
 
 @dataclass(slots=True)
-class _Pipe:
-    """Chunks handed from the task that reads the engine to the request that consumes them."""
-
-    items: list[TokenChunk] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    done: bool = False
-    error: Exception | None = None
-
-    async def fill(self, chunks: AsyncGenerator[TokenChunk, None]) -> None:
-        try:
-            async for chunk in chunks:
-                self.items.append(chunk)
-                self.wake.set()
-        except Exception as e:
-            self.error = e
-        finally:
-            self.done = True
-            self.wake.set()
-            await chunks.aclose()
-
-
-@dataclass(slots=True)
 class Delta:
     """What one engine event added: visible text, finished tool calls, and the raw tokens."""
 
@@ -134,7 +112,7 @@ class TurnRunner:
         max_tokens_cap: int | None = None,
     ) -> None:
         self.max_tokens_cap = max_tokens_cap
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = TaskOwner("turn-runner")
         self.failover = failover or FailoverConfig()
         self.store = store
         self.pool = pool
@@ -206,45 +184,10 @@ class TurnRunner:
             self.tok.detokenizer(), StopTrimmer(params.stop), HermesToolParser(enabled=req.parse_tools)
         )
         st.parser.feed(req.forced_prefix)
-        fo = self.failover
-        failure: dict[str, Any] | None = None
         try:
-            while not self._done_after_failure(turn, st, params, failure):
-                # A failover resubmits prompt + every token generated so far, asking for the rest.
-                remaining = replace(params, max_tokens=params.max_tokens - len(turn.output_ids))
-                async with self.pool.lease(
-                    req.session.id, wait=fo.no_worker_wait if fo.enabled else 0.0
-                ) as member:
-                    turn.worker = member.name
-                    turn.timings.setdefault("queue_ms", (time.monotonic() - t0) * 1000)
-                    stream = self._engine_stream(
-                        member, turn.prompt_ids + turn.output_ids, remaining, req.stream
-                    )
-                    try:
-                        async for chunk in stream:
-                            if failure is not None:
-                                self._record_failover(turn, failure, member.name)
-                                failure = None
-                            turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
-                            yield self._consume(turn, chunk, st)
-                            # A stop string the engine could not see (split by a failover) ends it here.
-                            if st.trimmer.stopped:
-                                break
-                        break
-                    except (EngineUnavailable, EngineTimeout) as e:
-                        self.pool.report_failure(member, e)
-                        if not fo.enabled or st.failovers >= fo.max_failovers:
-                            raise
-                        st.failovers += 1
-                        failure = {"token_index": len(turn.output_ids), "from_worker": member.name,
-                                   "error": str(e), "at": time.monotonic(), "last_token_at": st.last_token_at}  # fmt: skip
-                    finally:
-                        await stream.aclose()
-            if failure is not None:
-                self._record_failover(turn, failure, None)
-            tail = self._delta(turn, st.parser.feed(st.trimmer.finish()) + st.parser.finish(), st.content)
-            if tail.content or tail.tool_calls:
-                yield tail
+            async with contextlib.aclosing(self._generate(req, turn, params, st, t0)) as deltas:
+                async for delta in deltas:
+                    yield delta
         except EngineError as e:  # EngineRejected among them: answered as the client's error (400)
             self._fail(turn, TURN_ERROR, str(e), t0)
             raise
@@ -257,8 +200,68 @@ class TurnRunner:
         done.stop_sequence = st.trimmer.matched
         yield done
 
+    async def _generate(
+        self, req: GenerationRequest, turn: TurnRecord, params: SamplingParams, st: _OutputState, t0: float
+    ) -> AsyncGenerator[Delta, None]:
+        """Submit to a worker and, after each lost worker, resubmit prompt + every token so far to
+        another one, until the turn is complete; then the parsers' tail."""
+        failure: Failure | None = None
+        while not self._done_after_failure(turn, st, params, failure):
+            lost = None
+            async with contextlib.aclosing(self._submit(req, turn, params, st, t0, failure)) as items:
+                async for item in items:
+                    if isinstance(item, Failure):
+                        lost = item
+                    else:
+                        yield item
+            failure = lost
+            if failure is None:
+                break
+        if failure is not None:  # the output was complete when the worker was lost
+            self._record_failover(turn, failure, None)
+        tail = self._delta(turn, st.parser.feed(st.trimmer.finish()) + st.parser.finish(), st.content)
+        if tail.content or tail.tool_calls:
+            yield tail
+
+    async def _submit(
+        self,
+        req: GenerationRequest,
+        turn: TurnRecord,
+        params: SamplingParams,
+        st: _OutputState,
+        t0: float,
+        previous: Failure | None,
+    ) -> AsyncGenerator[Delta | Failure, None]:
+        """One submission to one leased worker, asking for the tokens still missing. Yields the deltas,
+        then a `Failure` when the worker was lost and another may take over (else the error is raised).
+        `previous`, the failure this submission recovers from, is recorded at its first token."""
+        fo = self.failover
+        remaining = replace(params, max_tokens=params.max_tokens - len(turn.output_ids))
+        affinity = None if req.session.ephemeral else req.session.id  # one-request sessions: not kept
+        async with self.pool.lease(affinity, wait=fo.no_worker_wait if fo.enabled else 0.0) as member:
+            turn.worker = member.name
+            turn.timings.setdefault("queue_ms", (time.monotonic() - t0) * 1000)
+            stream = self._engine_stream(member, turn.prompt_ids + turn.output_ids, remaining, req.stream)
+            try:
+                async for chunk in stream:
+                    if previous is not None:
+                        self._record_failover(turn, previous, member.name)
+                        previous = None
+                    turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
+                    yield self._consume(turn, chunk, st)
+                    if st.trimmer.stopped:  # a stop string the engine could not see (split by a failover)
+                        break
+            except (EngineUnavailable, EngineTimeout) as e:
+                self.pool.report_failure(member, e)
+                if not fo.enabled or st.failovers >= fo.max_failovers:
+                    raise
+                st.failovers += 1
+                yield Failure(len(turn.output_ids), member.name, str(e), time.monotonic(), st.last_token_at)
+            finally:
+                await stream.aclose()
+
     def _done_after_failure(
-        self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: dict[str, Any] | None
+        self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: Failure | None
     ) -> bool:
         """Before a (re)submission: is the turn already complete? After a failure in the last token the
         output may end with EOS, fill max_tokens, or contain a stop string: then nothing is resubmitted."""
@@ -272,46 +275,18 @@ class TurnRunner:
             return True
         return False
 
-    async def _engine_stream(
+    def _engine_stream(
         self, member: PoolMember, prompt: list[int], params: SamplingParams, stream: bool
     ) -> AsyncGenerator[TokenChunk, None]:
-        """The engine's chunks. With failover on, a pump task reads the engine while this side waits with a
-        deadline: no token within ``stall_timeout`` and a failed health probe raise ``EngineTimeout``.
-        Chunks that piled up while the client was being served are merged, so the hand-off costs one wake-up
-        per batch, not per token."""
+        """The engine's chunks; with failover on, guarded against a stalled worker."""
         chunks = member.client.generate(prompt, params, stream=stream)
         if not self.failover.enabled:
-            async for chunk in chunks:
-                yield chunk
-            return
-        pipe = _Pipe()
-        pump = asyncio.create_task(pipe.fill(chunks))
-        try:
-            while True:
-                if not pipe.items and not pipe.done:
-                    pipe.wake.clear()
-                    try:
-                        async with asyncio.timeout(self.failover.stall_timeout):
-                            await pipe.wake.wait()
-                    except TimeoutError:
-                        if await self.pool.confirm_failure(member):
-                            raise EngineTimeout(
-                                f"{member.name} sent no token for {self.failover.stall_timeout}s and failed its health probe"
-                            ) from None
-                        continue
-                if pipe.items:
-                    batch, pipe.items = pipe.items, []
-                    merged = merge_chunks(batch)
-                    assert merged is not None
-                    yield merged
-                elif pipe.error is not None:
-                    raise pipe.error
-                elif pipe.done:
-                    return
-        finally:
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pump
+            return chunks
+
+        async def confirm() -> bool:
+            return await self.pool.confirm_failure(member)
+
+        return stall_guarded(chunks, member.name, self.failover.stall_timeout, confirm)
 
     def _consume(self, turn: TurnRecord, chunk: TokenChunk, st: _OutputState) -> Delta:
         """Record a chunk's tokens and turn them into visible text. Tokens are taken one at a time so
@@ -332,19 +307,9 @@ class TurnRunner:
         delta.token_ids, delta.logprobs, delta.top_logprobs = ids, lps, chunk.top_logprobs[:n]
         return delta
 
-    def _record_failover(self, turn: TurnRecord, failure: dict[str, Any], to_worker: str | None) -> None:
-        now = time.monotonic()
-        since = failure.pop("last_token_at") or failure["at"]
-        at = failure.pop("at")
-        failure.update(
-            to_worker=to_worker,
-            detect_ms=round((at - since) * 1000, 3),
-            lost_ms=round((now - since) * 1000, 3),
-            sampling="greedy: bit-identical"
-            if turn.request.get("temperature") == 0
-            else "sampled: prefix kept exactly, continuation re-sampled (seeded RNG restarts on the new worker)",
-        )
-        self._event(turn, "failover", failure)
+    def _record_failover(self, turn: TurnRecord, failure: Failure, to_worker: str | None) -> None:
+        greedy = turn.request.get("temperature") == 0
+        self._event(turn, "failover", failure.event(to_worker=to_worker, now=time.monotonic(), greedy=greedy))
 
     def _delta(self, turn: TurnRecord, events: list[Any], content: list[str]) -> Delta:
         delta = Delta("", [], [], [], [])
@@ -366,6 +331,9 @@ class TurnRunner:
             async with self.pool.lease(req.session.id, wait=self.failover.no_worker_wait) as member:
                 values = await member.client.prompt_logprobs(turn.prompt_ids[: max(b for _, b in spans)])
                 worker = member.name
+        except asyncio.CancelledError:  # the gateway shuts down: say so in the trajectory, then stop
+            self._event(turn, "recompute_failed", {"spans": spans, "error": "cancelled at shutdown"})
+            raise
         except Exception as e:
             log.warning("turn %s: logprob recomputation failed: %s", turn.id, e)
             self._event(turn, "recompute_failed", {"spans": spans, "error": f"{type(e).__name__}: {e}"})
@@ -378,9 +346,18 @@ class TurnRunner:
         )
 
     async def idle(self) -> None:
-        """Wait for background logprob recomputations (tests, shutdown)."""
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        """Wait for background logprob recomputations (tests)."""
+        await self._background.join()
+
+    async def close(self, grace: float = 30.0) -> None:
+        """At shutdown, before the pool and the store close: give running recomputations `grace`
+        seconds to finish, then cancel the rest (each records a ``recompute_failed`` event)."""
+        try:
+            async with asyncio.timeout(grace):
+                await self._background.join()
+        except TimeoutError:
+            log.warning("shutdown: cancelling %d logprob recomputations", self._background.running)
+        await self._background.close()
 
     def _fail(self, turn: TurnRecord, status: str, error: str, t0: float) -> None:
         turn.status = status
@@ -422,7 +399,5 @@ class TurnRunner:
         self.store.finish_turn(turn)
         self._notify_finished(turn)
         if req.plan.rewritten:
-            task = asyncio.get_running_loop().create_task(self._recompute(req, turn))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._background.spawn(self._recompute(req, turn), f"recompute-turn-{turn.id}")
         return Done(turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids))

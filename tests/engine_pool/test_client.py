@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
-from core.errors import EngineRejected, EngineTimeout, EngineUnavailable
+from core.errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnavailable
 from engine_pool.client import EngineClient, SamplingParams
 from engine_pool.fake import FakeEngine, fake_logprob
+from engine_pool.pool import EnginePool
 from engine_pool.worker import free_port
+from gateway.app import build_app
+from gateway.config import GatewayConfig
 
 
 async def collect(client: EngineClient, prompt: list[int]) -> list[int]:
@@ -52,6 +57,14 @@ async def test_connection_refused_is_unavailable() -> None:
             lambda r: (_ for _ in ()).throw(httpx.RemoteProtocolError("peer closed", request=r)),
             EngineUnavailable,
         ),
+        # Answers that are not the engine's protocol: an engine error (502), never a gateway 500.
+        (lambda r: httpx.Response(200, text="data: {not json\n\n"), EngineProtocolError),
+        (lambda r: httpx.Response(200, text='data: {"choices": "x"}\n\n'), EngineProtocolError),
+        (
+            lambda r: httpx.Response(200, text='data: {"choices": [{"token_ids": ["a"]}]}\n\n'),
+            EngineProtocolError,
+        ),
+        (lambda r: httpx.Response(200, text="data: [1, 2]\n\n"), EngineProtocolError),
     ],
 )
 async def test_errors_are_translated(handler: object, error: type[Exception]) -> None:
@@ -60,3 +73,28 @@ async def test_errors_are_translated(handler: object, error: type[Exception]) ->
             await collect(EngineClient("http://e", "m", http), [1])
     if error is EngineRejected:
         assert str(e.value) == "bad prompt" and e.value.engine_status == 400  # type: ignore[attr-defined]
+
+
+async def test_a_malformed_engine_stream_is_a_502_through_the_gateway(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 4096}]})
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        return httpx.Response(200, text="data: {broken\n\n")
+
+    config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"))
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as http:
+        pool = EnginePool(http)
+        pool.add_remote("http://e")
+        app = build_app(config, pool=pool)
+        async with app.router.lifespan_context(app):
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw")
+            body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 502 and r.json()["error"]["code"] == "engine_protocol_error", r.text
+            a = await client.post("/v1/messages", json={**body, "max_tokens": 4})
+            assert a.status_code == 502 and a.json()["type"] == "error", a.text
+            assert [m.state for m in pool.members] == ["ready"]  # not fenced for a malformed answer

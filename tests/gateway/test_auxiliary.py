@@ -114,7 +114,9 @@ async def test_refused_and_unknown_models_get_clear_errors(env: Env) -> None:
     assert env.engine.requests == [] and env.provider.requests == []
 
 
-async def test_an_unreachable_provider_is_a_clear_503(tmp_path: Path, tiny_model_dir: Path) -> None:
+async def test_an_unreachable_provider_is_a_clear_502_not_an_engine_outage(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     config = GatewayConfig(
         model=str(tiny_model_dir),
         store_path=str(tmp_path / "t.db"),
@@ -129,8 +131,15 @@ async def test_an_unreachable_provider_is_a_clear_503(tmp_path: Path, tiny_model
         r = await client.post(
             "/v1/chat/completions", json={"model": "judge", "messages": [{"role": "user", "content": "x"}]}
         )
-        assert r.status_code == 503
-        assert "auxiliary provider at http://127.0.0.1:9/v1 is unreachable" in r.json()["error"]["message"]
+        assert r.status_code == 502
+        error = r.json()["error"]
+        assert error["code"] == "auxiliary_provider_unavailable" and error["param"] == "model"
+        assert "auxiliary provider at http://127.0.0.1:9/v1 is unreachable" in error["message"]
+        # The policy's engines are fine: a policy request on the same gateway is served.
+        ok = await client.post(
+            "/v1/chat/completions", json={"model": "policy", "messages": [{"role": "user", "content": "x"}]}
+        )
+        assert ok.status_code == 200, ok.text
     await engine_http.aclose()
 
 

@@ -1,0 +1,122 @@
+"""Mid-stream failover's two pieces: noticing that a worker is lost, and recording that it was.
+
+A turn's tokens come from a worker through ``stall_guarded``: a pump task reads the engine while the
+turn waits with a deadline, so a worker that stops sending tokens (hung, not dead) is noticed after
+``stall_timeout`` seconds, once a health probe confirms it. A dead worker's connection error arrives by
+itself. Either way the turn runner resubmits the prompt plus every token generated so far to another
+worker; the ``Failure`` it keeps meanwhile becomes the turn's ``failover`` event once the new worker
+sends its first token (then the time lost is known).
+
+Example::
+
+    failure = Failure(token_index=12, from_worker="worker-0", error="reset", at=now, last_token_at=t)
+    store.add_event(EventRecord(sid, turn.id, time.time(), "failover",
+                                failure.event(to_worker="worker-1", now=time.monotonic(), greedy=True)))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.errors import EngineTimeout
+from engine_pool.client import TokenChunk, merge_chunks
+
+GREEDY = "greedy: bit-identical"
+SAMPLED = "sampled: prefix kept exactly, continuation re-sampled (seeded RNG restarts on the new worker)"
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A worker lost in the middle of a turn: at which token, which worker, why, and when.
+
+    >>> f = Failure(token_index=3, from_worker="w0", error="reset", at=10.0, last_token_at=9.5)
+    >>> f.event(to_worker="w1", now=10.25, greedy=True)["lost_ms"]
+    750.0
+    """
+
+    token_index: int
+    from_worker: str
+    error: str
+    at: float
+    """When it was noticed (``time.monotonic()``)."""
+    last_token_at: float | None
+    """When the turn's last token arrived (None: before its first)."""
+
+    def event(self, *, to_worker: str | None, now: float, greedy: bool) -> dict[str, Any]:
+        """The ``failover`` event's data, once the turn resumed on `to_worker` (None: it did not)."""
+        since = self.last_token_at or self.at
+        return {
+            "token_index": self.token_index,
+            "from_worker": self.from_worker,
+            "error": self.error,
+            "to_worker": to_worker,
+            "detect_ms": round((self.at - since) * 1000, 3),
+            "lost_ms": round((now - since) * 1000, 3),
+            "sampling": GREEDY if greedy else SAMPLED,
+        }
+
+
+@dataclass(slots=True)
+class _Pipe:
+    """Chunks handed from the task that reads the engine to the turn that consumes them."""
+
+    items: list[TokenChunk] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    done: bool = False
+    error: Exception | None = None
+
+    async def fill(self, chunks: AsyncGenerator[TokenChunk, None]) -> None:
+        try:
+            async for chunk in chunks:
+                self.items.append(chunk)
+                self.wake.set()
+        except Exception as e:
+            self.error = e
+        finally:
+            self.done = True
+            self.wake.set()
+            await chunks.aclose()
+
+
+async def stall_guarded(
+    chunks: AsyncGenerator[TokenChunk, None],
+    worker: str,
+    stall_timeout: float,
+    confirm_failure: Callable[[], Awaitable[bool]],
+) -> AsyncGenerator[TokenChunk, None]:
+    """The engine's chunks, read by a pump task while this side waits with a deadline: no token within
+    `stall_timeout` and a failed health probe (`confirm_failure`) raise ``EngineTimeout``. Chunks that
+    piled up while the client was being served are merged, so the hand-off costs one wake-up per
+    batch, not per token."""
+    pipe = _Pipe()
+    pump = asyncio.create_task(pipe.fill(chunks), name=f"engine-pump/{worker}")
+    try:
+        while True:
+            if not pipe.items and not pipe.done:
+                pipe.wake.clear()
+                try:
+                    async with asyncio.timeout(stall_timeout):
+                        await pipe.wake.wait()
+                except TimeoutError:
+                    if await confirm_failure():
+                        raise EngineTimeout(
+                            f"{worker} sent no token for {stall_timeout}s and failed its health probe"
+                        ) from None
+                    continue
+            if pipe.items:
+                batch, pipe.items = pipe.items, []
+                merged = merge_chunks(batch)
+                assert merged is not None
+                yield merged
+            elif pipe.error is not None:
+                raise pipe.error
+            elif pipe.done:
+                return
+    finally:
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
