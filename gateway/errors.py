@@ -31,6 +31,7 @@ from core.errors import (
     CheckpointError,
     Conflict,
     ContextLengthExceeded,
+    EngineError,
     EngineProtocolError,
     EngineRejected,
     EngineTimeout,
@@ -104,6 +105,7 @@ TABLE: dict[type[BaseException], HttpError] = {
     EngineProtocolError: HttpError(
         502, "engine_protocol_error", hint="; the worker is misbehaving, check its log (retry may succeed)"
     ),
+    EngineError: HttpError(502, "engine_error"),
     AuxiliaryUnavailable: HttpError(502, "auxiliary_provider_unavailable", param="model"),
     StoreError: HttpError(500, hint="; the trajectory store failed, check the gateway's disk"),
     # sandboxes

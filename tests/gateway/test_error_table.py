@@ -1,0 +1,32 @@
+"""One table maps the exception tree to HTTP: every error a request can meet has an entry."""
+
+from __future__ import annotations
+
+import inspect
+
+import core.errors as errors
+from gateway.errors import TABLE, entry_for, for_exception
+
+# Errors that never reach a client: start-up, harness programs and task directories (CLI-side).
+OFFLINE = {errors.BelayerError, errors.ConfigError, errors.HarnessError, errors.TaskError}
+
+
+def test_every_error_class_has_a_table_entry_and_no_instance_status() -> None:
+    classes = [
+        c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.BelayerError)
+    ]
+    assert len(classes) >= 30
+    for cls in classes:
+        if cls in OFFLINE:
+            continue
+        assert entry_for(cls.__new__(cls)) is not None, cls
+        assert "status" not in vars(cls), cls  # the status is the table's, never the class's
+
+
+def test_the_most_specific_entry_wins() -> None:
+    assert for_exception(errors.ImageNotFound("no image x"))[0] == TABLE[errors.ImageNotFound].status == 400
+    assert for_exception(errors.NoSandbox("none"))[1]["error"]["code"] == "sandbox_not_found"
+    status, body = for_exception(errors.InvalidRequest("bad", "messages", "invalid_json"))
+    assert (status, body["error"]["param"], body["error"]["code"]) == (400, "messages", "invalid_json")
+    status, body = for_exception(errors.SandboxTimeout("ran 5s", stdout="partial"))
+    assert status == 408 and body["error"]["message"].endswith("Output before the kill: 'partial'")
