@@ -12,7 +12,8 @@
     ├── AuxiliaryUnavailable           an auxiliary model's provider cannot be reached (not the policy)
     ├── RequestError                   the client's request cannot be served as sent (-> 4xx)
     │   ├── InvalidRequest             malformed body, wrong type, unsupported parameter
-    │   │   └── RequestTooLarge        the body is over the size limit
+    │   │   ├── RequestTooLarge        the body is over the size limit
+    │   │   └── UnsupportedMediaType   the body is not declared as JSON
     │   ├── NotFound                   unknown session, model or route
     │   ├── ContextLengthExceeded      prompt + completion over the model's context window
     │   ├── Conflict                   e.g. a request on a closed session
@@ -110,6 +111,10 @@ class InvalidRequest(RequestError):
 
 class RequestTooLarge(InvalidRequest):
     """The request body is over the gateway's size limit."""
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """The body is declared as another media type than JSON (a cross-site form or text/plain POST)."""
 
 
 class NotFound(RequestError):

@@ -57,6 +57,7 @@ from core.errors import (
     SandboxTimeout,
     SandboxUnavailable,
     StoreError,
+    UnsupportedMediaType,
 )
 
 log = logging.getLogger("belayer.gateway")
@@ -90,6 +91,7 @@ TABLE: dict[type[BaseException], HttpError] = {
     # the client's request
     InvalidRequest: HttpError(400),
     RequestTooLarge: HttpError(413, "request_too_large"),
+    UnsupportedMediaType: HttpError(415, "unsupported_media_type"),
     NotFound: HttpError(404, "not_found"),
     ContextLengthExceeded: HttpError(400, "context_length_exceeded"),
     Conflict: HttpError(409, "conflict"),

@@ -30,6 +30,12 @@ from gateway.store.base import (
     TurnRecord,
 )
 
+
+def _dumps(value: object) -> str:
+    """JSON that any reader can parse back: a non-finite number is an error here, never stored."""
+    return json.dumps(value, allow_nan=False)
+
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY, created_at REAL NOT NULL, metadata TEXT NOT NULL, status TEXT NOT NULL,
@@ -162,10 +168,10 @@ class SqliteStore(TrajectoryStore):
                 (
                     session.id,
                     session.created_at,
-                    json.dumps(session.metadata),
+                    _dumps(session.metadata),
                     session.status,
                     session.reward,
-                    json.dumps(session.reward_info) if session.reward_info is not None else None,
+                    _dumps(session.reward_info) if session.reward_info is not None else None,
                     session.closed_at,
                     int(session.ephemeral),
                 ),
@@ -185,10 +191,10 @@ class SqliteStore(TrajectoryStore):
             "UPDATE sessions SET metadata = ?, status = ?, reward = ?, reward_info = ?, closed_at = ? "
             "WHERE id = ?",
             (
-                json.dumps(session.metadata),
+                _dumps(session.metadata),
                 session.status,
                 session.reward,
-                json.dumps(session.reward_info) if session.reward_info is not None else None,
+                _dumps(session.reward_info) if session.reward_info is not None else None,
                 session.closed_at,
                 session.id,
             ),
@@ -216,11 +222,11 @@ class SqliteStore(TrajectoryStore):
                     turn.ext_key,
                     turn.status,
                     array("I", turn.prompt_ids).tobytes(),
-                    json.dumps(turn.prompt_gen_spans),
+                    _dumps(turn.prompt_gen_spans),
                     b"",
                     b"",
-                    json.dumps(turn.request),
-                    json.dumps(turn.timings),
+                    _dumps(turn.request),
+                    _dumps(turn.timings),
                     turn.received_at,
                 ),
             )
@@ -260,10 +266,10 @@ class SqliteStore(TrajectoryStore):
                 turn.ext_key,
                 array("I", turn.output_ids).tobytes(),
                 array("d", turn.output_logprobs).tobytes(),
-                json.dumps(turn.response) if turn.response is not None else None,
+                _dumps(turn.response) if turn.response is not None else None,
                 turn.finish_reason,
                 turn.worker,
-                json.dumps(turn.timings),
+                _dumps(turn.timings),
                 turn.error,
                 turn.id,
             ),
@@ -298,7 +304,7 @@ class SqliteStore(TrajectoryStore):
     def _insert_event(self, event: EventRecord) -> None:
         self._db.execute(
             "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
-            (event.session_id, event.turn_id, event.ts, event.kind, json.dumps(event.data)),
+            (event.session_id, event.turn_id, event.ts, event.kind, _dumps(event.data)),
         )
 
     def get_events(self, session_id: str) -> list[EventRecord]:

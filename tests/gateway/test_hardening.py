@@ -1,0 +1,116 @@
+"""Values that cannot round-trip are refused at the edge, on every JSON route, and nothing is stored.
+
+Each case here answered a 500 (and some poisoned the store for every later reader) before the body
+check in ``gateway.bodies``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.support import GatewayHarness, post_body
+
+MSG = [{"role": "user", "content": "hi"}]
+DEEP = (
+    b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "extra": '
+    + b"[" * 1000
+    + b"]" * 1000
+    + b"}"
+)
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "policy", "messages": MSG, "max_tokens": 2, **kw}
+
+
+def messages(**kw: Any) -> dict[str, Any]:
+    return {"model": "policy", "messages": MSG, "max_tokens": 2, **kw}
+
+
+async def sessions_readable(gw: GatewayHarness) -> list[dict[str, Any]]:
+    r = await gw.client.get("/api/sessions")
+    assert r.status_code == 200, r.text
+    data: list[dict[str, Any]] = r.json()["data"]
+    for s in data:
+        t = await gw.client.get(f"/api/sessions/{s['id']}/trajectory")
+        assert t.status_code == 200, t.text
+    return data
+
+
+@pytest.mark.parametrize("reward", [b"1e400", b"-1e400", b"NaN", b"Infinity", b"-Infinity"])
+async def test_a_non_finite_reward_is_refused_and_not_stored(gateway: GatewayHarness, reward: bytes) -> None:
+    sid, _ = await gateway.new_session()
+    r = await post_body(gateway.client, f"/api/sessions/{sid}/reward", b'{"reward": ' + reward + b"}")
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] in ("invalid_value", "invalid_json")
+    assert "finite" in r.json()["error"]["message"] or "not a JSON number" in r.json()["error"]["message"]
+    assert [s["reward"] for s in await sessions_readable(gateway)] == [None]
+
+
+@pytest.mark.parametrize(
+    ("url", "raw"),
+    [
+        ("/v1/chat/completions", b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "foo": NaN}'),
+        ("/v1/chat/completions", b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "foo": 1e400}'),
+        ("/v1/messages", b'{"model": "policy", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "metadata": {"user_id": 1e999}}'),
+        ("/api/sessions", b'{"metadata": {"x": -1e400}}'),
+    ],
+)  # fmt: skip
+async def test_non_finite_numbers_in_ignored_fields_are_refused(
+    gateway: GatewayHarness, url: str, raw: bytes
+) -> None:
+    gateway.queue_replies("ok")
+    r = await post_body(gateway.client, url, raw)
+    assert r.status_code == 400, r.text
+    assert await sessions_readable(gateway) == []
+
+
+SURROGATE_BODIES = [
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "\ud800"}])),
+    ("/v1/chat/completions", chat(model="policy\udfff")),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"\ud800": 1}}}])),
+    ("/v1/messages", messages(system="\ud800")),
+    ("/v1/messages", messages(messages=[{"role": "user", "content": [{"type": "text\ud800", "text": "x"}]}])),
+    ("/v1/completions", {"model": "policy", "prompt": "\ud800", "max_tokens": 2}),
+    ("/api/sessions", {"metadata": {"task": "\ud800"}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("url", "body"), SURROGATE_BODIES)
+async def test_lone_surrogates_are_refused_with_a_clear_message(
+    gateway: GatewayHarness, url: str, body: dict[str, Any]
+) -> None:
+    gateway.queue_replies("ok")
+    # httpx's json= would refuse to encode a lone surrogate; the escaped form is valid JSON.
+    r = await post_body(gateway.client, url, json.dumps(body).encode())
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.json()["error"]["message"]
+    assert await sessions_readable(gateway) == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["/v1/chat/completions", "/v1/messages", "/v1/completions", "/api/sessions", "/v1/messages/count_tokens"],
+)
+async def test_deep_nesting_is_a_400_on_every_json_route(gateway: GatewayHarness, url: str) -> None:
+    r = await post_body(gateway.client, url, DEEP)
+    assert r.status_code == 400, r.text
+    assert "deeper than" in r.text
+    sid, _ = await gateway.new_session()
+    r = await post_body(
+        gateway.client,
+        f"/api/sessions/{sid}/reward",
+        b'{"reward": 1, "info": ' + b"[" * 100 + b"]" * 100 + b"}",
+    )
+    assert r.status_code == 400 and "deeper than" in r.text
+
+
+@pytest.mark.parametrize("media", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+async def test_cross_site_media_types_are_refused(gateway: GatewayHarness, media: str) -> None:
+    for url in ("/api/sessions", "/v1/chat/completions", "/v1/messages"):
+        r = await gateway.client.post(url, content=b'{"metadata": {}}', headers={"content-type": media})
+        assert r.status_code == 415, (url, r.text)
+    assert await sessions_readable(gateway) == []
