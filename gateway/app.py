@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -27,7 +28,7 @@ from engine_pool.worker import WorkerSpec, free_port
 from gateway import engines_api, sandbox_api, sessions_api
 from gateway.anthropic import routes as anthropic_routes
 from gateway.config import GatewayConfig
-from gateway.errors import handlers
+from gateway.errors import UnexpectedErrors, handlers
 from gateway.observers import TurnObserver
 from gateway.openai import routes as openai_routes
 from gateway.runtime import Gateway, gateway_of
@@ -130,5 +131,6 @@ def build_app(
             *sandbox_api.routes(),
         ],
         exception_handlers=handlers(),
+        middleware=[Middleware(UnexpectedErrors)],
         lifespan=lifespan,
     )

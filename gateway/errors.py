@@ -24,6 +24,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.errors import (
     AuxiliaryUnavailable,
@@ -182,4 +183,37 @@ async def _handle(request: Request, exc: Exception) -> Response:
 
 
 def handlers() -> dict[Any, Callable[[Request, Exception], Coroutine[Any, Any, Response]]]:
-    return {cls: _handle for cls in (BelayerError, HTTPException, Exception)}
+    return {cls: _handle for cls in (BelayerError, HTTPException)}
+
+
+class UnexpectedErrors:
+    """Answers an unexpected exception (a bug) with the table's 500 and *keeps the connection*.
+
+    Starlette's own last-resort handler re-raises after answering, so the server closes the
+    keep-alive connection without ``Connection: close`` and the client's next request on it is
+    reset: one bug would become two failures. This middleware sits inside that handler and
+    swallows the exception once it is logged and answered. A response already under way (a
+    stream) cannot be answered again: then the exception goes on, and the server ends the stream.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            response = await _handle(Request(scope), exc)
+            await response(scope, receive, send)

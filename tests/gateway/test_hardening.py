@@ -6,11 +6,20 @@ check in ``gateway.bodies``.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import uvicorn
 
+from engine_pool.fake import FakeEngine
+from engine_pool.pool import EnginePool
+from engine_pool.worker import free_port
+from gateway.app import build_app
+from gateway.config import GatewayConfig
 from tests.support import GatewayHarness, post_body
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -114,3 +123,40 @@ async def test_cross_site_media_types_are_refused(gateway: GatewayHarness, media
         r = await gateway.client.post(url, content=b'{"metadata": {}}', headers={"content-type": media})
         assert r.status_code == 415, (url, r.text)
     assert await sessions_readable(gateway) == []
+
+
+async def test_after_an_unexpected_500_the_keep_alive_connection_still_serves(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A bug answers a 500 in the protocol's format, and the client's next request on the same
+    connection is served (it used to be reset: the server closed the connection after the 500)."""
+    engine_http = httpx.AsyncClient(transport=httpx.ASGITransport(FakeEngine().app()))
+    pool = EnginePool(engine_http)
+    pool.add_remote("http://fake-engine")
+    app = build_app(GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db")), pool=pool)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    serving = asyncio.create_task(server.serve())
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            store = app.state.gateway.store
+            real = store.list_sessions
+
+            def broken_once() -> Any:
+                store.list_sessions = real
+                raise RuntimeError("a bug")
+
+            store.list_sessions = broken_once
+            r = await client.get("/api/sessions")
+            assert r.status_code == 500 and r.json()["error"]["message"].startswith(
+                "internal error (RuntimeError)"
+            )
+            again = await client.get("/api/sessions")  # same pooled connection
+            assert again.status_code == 200 and again.json() == {"data": []}
+            assert client._transport._pool.connections and len(client._transport._pool.connections) == 1  # type: ignore[attr-defined]
+    finally:
+        server.should_exit = True
+        await serving
+        await engine_http.aclose()
