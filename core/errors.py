@@ -8,6 +8,8 @@
     │   ├── EngineUnavailable          connection refused/reset, worker died, no healthy worker
     │   ├── EngineTimeout              no answer (or no token) within a deadline
     │   ├── EngineRejected             the engine answered 4xx: bad input, never retried
+    │   ├── EngineServerError          the engine answered 5xx (or an error event) for one request
+    │   ├── EngineRequestFailed        a request that healthy workers fail on: its own fault
     │   └── EngineProtocolError        the engine answered something that is not its protocol
     ├── AuxiliaryUnavailable           an auxiliary model's provider cannot be reached (not the policy)
     ├── RequestError                   the client's request cannot be served as sent (-> 4xx)
@@ -84,6 +86,20 @@ class EngineRejected(EngineError):
     def __init__(self, message: str, engine_status: int = 400) -> None:
         super().__init__(message)
         self.engine_status = engine_status
+
+
+class EngineServerError(EngineError):
+    """The worker answered an HTTP 5xx (or sent an error event) for a request. Whether the worker or the
+    request is to blame is decided by a health probe, not by this one answer."""
+
+    def __init__(self, message: str, engine_status: int = 500) -> None:
+        super().__init__(message)
+        self.engine_status = engine_status
+
+
+class EngineRequestFailed(EngineError):
+    """Healthy workers fail on this request (a poison request): retrying it unchanged fails again.
+    No worker is fenced for it."""
 
 
 class EngineProtocolError(EngineError):

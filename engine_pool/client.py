@@ -12,6 +12,19 @@ Example::
         engine = EngineClient("http://127.0.0.1:8000", "tiny", http)
         async for chunk in engine.generate([1, 2, 3], SamplingParams(max_tokens=8)):
             print(chunk.token_ids, chunk.logprobs)
+
+The same over the scripted fake engine (``engine_pool.fake``), whose next reply is tokens 11, 12, 2:
+
+>>> import asyncio
+>>> from engine_pool.fake import FakeEngine
+>>> async def generate() -> list[int]:
+...     transport = httpx.ASGITransport(FakeEngine(outputs=[[11, 12, 2]]).app())
+...     async with httpx.AsyncClient(transport=transport) as http:
+...         engine = EngineClient("http://fake-engine", "fake", http)
+...         chunks = [c async for c in engine.generate([1, 2, 3], SamplingParams(max_tokens=8))]
+...     return [t for c in chunks for t in c.token_ids]
+>>> asyncio.run(generate())
+[11, 12, 2]
 """
 
 from __future__ import annotations
@@ -24,7 +37,13 @@ from typing import Any
 
 import httpx
 
-from core.errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnavailable
+from core.errors import (
+    EngineProtocolError,
+    EngineRejected,
+    EngineServerError,
+    EngineTimeout,
+    EngineUnavailable,
+)
 
 _TOKEN_ID_PREFIX = "token_id:"
 
@@ -134,7 +153,9 @@ def _choices(event: Any) -> list[dict[str, Any]]:
     if choices is None:
         return []
     if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-        raise EngineProtocolError(f"engine sent 'choices' that are not a list of objects: {str(choices)[:200]}")
+        raise EngineProtocolError(
+            f"engine sent 'choices' that are not a list of objects: {str(choices)[:200]}"
+        )
     return choices
 
 
@@ -167,7 +188,7 @@ async def _sse_batches(resp: httpx.Response) -> AsyncIterator[list[dict[str, Any
             if not isinstance(event, dict):
                 raise EngineProtocolError(f"engine sent a stream event that is not an object: {line[:200]!r}")
             if "error" in event:
-                raise EngineUnavailable(f"engine failed mid-stream: {event['error']}")
+                raise EngineServerError(f"engine failed mid-stream: {str(event['error'])[:300]}")
             batch.append(event)
         if batch:
             yield batch
@@ -183,7 +204,8 @@ def _json(raw: bytes, what: str) -> Any:
 def _check_status(base_url: str, status: int, body: bytes) -> None:
     """An engine's HTTP error: 4xx is the request's fault (never retried), 5xx the engine's."""
     if status >= 500:
-        raise EngineUnavailable(f"engine {base_url} answered HTTP {status}")
+        detail = body.decode(errors="replace")[:300]
+        raise EngineServerError(f"engine {base_url} answered HTTP {status}: {detail}", status)
     if status >= 400:
         raise _rejection(status, body)
 

@@ -8,10 +8,14 @@ and ``/health``. Logprobs are a deterministic function of position and token id.
 (stream chunks) as ``/v1/completions`` would produce, so that chat clients (a LiteLLM proxy, a direct
 client in ``belayer bench gateway``) can call the same engine as the gateway.
 
-Example::
-
-    engine = FakeEngine(outputs=[[11, 12, 2]])      # the next request gets tokens 11, 12, 2
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(engine.app()))
+>>> import asyncio
+>>> engine = FakeEngine(outputs=[[11, 12, 2]])      # the next request gets tokens 11, 12, 2
+>>> async def complete() -> dict[str, Any]:
+...     async with httpx.AsyncClient(transport=httpx.ASGITransport(engine.app()), base_url="http://e") as http:
+...         r = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8})
+...     return dict(r.json()["choices"][0])
+>>> asyncio.run(complete())
+{'index': 0, 'text': '', 'token_ids': [11, 12, 2], 'finish_reason': 'stop'}
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class FakeEngine:
     token_delay: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
     reject_next: str | None = None  # answer the next request with this 400 message
+    poison: Callable[[list[int]], bool] | None = None
+    """Prompts this engine answers with HTTP 500 (a request that crashes the engine's handler)."""
     # Autoregressive mode: each token is a function of the whole context, like greedy decoding, so a
     # request resumed from prompt + k generated tokens yields exactly the rest (failover tests).
     step: Callable[[list[int]], int] | None = None
@@ -103,6 +109,8 @@ class FakeEngine:
             return JSONResponse({"error": {"message": message, "type": "BadRequestError"}}, status_code=400)
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             return JSONResponse({"error": {"message": "fake engine takes token-id prompts"}}, status_code=400)
+        if self.poison is not None and self.poison(prompt):
+            return JSONResponse({"error": {"message": "EngineCore hit an exception"}}, status_code=500)
         if len(prompt) + int(body.get("max_tokens") or 0) > self.max_model_len:
             msg = f"This model's maximum context length is {self.max_model_len} tokens."
             return JSONResponse({"error": {"message": msg, "type": "BadRequestError"}}, status_code=400)

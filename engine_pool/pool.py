@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from core.errors import EngineUnavailable
+from core.errors import Conflict, EngineError, EngineUnavailable, InvalidRequest, NotFound
 from core.tasks import TaskOwner
 from engine_pool.client import EngineClient, ModelInfo
 from engine_pool.worker import VllmWorker, WorkerSpec
@@ -86,13 +86,47 @@ class EnginePool:
     _tasks: TaskOwner = field(default_factory=lambda: TaskOwner("engine-pool"))
     _waiters: set[asyncio.Future[None]] = field(default_factory=set)
     _launched: int = 0
+    _remotes: int = 0
     _closing: bool = False
 
     # -- membership ---------------------------------------------------------------------------------
 
     def add_remote(self, url: str, model: str | None = None) -> PoolMember:
-        member = PoolMember(f"remote-{len(self.members)}", EngineClient(url, model or "", self.http))
+        """Add a running engine by URL (checked: ``check_engine_url``; not twice)."""
+        url = check_engine_url(url)
+        same = next((m for m in self.members if m.client.base_url == url and m.state != DEAD), None)
+        if same is not None:
+            raise Conflict(f"engine {url} is in the pool already, as {same.name} ({same.state})", "url")
+        member = PoolMember(f"remote-{self._remotes}", EngineClient(url, model or "", self.http))
+        self._remotes += 1
         self.members.append(member)
+        return member
+
+    async def remove(self, name: str, drain_timeout: float = 60.0) -> PoolMember:
+        """Take a worker out of routing, wait up to `drain_timeout` for its requests to finish, then
+        drop it from the pool (a launched worker is stopped). Its state is ``dead`` afterwards."""
+        member = next((m for m in self.members if m.name == name and m.state != DEAD), None)
+        if member is None:
+            names = ", ".join(m.name for m in self.members if m.state != DEAD) or "none"
+            raise NotFound(f"no engine named {name!r} in the pool (engines: {names})", "name")
+        was = member.state
+        self._set(member, DRAINING, "removed by an admin")
+        if was == READY and member.process is not None:
+            self._promote()
+        deadline = time.monotonic() + drain_timeout
+        while member.outstanding and (left := deadline - time.monotonic()) > 0:
+            await self._wait_change(left)
+        if member.process is not None:
+            await member.process.stop()
+        self.members.remove(member)
+        for session, worker in list(self._affinity.items()):
+            if worker == name:
+                del self._affinity[session]
+        self._set(
+            member,
+            DEAD,
+            f"removed ({member.outstanding} requests cut off)" if member.outstanding else "removed",
+        )
         return member
 
     def _new_launched(self) -> PoolMember:
@@ -110,7 +144,7 @@ class EnginePool:
         member = self.add_remote(url)
         try:
             member.info = await member.client.model_info()
-        except EngineUnavailable:
+        except EngineError:
             self._set(member, UNHEALTHY, "not answering yet")  # the probe brings it in once it answers
             return member
         member.client.model = member.client.model or member.info.name
@@ -241,8 +275,8 @@ class EnginePool:
     def ready(self) -> list[PoolMember]:
         return [m for m in self.members if m.state == READY]
 
-    def pick(self, session_id: str | None = None) -> PoolMember | None:
-        ready = self.ready()
+    def pick(self, session_id: str | None = None, exclude: frozenset[str] = frozenset()) -> PoolMember | None:
+        ready = [m for m in self.ready() if m.name not in exclude]
         if not ready:
             return None
         preferred = self._affinity.get(session_id) if session_id is not None else None
@@ -251,10 +285,13 @@ class EnginePool:
                 return m
         return min(ready, key=lambda m: m.outstanding)
 
-    async def acquire(self, session_id: str | None = None, wait: float = 0.0) -> PoolMember:
-        """A ready worker, waiting up to ``wait`` seconds for one (a promotion or a restart)."""
+    async def acquire(
+        self, session_id: str | None = None, wait: float = 0.0, exclude: frozenset[str] = frozenset()
+    ) -> PoolMember:
+        """A ready worker (not one named in `exclude`), waiting up to ``wait`` seconds for one (a
+        promotion or a restart)."""
         deadline = time.monotonic() + wait
-        while (member := self.pick(session_id)) is None:
+        while (member := self.pick(session_id, exclude)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 states = ", ".join(f"{m.name}={m.state}" for m in self.members) or "none"
@@ -262,16 +299,20 @@ class EnginePool:
                     f"no healthy inference worker became available within {wait:.0f}s (workers: {states}); "
                     "check the workers' logs in the gateway's --log-dir"
                 )
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.add(waiter)
-            try:
-                await asyncio.wait({waiter}, timeout=left)
-            finally:
-                self._waiters.discard(waiter)
-                waiter.cancel()
+            await self._wait_change(left)
         if session_id is not None:
             self._remember(session_id, member.name)
         return member
+
+    async def _wait_change(self, timeout: float) -> None:
+        """Until the next state change (or a lease ends), at most `timeout` seconds."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await asyncio.wait({waiter}, timeout=timeout)
+        finally:
+            self._waiters.discard(waiter)
+            waiter.cancel()
 
     def _remember(self, session_id: str, worker: str) -> None:
         self._affinity[session_id] = worker
@@ -289,11 +330,42 @@ class EnginePool:
         return len(self._affinity)
 
     @contextlib.asynccontextmanager
-    async def lease(self, session_id: str | None = None, wait: float = 0.0) -> AsyncIterator[PoolMember]:
-        member = await self.acquire(session_id, wait)
+    async def lease(
+        self, session_id: str | None = None, wait: float = 0.0, exclude: frozenset[str] = frozenset()
+    ) -> AsyncIterator[PoolMember]:
+        member = await self.acquire(session_id, wait, exclude)
         member.outstanding += 1
         try:
             yield member
         finally:
             member.outstanding -= 1
             member.served += 1
+            if member.state == DRAINING and not member.outstanding:
+                self._wake_waiters()  # a removal waits for this
+
+
+def check_engine_url(url: str) -> str:
+    """An engine's base URL, normalised; an `InvalidRequest` (param ``url``) says what is wrong.
+
+    >>> check_engine_url("http://127.0.0.1:8001/")
+    'http://127.0.0.1:8001'
+    >>> check_engine_url("127.0.0.1:8001")
+    Traceback (most recent call last):
+    ...
+    core.errors.InvalidRequest: engine URL '127.0.0.1:8001' needs a scheme and a host, e.g. http://127.0.0.1:8001
+    """
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as e:
+        raise InvalidRequest(f"engine URL {url!r} is not a URL ({e})", "url", "invalid_value") from e
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise InvalidRequest(
+            f"engine URL {url!r} needs a scheme and a host, e.g. http://127.0.0.1:8001",
+            "url",
+            "invalid_value",
+        )
+    if parsed.query or parsed.fragment or parsed.userinfo:
+        raise InvalidRequest(
+            f"engine URL {url!r} may not carry a query, fragment or credentials", "url", "invalid_value"
+        )
+    return str(parsed).rstrip("/")

@@ -2,41 +2,46 @@
 
 ::
 
-    GET  /api/engines                    every worker: state, load, process, context window
-    POST /api/engines {"url": ...}       admin: register a running engine; probed, then routed to
+    GET    /api/engines                  every worker: state, load, process, context window
+    POST   /api/engines {"url": ...}     admin: register a running engine; probed, then routed to
+                                         (an invalid URL is a 400, one already in the pool a 409)
+    DELETE /api/engines/{name}           admin: drain a worker (no new requests; in-flight ones may
+                                         finish for ?drain_s=60 seconds), then remove it
 """
 
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from core.errors import Forbidden
+from core.errors import Forbidden, InvalidRequest
+from engine_pool.pool import PoolMember
 from gateway.bodies import read_json, validate
 from gateway.runtime import Gateway, gateway_of
 
 
+def _engine_json(m: PoolMember) -> dict[str, Any]:
+    return {
+        "name": m.name,
+        "url": m.client.base_url,
+        "state": m.state,
+        "outstanding": m.outstanding,
+        "served": m.served,
+        "pid": m.process.pid if m.process else None,
+        "launched_at": m.process.started_at if m.process else None,
+        "ready_at": m.process.ready_at if m.process else None,
+        "max_model_len": m.info.max_model_len if m.info else None,
+    }
+
+
 async def engines(request: Request) -> Response:
     gw = gateway_of(request)
-    data = [
-        {
-            "name": m.name,
-            "url": m.client.base_url,
-            "state": m.state,
-            "outstanding": m.outstanding,
-            "served": m.served,
-            "pid": m.process.pid if m.process else None,
-            "launched_at": m.process.started_at if m.process else None,
-            "ready_at": m.process.ready_at if m.process else None,
-            "max_model_len": m.info.max_model_len if m.info else None,
-        }
-        for m in gw.pool.members
-    ]
-    return JSONResponse({"data": data})
+    return JSONResponse({"data": [_engine_json(m) for m in gw.pool.members]})
 
 
 class RegisterEngine(BaseModel):
@@ -62,13 +67,29 @@ async def register_engine(request: Request) -> Response:
     require_admin(gw, request)
     req = validate(RegisterEngine, await read_json(request, gw.config.max_body_bytes))
     member = await gw.pool.register(req.url)
-    return JSONResponse(
-        {"name": member.name, "url": member.client.base_url, "state": member.state}, status_code=201
-    )
+    return JSONResponse(_engine_json(member), status_code=201)
+
+
+async def remove_engine(request: Request) -> Response:
+    """Drain a worker, then remove it from the pool (a launched one is stopped)."""
+    gw = gateway_of(request)
+    require_admin(gw, request)
+    raw = request.query_params.get("drain_s", "60")
+    try:
+        drain_s = float(raw)
+    except ValueError:
+        drain_s = -1.0
+    if not 0 <= drain_s <= 3600:
+        raise InvalidRequest(
+            f"drain_s must be seconds between 0 and 3600, not {raw!r}", "drain_s", "invalid_value"
+        )
+    member = await gw.pool.remove(request.path_params["name"], drain_timeout=drain_s)
+    return JSONResponse(_engine_json(member))
 
 
 def routes() -> list[Route]:
     return [
         Route("/api/engines", engines, methods=["GET"]),
         Route("/api/engines", register_engine, methods=["POST"]),
+        Route("/api/engines/{name}", remove_engine, methods=["DELETE"]),
     ]

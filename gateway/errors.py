@@ -35,6 +35,8 @@ from core.errors import (
     EngineError,
     EngineProtocolError,
     EngineRejected,
+    EngineRequestFailed,
+    EngineServerError,
     EngineTimeout,
     EngineUnavailable,
     Forbidden,
@@ -109,6 +111,12 @@ TABLE: dict[type[BaseException], HttpError] = {
         502, "engine_protocol_error", hint="; the worker is misbehaving, check its log (retry may succeed)"
     ),
     EngineError: HttpError(502, "engine_error"),
+    EngineServerError: HttpError(502, "engine_error", hint="; check the worker's log"),
+    EngineRequestFailed: HttpError(
+        500,
+        "engine_request_failed",
+        hint="; the request itself makes the engine fail: change it, do not retry it unchanged",
+    ),
     AuxiliaryUnavailable: HttpError(502, "auxiliary_provider_unavailable", param="model"),
     StoreError: HttpError(500, hint="; the trajectory store failed, check the gateway's disk"),
     # sandboxes

@@ -21,7 +21,15 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from core.errors import ContextLengthExceeded, EngineError, EngineTimeout, EngineUnavailable, InvalidRequest
+from core.errors import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineRequestFailed,
+    EngineServerError,
+    EngineTimeout,
+    EngineUnavailable,
+    InvalidRequest,
+)
 from core.tasks import TaskOwner
 from engine_pool.client import SamplingParams, TokenChunk
 from engine_pool.pool import EnginePool, PoolMember
@@ -74,6 +82,8 @@ class _OutputState:
     finish: str = "stop"
     failovers: int = 0
     last_token_at: float | None = None
+    refused_by: list[str] = field(default_factory=list)
+    """Healthy workers that answered this turn with an error (a second one makes it the request's)."""
 
 
 @dataclass(slots=True)
@@ -238,7 +248,8 @@ class TurnRunner:
         fo = self.failover
         remaining = replace(params, max_tokens=params.max_tokens - len(turn.output_ids))
         affinity = None if req.session.ephemeral else req.session.id  # one-request sessions: not kept
-        async with self.pool.lease(affinity, wait=fo.no_worker_wait if fo.enabled else 0.0) as member:
+        wait = fo.no_worker_wait if fo.enabled else 0.0
+        async with self.pool.lease(affinity, wait, frozenset(st.refused_by)) as member:
             turn.worker = member.name
             turn.timings.setdefault("queue_ms", (time.monotonic() - t0) * 1000)
             stream = self._engine_stream(member, turn.prompt_ids + turn.output_ids, remaining, req.stream)
@@ -251,14 +262,35 @@ class TurnRunner:
                     yield self._consume(turn, chunk, st)
                     if st.trimmer.stopped:  # a stop string the engine could not see (split by a failover)
                         break
-            except (EngineUnavailable, EngineTimeout) as e:
-                self.pool.report_failure(member, e)
-                if not fo.enabled or st.failovers >= fo.max_failovers:
-                    raise
-                st.failovers += 1
-                yield Failure(len(turn.output_ids), member.name, str(e), time.monotonic(), st.last_token_at)
+            except (EngineUnavailable, EngineTimeout, EngineServerError) as e:
+                yield await self._lost(member, e, turn, st)
             finally:
                 await stream.aclose()
+
+    async def _lost(
+        self, member: PoolMember, error: EngineError, turn: TurnRecord, st: _OutputState
+    ) -> Failure:
+        """A submission failed: the `Failure` to resubmit after, or the error to answer with.
+
+        A dead or stalled worker is reported (and fenced, if launched). A worker that *answered* with an
+        error is judged by a health probe: if it is healthy, the request is to blame, unless another
+        healthy worker serves it; a second refusal makes it the request's error, and no worker is fenced
+        for it."""
+        fo = self.failover
+        if not isinstance(error, EngineServerError):
+            self.pool.report_failure(member, error)
+        elif not await self.pool.confirm_failure(member):
+            st.refused_by.append(member.name)
+            others = self.pool.pick(None, frozenset(st.refused_by))
+            if len(st.refused_by) >= 2 or others is None or not fo.enabled:
+                workers = " and ".join(st.refused_by)
+                raise EngineRequestFailed(
+                    f"the engine failed on this request on {workers}, healthy worker(s) ({error})"
+                ) from error
+        if not fo.enabled or st.failovers >= fo.max_failovers:
+            raise error
+        st.failovers += 1
+        return Failure(len(turn.output_ids), member.name, str(error), time.monotonic(), st.last_token_at)
 
     def _done_after_failure(
         self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: Failure | None

@@ -7,13 +7,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnavailable
+from core.errors import (
+    EngineProtocolError,
+    EngineRejected,
+    EngineServerError,
+    EngineTimeout,
+    EngineUnavailable,
+)
 from engine_pool.client import EngineClient, SamplingParams
 from engine_pool.fake import FakeEngine, fake_logprob
-from engine_pool.pool import EnginePool
 from engine_pool.worker import free_port
-from gateway.app import build_app
 from gateway.config import GatewayConfig
+from tests.support import asgi_gateway
 
 
 async def collect(client: EngineClient, prompt: list[int]) -> list[int]:
@@ -51,7 +56,8 @@ async def test_connection_refused_is_unavailable() -> None:
     ("handler", "error"),
     [
         (lambda r: httpx.Response(400, json={"error": {"message": "bad prompt"}}), EngineRejected),
-        (lambda r: httpx.Response(503, text="overloaded"), EngineUnavailable),
+        # A 5xx answer is the engine talking: a health probe, not this answer, decides about the worker.
+        (lambda r: httpx.Response(503, text="overloaded"), EngineServerError),
         (lambda r: (_ for _ in ()).throw(httpx.ReadTimeout("slow", request=r)), EngineTimeout),
         (
             lambda r: (_ for _ in ()).throw(httpx.RemoteProtocolError("peer closed", request=r)),
@@ -86,15 +92,11 @@ async def test_a_malformed_engine_stream_is_a_502_through_the_gateway(
         return httpx.Response(200, text="data: {broken\n\n")
 
     config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"))
-    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as http:
-        pool = EnginePool(http)
-        pool.add_remote("http://e")
-        app = build_app(config, pool=pool)
-        async with app.router.lifespan_context(app):
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw")
-            body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
-            r = await client.post("/v1/chat/completions", json=body)
-            assert r.status_code == 502 and r.json()["error"]["code"] == "engine_protocol_error", r.text
-            a = await client.post("/v1/messages", json={**body, "max_tokens": 4})
-            assert a.status_code == 502 and a.json()["type"] == "error", a.text
-            assert [m.state for m in pool.members] == ["ready"]  # not fenced for a malformed answer
+    async with asgi_gateway(config, httpx.MockTransport(engine), hosts=["http://e"]) as (app, client):
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "engine_protocol_error", r.text
+        a = await client.post("/v1/messages", json={**body, "max_tokens": 4})
+        assert a.status_code == 502 and a.json()["type"] == "error", a.text
+        pool = app.state.gateway.pool
+        assert [m.state for m in pool.members] == ["ready"]  # not fenced for a malformed answer

@@ -12,10 +12,9 @@ import httpx
 import pytest
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
-from engine_pool.pool import EnginePool
-from gateway.app import build_app
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.runtime import Gateway
+from tests.support import asgi_gateway
 
 HOSTS = ["e0", "e1", "e2"]
 
@@ -69,22 +68,16 @@ class Rig:
 async def rig(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Rig]:
     engine = FakeEngine(step=step, max_model_len=4096)
     faults = FaultInjector(httpx.ASGITransport(engine.app()))
-    http = httpx.AsyncClient(transport=faults)
-    pool = EnginePool(http, probe_interval=0.05, probe_timeout=0.2)
-    for h in HOSTS:
-        pool.add_remote(f"http://{h}")
     config = GatewayConfig(
         model=str(tiny_model_dir),
         store_path=str(tmp_path / "t.db"),
         failover=FailoverConfig(stall_timeout=0.3, no_worker_wait=1.0, max_failovers=3),
         admin_token="s3cret",
     )
-    app = build_app(config, pool=pool)
-    async with app.router.lifespan_context(app):
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw")
+    probes = {"probe_interval": 0.05, "probe_timeout": 0.2}
+    hosts = [f"http://{h}" for h in HOSTS]
+    async with asgi_gateway(config, faults, hosts=hosts, pool_options=probes) as (app, client):
         yield Rig(app, client, engine, faults)
-        await client.aclose()
-    await http.aclose()
 
 
 def failovers(traj: dict[str, Any]) -> list[dict[str, Any]]:
@@ -222,7 +215,10 @@ async def test_register_engine_needs_admin_token_then_routes(rig: Rig) -> None:
     r = await rig.client.post(
         "/api/engines", json={"url": "http://e3"}, headers={"authorization": "Bearer s3cret"}
     )
-    assert r.status_code == 201 and r.json() == {"name": "remote-3", "url": "http://e3", "state": "ready"}
+    assert r.status_code == 201
+    assert {k: r.json()[k] for k in ("name", "url", "state", "max_model_len")} == {
+        "name": "remote-3", "url": "http://e3", "state": "ready", "max_model_len": 4096,
+    }  # fmt: skip
     for m in rig.gw.pool.members[:3]:
         m.state = "dead"
     _, traj = await rig.chat(True, max_tokens=4)
