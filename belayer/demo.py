@@ -96,10 +96,10 @@ def _summary(url: str, sid: str) -> bool:
 
 
 def main(model_dir: str, turns: int) -> int:
-    if not Path(model_dir, "model.safetensors").exists():
-        from belayer.tiny_model import build_tiny
+    from belayer.tiny_model import build_tiny, is_tiny
 
-        build_tiny(model_dir)
+    if not (is_tiny(model_dir) and Path(model_dir, "model.safetensors").exists()):
+        build_tiny(model_dir)  # refuses (ConfigError) a directory that holds another model
     tmp = Path(tempfile.mkdtemp(prefix="belayer-demo-"))
     port = 18000 + os.getpid() % 1000
     url = f"http://127.0.0.1:{port}"

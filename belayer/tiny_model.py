@@ -6,6 +6,9 @@ turns. The build is byte-identical across runs and machines with the same librar
 tokenizer is trained on a seeded synthetic corpus plus the interpreter's own stdlib sources (real prose
 and code, so that long harness prompts tokenize compactly), and the weights come from a fixed seed.
 
+It never overwrites another model: a directory is built into only when it is new, empty, or already
+holds a tiny model (marked by ``belayer_tiny.json``, written first), so rebuilding in place works.
+
 Example::
 
     belayer model build-tiny ./tiny-model
@@ -18,6 +21,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+from core.errors import ConfigError
+
+MARKER = "belayer_tiny.json"
+"""Marks a directory as a Belayer tiny model (written before anything else; it ends up the summary)."""
 CONTEXT_WINDOW = 65536
 VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -244,8 +251,31 @@ def _training_text() -> list[str]:
     return texts
 
 
+def is_tiny(path: str | Path) -> bool:
+    """Whether ``path`` is a directory this builder wrote into."""
+    return (Path(path) / MARKER).is_file()
+
+
+def check_target(out_dir: str | Path) -> None:
+    """Raise `ConfigError` unless ``out_dir`` is new, empty or a tiny model: the build overwrites files."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file, not a directory; give a new directory for the tiny model")
+    if not out.exists() or is_tiny(out):
+        return
+    names = sorted(p.name for p in out.iterdir())
+    if names:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ConfigError(
+            f"{out} holds files that are not a Belayer tiny model ({shown}); it is never overwritten: "
+            "give a new or empty directory"
+        )
+
+
 def build_tiny(out_dir: str | Path) -> dict[str, int]:
-    """Write the tiny model and tokenizer to ``out_dir``; returns a summary (vocab, params)."""
+    """Write the tiny model and tokenizer to ``out_dir``; returns a summary (vocab, params). Refuses
+    (`ConfigError`) a directory that holds anything else, before writing anything."""
+    check_target(out_dir)
     import importlib
 
     import torch
@@ -255,6 +285,7 @@ def build_tiny(out_dir: str | Path) -> dict[str, int]:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("{}\n")  # first: a build that stops half-way can be redone in place
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -303,5 +334,5 @@ def build_tiny(out_dir: str | Path) -> dict[str, int]:
     model.save_pretrained(str(out), safe_serialization=True)
     params = sum(p.numel() for p in model.parameters())
     summary = {"vocab": len(hf_tok), "params": params, "context_window": CONTEXT_WINDOW}
-    (out / "belayer_tiny.json").write_text(json.dumps(summary, sort_keys=True) + "\n")
+    (out / MARKER).write_text(json.dumps(summary, sort_keys=True) + "\n")
     return summary

@@ -1,31 +1,79 @@
-"""Configuration, loaded once (from the CLI) and passed down explicitly."""
+"""Configuration: `GatewayConfig` is the one source of every setting and its default.
+
+A setting comes from, in rising precedence: its default here, a TOML file (``config_file``; ``belayer
+serve --config belayer.toml``), an environment variable ``BELAYER_<NAME>`` (nested with ``__``:
+``BELAYER_FAILOVER__STALL_TIMEOUT=2``; lists and tables as JSON), and keyword arguments (the CLI's
+flags). Configuration is loaded once, in `ConfigLoader`, and passed down explicitly.
+
+Example::
+
+    loader = ConfigLoader({"model": "./tiny-model", "port": 8001}, {"model": "--model", "port": "--port"})
+    config = loader.load()     # ConfigError names a bad setting the way it was given (flag, variable, key)
+    loader.preflight(config)   # the model directory, the listening address, Docker: before any launch
+
+Code that builds a config itself passes keyword arguments: ``GatewayConfig(model="./tiny-model")``.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, field_validator
+import errno
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
+
+from core.errors import ConfigError
 from gateway.sandboxes.policy import PolicySettings
+from gateway.tokenization import ChatTokenizer
+
+ENV_PREFIX = "BELAYER_"
+ENV_NESTING = "__"
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 class FailoverConfig(BaseModel):
     """Mid-stream failover: on a worker's death or stall, resubmit prompt + generated ids elsewhere."""
 
-    enabled: bool = True
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=True, description="resume a request on another worker when its worker dies or stalls"
+    )
     max_failovers: int = Field(default=4, ge=0, description="failovers allowed within one request")
     stall_timeout: float = Field(
         default=5.0, gt=0, description="seconds without a token before probing the worker"
     )
     no_worker_wait: float = Field(
-        default=120.0, ge=0, description="how long a request waits for a ready worker"
+        default=120.0, ge=0, description="seconds a request waits for a ready worker"
     )
 
 
 class SandboxConfig(BaseModel):
     """Per-session Docker sandboxes with checkpoints in inference bubbles (off unless ``enabled``)."""
 
-    enabled: bool = False
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=False, description="per-session Docker sandboxes with checkpoints (needs Docker + CRIU)"
+    )
     docker_url: str | None = Field(default=None, description="engine address; None reads DOCKER_HOST")
-    checkpoint_dir: str = "/var/lib/belayer/checkpoints"
+    checkpoint_dir: str = Field(
+        default="/var/lib/belayer/checkpoints", description="where sandbox checkpoints go"
+    )
     policy: PolicySettings = Field(default_factory=PolicySettings)
     keep_checkpoints: int = Field(default=3, ge=1, description="checkpoints kept per session (retention)")
     exec_grace_s: float = Field(
@@ -35,24 +83,49 @@ class SandboxConfig(BaseModel):
     watch_interval_s: float = Field(
         default=0.5, gt=0, description="how often idle sandboxes are checked for a stopped container"
     )
+    exec_threads: int = Field(
+        default=128,
+        ge=1,
+        description="threads for tool-call execs (one per exec in flight, as long as it runs)",
+    )
+    op_threads: int = Field(
+        default=16,
+        ge=1,
+        description="threads for short sandbox operations (checkpoint, restore, files, status)",
+    )
     sandbox_port: int | None = Field(
         default=0,
         ge=0,
         le=65535,
         description=(
-            "port of the listener that network='gateway' sandboxes reach (on the sandbox network's host "
-            "address; it serves only each sandbox's own session); 0 picks a free one, None turns it off"
+            "port of the listener that network=gateway sandboxes reach (on the sandbox network's host "
+            "address; it serves only each sandbox's own session); 0: any free port, -1: none"
         ),
     )
 
+    @field_validator("sandbox_port", mode="before")
+    @classmethod
+    def _minus_one_is_none(cls, value: object) -> object:
+        # TOML and the environment have no null: -1 turns the listener off there (and on the flag).
+        return None if value in (-1, "-1") else value
 
-class GatewayConfig(BaseModel):
+
+class GatewayConfig(BaseSettings):
     """Everything ``belayer serve`` needs. The tokenizer always comes from ``model`` (a directory)."""
 
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTING, extra="forbid")
+
+    config_file: str | None = Field(
+        default=None,
+        description="TOML file of settings (a key per setting, [failover] and [sandbox] tables); "
+        "environment variables and flags override it",
+    )
     model: str = Field(
         description="model directory: tokenizer and chat template, and weights for launched workers"
     )
-    served_model_names: list[str] = Field(default_factory=lambda: ["policy"])
+    served_model_names: list[str] = Field(
+        default_factory=lambda: ["policy"], description="model name(s) clients use"
+    )
     model_aliases: dict[str, str] = Field(
         default_factory=dict,
         description="model names (fnmatch patterns, e.g. 'claude-*') answered by a served model",
@@ -64,7 +137,9 @@ class GatewayConfig(BaseModel):
             "session's -aux side session), 'http(s)://provider/v1#model' (passed through) or 'reject'"
         ),
     )
-    engine_urls: list[str] = Field(default_factory=list, description="already-running vLLM servers")
+    engine_urls: list[str] = Field(
+        default_factory=list, description="already-running vLLM servers to use instead of launching workers"
+    )
 
     @field_validator("auxiliary_models")
     @classmethod
@@ -76,6 +151,14 @@ class GatewayConfig(BaseModel):
                 )
         return value
 
+    @field_validator("engine_urls")
+    @classmethod
+    def _engine_schemes(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} has no scheme; write it as http://{url.split('://')[-1]}")
+        return value
+
     workers: int = Field(
         default=1, ge=0, description="active vLLM workers to launch when no engine URL is given"
     )
@@ -84,19 +167,187 @@ class GatewayConfig(BaseModel):
     )
     failover: FailoverConfig = Field(default_factory=FailoverConfig)
     admin_token: str | None = Field(
-        default=None, description="bearer token for admin endpoints (None: disabled)"
+        default=None,
+        description="bearer token for the admin endpoints (POST /api/engines); without one they are off",
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    max_model_len: int = 65536
-    store_path: str = "belayer-trajectories.db"
-    store_synchronous: str = "NORMAL"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    public_url: str | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
-    default_max_tokens: int | None = None
-    """max_tokens for a request that gives none (None: the rest of the context)."""
-    max_tokens_cap: int | None = None
-    """An upper bound on every request's max_tokens (e.g. short rollouts on a slow engine)."""
-    log_dir: str = "logs"
-    worker_start_timeout: float = 300.0
+    max_model_len: int = Field(default=65536, gt=0, description="context window of launched workers")
+    store_path: str = Field(default="belayer-trajectories.db", description="SQLite trajectory store")
+    store_synchronous: str = Field(default="NORMAL", description="the store's SQLite synchronous mode")
+    host: str = Field(default="127.0.0.1", description="address the gateway listens on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port the gateway listens on")
+    public_url: str | None = Field(
+        default=None, description="the URL clients reach the gateway at (for session base_urls)"
+    )
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, description="largest request body")
+    default_max_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="max_tokens for a request that gives none (unset: the rest of the context)",
+    )
+    max_tokens_cap: int | None = Field(
+        default=None, gt=0, description="an upper bound on every request's max_tokens (short rollouts)"
+    )
+    log_dir: str = Field(default="logs", description="where launched workers' logs go")
+    log_level: LogLevel = Field(default="INFO", description="the gateway's log level")
+    worker_start_timeout: float = Field(
+        default=300.0, gt=0, description="seconds a launched worker may take to become ready"
+    )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Keyword arguments (flags) > ``BELAYER_*`` variables > the ``config_file`` (> defaults)."""
+        given = init_settings.init_kwargs if isinstance(init_settings, InitSettingsSource) else {}
+        file = given.get("config_file") or env_settings().get("config_file")
+        if file is None:
+            return init_settings, env_settings
+        return init_settings, env_settings, _toml_source(settings_cls, str(file))
+
+
+def _toml_source(settings_cls: type[BaseSettings], file: str) -> TomlConfigSettingsSource:
+    if not Path(file).is_file():
+        raise ConfigError(f"config file {file}: no such file")
+    try:
+        return TomlConfigSettingsSource(settings_cls, toml_file=file)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {file}: not valid TOML ({exc})") from None
+
+
+class ConfigLoader:
+    """Loads `GatewayConfig` once, and names a bad setting the way it was given: a flag, a ``BELAYER_*``
+    variable, or a key of the config file.
+
+    ``flags`` holds only the settings given on the command line, by dotted path
+    (``{"failover.stall_timeout": 2.0}``); ``flag_names`` maps a dotted path to its flag (``--stall-timeout``)
+    for every flag there is, so that an error can say which one to use.
+    """
+
+    def __init__(self, flags: Mapping[str, object], flag_names: Mapping[str, str]) -> None:
+        self.flags = dict(flags)
+        self.flag_names = dict(flag_names)
+
+    def load(self) -> GatewayConfig:
+        try:
+            return GatewayConfig(**_nest(self.flags))
+        except ValidationError as exc:
+            raise ConfigError("; ".join(self._describe(e) for e in exc.errors())) from None
+        except SettingsError as exc:  # a BELAYER_* list or table that is not JSON
+            field = re.search(r'field "(\w+)"', str(exc))
+            where = _env_name(field.group(1)) if field else "a BELAYER_* variable"
+            raise ConfigError(
+                f"{where}: not valid JSON; lists and tables take JSON, e.g. BELAYER_ENGINE_URLS='[\"http://h:8001\"]'"
+            ) from None
+
+    def preflight(self, config: GatewayConfig) -> None:
+        """What ``belayer serve`` checks before it launches anything: the model directory, that the
+        gateway's address is free, and (with sandboxes) that Docker answers."""
+        self._check_model(config.model)
+        self._check_listen(config.host, config.port)
+        if config.sandbox.enabled:
+            from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+
+            # Raises SandboxUnavailable when Docker does not answer; the CLI says how to start it.
+            DockerSandboxBackend(DockerBackendConfig(base_url=config.sandbox.docker_url)).close()
+
+    def name(self, path: str) -> str:
+        """How the setting at ``path`` was given: its flag, its variable, or the file and key; for a
+        setting given nowhere, its flag (or the path)."""
+        parts = path.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        for prefix in prefixes:
+            if prefix in self.flags:
+                return self.flag_names.get(prefix, prefix)
+        set_vars = {key.upper() for key in os.environ}
+        for prefix in prefixes:
+            var = _env_name(prefix)
+            if var in set_vars:
+                return var
+        file = self._config_file()
+        if file is not None:
+            return f"{file}: {path}"
+        return self.flag_names.get(path, path)
+
+    # ------------------------------------------------------------------ helpers
+    def _config_file(self) -> str | None:
+        if "config_file" in self.flags:
+            return str(self.flags["config_file"])
+        var = _env_name("config_file")
+        return next((value for key, value in os.environ.items() if key.upper() == var), None)
+
+    def _describe(self, error: ErrorDetails) -> str:
+        path = ".".join(str(part) for part in error["loc"] if isinstance(part, str))
+        if error["type"] == "missing":
+            flag = f"{self.flag_names[path]}, " if path in self.flag_names else ""
+            return f"no {path} given: set {flag}{_env_name(path)} or `{path}` in a config file"
+        if error["type"] == "extra_forbidden":
+            return f"{self.name(path)}: unknown setting"
+        if error["type"] == "value_error":
+            return f"{self.name(path)}: {error.get('ctx', {}).get('error', error['msg'])}"
+        message = error["msg"][:1].lower() + error["msg"][1:]
+        return f"{self.name(path)}: {message} (got {error['input']!r})"
+
+    def _check_model(self, model: str) -> None:
+        root = Path(model)
+        where = self.name("model")
+        if not root.exists():
+            raise ConfigError(f"{where}: {model} does not exist; give the directory that holds the model")
+        if not root.is_dir():
+            raise ConfigError(f"{where}: {model} is not a directory; give the directory that holds the model")
+        if not (root / "tokenizer.json").is_file():
+            raise ConfigError(
+                f"{where}: {model} holds no tokenizer.json; is it a Hugging Face model directory?"
+            )
+        try:
+            ChatTokenizer.load(root)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def _check_listen(self, host: str, port: int) -> None:
+        """Bind-test the gateway's address: uvicorn binds it only after the lifespan launched workers."""
+        if port == 0:
+            return
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except socket.gaierror as exc:
+            raise ConfigError(f"{self.name('host')}: cannot resolve {host!r} ({exc.strerror})") from None
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ConfigError(
+                        f"{self.name('port')}: {host}:{port} is already in use; stop what listens there "
+                        "or choose another port"
+                    ) from None
+                raise ConfigError(
+                    f"{self.name('host')}: cannot listen on {host}:{port} ({exc.strerror})"
+                ) from None
+
+
+def _env_name(path: str) -> str:
+    return ENV_PREFIX + path.replace(".", ENV_NESTING).upper()
+
+
+def _nest(flat: Mapping[str, object]) -> dict[str, Any]:
+    """``{"failover.stall_timeout": 2}`` -> ``{"failover": {"stall_timeout": 2}}``."""
+    nested: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested

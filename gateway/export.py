@@ -15,8 +15,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from core.errors import NotFound
 from gateway.store import EventRecord, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_COMPLETE
+
+
+def _dumps(value: object) -> str:
+    """JSON that any reader can parse back: a non-finite number is an error here, never stored."""
+    return json.dumps(value, allow_nan=False)
+
 
 Runs = list[tuple[int, list[float | None]]]
 """(start, logprobs) runs of recomputed prompt logprobs."""
@@ -97,14 +104,18 @@ def session_rows(store: TrajectoryStore, session_id: str) -> list[dict[str, Any]
                 "finish_reason": leaf.finish_reason,
                 "reward": session.reward,
                 "status": session.status,
-                "metadata": json.dumps(session.metadata),
+                "metadata": _dumps(session.metadata),
             }
         )
     return rows
 
 
 def export(store: TrajectoryStore, out: str | Path, fmt: str, session_ids: list[str] | None = None) -> int:
-    """Write every (or the given) session's branches to ``out``; returns the number of rows."""
+    """Write every (or the given) session's branches to ``out``; returns the number of rows. An unknown
+    session id raises `NotFound` before anything is written."""
+    unknown = [sid for sid in session_ids or [] if store.get_session(sid) is None]
+    if unknown:
+        raise NotFound(f"no session {', '.join(map(repr, unknown))} in the store")
     ids = session_ids or [s.id for s in store.list_sessions()]
     rows = [row for sid in ids for row in session_rows(store, sid)]
     path = Path(out)
@@ -112,7 +123,7 @@ def export(store: TrajectoryStore, out: str | Path, fmt: str, session_ids: list[
     if fmt == "jsonl":
         with path.open("w") as f:
             for row in rows:
-                f.write(json.dumps(row) + "\n")
+                f.write(_dumps(row) + "\n")
     elif fmt == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq

@@ -35,7 +35,7 @@ Mode = Literal["adaptive", "always", "never"]
 class PolicySettings(BaseModel):
     """The policy's knobs and its priors (used until there is something observed)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     mode: Mode = "adaptive"
     """`always`: every bubble; `never`: no automatic checkpoints (explicit ones still work)."""

@@ -1,0 +1,14 @@
+"""Each test sees only the BELAYER_* variables it sets (a developer's shell may hold some)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_belayer_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("BELAYER_") and name.upper() != "BELAYER_TINY_MODEL":
+            monkeypatch.delenv(name)
