@@ -3,12 +3,11 @@
 Streamed and non-streamed responses run through the same code, so both give the same content and
 tool calls by construction: a non-streamed response is the join of the deltas a stream would send.
 
-Example::
-
-    parser = HermesToolParser()
-    events = parser.feed('Let me look.<tool_call>\\n{"name": "ls", "arguments": {}}\\n</tool_call>')
-    events += parser.finish()
-    # [ContentDelta('Let me look.'), ToolCall(0, 'call_…', 'ls', '{}')]
+>>> parser = HermesToolParser()
+>>> events = parser.feed('Let me look.<tool_call>\\n{"name": "ls", "arguments": {}}\\n</tool_call>')
+>>> events += parser.finish()
+>>> events  # doctest: +ELLIPSIS
+[ContentDelta(text='Let me look.'), ToolCall(index=0, id='call_...', name='ls', arguments='{}')]
 """
 
 from __future__ import annotations
@@ -89,9 +88,10 @@ def tool_choice_prefix(names: list[str], choice: str | None, name: str | None = 
     starting the assistant turn with the opening of a Hermes call, which the model can only continue.
     Both protocols use it (Anthropic's ``any`` is ``"required"``, its ``tool`` is a name).
 
-    Example::
-
-        tool_choice_prefix(["bash"], None, "bash")  # ('<tool_call>\\n{"name": "bash", "arguments": ', True)
+    >>> tool_choice_prefix(["bash"], None, "bash")
+    ('<tool_call>\\n{"name": "bash", "arguments": ', True)
+    >>> tool_choice_prefix(["bash"], "none")
+    ('', False)
     """
     if name is None and choice in (None, "auto"):
         return "", bool(names)

@@ -16,7 +16,7 @@ that several engines behind one gateway give exactly one failover.
 
 Example (a Hermes tool call, then a final answer)::
 
-    script = Script(marker="TASK-7", turns=[bash_call("ls"), "Done."])
+    script = Script(marker="TASK-7", turns=[tool_call("bash", {"command": "ls"}), "Done."])
     engine = ScriptedEngine.load(".cache/tiny-model", [script])
     uvicorn.run(engine.fake().app(), port=8100)
 
@@ -43,7 +43,13 @@ FALLBACK = "OK."
 
 
 def tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """One Hermes-style call, exactly as the tiny template renders it."""
+    """One Hermes-style call, exactly as the tiny template renders it.
+
+    >>> print(tool_call("bash", {"command": "ls"}))
+    <tool_call>
+    {"name": "bash", "arguments": {"command": "ls"}}
+    </tool_call>
+    """
     body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
     return f"<tool_call>\n{body}\n</tool_call>"
 

@@ -6,11 +6,17 @@ earlier turns (``prompt_gen_spans``, the loss mask), and the turn it extends (``
 whose parent is not the previous turn of their branch open a new branch, so a rewritten history stays
 readable next to the original one.
 
-Example::
-
-    store = SqliteStore("trajectories.db")
-    sid = store.create_session({"task": "t1"}).id
-    turn = store.begin_turn(TurnRecord.new(sid, prompt_ids=[1, 2, 3], ...))
+>>> from gateway.store import SqliteStore
+>>> store = SqliteStore(":memory:")
+>>> sid = store.create_session(SessionRecord("ses_1", created_at=0.0, metadata={"task": "t1"})).id
+>>> turn = store.begin_turn(TurnRecord(sid, prompt_ids=[1, 2, 3], prompt_gen_spans=[], parent_id=None,
+...                                    ext_key=None, request={}, received_at=0.0))
+>>> turn.index, turn.branch, turn.status
+(0, 0, 'running')
+>>> turn.output_ids, turn.output_logprobs, turn.status = [7, 2], [-0.5, -0.1], TURN_COMPLETE
+>>> store.finish_turn(turn)
+>>> [(t.status, t.loss_mask()) for t in store.get_turns(sid)]
+[('complete', [0, 0, 0, 1, 1])]
 """
 
 from __future__ import annotations

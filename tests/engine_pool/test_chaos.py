@@ -8,8 +8,6 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from engine_pool.worker import free_port, wait_http_ok
+from tests.support import belayer_server
 
 pytestmark = [pytest.mark.chaos, pytest.mark.vllm]
 
@@ -31,21 +29,13 @@ MAX_TOKENS = 160
 @pytest.fixture(scope="module")
 def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("chaos")
-    port = free_port()
-    cmd = [sys.executable, "-m", "belayer.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-           "--workers", "2", "--shadows", "1", "--stall-timeout", "3", "--no-worker-wait", "240",
-           "--store", str(tmp / "t.db"), "--log-dir", str(tmp / "logs")]  # fmt: skip
-    with (tmp / "gateway.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc, 400.0, "gateway")
-    except Exception:
-        raise AssertionError((tmp / "gateway.log").read_text()[-3000:]) from None
-    yield url
-    seen = {e["pid"] for e in httpx.get(f"{url}/api/engines").json()["data"] if e["pid"]}
-    os.killpg(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+    args = ["serve", "--model", str(tiny_model_dir), "--workers", "2", "--shadows", "1",
+            "--stall-timeout", "3", "--no-worker-wait", "240",
+            "--store", str(tmp / "t.db"), "--log-dir", str(tmp / "logs")]  # fmt: skip
+    with belayer_server(args, tmp / "gateway.log", timeout=400.0) as gw:
+        yield gw.url
+        seen = {e["pid"] for e in httpx.get(f"{gw.url}/api/engines").json()["data"] if e["pid"]}
+        assert gw.stop(signal.SIGTERM, grace=120) in (0, -signal.SIGTERM)
     for pid in seen:  # every worker ever launched (killed, fenced, replaced, shadow) is gone
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)

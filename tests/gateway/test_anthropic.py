@@ -5,10 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
-from importlib import import_module
-from importlib.util import find_spec
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anthropic
@@ -16,14 +13,9 @@ import httpx
 import pytest
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
-from engine_pool.pool import EnginePool
-from gateway.app import build_app
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.errors import anthropic_error
-from tests.conftest import GatewayHarness
-
-# anthropic>=2 runs on httpx2 (httpx's API under a new name); older releases run on httpx.
-sdk_http: ModuleType = import_module("httpx2") if find_spec("httpx2") else httpx
+from tests.support import GatewayHarness, asgi_gateway, post_body, sdk_http
 
 TOOLS: Any = [
     {
@@ -75,8 +67,7 @@ def sse_events(text: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def test_text_message(gateway: GatewayHarness, claude: Claude) -> None:
-    out = gateway.encode_reply("hello there")
-    gateway.engine.outputs.append(list(out))
+    [out] = gateway.queue_replies("hello there")
     sid, _ = await gateway.new_session()
     resp = await claude(f"http://gw/s/{sid}").messages.create(
         model="policy",
@@ -121,7 +112,7 @@ async def test_streamed_text_matches_non_streamed(gateway: GatewayHarness, claud
 
 
 async def test_stream_event_sequence_with_tool_use(gateway: GatewayHarness) -> None:
-    gateway.engine.outputs.append(gateway.encode_reply("Listing." + CALL_TEXT))
+    gateway.queue_replies("Listing." + CALL_TEXT)
     body = {"model": "policy", "max_tokens": 64, "stream": True, "tools": TOOLS,
             "messages": [{"role": "user", "content": "ls"}]}  # fmt: skip
     r = await gateway.client.post("/v1/messages", json=body)
@@ -155,12 +146,8 @@ async def test_stream_event_sequence_with_tool_use(gateway: GatewayHarness) -> N
 async def test_tool_use_turns_reuse_the_exact_prefix(
     gateway: GatewayHarness, claude: Claude, stream: bool
 ) -> None:
-    replies = [
-        gateway.encode_reply("Let me look.\n" + CALL_TEXT),
-        gateway.encode_reply("Found two files."),
-        gateway.encode_reply("Done.", eos=False),
-    ]
-    gateway.engine.outputs += [list(r) for r in replies]
+    gateway.queue_replies("Let me look.\n" + CALL_TEXT, "Found two files.")
+    gateway.queue_replies("Done.", eos=False)
     sid, _ = await gateway.new_session()
     client = claude(f"http://gw/s/{sid}")
 
@@ -198,7 +185,7 @@ async def test_tool_use_turns_reuse_the_exact_prefix(
 
 
 async def test_tool_result_error_and_text_blocks(gateway: GatewayHarness, claude: Claude) -> None:
-    gateway.engine.outputs.append(gateway.encode_reply("Retrying."))
+    gateway.queue_replies("Retrying.")
     msgs: Any = [
         {"role": "user", "content": "run it"},
         {"role": "assistant", "content": [
@@ -227,7 +214,7 @@ async def test_generated_think_text_round_trips_as_a_thinking_block(
 ) -> None:
     """Generated ``<think>`` text comes back in the text block; a harness that splits it into a thinking
     block and text still matches the turn (``<think>{thinking}</think>{text}`` is the generated text)."""
-    gateway.engine.outputs += [gateway.encode_reply("<think>plan</think>Answer."), gateway.encode_reply("ok")]
+    gateway.queue_replies("<think>plan</think>Answer.", "ok")
     sid, _ = await gateway.new_session()
     client = claude(f"http://gw/s/{sid}")
     m1 = await client.messages.create(
@@ -264,7 +251,7 @@ async def test_tool_choice(gateway: GatewayHarness, claude: Claude) -> None:
     client = claude()
     msgs: Any = [{"role": "user", "content": "x"}]
     # tool: the assistant turn is forced to start '<tool_call>\n{"name": "bash", "arguments": '.
-    gateway.engine.outputs.append(gateway.encode_reply('{"command": "pwd"}}\n</tool_call>'))
+    gateway.queue_replies('{"command": "pwd"}}\n</tool_call>')
     resp = await client.messages.create(
         model="policy",
         max_tokens=50,
@@ -277,16 +264,14 @@ async def test_tool_choice(gateway: GatewayHarness, claude: Claude) -> None:
     assert (call.type, call.name, call.input) == ("tool_use", "bash", {"command": "pwd"})  # type: ignore[union-attr]
     assert resp.stop_reason == "tool_use"
     # any: forced to call some tool.
-    gateway.engine.outputs.append(
-        gateway.encode_reply('bash", "arguments": {"command": "id"}}\n</tool_call>')
-    )
+    gateway.queue_replies('bash", "arguments": {"command": "id"}}\n</tool_call>')
     resp = await client.messages.create(
         model="policy", max_tokens=50, messages=msgs, tools=TOOLS, tool_choice={"type": "any"}
     )
     assert prompt_text(gateway).endswith('<tool_call>\n{"name": "')
     assert [(b.name, b.input) for b in resp.content] == [("bash", {"command": "id"})]  # type: ignore[union-attr]
     # none: the tools stay in the prompt, calls are not parsed.
-    gateway.engine.outputs.append(gateway.encode_reply(CALL_TEXT))
+    gateway.queue_replies(CALL_TEXT)
     resp = await client.messages.create(
         model="policy", max_tokens=50, messages=msgs, tools=TOOLS, tool_choice={"type": "none"}
     )
@@ -301,14 +286,14 @@ async def test_count_tokens_equals_a_real_requests_prompt(gateway: GatewayHarnes
     counted = await client.messages.count_tokens(**args)
     forced = await client.messages.count_tokens(**args, tool_choice={"type": "any"})
     assert gateway.engine.requests == [] and (await gateway.client.get("/api/sessions")).json()["data"] == []
-    gateway.engine.outputs += [gateway.encode_reply("ok"), gateway.encode_reply('bash", "arguments": {}}')]
+    gateway.queue_replies("ok", 'bash", "arguments": {}}')
     real = await client.messages.create(max_tokens=10, **args)
     assert counted.input_tokens == real.usage.input_tokens == len(gateway.engine.requests[-1]["prompt"])
     real = await client.messages.create(max_tokens=10, tool_choice={"type": "any"}, **args)
     assert forced.input_tokens == real.usage.input_tokens > counted.input_tokens
 
     # In a session the count follows prefix reuse, exactly as the next turn's prompt will be built.
-    gateway.engine.outputs += [gateway.encode_reply("first"), gateway.encode_reply("second")]
+    gateway.queue_replies("first", "second")
     sid, _ = await gateway.new_session()
     session = claude(f"http://gw/s/{sid}")
     m1 = await session.messages.create(max_tokens=10, **args)
@@ -321,7 +306,7 @@ async def test_count_tokens_equals_a_real_requests_prompt(gateway: GatewayHarnes
 
 
 async def test_model_aliases(gateway: GatewayHarness, claude: Claude) -> None:
-    gateway.engine.outputs.append(gateway.encode_reply("hi"))
+    gateway.queue_replies("hi")
     with pytest.raises(anthropic.NotFoundError):
         await claude().messages.create(
             model="claude-haiku-4-5", max_tokens=5, messages=[{"role": "user", "content": "x"}]
@@ -390,10 +375,7 @@ async def test_bad_input_gets_anthropic_errors(
         if path.endswith("count_tokens") and name in GENERATION_ONLY:
             continue
         url = f"/s/{sid}{path}"
-        if isinstance(payload, bytes):
-            r = await gateway.client.post(url, content=payload, headers={"content-type": "application/json"})
-        else:
-            r = await gateway.client.post(url, json=payload)
+        r = await post_body(gateway.client, url, payload)
         assert r.status_code == status, r.text
         err = r.json()
         assert (
@@ -450,16 +432,9 @@ def test_anthropic_error_types_by_status() -> None:
 async def test_engine_lost_mid_stream_is_an_error_event(tmp_path: Path, tiny_model_dir: Path) -> None:
     engine = FakeEngine(max_model_len=4096)
     faults = FaultInjector(httpx.ASGITransport(engine.app()))
-    engine_http = httpx.AsyncClient(transport=faults)
-    pool = EnginePool(engine_http)
-    pool.add_remote("http://e0")
     config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"),
                            failover=FailoverConfig(enabled=False))  # fmt: skip
-    app = build_app(config, pool=pool)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client,
-    ):
+    async with asgi_gateway(config, faults, hosts=["http://e0"]) as (app, client):
         tok = app.state.gateway.tokenizer
         engine.outputs.append(tok.encode("one two three four five six"))
         faults.faults["e0"] = [Fault("drop_after", after=3)]
@@ -470,12 +445,11 @@ async def test_engine_lost_mid_stream_is_an_error_event(tmp_path: Path, tiny_mod
         name, data = events[-1]
         assert name == "error" and data["type"] == "error" and data["error"]["type"] == "overloaded_error"
         assert "message_stop" not in [n for n, _ in events]
-    await engine_http.aclose()
 
 
 async def test_mid_conversation_system_message(gateway: GatewayHarness, claude: Claude) -> None:
     """Claude Code (beta mid-conversation-system-2026-04-07) sends ``system`` messages inside ``messages``."""
-    gateway.engine.outputs.append(gateway.encode_reply("ok"))
+    gateway.queue_replies("ok")
     msgs: Any = [
         {"role": "user", "content": "task"},
         {"role": "system", "content": [{"type": "text", "text": "agents:"}, {"type": "text", "text": "- a"}]},

@@ -14,11 +14,9 @@ import openai
 import pytest
 
 from engine_pool.fake import FakeEngine
-from engine_pool.pool import EnginePool
-from gateway.app import build_app
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.runtime import Gateway
-from tests.gateway.test_anthropic import sdk_http
+from tests.support import asgi_gateway, sdk_http
 
 AUX = {
     "claude-haiku-*": "policy",
@@ -42,15 +40,9 @@ async def env(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Env]:
         failover=FailoverConfig(no_worker_wait=0.3),
         auxiliary_models=AUX,
     )
-    engine_http = httpx.AsyncClient(transport=httpx.ASGITransport(engine.app()))
-    pool = EnginePool(engine_http)
-    pool.add_remote("http://fake-engine")
-    app = build_app(config, pool=pool, aux_transport=httpx.ASGITransport(provider.app()))
-    async with app.router.lifespan_context(app):
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw")
+    aux = httpx.ASGITransport(provider.app())
+    async with asgi_gateway(config, httpx.ASGITransport(engine.app()), aux_transport=aux) as (app, client):
         yield Env(app, client, engine, provider)
-        await client.aclose()
-    await engine_http.aclose()
 
 
 async def session(env: Env) -> str:
@@ -122,12 +114,7 @@ async def test_an_unreachable_provider_is_a_clear_502_not_an_engine_outage(
         store_path=str(tmp_path / "t.db"),
         auxiliary_models={"judge": "http://127.0.0.1:9/v1"},
     )
-    engine_http = httpx.AsyncClient(transport=httpx.ASGITransport(FakeEngine().app()))
-    pool = EnginePool(engine_http)
-    pool.add_remote("http://fake-engine")
-    app = build_app(config, pool=pool)
-    async with app.router.lifespan_context(app):
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw")
+    async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (_, client):
         r = await client.post(
             "/v1/chat/completions", json={"model": "judge", "messages": [{"role": "user", "content": "x"}]}
         )
@@ -140,7 +127,6 @@ async def test_an_unreachable_provider_is_a_clear_502_not_an_engine_outage(
             "/v1/chat/completions", json={"model": "policy", "messages": [{"role": "user", "content": "x"}]}
         )
         assert ok.status_code == 200, ok.text
-    await engine_http.aclose()
 
 
 def test_bad_routes_are_refused_at_start_up(tiny_model_dir: Path) -> None:

@@ -20,11 +20,9 @@ from belayer.bench.gateway import (
     running,
 )
 from engine_pool.fake import FakeEngine
-from engine_pool.pool import EnginePool
-from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.runtime import Gateway
-from tests.gateway.test_anthropic import sdk_http
+from tests.support import asgi_gateway, sdk_http
 
 pytestmark = pytest.mark.external
 
@@ -60,15 +58,8 @@ async def gateway(
         store_path=str(tmp_path / "traj.db"),
         auxiliary_models={"judge-*": f"{proxy}/v1#policy"},
     )
-    engine_http = httpx.AsyncClient(transport=httpx.ASGITransport(FakeEngine().app()))
-    pool = EnginePool(engine_http)
-    pool.add_remote("http://fake-engine")
-    app = build_app(config, pool=pool)
-    async with app.router.lifespan_context(app):
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw", timeout=60)
+    async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app()), timeout=60) as (app, client):
         yield client, app.state.gateway, app
-        await client.aclose()
-    await engine_http.aclose()
 
 
 async def test_openai_calls_pass_through_litellm(gateway: tuple[httpx.AsyncClient, Gateway, object]) -> None:

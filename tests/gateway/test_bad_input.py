@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import GatewayHarness
+from tests.support import GatewayHarness, post_body
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -73,10 +73,7 @@ async def test_chat_bad_input(
 ) -> None:
     sid, _ = await gateway.new_session()
     url = f"/s/{sid}/v1/chat/completions"
-    if isinstance(payload, bytes):
-        r = await gateway.client.post(url, content=payload, headers={"content-type": "application/json"})
-    else:
-        r = await gateway.client.post(url, json=payload)
+    r = await post_body(gateway.client, url, payload)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}

@@ -10,7 +10,7 @@ import pytest
 
 from engine_pool.fake import fake_logprob
 from gateway.store import SqliteStore
-from tests.conftest import GatewayHarness
+from tests.support import GatewayHarness
 
 TOOLS = [
     {
@@ -36,8 +36,7 @@ async def trajectory(gw: GatewayHarness, sid: str) -> dict[str, Any]:
 
 
 async def test_greedy_tokens_and_logprobs_recorded(gateway: GatewayHarness) -> None:
-    out = gateway.encode_reply("hello there")
-    gateway.engine.outputs.append(list(out))
+    [out] = gateway.queue_replies("hello there")
     sid, base = await gateway.new_session(task="t")
     resp = await sdk(gateway, base).chat.completions.create(
         model="policy",
@@ -98,7 +97,7 @@ async def test_tool_call_non_streamed_and_streamed_agree(gateway: GatewayHarness
 
 async def test_malformed_tool_json_is_content_and_an_event(gateway: GatewayHarness) -> None:
     bad = '<tool_call>\n{"name": "bash", "arguments": {oops}}\n</tool_call>'
-    gateway.engine.outputs.append(gateway.encode_reply(bad))
+    gateway.queue_replies(bad)
     sid, base = await gateway.new_session()
     resp = await sdk(gateway, base).chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "x"}], tools=TOOLS
@@ -111,7 +110,7 @@ async def test_malformed_tool_json_is_content_and_an_event(gateway: GatewayHarne
 
 async def test_named_tool_choice_forces_the_call(gateway: GatewayHarness) -> None:
     # The engine continues after the forced prefix '<tool_call>\n{"name": "bash", "arguments": '.
-    gateway.engine.outputs.append(gateway.encode_reply('{"command": "pwd"}}\n</tool_call>'))
+    gateway.queue_replies('{"command": "pwd"}}\n</tool_call>')
     resp = await sdk(gateway).chat.completions.create(
         model="policy",
         messages=[{"role": "user", "content": "x"}],
@@ -127,7 +126,7 @@ async def test_named_tool_choice_forces_the_call(gateway: GatewayHarness) -> Non
 
 
 async def test_tool_choice_none_returns_raw_text(gateway: GatewayHarness) -> None:
-    gateway.engine.outputs.append(gateway.encode_reply(CALL_TEXT))
+    gateway.queue_replies(CALL_TEXT)
     resp = await sdk(gateway).chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none"
     )  # type: ignore[arg-type]
@@ -154,7 +153,7 @@ async def test_stop_string_trims_and_tokens_stay_exact(gateway: GatewayHarness) 
 
 
 async def test_length_finish_reason_and_max_tokens(gateway: GatewayHarness) -> None:
-    gateway.engine.outputs.append(gateway.encode_reply("one two three four five six"))
+    gateway.queue_replies("one two three four five six")
     resp = await sdk(gateway).chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "x"}], max_completion_tokens=2
     )
@@ -163,7 +162,7 @@ async def test_length_finish_reason_and_max_tokens(gateway: GatewayHarness) -> N
 
 
 async def test_default_max_tokens_is_rest_of_context(gateway: GatewayHarness) -> None:
-    gateway.engine.outputs.append(gateway.encode_reply("ok"))
+    gateway.queue_replies("ok")
     resp = await sdk(gateway).chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "x"}]
     )
@@ -216,7 +215,7 @@ async def test_models_lists_served_names(gateway: GatewayHarness) -> None:
 
 
 async def test_plain_v1_request_gets_its_own_session(gateway: GatewayHarness) -> None:
-    gateway.engine.outputs.append(gateway.encode_reply("x"))
+    gateway.queue_replies("x")
     r = await gateway.client.post(
         "/v1/chat/completions", json={"model": "policy", "messages": [{"role": "user", "content": "a"}]}
     )
@@ -227,8 +226,7 @@ async def test_plain_v1_request_gets_its_own_session(gateway: GatewayHarness) ->
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_turn_is_durable_when_response_completes(gateway: GatewayHarness, stream: bool) -> None:
-    out = gateway.encode_reply("durable")
-    gateway.engine.outputs.append(list(out))
+    [out] = gateway.queue_replies("durable")
     sid, _ = await gateway.new_session()
     body = {"model": "policy", "messages": [{"role": "user", "content": "a"}], "stream": stream}
     async with gateway.client.stream("POST", f"/s/{sid}/v1/chat/completions", json=body) as r:

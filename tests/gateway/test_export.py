@@ -9,11 +9,11 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from belayer.cli import main as cli
-from tests.conftest import GatewayHarness
+from tests.support import GatewayHarness
 
 
 async def _episode(gw: GatewayHarness) -> tuple[str, list[dict[str, Any]]]:
-    gw.engine.outputs += [gw.encode_reply(x) for x in ("first", "second", "rewritten")]
+    gw.queue_replies("first", "second", "rewritten")
     sid, _ = await gw.new_session(task="export")
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
     r = await gw.client.post(f"/s/{sid}/v1/chat/completions", json={"model": "policy", "messages": msgs})

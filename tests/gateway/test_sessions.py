@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from engine_pool.fake import fake_logprob
-from tests.conftest import GatewayHarness
+from tests.support import GatewayHarness
 
 CALL = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
@@ -49,12 +49,8 @@ async def test_session_lifecycle(gateway: GatewayHarness) -> None:
 
 
 async def test_multi_turn_prefix_reuse_with_tool_calls(gateway: GatewayHarness) -> None:
-    replies = [
-        gateway.encode_reply("Let me look." + CALL),
-        gateway.encode_reply("Found it."),
-        gateway.encode_reply("Done.", eos=False),
-    ]
-    gateway.engine.outputs += [list(r) for r in replies]
+    replies = gateway.queue_replies("Let me look." + CALL, "Found it.")
+    gateway.queue_replies("Done.", eos=False)
     sid, _ = await gateway.new_session()
     msgs: list[dict[str, Any]] = [
         {"role": "system", "content": "be brief"},
@@ -111,7 +107,7 @@ async def test_multi_turn_prefix_reuse_with_tool_calls(gateway: GatewayHarness) 
 
 
 async def test_max_tokens_cut_turn_gets_end_of_turn_as_context(gateway: GatewayHarness) -> None:
-    gateway.engine.outputs += [gateway.encode_reply("cut short here"), gateway.encode_reply("ok")]
+    gateway.queue_replies("cut short here", "ok")
     sid, _ = await gateway.new_session()
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
     m1 = await chat(gateway, sid, msgs, max_tokens=2)
@@ -125,7 +121,7 @@ async def test_max_tokens_cut_turn_gets_end_of_turn_as_context(gateway: GatewayH
 
 
 async def test_history_rewrite_branches_and_both_stay_readable(gateway: GatewayHarness) -> None:
-    gateway.engine.outputs += [gateway.encode_reply(x) for x in ("one", "two", "three", "four")]
+    gateway.queue_replies("one", "two", "three", "four")
     sid, _ = await gateway.new_session()
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
     m1 = await chat(gateway, sid, msgs)
@@ -163,7 +159,7 @@ async def test_history_rewrite_branches_and_both_stay_readable(gateway: GatewayH
 
 
 async def test_a_fresh_prompt_keeps_the_identity_of_unchanged_answers(gateway: GatewayHarness) -> None:
-    gateway.engine.outputs += [gateway.encode_reply(x) for x in ("one", "two")]
+    gateway.queue_replies("one", "two")
     sid, _ = await gateway.new_session()
     m1 = await chat(gateway, sid, [{"role": "user", "content": "a"}])
     # the harness edits the first user message: no turn is a prefix, so the prompt is tokenized afresh
@@ -186,7 +182,7 @@ async def test_a_fresh_prompt_keeps_the_identity_of_unchanged_answers(gateway: G
 
 
 async def test_tool_call_ids_do_not_break_reuse(gateway: GatewayHarness) -> None:
-    gateway.engine.outputs += [gateway.encode_reply(CALL), gateway.encode_reply("ok")]
+    gateway.queue_replies(CALL, "ok")
     sid, _ = await gateway.new_session()
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
     m1 = await chat(gateway, sid, msgs)

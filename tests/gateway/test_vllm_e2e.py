@@ -9,8 +9,6 @@ import asyncio
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,17 +18,15 @@ import httpx
 import openai
 import pytest
 
-from core.errors import EngineUnavailable
 from engine_pool.client import parse_prompt_logprobs
-from engine_pool.worker import free_port, wait_http_ok
+from tests.support import belayer_server
 
 pytestmark = pytest.mark.vllm
 
 
 class Server:
-    def __init__(self, url: str, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, url: str) -> None:
         self.url = url
-        self.proc = proc
         self.http = httpx.Client(base_url=url, timeout=120)
 
     def session(self) -> tuple[str, str]:
@@ -64,26 +60,17 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    cmd = [sys.executable, "-m", "belayer.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-           "--store", str(tmp / "t.db"), "--log-dir", str(tmp / "logs"), "--max-body-bytes", str(64 << 20)]  # fmt: skip
-    log = open(tmp / "gateway.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc, 300.0, "gateway")
-    except EngineUnavailable:
-        raise AssertionError((tmp / "gateway.log").read_text()[-3000:]) from None
-    srv = Server(url, proc)
-    worker_pid = srv.engine["pid"]
-    yield srv
-    os.killpg(proc.pid, signal.SIGTERM)
-    # uvicorn shuts down gracefully (lifespan stops the worker), then re-raises the signal it caught.
-    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    args = ["serve", "--model", str(tiny_model_dir), "--store", str(tmp / "t.db"),
+            "--log-dir", str(tmp / "logs"), "--max-body-bytes", str(64 << 20)]  # fmt: skip
+    with belayer_server(args, tmp / "gateway.log", timeout=300.0) as process:
+        srv = Server(process.url)
+        worker_pid = srv.engine["pid"]
+        yield srv
+        # uvicorn shuts down gracefully (lifespan stops the worker), then re-raises the signal it caught.
+        assert process.stop(signal.SIGTERM, grace=60) in (0, -signal.SIGTERM)
     # The gateway stopped its worker's whole process group: no orphaned vLLM process.
     with pytest.raises(ProcessLookupError):
         os.killpg(worker_pid, 0)
-    log.close()
 
 
 MSGS: Any = [

