@@ -14,6 +14,7 @@ core.errors.InvalidRequest: 'reward' is not a finite number; JSON numbers must b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -26,6 +27,8 @@ from core.errors import InvalidRequest, RequestTooLarge, UnsupportedMediaType
 
 M = TypeVar("M", bound=BaseModel)
 
+OFF_LOOP_BYTES = 256 * 1024
+"""Bodies larger than this are parsed off the event loop."""
 MAX_DEPTH = 64
 """Deepest nesting of objects and arrays a body may have (tool schemas need a dozen levels)."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -53,6 +56,13 @@ async def read_json(request: Request, limit: int, *, optional: bool = False) -> 
         if optional:
             return {}
         raise InvalidRequest("the request body is empty; send a JSON object", code="invalid_json")
+    if len(raw) > OFF_LOOP_BYTES:  # parse and check a large body in a thread: the loop serves others
+        return await asyncio.to_thread(parse_json_object, raw)
+    return parse_json_object(raw)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object that round-trips (``check_storable``), or the `InvalidRequest` that says why not."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
@@ -86,6 +96,24 @@ def check_json_media_type(content_type: str | None) -> None:
         f"the request body is declared as {media!r}; send it as JSON with 'Content-Type: application/json'",
         code="unsupported_media_type",
     )
+
+
+def text_chars(value: Any) -> int:
+    """The characters in every string of `value` (a cheap lower bound on a rendered prompt's text).
+
+    >>> text_chars([{"role": "user", "content": "hello"}, {"content": [{"text": "abc"}]}])
+    12
+    """
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def _no_constant(name: str) -> Any:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel
 from starlette.requests import Request
 
-from core.errors import AuxiliaryUnavailable, NotFound
+from core.errors import AuxiliaryUnavailable, ContextLengthExceeded, NotFound
 from engine_pool.pool import EnginePool
 from gateway.auxiliary import AuxRoute, refuse
+from gateway.bodies import text_chars
 from gateway.config import GatewayConfig
 from gateway.sandboxes.manager import SandboxManager
 from gateway.sessions import SessionManager
@@ -20,7 +22,7 @@ from gateway.store import TrajectoryStore
 from gateway.tokenization import ChatTokenizer
 from gateway.turn_runner import TurnRunner
 
-M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -46,9 +48,29 @@ class Gateway:
         self.check_model(model)
         return None
 
+    def bound_prompt(self, *parts: Any) -> None:
+        """Refuse a prompt that certainly exceeds the context window, before templating and tokenizing
+        it (seconds of CPU for megabytes of text): n characters are at least n / max_token_bytes tokens."""
+        limit = self.pool.max_model_len
+        chars = text_chars(list(parts))
+        if limit and chars > limit * self.tokenizer.max_token_bytes:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your messages hold "
+                f"{chars} characters, which is more than {limit} tokens of any text. Please reduce the "
+                "length of the messages.",
+                param="messages",
+            )
+
+    async def offload(self, work: Callable[..., T], *args: Any) -> T:
+        """Run CPU-heavy request work (templating, tokenization, reading many sessions) in a worker
+        thread, so that the event loop keeps serving every other request and stream meanwhile."""
+        return await asyncio.to_thread(work, *args)
+
     def aux_http_client(self) -> httpx.AsyncClient:
         if self.aux_http is None:
-            raise AuxiliaryUnavailable("the gateway has no client for auxiliary providers (it is shutting down)")
+            raise AuxiliaryUnavailable(
+                "the gateway has no client for auxiliary providers (it is shutting down)"
+            )
         return self.aux_http
 
     def check_model(self, model: str) -> str:

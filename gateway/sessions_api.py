@@ -33,24 +33,26 @@ class Reward(BaseModel):
     info: dict[str, Any] | None = None
 
 
-def _base_url(gw: Gateway, request: Request, sid: str) -> str:
-    root = gw.config.public_url or str(request.base_url)
-    return f"{root.rstrip('/')}/s/{sid}/v1"
+def _root(gw: Gateway, request: Request) -> str:
+    return (gw.config.public_url or str(request.base_url)).rstrip("/")
 
 
-def _summary(gw: Gateway, request: Request, s: SessionRecord) -> dict[str, Any]:
-    turns = gw.store.get_turns(s.id)
+def _summary(
+    gw: Gateway, request: Request, s: SessionRecord, counts: dict[str, tuple[int, int]] | None = None
+) -> dict[str, Any]:
+    """A session as the API shows it; `counts` (from ``turn_counts``) when listing many."""
+    turns, branches = (counts if counts is not None else gw.store.turn_counts(s.id)).get(s.id, (0, 0))
     return {
         "id": s.id,
-        "base_url": _base_url(gw, request, s.id),
+        "base_url": f"{_root(gw, request)}/s/{s.id}/v1",
         "status": s.status,
         "metadata": s.metadata,
         "created_at": s.created_at,
         "closed_at": s.closed_at,
         "reward": s.reward,
         "reward_info": s.reward_info,
-        "num_turns": len(turns),
-        "num_branches": len({t.branch for t in turns}),
+        "num_turns": turns,
+        "num_branches": branches,
     }
 
 
@@ -100,9 +102,13 @@ async def create_session(request: Request) -> Response:
 
 async def list_sessions(request: Request) -> Response:
     gw = gateway_of(request)
-    return JSONResponse(
-        {"data": [_summary(gw, request, s) for s in gw.store.list_sessions() if not s.ephemeral]}
-    )
+    return await gw.offload(_session_list, gw, request)
+
+
+def _session_list(gw: Gateway, request: Request) -> Response:
+    counts = gw.store.turn_counts()
+    sessions = [s for s in gw.store.list_sessions() if not s.ephemeral]
+    return JSONResponse({"data": [_summary(gw, request, s, counts) for s in sessions]})
 
 
 async def get_session(request: Request) -> Response:
@@ -113,6 +119,11 @@ async def get_session(request: Request) -> Response:
 async def trajectory(request: Request) -> Response:
     gw = gateway_of(request)
     session = gw.sessions.get(request.path_params["session_id"])
+    return await gw.offload(_trajectory, gw, request, session)
+
+
+def _trajectory(gw: Gateway, request: Request, session: SessionRecord) -> Response:
+    """The whole trajectory (built and rendered in a worker thread: it may be megabytes)."""
     turns = gw.store.get_turns(session.id)
     by_id = {t.id: t for t in turns}
     branches = [

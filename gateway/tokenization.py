@@ -97,6 +97,9 @@ class ChatTokenizer:
         self._bytes: dict[int, bytes] = {}
         # Added tokens (specials, tags) are stored as plain text, not in byte-level form.
         self._added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+        self.max_token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab(with_added_tokens=True))
+        """The most UTF-8 bytes one token's vocabulary entry spans (an upper bound on the text one
+        token covers), so that a text of n characters has at least n / max_token_bytes tokens."""
 
     @classmethod
     def load(cls, model_dir: str | Path) -> ChatTokenizer:

@@ -148,6 +148,7 @@ class TurnRunner:
     def prepare(self, req: GenerationRequest) -> tuple[list[int], SamplingParams]:
         """Final prompt ids and sampling parameters; raises the 4xx errors before anything is stored."""
         prompt_ids = req.plan.prompt_ids + (self.tok.encode(req.forced_prefix) if req.forced_prefix else [])
+        budget = self._budget(len(prompt_ids), req.max_tokens)  # first: it is cheap for any length
         # Client-supplied token ids (raw completions) may be anything; templated prompts are ours.
         raw_ids = prompt_ids if req.messages is None else []
         bad = next((t for t in raw_ids if t < 0 or t >= self.tok.vocab_size), None)
@@ -155,7 +156,7 @@ class TurnRunner:
             raise InvalidRequest(
                 f"token id {bad} is outside the vocabulary (0..{self.tok.vocab_size - 1})", "prompt"
             )
-        return prompt_ids, replace(req.params, max_tokens=self._budget(len(prompt_ids), req.max_tokens))
+        return prompt_ids, replace(req.params, max_tokens=budget)
 
     def _begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
         plan = req.plan

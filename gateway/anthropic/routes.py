@@ -32,8 +32,9 @@ async def messages(request: Request) -> Response:
     route = gw.route_model(req.model)
     if route is not None and route.kind == "external":
         return await auxiliary.forward(gw.aux_http_client(), gw.store, route, raw, "messages", request)
+    gw.bound_prompt(raw.get("system"), raw.get("messages"))
     session = await session_for(gw, request, auxiliary_model=req.model if route else None)
-    gen = message_request(req, raw, session, gw.sessions)
+    gen = await gw.offload(message_request, req, raw, session, gw.sessions)
     fmt = MessageFormatter(req.model, prompt_tokens(gen.plan.prompt_ids, gen.forced_prefix, gw.tokenizer))
     return await respond(gw, gen, fmt)
 
@@ -47,7 +48,8 @@ async def messages_count_tokens(request: Request) -> Response:
     sid = request.path_params.get("session_id")
     if sid is not None:
         gw.sessions.get(sid)
-    return JSONResponse({"input_tokens": count_tokens(req, sid, gw.sessions, gw.tokenizer)})
+    gw.bound_prompt(raw.get("system"), raw.get("messages"))
+    return JSONResponse({"input_tokens": await gw.offload(count_tokens, req, sid, gw.sessions, gw.tokenizer)})
 
 
 def routes() -> list[Route]:

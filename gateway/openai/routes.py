@@ -32,8 +32,9 @@ async def chat_completions(request: Request) -> Response:
         return await auxiliary.forward(
             gw.aux_http_client(), gw.store, route, raw, "chat/completions", request
         )
+    gw.bound_prompt(raw.get("messages"))
     session = await session_for(gw, request, auxiliary_model=req.model if route else None)
-    gen, top = chat_request(req, raw, session, gw.sessions)
+    gen, top = await gw.offload(chat_request, req, raw, session, gw.sessions)
     gen.stream = bool(req.stream)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(gw, gen, ChatFormatter(req.model, gw.tokenizer, top, usage))
@@ -45,8 +46,9 @@ async def completions(request: Request) -> Response:
     reject_unsupported(raw)
     req = validate(CompletionRequest, raw)
     gw.check_model(req.model)
+    gw.bound_prompt(raw.get("prompt"))
     session = await session_for(gw, request)
-    gen = completion_request(req, raw, session, gw.tokenizer)
+    gen = await gw.offload(completion_request, req, raw, session, gw.tokenizer)
     gen.stream = bool(req.stream)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(gw, gen, CompletionFormatter(req.model, gw.tokenizer, req.logprobs, usage))

@@ -126,6 +126,10 @@ class TrajectoryStore(abc.ABC):
     def get_turns(self, session_id: str) -> list[TurnRecord]: ...
 
     @abc.abstractmethod
+    def turn_counts(self, session_id: str | None = None) -> dict[str, tuple[int, int]]:
+        """Each session's (or one session's) number of turns and of branches, without reading turns."""
+
+    @abc.abstractmethod
     def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
         """The newest complete turn whose ext key is in ``keys``, preferring keys later in the list."""
 

@@ -283,6 +283,14 @@ class SqliteStore(TrajectoryStore):
         rows = self._exec(f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? ORDER BY idx", (session_id,))
         return [_turn(r) for r in rows.fetchall()]
 
+    def turn_counts(self, session_id: str | None = None) -> dict[str, tuple[int, int]]:
+        sql = "SELECT session_id, COUNT(*), COUNT(DISTINCT branch) FROM turns"
+        rows = self._exec(
+            f"{sql} WHERE session_id = ? GROUP BY session_id" if session_id else f"{sql} GROUP BY session_id",
+            (session_id,) if session_id else (),
+        )
+        return {sid: (turns, branches) for sid, turns, branches in rows.fetchall()}
+
     def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
         if not keys:
             return None
