@@ -86,6 +86,9 @@ SERVE_FLAGS = (
     Flag("--checkpoint-policy", "sandbox.policy.mode"),
     Flag("--sandbox-port", "sandbox.sandbox_port"),
     Flag("--admin-token", "admin_token"),
+    Flag("--api-token", "api_token"),
+    Flag("--plain-v1", "plain_v1"),
+    Flag("--allowed-hosts", "allowed_hosts", metavar="HOST"),
     Flag("--max-failovers", "failover.max_failovers"),
     Flag("--stall-timeout", "failover.stall_timeout"),
     Flag("--no-worker-wait", "failover.no_worker_wait"),
@@ -272,7 +275,8 @@ def _run_episode(args: argparse.Namespace) -> int:
     try:
         task = Task.load(Path(args.task))
         harness = adapter(args.harness, Path(args.cache), model=args.model)
-        runner = EpisodeRunner(args.gateway, harness, progress=progress)
+        token = os.environ.get("BELAYER_API_TOKEN")  # the gateway's --api-token, if it has one
+        runner = EpisodeRunner(args.gateway, harness, progress=progress, api_token=token)
         report = runner.run(task, inside=args.inside, keep=args.keep)
     except (TaskError, HarnessError) as exc:
         print(f"belayer run-episode: {exc}", file=sys.stderr)

@@ -19,7 +19,8 @@
     │   ├── NotFound                   unknown session, model or route
     │   ├── ContextLengthExceeded      prompt + completion over the model's context window
     │   ├── Conflict                   e.g. a request on a closed session
-    │   ├── Forbidden                  an admin endpoint without the admin token
+    │   ├── Unauthorized               an API route without (or with a wrong) API token
+    │   ├── Forbidden                  an admin endpoint without the admin token; a route turned off
     │   └── SandboxesDisabled          a sandbox route on a gateway without sandboxes
     ├── StoreError                     the trajectory store failed
     ├── SandboxError                   anything raised by sandbox/ and the gateway's sandbox manager
@@ -143,6 +144,10 @@ class ContextLengthExceeded(RequestError):
 
 class Conflict(RequestError):
     """The request conflicts with the resource's state (e.g. the session is closed)."""
+
+
+class Unauthorized(RequestError):
+    """An API route called without (or with a wrong) API token."""
 
 
 class Forbidden(RequestError):

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from engine_pool.pool import EnginePool
 from engine_pool.worker import WorkerSpec, free_port
 from gateway import engines_api, sandbox_api, sessions_api
+from gateway.access import Access
 from gateway.anthropic import routes as anthropic_routes
 from gateway.config import GatewayConfig
 from gateway.errors import UnexpectedErrors, handlers
@@ -67,6 +68,18 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
+def _warn_open(config: GatewayConfig) -> None:
+    if config.api_token is None:
+        log.warning(
+            "the API is open: anyone who reaches %s:%d can list, read, reward and close every session; "
+            "set --api-token (or BELAYER_API_TOKEN) unless only you can reach this port",
+            config.host,
+            config.port,
+        )
+    if config.host in ("0.0.0.0", "::") and not (config.public_url or config.allowed_hosts):
+        log.warning("listening on all addresses: set --public-url so that session base_urls are reachable")
+
+
 def build_app(
     config: GatewayConfig,
     pool: EnginePool | None = None,
@@ -89,7 +102,7 @@ def build_app(
                 )
                 if sandboxes is not None and config.sandbox.sandbox_port is not None:
                     await owned.enter_async_context(
-                        serve_sandboxes(app, sandboxes, sandboxes.backend, config.sandbox.sandbox_port)
+                        serve_sandboxes(app, sandboxes, sandboxes.network, config.sandbox.sandbox_port)
                     )
                 watchers = [*(observers or []), *([sandboxes] if sandboxes else [])]
                 aux_http = await owned.enter_async_context(
@@ -110,6 +123,7 @@ def build_app(
                 app.state.gateway = Gateway(
                     config, store, tok, the_pool, sessions, runner, sandboxes, aux_http
                 )
+                _warn_open(config)
                 log.info(
                     "gateway ready: workers=%s max_model_len=%d",
                     [m.name for m in the_pool.ready()],
@@ -131,6 +145,6 @@ def build_app(
             *sandbox_api.routes(),
         ],
         exception_handlers=handlers(),
-        middleware=[Middleware(UnexpectedErrors)],
+        middleware=[Middleware(UnexpectedErrors), Middleware(Access, config=config)],
         lifespan=lifespan,
     )

@@ -170,6 +170,24 @@ class GatewayConfig(BaseSettings):
         default=None,
         description="bearer token for the admin endpoints (POST /api/engines); without one they are off",
     )
+    api_token: str | None = Field(
+        default=None,
+        description=(
+            "bearer token the trainer side needs for every /api/* route (not /health); harnesses need none: "
+            "a session's URL is its capability. Unset: the API is open to anyone who reaches the port"
+        ),
+    )
+    plain_v1: Literal["open", "token", "off"] = Field(
+        default="open",
+        description="plain /v1 requests (one-request sessions): open, behind the API token, or off",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Host header values the gateway answers (others get a 400) and builds base_urls from; "
+            "unset: any Host is answered, and base_urls come from --public-url or --host/--port"
+        ),
+    )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     max_model_len: int = Field(default=65536, gt=0, description="context window of launched workers")
     store_path: str = Field(default="belayer-trajectories.db", description="SQLite trajectory store")

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -19,10 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from core.errors import Forbidden, InvalidRequest
+from core.errors import InvalidRequest
 from engine_pool.pool import PoolMember
+from gateway.access import require_admin
 from gateway.bodies import read_json, validate
-from gateway.runtime import Gateway, gateway_of
+from gateway.runtime import gateway_of
 
 
 def _engine_json(m: PoolMember) -> dict[str, Any]:
@@ -49,22 +49,10 @@ class RegisterEngine(BaseModel):
     url: str
 
 
-def require_admin(gw: Gateway, request: Request) -> None:
-    """Admin endpoints need ``Authorization: Bearer <admin token>``; with no token configured they are off."""
-    token = gw.config.admin_token
-    if token is None:
-        raise Forbidden(
-            "admin endpoints are disabled; start the gateway with --admin-token (or BELAYER_ADMIN_TOKEN)"
-        )
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
-        raise Forbidden("this endpoint needs the gateway's admin token: send 'Authorization: Bearer <token>'")
-
-
 async def register_engine(request: Request) -> Response:
     """Register a running vLLM server by URL; the pool probes it and routes to it once it answers."""
     gw = gateway_of(request)
-    require_admin(gw, request)
+    require_admin(gw.config, request)
     req = validate(RegisterEngine, await read_json(request, gw.config.max_body_bytes))
     member = await gw.pool.register(req.url)
     return JSONResponse(_engine_json(member), status_code=201)
@@ -73,7 +61,7 @@ async def register_engine(request: Request) -> Response:
 async def remove_engine(request: Request) -> Response:
     """Drain a worker, then remove it from the pool (a launched one is stopped)."""
     gw = gateway_of(request)
-    require_admin(gw, request)
+    require_admin(gw.config, request)
     raw = request.query_params.get("drain_s", "60")
     try:
         drain_s = float(raw)

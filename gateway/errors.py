@@ -60,6 +60,7 @@ from core.errors import (
     SandboxTimeout,
     SandboxUnavailable,
     StoreError,
+    Unauthorized,
     UnsupportedMediaType,
 )
 
@@ -98,6 +99,7 @@ TABLE: dict[type[BaseException], HttpError] = {
     NotFound: HttpError(404, "not_found"),
     ContextLengthExceeded: HttpError(400, "context_length_exceeded"),
     Conflict: HttpError(409, "conflict"),
+    Unauthorized: HttpError(401, "invalid_api_token", type="authentication_error"),
     Forbidden: HttpError(403, "forbidden", type="permission_error"),
     SandboxesDisabled: HttpError(404, "sandboxes_disabled"),
     RequestError: HttpError(400),

@@ -78,7 +78,7 @@ class SessionManager:
         request rejected before generation leaves nothing behind."""
         prefix = "req" if ephemeral else "ses"
         record = SessionRecord(
-            id=f"{prefix}_{secrets.token_hex(10)}",
+            id=f"{prefix}_{secrets.token_hex(16)}",  # 128 random bits: a session id is a capability
             created_at=time.time(),
             metadata=metadata or {},
             ephemeral=ephemeral,

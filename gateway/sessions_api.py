@@ -13,7 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from core.errors import Conflict
 from gateway import sandbox_api
+from gateway.access import base_root, require_admin
 from gateway.bodies import read_json, validate
 from gateway.export import Runs, aligned_logprobs, branch_leaves, recomputed_mask, recomputed_runs
 from gateway.runtime import Gateway, gateway_of
@@ -29,12 +31,14 @@ class CreateSession(BaseModel):
 
 class Reward(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reward: float
+    reward: float = Field(allow_inf_nan=False)
     info: dict[str, Any] | None = None
+    override: bool = False
+    """Change the reward of a closed session (admin token only)."""
 
 
 def _root(gw: Gateway, request: Request) -> str:
-    return (gw.config.public_url or str(request.base_url)).rstrip("/")
+    return base_root(gw.config, request)
 
 
 def _summary(
@@ -159,6 +163,15 @@ async def set_reward(request: Request) -> Response:
     gw = gateway_of(request)
     session = gw.sessions.get(request.path_params["session_id"])
     req = validate(Reward, await read_json(request, gw.config.max_body_bytes))
+    if session.status != "open":
+        if not req.override:
+            raise Conflict(
+                f"session '{session.id}' is {session.status}: its reward is final. An admin can change it "
+                'with "override": true and the admin token',
+                "session_id",
+                "reward_final",
+            )
+        require_admin(gw.config, request)
     session.reward, session.reward_info = req.reward, req.info
     gw.store.update_session(session)
     return JSONResponse(_summary(gw, request, session))

@@ -111,10 +111,12 @@ class EpisodeRunner:
         client: httpx.Client | None = None,
         progress: Callable[[str], None] | None = None,
         poll_s: float = 1.0,
+        api_token: str | None = None,
     ) -> None:
         self.gateway = gateway.rstrip("/")
         self.adapter = adapter
-        self.http = client or httpx.Client(timeout=600)
+        auth = {"authorization": f"Bearer {api_token}"} if api_token else {}
+        self.http = client or httpx.Client(timeout=600, headers=auth)  # the sessions API (trainer side)
         self.progress = progress or (lambda _m: None)
         self.poll_s = poll_s
 

@@ -48,6 +48,7 @@ async def gateway(
         store_path=str(tmp_path / "traj.db"),
         max_body_bytes=256 * 1024,
         failover=FailoverConfig(no_worker_wait=0.3, stall_timeout=1.0),
+        allowed_hosts=["gw"],  # the test client's host: checked, and session base_urls are built from it
     )
     async with asgi_gateway(config, httpx.ASGITransport(fake_engine.app())) as (app, client):
         yield GatewayHarness(app, client, fake_engine)
