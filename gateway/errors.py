@@ -157,6 +157,8 @@ def for_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
         param, code = entry.param, entry.code
         if isinstance(exc, RequestError):
             param, code = exc.param or param, exc.code or code
+        if entry.status >= 500:  # the gateway's or a backend's failure: the operator needs to see it
+            log.error("answered %d (%s): %s", entry.status, code or type(exc).__name__, message)
         return entry.status, error_body(message, entry.error_type, param, code)
     if isinstance(exc, HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

@@ -29,6 +29,7 @@ from core.errors import (
     EngineTimeout,
     EngineUnavailable,
     InvalidRequest,
+    StoreError,
 )
 from core.tasks import TaskOwner
 from engine_pool.client import SamplingParams, TokenChunk
@@ -396,9 +397,13 @@ class TurnRunner:
         turn.status = status
         turn.error = error
         turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
-        self.store.finish_turn(turn)
-        self._event(turn, "turn_failed", {"status": status, "error": error})
-        self._notify_finished(turn)
+        try:
+            self.store.finish_turn(turn)
+            self._event(turn, "turn_failed", {"status": status, "error": error})
+        except StoreError:
+            pass  # logged by the store, which keeps the turn's end and writes it later: the first error is the news
+        finally:
+            self._notify_finished(turn)
 
     def _notify_finished(self, turn: TurnRecord) -> None:
         for obs in self.observers:
@@ -429,8 +434,10 @@ class TurnRunner:
         turn.finish_reason = finish
         turn.status = TURN_COMPLETE
         turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
-        self.store.finish_turn(turn)
-        self._notify_finished(turn)
+        try:
+            self.store.finish_turn(turn)  # a StoreError goes to the client: the turn is not on disk
+        finally:
+            self._notify_finished(turn)
         if req.plan.rewritten:
             self._background.spawn(self._recompute(req, turn), f"recompute-turn-{turn.id}")
         return Done(turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids))

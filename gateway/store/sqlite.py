@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -29,6 +30,8 @@ from gateway.store.base import (
     TrajectoryStore,
     TurnRecord,
 )
+
+log = logging.getLogger("belayer.store")
 
 
 def _dumps(value: object) -> str:
@@ -128,6 +131,11 @@ class SqliteStore(TrajectoryStore):
         except sqlite3.Error as e:
             raise StoreError(f"cannot open trajectory store {self.path}: {e}") from e
         self._lock = threading.Lock()
+        self._unwritten: dict[int, TurnRecord] = {}
+        """Finished turns whose final write failed (disk full, read-only): kept here, shown to readers,
+        and written by the next write that succeeds, so no turn stays ``running``."""
+        self.failures = 0
+        """Store operations that failed (each is logged with its cause)."""
         self._mark_interrupted()
 
     def _mark_interrupted(self) -> None:
@@ -139,11 +147,19 @@ class SqliteStore(TrajectoryStore):
             with self._lock:
                 return self._db.execute(sql, args)
         except sqlite3.Error as e:
-            raise StoreError(f"trajectory store error: {e}") from e
+            raise self._failed(e) from e
+
+    def _failed(self, error: sqlite3.Error) -> StoreError:
+        """The StoreError for `error`, with SQLite's own cause in it (disk full, read-only, corrupt)."""
+        self.failures += 1
+        log.error("trajectory store %s failed: %s", self.path, error)
+        return StoreError(f"trajectory store error: {error} ({self.path})")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """Several writes committed together (or not at all), under the store's lock."""
+        """Several writes committed together (or not at all), under the store's lock. SQLite may have
+        rolled back already (a full disk does): then there is nothing to roll back, and the error
+        that ended the transaction is the one reported."""
         try:
             with self._lock:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -151,10 +167,12 @@ class SqliteStore(TrajectoryStore):
                     yield self._db
                     self._db.execute("COMMIT")
                 except BaseException:
-                    self._db.execute("ROLLBACK")
+                    if self._db.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            self._db.execute("ROLLBACK")
                     raise
         except sqlite3.Error as e:
-            raise StoreError(f"trajectory store error: {e}") from e
+            raise self._failed(e) from e
 
     def create_session(self, session: SessionRecord) -> SessionRecord:
         with self._lock:
@@ -177,7 +195,7 @@ class SqliteStore(TrajectoryStore):
                 ),
             )
         except sqlite3.Error as e:
-            raise StoreError(f"trajectory store error: {e}") from e
+            raise self._failed(e) from e
 
     def get_session(self, session_id: str) -> SessionRecord | None:
         row = self._exec("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
@@ -258,6 +276,25 @@ class SqliteStore(TrajectoryStore):
         return index, int(parent[0]) if newest == turn.parent_id else int(new_branch)
 
     def finish_turn(self, turn: TurnRecord) -> None:
+        try:
+            self._write_finish(turn)
+        except StoreError:
+            self._unwritten[turn.id] = turn
+            raise
+        self._unwritten.pop(turn.id, None)
+        self._write_unwritten()
+
+    def _write_unwritten(self) -> None:
+        """Retry the final writes that failed earlier (stop at the first that fails again)."""
+        for turn in list(self._unwritten.values()):
+            try:
+                self._write_finish(turn)
+            except StoreError:
+                return
+            self._unwritten.pop(turn.id, None)
+            log.warning("trajectory store: turn %d written after an earlier failure", turn.id)
+
+    def _write_finish(self, turn: TurnRecord) -> None:
         self._exec(
             "UPDATE turns SET status = CASE status WHEN 'discarded' THEN status ELSE ? END, ext_key = ?, output_ids = ?, output_logprobs = ?, response = ?, "
             "finish_reason = ?, worker = ?, timings = ?, error = ? WHERE id = ?",
@@ -277,11 +314,15 @@ class SqliteStore(TrajectoryStore):
 
     def get_turn(self, turn_id: int) -> TurnRecord | None:
         row = self._exec(f"SELECT {_TURN_COLS} FROM turns WHERE id = ?", (turn_id,)).fetchone()
-        return _turn(row) if row else None
+        return self._latest(_turn(row)) if row else None
 
     def get_turns(self, session_id: str) -> list[TurnRecord]:
         rows = self._exec(f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? ORDER BY idx", (session_id,))
-        return [_turn(r) for r in rows.fetchall()]
+        return [self._latest(_turn(r)) for r in rows.fetchall()]
+
+    def _latest(self, stored: TurnRecord) -> TurnRecord:
+        """A turn as it is: its finished state when that could not be written yet."""
+        return self._unwritten.get(stored.id, stored)
 
     def turn_counts(self, session_id: str | None = None) -> dict[str, tuple[int, int]]:
         sql = "SELECT session_id, COUNT(*), COUNT(DISTINCT branch) FROM turns"
@@ -346,5 +387,12 @@ class SqliteStore(TrajectoryStore):
         return indices
 
     def close(self) -> None:
+        self._write_unwritten()
+        if self._unwritten:
+            log.error(
+                "trajectory store %s closes with turns %s unwritten; they will read as interrupted",
+                self.path,
+                sorted(self._unwritten),
+            )
         with self._lock:
             self._db.close()
