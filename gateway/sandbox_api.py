@@ -39,9 +39,7 @@ from engine_pool.pool import EnginePool
 from gateway.bodies import read_json, validate
 from gateway.config import SandboxConfig
 from gateway.runtime import Gateway, gateway_of
-from gateway.sandboxes.manager import (
-    SandboxManager,
-)
+from gateway.sandboxes.manager import SandboxManager
 from gateway.store import TrajectoryStore
 from sandbox.backend import SandboxBackend, SandboxSpec
 

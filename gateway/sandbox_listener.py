@@ -1,7 +1,7 @@
 """The gateway's second listener, the only thing a ``network="gateway"`` sandbox can reach.
 
-It listens on the host's address on the sandbox network (`SandboxBackend.gateway_address`), and the
-backend's firewall lets sandboxes reach that port and nothing else. It serves the same app, but a
+It listens on the host's address on the sandbox network (`SandboxNetwork.gateway_address`), and the
+network's firewall lets sandboxes reach that port and nothing else. It serves the same app, but a
 request must come from a sandbox and name that sandbox's own session: ``/s/{its session}/…`` (and
 ``/health``). Everything else, the admin, sandbox and sessions APIs and other sessions included, is
 refused with a 403 in the protocol's error JSON. The request's source address tells the sandbox
@@ -22,9 +22,10 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.errors import SandboxError
+from gateway.access import SANDBOX_SCOPE_KEY
 from gateway.errors import ANTHROPIC_PATH, anthropic_error, error_body
 from gateway.sandboxes.manager import SandboxManager
-from sandbox.backend import SandboxBackend
+from sandbox.network import SandboxNetwork
 
 log = logging.getLogger("belayer.gateway")
 _SESSION_PATH = re.compile(r"/s/([^/]+)/")
@@ -47,6 +48,7 @@ class SandboxFacing:
                     body = anthropic_error(403, body)
                 await JSONResponse(body, status_code=403)(scope, receive, send)
                 return
+            scope = {**scope, SANDBOX_SCOPE_KEY: self.manager.session_for_address(scope["client"][0])}
         elif scope["type"] != "lifespan":
             return
         await self.app(scope, receive, send)
@@ -67,16 +69,20 @@ class SandboxFacing:
 
 @contextlib.asynccontextmanager
 async def serve_sandboxes(
-    app: ASGIApp, manager: SandboxManager, backend: SandboxBackend, port: int
+    app: ASGIApp, manager: SandboxManager, network: SandboxNetwork | None, port: int
 ) -> AsyncIterator[str | None]:
     """Run the listener for the lifespan; yield its URL (None, with a warning, when it cannot run)."""
+    if network is None:
+        log.warning("no listener for network='gateway' sandboxes: the sandbox backend has no such network")
+        yield None
+        return
     try:
-        host = await asyncio.to_thread(backend.gateway_address)
+        host = await asyncio.to_thread(network.gateway_address)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         port = sock.getsockname()[1]
-        await asyncio.to_thread(backend.open_gateway, port)
+        await asyncio.to_thread(network.open_gateway, port)
     except (SandboxError, OSError) as exc:
         log.warning("no listener for network='gateway' sandboxes (%s); they cannot be created", exc)
         yield None
@@ -98,4 +104,4 @@ async def serve_sandboxes(
             await task
         sock.close()
         with contextlib.suppress(SandboxError):
-            await asyncio.to_thread(backend.close_gateway, port)
+            await asyncio.to_thread(network.close_gateway, port)

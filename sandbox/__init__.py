@@ -1,7 +1,13 @@
 """Sandboxes for agent episodes: one ABC (`sandbox.backend.SandboxBackend`) and its implementations.
 
-`sandbox.docker_backend` (the only module that imports `docker`) runs them as Docker containers with
-CRIU checkpoints; `sandbox.images` builds their base images without a registry.
+- `sandbox.backend`: the seam (containers: create, exec, files, checkpoint, restore, destroy, status);
+- `sandbox.docker_backend` runs them as Docker containers with CRIU checkpoints (it and
+  `sandbox.docker_network` are the only modules that import `docker`; `sandbox.supervisor` is the
+  in-container half);
+- `sandbox.fake`: in memory, with a scripted fault queue, for tests of what sits above the seam;
+- `sandbox.network`: the seam of the network that ``network="gateway"`` sandboxes join;
+- `sandbox.images` builds base images without a registry; `sandbox.workloads` holds programs whose
+  state lives in memory, to check that processes survive a restore.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from core.errors import (
     SandboxTimeout,
     SandboxUnavailable,
 )
-from sandbox.backend import Checkpoint, ExecResult, Sandbox, SandboxBackend, SandboxSpec
+from sandbox.backend import Checkpoint, ExecResult, Sandbox, SandboxBackend, SandboxSpec, SandboxStatus
+from sandbox.network import SandboxNetwork
 
 __all__ = [
     "Checkpoint",
@@ -30,8 +37,10 @@ __all__ = [
     "SandboxBackend",
     "SandboxError",
     "SandboxFileNotFound",
+    "SandboxNetwork",
     "SandboxNotFound",
     "SandboxSpec",
+    "SandboxStatus",
     "SandboxTimeout",
     "SandboxUnavailable",
 ]

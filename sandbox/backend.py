@@ -15,8 +15,9 @@ Example::
     box2 = backend.restore(ckpt)
     assert backend.exec(box2.id, "echo $N $(pwd)").stdout == "1 /workspace\\n"
 
-Methods block; async callers run them in a worker thread (`asyncio.to_thread`). Implementations
-serialise calls on one sandbox and allow calls on different sandboxes to run concurrently.
+Methods block; async callers run them in worker threads (the gateway's manager has its own bounded
+pools). Implementations serialise calls on one sandbox and allow calls on different sandboxes to run
+concurrently. `destroy` must not wait for a call in progress on that sandbox: it ends it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.errors import PathEscapeError, SandboxArgumentError
+from sandbox.network import SandboxNetwork
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SESSION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
@@ -46,7 +48,7 @@ class SandboxSpec(BaseModel):
 
     - ``"none"``: no interface but loopback;
     - ``"gateway"``: the one address where the gateway listens for its sandboxes, and nothing else
-      (for a harness that runs inside the sandbox); see `SandboxBackend.open_gateway`;
+      (for a harness that runs inside the sandbox); see `sandbox.network.SandboxNetwork`;
     - ``"full"``: the engine's default bridge, with outbound access.
     """
 
@@ -132,6 +134,8 @@ class Checkpoint:
     process_seconds: float
     env: tuple[str, ...] = ()
     """The container's full environment (image ENV plus `spec.env`), as `NAME=value`."""
+    dump_bytes: int = 0
+    """Size of the process dump (what the checkpoint policy weighs its next cost by)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +153,11 @@ class SandboxStatus:
 
 
 class SandboxBackend(abc.ABC):
-    """Creates sandboxes, runs commands in them, and checkpoints and restores them."""
+    """Creates sandboxes, runs commands in them, and checkpoints and restores them.
+
+    Implementations: `sandbox.docker_backend.DockerSandboxBackend` and the in-memory
+    `sandbox.fake.FakeSandboxBackend` (for tests of what sits above the seam).
+    """
 
     @abc.abstractmethod
     def create(self, spec: SandboxSpec) -> Sandbox:
@@ -202,22 +210,11 @@ class SandboxBackend(abc.ABC):
     def status(self, sandbox_id: str) -> SandboxStatus:
         """Whether the sandbox runs; raises `SandboxNotFound` when it is gone altogether."""
 
-    @abc.abstractmethod
-    def address(self, sandbox_id: str) -> str | None:
-        """The sandbox's address on the gateway network (None when it is not on it)."""
-
-    @abc.abstractmethod
-    def gateway_address(self) -> str:
-        """Prepare the network of ``network="gateway"`` sandboxes; return the host's address on it."""
-
-    @abc.abstractmethod
-    def open_gateway(self, port: int) -> None:
-        """Let ``network="gateway"`` sandboxes reach `port` at `gateway_address()`, and nothing else
-        (idempotent; several gateways may share the network)."""
-
-    @abc.abstractmethod
-    def close_gateway(self, port: int) -> None:
-        """Withdraw what `open_gateway(port)` allowed."""
+    @property
+    def network(self) -> SandboxNetwork | None:
+        """The network that ``network="gateway"`` sandboxes join (`sandbox.network`); None when the
+        backend has none, and such sandboxes cannot be created."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release the backend's own resources (not the sandboxes)."""

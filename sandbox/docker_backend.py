@@ -69,7 +69,8 @@ from sandbox.backend import (
     check_session_name,
     resolve_in_root,
 )
-from sandbox.network import GatewayNetwork
+from sandbox.docker_network import GatewayNetwork
+from sandbox.network import SandboxNetwork
 
 _CRIU_NAME = "criu"
 _SPEC_LABEL = "belayer.spec"
@@ -114,6 +115,37 @@ def docker_errors(wrap: type[SandboxError] = SandboxError, *, file_op: bool = Fa
         raise wrap(str(exc)) from exc
 
 
+class DockerNetwork(SandboxNetwork):
+    """`SandboxNetwork` on Docker: the internal bridge and firewall chain of `sandbox.docker_network`."""
+
+    def __init__(self, api: docker.APIClient, name: str, bridge: str) -> None:
+        self._api = api
+        self._name = name
+        self._gateway = GatewayNetwork(api, name, bridge)
+
+    def address(self, sandbox_id: str) -> str | None:
+        with docker_errors():
+            networks = self._api.inspect_container(sandbox_id)["NetworkSettings"].get("Networks") or {}
+        ip = (networks.get(self._name) or {}).get("IPAddress")
+        return str(ip) if ip else None
+
+    def gateway_address(self) -> str:
+        with docker_errors(SandboxUnavailable):
+            return self.ensure()
+
+    def ensure(self) -> str:
+        """Create the network if needed (Docker errors propagate untranslated); the host's address."""
+        return self._gateway.ensure()
+
+    def open_gateway(self, port: int) -> None:
+        with docker_errors(SandboxUnavailable):
+            self._gateway.open(port)
+
+    def close_gateway(self, port: int) -> None:
+        with docker_errors(SandboxUnavailable):
+            self._gateway.close(port)
+
+
 class DockerSandboxBackend(SandboxBackend):
     """Sandboxes as Docker containers; checkpoints as commit + CRIU dump. See the module docstring."""
 
@@ -126,7 +158,7 @@ class DockerSandboxBackend(SandboxBackend):
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._data_root: Path | None = None
-        self._network = GatewayNetwork(self._api, config.gateway_network, config.gateway_bridge)
+        self._network = DockerNetwork(self._api, config.gateway_network, config.gateway_bridge)
 
     # ------------------------------------------------------------------ lifecycle
     def create(self, spec: SandboxSpec) -> Sandbox:
@@ -178,23 +210,9 @@ class DockerSandboxBackend(SandboxBackend):
             detail=detail,
         )  # fmt: skip
 
-    def address(self, sandbox_id: str) -> str | None:
-        with docker_errors():
-            networks = self._api.inspect_container(sandbox_id)["NetworkSettings"].get("Networks") or {}
-        ip = (networks.get(self._config.gateway_network) or {}).get("IPAddress")
-        return str(ip) if ip else None
-
-    def gateway_address(self) -> str:
-        with docker_errors(SandboxUnavailable):
-            return self._network.ensure()
-
-    def open_gateway(self, port: int) -> None:
-        with docker_errors(SandboxUnavailable):
-            self._network.open(port)
-
-    def close_gateway(self, port: int) -> None:
-        with docker_errors(SandboxUnavailable):
-            self._network.close(port)
+    @property
+    def network(self) -> DockerNetwork:
+        return self._network
 
     # ------------------------------------------------------------------ exec
     def exec(
@@ -319,7 +337,7 @@ class DockerSandboxBackend(SandboxBackend):
             id=ckpt_id, sandbox_id=sandbox_id, label=label, spec=spec, image=image,
             location=str(location), created_at=time.time(),
             fs_seconds=fs_done - started, process_seconds=dumped - fs_done,
-            env=tuple(info["Config"].get("Env") or ()),
+            env=tuple(info["Config"].get("Env") or ()), dump_bytes=_tree_bytes(location),
         )  # fmt: skip
         (location / "meta.json").write_text(checkpoint_to_json(ckpt))
         return ckpt
@@ -575,6 +593,10 @@ def _cut(size: str | None, shown: str, limit: int) -> bool:
     if size is not None and size.isdigit():
         return int(size) > limit
     return len(shown.encode()) >= limit
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 def _single_file(raw: bytes, target: str) -> bytes:

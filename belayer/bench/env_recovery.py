@@ -43,24 +43,12 @@ from gateway.sandboxes.policy import Mode, PolicySettings
 from sandbox.backend import SandboxSpec
 from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
 from sandbox.images import PYTHON_IMAGE, ensure_python_image
+from sandbox.workloads import PYTHON_COUNTER_QUERY as QUERY
+from sandbox.workloads import PYTHON_COUNTER_SERVER as SERVER
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 THINKING = "Let me look at the state of the workspace and decide on the next step. " * 6
 
-SERVER = """
-import http.server
-hits = {"n": 0}
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        hits["n"] += 1
-        body = str(hits["n"]).encode()
-        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", 8765), H).serve_forever()
-"""
-QUERY = "python3 -c 'import urllib.request as u; print(u.urlopen(\"http://127.0.0.1:8765/\", timeout=5).read().decode())'"
 GEN_SRC = (
     'mkdir -p src/pkg && python3 -c "\nfor i in range(400):\n'
     "    open(f'src/pkg/m{i}.py','w').write(f'VALUE = {i}\\\\n' + 'def f(x):\\\\n    return x * %d\\\\n' % i * 20)\n"
@@ -319,6 +307,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     opts = parse_args(argv)
+    DockerSandboxBackend(DockerBackendConfig()).close()  # Docker down: SandboxUnavailable, before any work
     if not (Path(opts.model) / "tokenizer.json").exists():
         from belayer.tiny_model import build_tiny
 

@@ -1,12 +1,17 @@
 """The sandbox tests' shared pieces: the scripted policy (step i's tool call, chosen from the prompt
-alone) and a background process whose state lives only in memory."""
+alone) and an engine whose every reply takes a while (a real inference bubble)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
+from typing import Any
 
 from gateway.tokenization import ChatTokenizer
+from sandbox.workloads import SHELL_COUNTER_SERVER as COUNTER_SERVER
+
+__all__ = ["COUNTER_SERVER", "TOOLS", "LatentEngine", "scripted", "step_of"]
 
 TOOLS = [
     {
@@ -20,12 +25,16 @@ TOOLS = [
 ]
 
 
-# A shell "server" whose state lives only in memory: each SIGUSR1 bumps n and writes it out.
-COUNTER_SERVER = (
-    'sh -c \'n=0; trap "n=\\$((n+1)); echo \\$n > /workspace/count" USR1; '
-    "while :; do sleep 0.2 & wait $!; done' >/dev/null 2>&1 &\n"
-    "echo $! > /workspace/server.pid"
-)
+class LatentEngine:
+    """An ASGI wrapper that makes each completion take `latency_s` first: an LLM call's bubble."""
+
+    def __init__(self, app: Any, latency_s: float) -> None:
+        self.app, self.latency_s = app, latency_s
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/completions"):
+            await asyncio.sleep(self.latency_s)
+        await self.app(scope, receive, send)
 
 
 def step_of(tok: ChatTokenizer, prompt: list[int]) -> int:

@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from belayer.bench.env_recovery import SERVER  # a Python server whose hit count lives in memory
 from core.errors import (
     PathEscapeError,
     SandboxError,
@@ -16,16 +15,13 @@ from core.errors import (
 )
 from sandbox.backend import Sandbox, SandboxSpec
 from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
-from tests.sandbox.scripting import COUNTER_SERVER
+from sandbox.workloads import PYTHON_COUNTER_QUERY as PY_GET
+from sandbox.workloads import PYTHON_COUNTER_SERVER as SERVER
+from sandbox.workloads import SHELL_COUNTER_SERVER as COUNTER_SERVER
 
 pytestmark = pytest.mark.docker
 
 BUMP = 'kill -USR1 "$(cat /workspace/server.pid)"; sleep 0.4; cat /workspace/count'
-
-PY_GET = (
-    "python3 -c 'import urllib.request as u; "
-    'print(u.urlopen("http://127.0.0.1:8765/", timeout=5).read().decode())\''
-)
 
 
 def test_exec_returns_output_and_exit_code(backend: DockerSandboxBackend, box: Sandbox) -> None:
@@ -234,7 +230,7 @@ def test_locked_down_by_default(backend: DockerSandboxBackend, box: Sandbox) -> 
         spec.memory_bytes, spec.memory_bytes, spec.pids_limit, int(spec.cpus * 1e9),
     )  # fmt: skip
     assert (host["NetworkMode"], host["SecurityOpt"]) == ("none", ["no-new-privileges"])
-    assert backend.status(box.id).running and backend.address(box.id) is None
+    assert backend.status(box.id).running and backend.network.address(box.id) is None
 
 
 def test_pids_limit_holds_and_a_fork_bomb_is_a_sandbox_failure(

@@ -25,7 +25,6 @@ import docker.errors
 import httpx
 import pytest
 
-from belayer.bench.env_recovery import LatentEngine
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
@@ -33,7 +32,7 @@ from gateway.config import FailoverConfig, GatewayConfig, SandboxConfig
 from gateway.runtime import Gateway
 from gateway.sandboxes.policy import PolicySettings
 from sandbox.docker_backend import DockerSandboxBackend
-from tests.sandbox.scripting import COUNTER_SERVER, TOOLS, scripted
+from tests.sandbox.scripting import COUNTER_SERVER, TOOLS, LatentEngine, scripted
 
 pytestmark = pytest.mark.docker
 
@@ -164,7 +163,7 @@ async def start(env: Env, commands: list[str], recovery: str = "truncate") -> tu
 
 async def check_consistent(env: Env, sid: str, steps: int) -> dict[str, Any]:
     await env.gw.sandboxes.idle()  # type: ignore[union-attr]  # the last bubble's checkpoint
-    traj = (await env.client.get(f"/api/sessions/{sid}/trajectory")).json()
+    traj: dict[str, Any] = (await env.client.get(f"/api/sessions/{sid}/trajectory")).json()
     turns = traj["turns"]
     assert [t["index"] for t in turns] == list(range(len(turns)))  # numbering has no gap
     kept = [t for t in turns if t["status"] != "discarded"]

@@ -1,0 +1,78 @@
+"""Taking a session's checkpoints, tagging them with turns, and deleting the ones it no longer needs.
+
+A checkpoint taken while turn k's LLM call runs is tagged with turn k (see `records` for what
+`keep_through` means). Each one feeds the policy its cost, clears the replay journal (the calls before
+it are in it), and evicts the oldest beyond `keep_checkpoints`. A deletion that fails leaks the
+checkpoint's storage: it is logged and counted (`delete_failures`), never raised, since the session
+itself is fine.
+
+Example::
+
+    info = await checkpointer.take(slot, "explicit", bubble=None)   # under slot.lock
+    await checkpointer.delete(slot.session_id, info)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from core.errors import SandboxError
+from gateway.sandboxes.io import SandboxIO
+from gateway.sandboxes.policy import AdaptivePolicy
+from gateway.sandboxes.records import CheckpointInfo, EventLog
+from gateway.sandboxes.state import Slot
+from gateway.store import TurnRecord
+
+log = logging.getLogger("belayer.sandbox")
+
+
+class Checkpointer:
+    """Takes and deletes checkpoints of slots' sandboxes; counts what it did."""
+
+    def __init__(self, io: SandboxIO, events: EventLog, policy: AdaptivePolicy, keep: int) -> None:
+        self.io = io
+        self.events = events
+        self.policy = policy
+        self.keep = keep
+        self.taken = 0
+        self.delete_failures = 0
+        """Checkpoints whose deletion failed: their storage leaked (each one is logged)."""
+
+    async def take(self, slot: Slot, trigger: str, bubble: TurnRecord | None) -> CheckpointInfo:
+        """Checkpoint the slot's sandbox now (the caller holds `slot.lock`); `bubble` is the turn whose
+        LLM call it was taken for, if any."""
+        box = slot.live()
+        running = bubble.index if bubble is not None else slot.turns.newest_running()
+        turn_index = running if running is not None else slot.turns.last
+        started = time.monotonic()
+        ckpt = await self.io.op(self.io.backend.checkpoint, box, label=f"{slot.session_id}/turn-{turn_index}")
+        seconds = time.monotonic() - started
+        in_bubble = running is not None and (bubble is None or bubble.id in slot.turns.running)
+        keep = turn_index - 1 if (running is not None and slot.harness_inside) else turn_index
+        info = CheckpointInfo(
+            ckpt, slot.session_id, turn_index, in_bubble, keep, seconds, ckpt.dump_bytes, trigger
+        )
+        slot.history.add(info)
+        slot.journal.clear()
+        self.taken += 1
+        self.policy.observe_checkpoint(seconds=seconds, dump_bytes=ckpt.dump_bytes)
+        self.events.add(slot.session_id, bubble.id if bubble else None, "sandbox_checkpoint", info.as_json())
+        for old in slot.history.evict(self.keep):
+            await self.delete(slot.session_id, old)
+        return info
+
+    async def delete(self, session_id: str, info: CheckpointInfo) -> None:
+        """Free a checkpoint's storage; a failure is logged and counted, not raised."""
+        try:
+            await self.io.op(self.io.backend.delete_checkpoint, info.checkpoint)
+        except SandboxError as exc:
+            self.delete_failures += 1
+            log.warning(
+                "session %s: could not delete checkpoint %s (its storage leaks): %s",
+                session_id, info.checkpoint.id, exc,
+            )  # fmt: skip
+
+    async def delete_all(self, session_id: str, infos: list[CheckpointInfo]) -> None:
+        for info in infos:
+            await self.delete(session_id, info)

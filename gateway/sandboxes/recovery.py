@@ -1,0 +1,216 @@
+"""Tool calls that survive their sandbox: run each call under the slot's lock, and on a failure restore.
+
+On a sandbox failure (the container is gone or stopped, the exec transport breaks, a tool call hangs
+past its deadline plus `exec_grace_s`), or on an explicit `restore`, the newest checkpoint is restored
+into a new sandbox and the session's later turns are marked discarded (`store.discard_turns_after`).
+What happens next depends on the sandbox's `recovery` mode:
+
+- ``"replay"`` (the default for a harness outside): the manager journals every tool call (exec, file
+  write) since the newest checkpoint (`journal`). It restores that checkpoint (or, with none, starts
+  again from the image), replays the journal, then runs the failed call again and returns its result:
+  the harness never notices, and no turn is discarded. A replayed call whose exit code or output
+  differs from the original is counted as diverged. A call that breaks the sandbox again is refused
+  (`SandboxCallFailed`) after a restore without replay.
+- ``"truncate"``: the session's later turns are discarded, and the call raises `SandboxRestored`,
+  which says after which turn to resume (for harnesses that can rebuild their history).
+
+A harness *inside* the sandbox is always truncated: its memory comes back with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import (
+    NoCheckpoint,
+    SandboxArgumentError,
+    SandboxCallFailed,
+    SandboxError,
+    SandboxFailed,
+    SandboxFileNotFound,
+    SandboxRestored,
+    SandboxTimeout,
+    SandboxUnavailable,
+)
+from gateway.config import SandboxConfig
+from gateway.sandboxes.checkpoints import Checkpointer
+from gateway.sandboxes.io import SandboxIO
+from gateway.sandboxes.journal import Call
+from gateway.sandboxes.lifecycle import Lifecycle
+from gateway.sandboxes.records import EventLog, RestoreInfo
+from gateway.sandboxes.state import Slot
+
+log = logging.getLogger("belayer.sandbox")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A sandbox failure: its kind (exited, oom, tool_hang, sandbox_error) and what happened."""
+
+    kind: str
+    detail: str
+
+
+class Recovery:
+    """Runs tool calls on slots' sandboxes and recovers the sandboxes that fail (see above)."""
+
+    def __init__(
+        self,
+        io: SandboxIO,
+        lifecycle: Lifecycle,
+        checkpointer: Checkpointer,
+        events: EventLog,
+        settings: SandboxConfig,
+    ) -> None:
+        self.io = io
+        self.lifecycle = lifecycle
+        self.checkpointer = checkpointer
+        self.events = events
+        self.settings = settings
+        self.restores = 0
+        self.replays = 0
+
+    # ------------------------------------------------------------------ tool calls
+    async def run(self, slot: Slot, call: Call, deadline: float | None) -> Any:
+        """Run `call` under the slot's lock; a failure of the sandbox restores it, then replays (and
+        returns the call's result) or raises `SandboxRestored`."""
+        async with slot.lock:
+            self._report_restore(slot)
+            failure = await self._attempt(slot, slot.live(), call, deadline)
+            if failure is None:
+                return call.take()
+            info = await self.recover(slot, failure)
+            if info.mode != "replay":
+                raise SandboxRestored(
+                    f"the sandbox failed ({failure.detail}); it was {info.resume_hint}", info
+                )
+            return await self._retry(slot, call, deadline, info)
+
+    def _report_restore(self, slot: Slot) -> None:
+        """A harness outside in truncate mode learns of a restore the watcher made from its next call."""
+        info, slot.restores.unreported = slot.restores.unreported, None
+        if info is not None and slot.recovery == "truncate" and not slot.harness_inside:
+            raise SandboxRestored(
+                f"the sandbox failed ({info.reason}) before this call and was {info.resume_hint}; "
+                "nothing of this call ran",
+                info,
+            )
+
+    async def _retry(self, slot: Slot, call: Call, deadline: float | None, replay: RestoreInfo) -> Any:
+        """Run the failed call again after a replay; if it breaks the sandbox again, restore without
+        replaying anything and refuse it."""
+        failure = await self._attempt(slot, replay.sandbox_id, call, deadline)
+        if failure is None:
+            return call.take()
+        self._failure_event(slot, failure, after_replay=True)
+        info = await self.restore(slot, None, f"failed again after a replay: {failure.detail}")
+        raise SandboxCallFailed(
+            f"this call broke the sandbox again after a restore and a replay of the "
+            f"{replay.replayed} tool calls before it ({failure.detail}); the sandbox was, without "
+            f"replaying, {info.resume_hint}"
+        )
+
+    async def _attempt(self, slot: Slot, box: str, call: Call, deadline: float | None) -> Failure | None:
+        """Run `call` once; None when the sandbox held up (the result is in `call.result`), else the
+        failure. The command's own errors (timeout, bad path...) propagate."""
+        try:
+            call.result = await self.io.call(call.run, box, long=call.long, deadline=deadline)
+        except SandboxTimeout:
+            slot.journal.record(call)  # it ran, and what it did until the kill is part of the state
+            raise
+        except (SandboxArgumentError, SandboxFileNotFound, SandboxUnavailable):
+            raise  # the caller's problem, or the engine's: the sandbox is fine
+        except TimeoutError:
+            return Failure("tool_hang", f"{call.op} did not return within {deadline:g}s")
+        except SandboxError as exc:
+            status = await self.io.status(box)
+            if status is not None and not status.running:
+                return Failure(status.failure_kind, f"{call.op} failed: {status.detail}")
+            return Failure("sandbox_error", f"{call.op} failed: {exc}")
+        slot.journal.record(call)
+        return None
+
+    # ------------------------------------------------------------------ recovery
+    async def recover(self, slot: Slot, failure: Failure) -> RestoreInfo:
+        """Bring a failed sandbox back (the caller holds `slot.lock`): replay, or restore and truncate,
+        or, with nothing to restore, drop it and raise `SandboxFailed`."""
+        self._failure_event(slot, failure)
+        log.warning("session %s: sandbox %s failed: %s", slot.session_id, slot.sandbox_id, failure.detail)
+        reason = f"{failure.kind}: {failure.detail}"
+        if self.settings.auto_restore and slot.recovery == "replay":
+            return await self.replay(slot, reason)
+        if self.settings.auto_restore and slot.history.items:
+            return await self.restore(slot, None, reason)
+        await self.lifecycle.drop(slot)
+        slot.failure = reason
+        raise SandboxFailed(
+            f"the sandbox failed ({failure.detail}) and there is no checkpoint to restore; "
+            "create a new sandbox or a new session"
+        )
+
+    async def restore(self, slot: Slot, checkpoint_id: str | None, reason: str) -> RestoreInfo:
+        """Restore the newest (or the given) checkpoint into a new sandbox and truncate the trajectory
+        after its `keep_through` (the caller holds `slot.lock`)."""
+        if not slot.history.items:
+            raise NoCheckpoint(f"session {slot.session_id} has no checkpoint to restore")
+        chosen, newer = slot.history.rollback_to(checkpoint_id)
+        await self.checkpointer.delete_all(slot.session_id, newer)
+        if chosen is None:
+            raise NoCheckpoint(f"session {slot.session_id} has no checkpoint {checkpoint_id!r}")
+        started = time.monotonic()
+        slot.restores.unreported = None
+        slot.journal.clear()
+        with slot.restores.running():
+            box = await self.lifecycle.replace(slot, chosen)
+        discarded = self.events.store.discard_turns_after(
+            slot.session_id, chosen.keep_through, f"sandbox restore: {reason}"
+        )
+        slot.turns.rewind(chosen.keep_through)
+        slot.history.turns_since = 0
+        info = RestoreInfo(
+            chosen.checkpoint.id, chosen.turn_index, chosen.keep_through, discarded, box,
+            time.monotonic() - started, reason,
+        )  # fmt: skip
+        self._restored(slot, info)
+        self.restores += 1
+        return info
+
+    async def replay(self, slot: Slot, reason: str) -> RestoreInfo:
+        """Restore the newest checkpoint (or, with none, start again from the image) and run the
+        journal again; the trajectory stays whole."""
+        chosen = slot.history.newest()
+        started = time.monotonic()
+        with slot.restores.running():
+            box = await self.lifecycle.replace(slot, chosen)
+            diverged = await self._replay_journal(slot, box)
+        info = RestoreInfo(
+            chosen.checkpoint.id if chosen else "", chosen.turn_index if chosen else -1, slot.turns.last,
+            [], box, time.monotonic() - started, reason, "replay", len(slot.journal), diverged,
+        )  # fmt: skip
+        self._restored(slot, info)
+        self.replays += 1
+        return info
+
+    async def _replay_journal(self, slot: Slot, box: str) -> int:
+        """Run the journaled calls on the new sandbox; return how many gave another result."""
+        diverged = 0
+        for call in slot.journal:
+            try:
+                again = await self.io.call(call.run, box, long=call.long, deadline=None)
+            except SandboxTimeout:
+                continue  # it timed out the first time too
+            diverged += call.diverged(again)
+        return diverged
+
+    def _restored(self, slot: Slot, info: RestoreInfo) -> None:
+        slot.restores.done(info)
+        self.events.add(slot.session_id, None, "sandbox_restored", info.as_json())
+
+    def _failure_event(self, slot: Slot, failure: Failure, *, after_replay: bool = False) -> None:
+        data: dict[str, Any] = {"kind": failure.kind, "detail": failure.detail, "sandbox_id": slot.sandbox_id}
+        if after_replay:
+            data["after_replay"] = True
+        self.events.add(slot.session_id, None, "sandbox_failure", data)

@@ -1,0 +1,94 @@
+"""Creating and removing sessions' sandboxes without Docker: errors, the gateway network, settling."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from core.errors import (
+    ImageNotFound,
+    NoSandbox,
+    SandboxArgumentError,
+    SandboxError,
+    SandboxExists,
+)
+from sandbox.backend import SandboxSpec
+from sandbox.fake import FakeSandboxBackend, Fault
+from tests.gateway.sandboxes.conftest import SPEC, Env, EnvFactory, eventually
+
+
+async def test_create_labels_the_sandbox_and_refuses_a_second_one(env: Env) -> None:
+    sid = await env.session()
+    box = env.manager.sandbox_id(sid)
+    assert env.events() == [
+        ("sandbox_created", {"sandbox_id": box, "image": SPEC.image, "network": "none", "address": None}),
+    ]
+    with pytest.raises(SandboxExists):
+        await env.manager.create(sid, SPEC)
+    with pytest.raises(SandboxArgumentError, match="recovery must be"):
+        await env.manager.create("s2", SPEC, recovery="sometimes")
+    state = env.manager.describe(sid)
+    assert (state["status"], state["recovery"], state["checkpoints"], state["gateway_url"]) == (
+        "running", "replay", [], None,
+    )  # fmt: skip
+
+
+async def test_an_unknown_image_is_named(make_env: EnvFactory) -> None:
+    env = await make_env(FakeSandboxBackend(images={"belayer-sandbox-busybox"}))
+    with pytest.raises(ImageNotFound, match="No such image: other; build it with"):
+        await env.session(spec=SandboxSpec(image="other"))
+    assert not env.manager.has_sandbox("s1")
+
+
+async def test_the_gateway_network_gives_each_sandbox_its_own_session(env: Env) -> None:
+    spec = SandboxSpec(image="img", network="gateway", env={"OPENAI_API_KEY": "mine"})
+    with pytest.raises(SandboxError, match="needs the gateway's sandbox listener"):
+        await env.session(spec=spec)
+    env.manager.gateway_url = "http://10.99.0.1:9000"
+    sid = await env.session("s2", spec=spec)
+
+    url = "http://10.99.0.1:9000/s/s2"
+    assert (
+        await env.manager.exec(sid, 'echo "$OPENAI_BASE_URL $OPENAI_API_KEY"')
+    ).stdout == f"{url}/v1 mine\n"
+    [(_, created)] = env.events(sid)
+    assert created["address"] == "10.99.0.2"
+    assert env.manager.session_for_address("10.99.0.2") == sid
+    assert env.manager.session_for_address("10.99.0.3") is None
+    assert env.manager.describe(sid)["gateway_url"] == url
+
+
+async def test_destroy_removes_the_sandbox_and_its_checkpoints(env: Env) -> None:
+    sid = await env.session()
+    box = env.manager.sandbox_id(sid)
+    await env.manager.checkpoint(sid)
+    await env.manager.destroy(sid)
+
+    assert (env.backend.sandboxes, env.backend.checkpoint_ids, env.manager.has_sandbox(sid)) == (
+        [],
+        [],
+        False,
+    )
+    assert env.events()[-1] == ("sandbox_destroyed", {"sandbox_id": box})
+    with pytest.raises(NoSandbox, match="POST /api/sessions/s1/sandbox"):
+        await env.manager.exec(sid, "true")
+
+
+async def test_settled_waits_for_a_restore_in_progress(env: Env) -> None:
+    sid = await env.session(recovery="truncate")
+    await env.manager.checkpoint(sid)
+    release = threading.Event()
+    env.backend.inject(Fault("restore", "block", release=release))
+    restore = asyncio.create_task(env.manager.restore(sid))
+    await eventually(lambda: env.backend.ops("restore") != [])
+    settled = asyncio.create_task(env.manager.settled(sid))
+    await asyncio.sleep(0.05)
+    assert not settled.done()
+
+    release.set()
+    info = await restore
+    await asyncio.wait_for(settled, 1)
+    assert env.manager.sandbox_id(sid) == info.sandbox_id
+    await asyncio.wait_for(env.manager.settled(sid), 1)  # nothing in progress: returns at once
