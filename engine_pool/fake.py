@@ -214,6 +214,18 @@ class Fault:
     after: int = 0
 
 
+class LatentEngine:
+    """An ASGI wrapper that makes each completion take `latency_s` first: an LLM call's bubble."""
+
+    def __init__(self, app: Any, latency_s: float) -> None:
+        self.app, self.latency_s = app, latency_s
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/completions"):
+            await asyncio.sleep(self.latency_s)
+        await self.app(scope, receive, send)
+
+
 class FaultInjector(httpx.AsyncBaseTransport):
     """A transport in front of fake engines that injects the failures real workers have: the same
     exceptions httpx raises when a worker is killed (``RemoteProtocolError``, ``ConnectError``) or hangs.

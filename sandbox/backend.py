@@ -238,6 +238,13 @@ def check_env_name(name: str) -> str:
     return name
 
 
+def check_exec_args(session: str, timeout_s: float, max_output_bytes: int) -> None:
+    """The checks every backend's `exec` makes before running anything."""
+    check_session_name(session)
+    if timeout_s <= 0 or max_output_bytes <= 0:
+        raise SandboxArgumentError("timeout_s and max_output_bytes must be positive")
+
+
 def check_session_name(name: str) -> str:
     """Return `name` if it is a valid session name (letters, digits, `_`, `-`), else raise."""
     if not _SESSION_NAME.match(name):

@@ -49,7 +49,6 @@ from core.errors import (
     CheckpointError,
     ImageBuildError,
     RestoreError,
-    SandboxArgumentError,
     SandboxError,
     SandboxFileNotFound,
     SandboxNotFound,
@@ -66,7 +65,7 @@ from sandbox.backend import (
     SandboxSpec,
     SandboxStatus,
     check_env_name,
-    check_session_name,
+    check_exec_args,
     resolve_in_root,
 )
 from sandbox.docker_network import GatewayNetwork
@@ -226,9 +225,7 @@ class DockerSandboxBackend(SandboxBackend):
         session: str = DEFAULT_SESSION,
         max_output_bytes: int = 1 << 20,
     ) -> ExecResult:
-        check_session_name(session)
-        if timeout_s <= 0 or max_output_bytes <= 0:
-            raise SandboxArgumentError("timeout_s and max_output_bytes must be positive")
+        check_exec_args(session, timeout_s, max_output_bytes)
         spec = self._spec(sandbox_id)
         script = build_script(command, cwd=cwd, env=env or {})
         with self._lock(sandbox_id):

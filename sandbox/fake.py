@@ -50,7 +50,6 @@ from typing import Literal
 from core.errors import (
     CheckpointError,
     RestoreError,
-    SandboxArgumentError,
     SandboxError,
     SandboxFileNotFound,
     SandboxNotFound,
@@ -63,7 +62,7 @@ from sandbox.backend import (
     SandboxBackend,
     SandboxSpec,
     SandboxStatus,
-    check_session_name,
+    check_exec_args,
     resolve_in_root,
 )
 from sandbox.fake_shell import (
@@ -212,9 +211,7 @@ class FakeSandboxBackend(SandboxBackend):
         session: str = DEFAULT_SESSION,
         max_output_bytes: int = 1 << 20,
     ) -> ExecResult:
-        check_session_name(session)
-        if timeout_s <= 0 or max_output_bytes <= 0:
-            raise SandboxArgumentError("timeout_s and max_output_bytes must be positive")
+        check_exec_args(session, timeout_s, max_output_bytes)
         box = self._box(sandbox_id)
         started = time.monotonic()
         with box.lock:

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from engine_pool.fake import FakeEngine
+from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
 from gateway.config import GatewayConfig, SandboxConfig
@@ -84,18 +84,6 @@ def tool_calls(n: int, work: int) -> list[str]:
     for i in range(1, n):
         calls.append(expensive.get(i, cheap[i % len(cheap)].replace("{i}", str(i))))
     return calls
-
-
-class LatentEngine:
-    """An ASGI wrapper that makes each completion take `latency_s` first: an LLM call's bubble."""
-
-    def __init__(self, app: Any, latency_s: float) -> None:
-        self.app, self.latency_s = app, latency_s
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].endswith("/completions"):
-            await asyncio.sleep(self.latency_s)
-        await self.app(scope, receive, send)
 
 
 def progress(message: str) -> None:

@@ -31,20 +31,8 @@ from typing import Any
 
 import httpx
 
-from belayer.bench.gateway import (
-    Service,
-    StreamTally,
-    Target,
-    _raise_interrupt,
-    base_url,
-    emit,
-    ensure_model,
-    fake_engine_service,
-    free_port,
-    progress,
-    running,
-    throughput,
-)
+from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, emit, ensure_model, throughput
+from belayer.services import Service, base_url, fake_engine_service, free_port, progress, running
 
 
 def _gateway(workdir: Path, name: str, model: str, extra: list[str]) -> Service:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from belayer.bench.gateway import (
+from belayer.services import (
     DEFAULT_LITELLM_SPEC,
     base_url,
     ensure_litellm,

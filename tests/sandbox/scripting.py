@@ -1,17 +1,15 @@
 """The sandbox tests' shared pieces: the scripted policy (step i's tool call, chosen from the prompt
-alone) and an engine whose every reply takes a while (a real inference bubble)."""
+alone); an engine whose every reply takes a while is ``engine_pool.fake.LatentEngine``."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
-from typing import Any
 
 from gateway.tokenization import ChatTokenizer
 from sandbox.workloads import SHELL_COUNTER_SERVER as COUNTER_SERVER
 
-__all__ = ["COUNTER_SERVER", "TOOLS", "LatentEngine", "scripted", "step_of"]
+__all__ = ["COUNTER_SERVER", "TOOLS", "scripted", "step_of"]
 
 TOOLS = [
     {
@@ -23,18 +21,6 @@ TOOLS = [
         },
     }
 ]
-
-
-class LatentEngine:
-    """An ASGI wrapper that makes each completion take `latency_s` first: an LLM call's bubble."""
-
-    def __init__(self, app: Any, latency_s: float) -> None:
-        self.app, self.latency_s = app, latency_s
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].endswith("/completions"):
-            await asyncio.sleep(self.latency_s)
-        await self.app(scope, receive, send)
 
 
 def step_of(tok: ChatTokenizer, prompt: list[int]) -> int:

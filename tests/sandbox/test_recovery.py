@@ -25,14 +25,14 @@ import docker.errors
 import httpx
 import pytest
 
-from engine_pool.fake import FakeEngine
+from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
 from gateway.config import FailoverConfig, GatewayConfig, SandboxConfig
 from gateway.runtime import Gateway
 from gateway.sandboxes.policy import PolicySettings
 from sandbox.docker_backend import DockerSandboxBackend
-from tests.sandbox.scripting import COUNTER_SERVER, TOOLS, LatentEngine, scripted
+from tests.sandbox.scripting import COUNTER_SERVER, TOOLS, scripted
 
 pytestmark = pytest.mark.docker
 

@@ -1,0 +1,218 @@
+"""Local processes that benchmarks and the tests beside them start: a fake engine, a gateway, a LiteLLM
+proxy (in its own venv). Each runs in its own process group, is polled for health, and is stopped
+by its group; ``running`` stops all of them whatever happens.
+
+Example::
+
+    with running([engine := fake_engine_service(workdir, tokens=16)]):
+        engine.wait_ready()
+        httpx.get(f"{base_url(engine)}/health")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from core.errors import BelayerError
+
+DEFAULT_LITELLM_VENV = ".cache/litellm-venv"
+DEFAULT_LITELLM_SPEC = "litellm[proxy]"
+FAKE_MODEL = "fake"
+SERVED_MODEL = "policy"
+
+
+class BenchError(BelayerError):
+    """A benchmark (or the service it needed) could not run: a server did not start, a path failed."""
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- the server processes ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Service:
+    """One server process, in its own process group, with its output in a log file.
+
+    ``env`` is laid over this process's environment; a ``None`` value removes the variable.
+    """
+
+    name: str
+    argv: list[str]
+    health_url: str
+    log_path: Path
+    env: dict[str, str | None] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        progress(f"starting {self.name}: {' '.join(self.argv)}")
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._environ(),
+                start_new_session=True,  # its own process group: a Ctrl-C here does not reach it
+            )
+
+    def _environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for key, value in self.env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
+
+    def wait_ready(self, timeout: float) -> float:
+        """Poll the health URL until it answers 200 (seconds waited); fail early if the process exits."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        with httpx.Client(timeout=1.0, trust_env=False) as http:
+            while time.monotonic() - t0 < timeout:
+                if self.proc.poll() is not None:
+                    raise BenchError(f"{self.name} exited with code {self.proc.returncode}:\n{self.tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(self.health_url).status_code == 200:
+                        progress(f"{self.name} ready (waited {time.monotonic() - t0:.1f} s)")
+                        return time.monotonic() - t0
+                time.sleep(0.05)
+        raise BenchError(f"{self.name} not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def stop(self, grace: float = 5.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(grace)
+                return
+            except subprocess.TimeoutExpired:
+                progress(f"{self.name} ignored {sig.name}")
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@contextlib.contextmanager
+def running(services: list[Service]) -> Iterator[None]:
+    """Stop every started service on the way out, last started first."""
+    try:
+        yield
+    finally:
+        for s in reversed(services):
+            s.stop()
+
+
+def fake_engine_service(workdir: Path, tokens: int) -> Service:
+    port = free_port()
+    argv = [sys.executable, "-m", "belayer.cli", "fake-engine", "--port", str(port)]
+    argv += ["--model", FAKE_MODEL, "--tokens", str(tokens)]
+    return Service("fake-engine", argv, f"http://127.0.0.1:{port}/health", workdir / "fake-engine.log")
+
+
+def gateway_service(workdir: Path, model_dir: str, engine: str, log_level: str) -> Service:
+    port = free_port()
+    argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model_dir, "--engine-url", engine]
+    argv += ["--port", str(port), "--store", str(workdir / "trajectories.db"), "--log-dir", str(workdir)]
+    argv += ["--log-level", log_level]
+    return Service("gateway", argv, f"http://127.0.0.1:{port}/health", workdir / "gateway.log")
+
+
+def litellm_config(engine: str, provider: str = "openai") -> str:
+    """A model list that maps ``policy`` to the fake engine, with every callback and cost lookup off.
+    (``hosted_vllm``: LiteLLM then serves its Anthropic ``/v1/messages`` through chat completions too,
+    where ``openai`` would use the Responses API.)"""
+    return json.dumps(  # JSON is YAML
+        {
+            "model_list": [
+                {
+                    "model_name": SERVED_MODEL,
+                    "litellm_params": {
+                        "model": f"{provider}/{FAKE_MODEL}",
+                        "api_base": f"{engine}/v1",
+                        "api_key": "none",
+                    },
+                }
+            ],
+            "litellm_settings": {
+                "telemetry": False,
+                "callbacks": [],
+                "success_callback": [],
+                "failure_callback": [],
+            },
+        },
+        indent=2,
+    )
+
+
+def litellm_service(
+    workdir: Path, venv: Path, engine: str, master_key: str, provider: str = "openai"
+) -> Service:
+    port = free_port()
+    config = workdir / "litellm.yaml"
+    config.write_text(litellm_config(engine, provider))
+    argv = [str(venv / "bin" / "litellm"), "--config", str(config)]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    env: dict[str, str | None] = {
+        "LITELLM_MASTER_KEY": master_key,  # it refuses to start without one
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no download of the cost map
+        "LITELLM_LOG": "ERROR",
+        "NO_PROXY": "*",
+        "DATABASE_URL": None,  # no spend tracking or keys: no database
+    }
+    health = f"http://127.0.0.1:{port}/health/liveliness"  # /health would call the model
+    return Service("litellm", argv, health, workdir / "litellm.log", env)
+
+
+def base_url(service: Service) -> str:
+    return service.health_url.split("/health")[0]
+
+
+# --- the LiteLLM environment --------------------------------------------------------------------------
+
+
+def ensure_litellm(venv: Path, spec: str) -> float:
+    """Create ``venv`` with ``spec`` installed unless done before; returns the seconds spent."""
+    marker = venv / ".belayer-installed"
+    if marker.exists() and marker.read_text().strip() == spec and (venv / "bin" / "litellm").exists():
+        progress(f"litellm already installed in {venv}")
+        return 0.0
+    t0 = time.monotonic()
+    if not (venv / "bin" / "python").exists():
+        progress(f"creating virtual environment {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr)
+    progress(f"installing {spec} into {venv} (once; this takes a few minutes)")
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--progress-bar", "off", spec], check=True, stdout=sys.stderr)
+    marker.write_text(spec + "\n")
+    elapsed = time.monotonic() - t0
+    progress(f"litellm installed in {elapsed:.1f} s")
+    return elapsed
