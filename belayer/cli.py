@@ -99,6 +99,12 @@ SERVE_FLAGS = (
     Flag("--port", "port"),
     Flag("--public-url", "public_url"),
     Flag("--max-body-bytes", "max_body_bytes"),
+    Flag("--max-header-bytes", "server.max_header_bytes", metavar="BYTES"),
+    Flag("--header-timeout", "server.header_timeout_s", metavar="SECONDS"),
+    Flag("--body-timeout", "server.body_timeout_s", metavar="SECONDS"),
+    Flag("--keep-alive-timeout", "server.keep_alive_s", metavar="SECONDS"),
+    Flag("--max-connections", "server.max_connections", metavar="N"),
+    Flag("--shutdown-grace", "server.shutdown_grace_s", metavar="SECONDS"),
     Flag("--default-max-tokens", "default_max_tokens"),
     Flag("--max-tokens-cap", "max_tokens_cap"),
     Flag("--model-alias", "model_aliases", metavar="PATTERN=NAME"),
@@ -180,11 +186,10 @@ def _serve(args: argparse.Namespace) -> int:
     config = loader.load()
     setup_logging(config.log_level)
     loader.preflight(config)
-    import uvicorn
-
     from gateway.app import build_app
+    from gateway.server import serve
 
-    uvicorn.run(build_app(config), host=config.host, port=config.port, log_config=None, access_log=False)
+    serve(build_app(config), config)
     return 0
 
 

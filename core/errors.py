@@ -16,6 +16,7 @@
     │   ├── InvalidRequest             malformed body, wrong type, unsupported parameter
     │   │   ├── RequestTooLarge        the body is over the size limit
     │   │   └── UnsupportedMediaType   the body is not declared as JSON
+    │   ├── RequestTimeout             the request's body stopped arriving (no bytes for a while)
     │   ├── NotFound                   unknown session, model or route
     │   ├── ContextLengthExceeded      prompt + completion over the model's context window
     │   ├── Conflict                   e.g. a request on a closed session
@@ -132,6 +133,10 @@ class RequestTooLarge(InvalidRequest):
 
 class UnsupportedMediaType(InvalidRequest):
     """The body is declared as another media type than JSON (a cross-site form or text/plain POST)."""
+
+
+class RequestTimeout(RequestError):
+    """The client stopped sending its request's body (no bytes within the body timeout)."""
 
 
 class NotFound(RequestError):

@@ -110,6 +110,41 @@ class SandboxConfig(BaseModel):
         return None if value in (-1, "-1") else value
 
 
+class ServerConfig(BaseModel):
+    """The HTTP server's limits (``gateway.server``): slow, silent or too many clients cannot hold the
+    gateway, and a shutdown ends within its grace period."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a connection has to send a request's complete headers (from its accept or "
+        "the request's first byte); later: 408 and closed",
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, description="seconds a request body may pause between bytes; then a 408"
+    )
+    keep_alive_s: int = Field(
+        default=75, ge=1, description="seconds an idle keep-alive connection is kept open"
+    )
+    max_connections: int = Field(
+        default=1024,
+        ge=1,
+        description="client connections served at once; more are answered 503 at once (lowered to "
+        "fit the open-file limit, half of it kept for engine connections)",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024, description="largest request line + headers; larger: 431"
+    )
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="on SIGTERM, seconds in-flight requests may take to finish; then they are cancelled "
+        "and their turns recorded as interrupted",
+    )
+
+
 class GatewayConfig(BaseSettings):
     """Everything ``belayer serve`` needs. The tokenizer always comes from ``model`` (a directory)."""
 
@@ -117,7 +152,7 @@ class GatewayConfig(BaseSettings):
 
     config_file: str | None = Field(
         default=None,
-        description="TOML file of settings (a key per setting, [failover] and [sandbox] tables); "
+        description="TOML file of settings (a key per setting, [failover], [sandbox] and [server] tables); "
         "environment variables and flags override it",
     )
     model: str = Field(
@@ -189,6 +224,7 @@ class GatewayConfig(BaseSettings):
         ),
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     max_model_len: int = Field(default=65536, gt=0, description="context window of launched workers")
     store_path: str = Field(default="belayer-trajectories.db", description="SQLite trajectory store")
     store_synchronous: str = Field(default="NORMAL", description="the store's SQLite synchronous mode")

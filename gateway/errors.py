@@ -47,6 +47,7 @@ from core.errors import (
     NotFound,
     PathEscapeError,
     RequestError,
+    RequestTimeout,
     RequestTooLarge,
     SandboxArgumentError,
     SandboxCallFailed,
@@ -95,6 +96,7 @@ TABLE: dict[type[BaseException], HttpError] = {
     # the client's request
     InvalidRequest: HttpError(400),
     RequestTooLarge: HttpError(413, "request_too_large"),
+    RequestTimeout: HttpError(408, "request_timeout"),
     UnsupportedMediaType: HttpError(415, "unsupported_media_type"),
     NotFound: HttpError(404, "not_found"),
     ContextLengthExceeded: HttpError(400, "context_length_exceeded"),

@@ -40,7 +40,7 @@ from gateway.observers import TurnObserver
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
 from gateway.sessions import PromptPlan, chain_keys
 from gateway.store import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
-from gateway.store.base import TURN_ABORTED, TURN_COMPLETE, TURN_ERROR
+from gateway.store.base import TURN_ABORTED, TURN_COMPLETE, TURN_ERROR, TURN_INTERRUPTED
 from gateway.tokenization import ChatTokenizer, IncrementalDetokenizer
 
 log = logging.getLogger("belayer.gateway")
@@ -130,6 +130,10 @@ class TurnRunner:
         self.tok = tokenizer
         self.default_max_tokens = default_max_tokens
         self.observers = observers if observers is not None else []
+        self.interrupting = False
+        """Set by the server (``gateway.server``) when its shutdown deadline passes, just before it
+        cancels the requests still running: a turn cancelled then is recorded ``interrupted`` (with its
+        tokens so far), not ``aborted`` as when its client goes away."""
 
     def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.pool.max_model_len
@@ -204,7 +208,10 @@ class TurnRunner:
             self._fail(turn, TURN_ERROR, str(e), t0)
             raise
         except BaseException as e:  # client went away (cancelled) or a bug: keep what was generated
-            self._fail(turn, TURN_ABORTED, repr(e), t0)
+            if self.interrupting and not isinstance(e, Exception):  # cancelled by the shutdown deadline
+                self._fail(turn, TURN_INTERRUPTED, "the gateway shut down (its grace period ran out)", t0)
+            else:
+                self._fail(turn, TURN_ABORTED, repr(e), t0)
             raise
         finish = "stop" if st.trimmer.stopped else st.finish
         finish = "tool_calls" if st.parser.calls and finish == "stop" else finish
@@ -383,7 +390,7 @@ class TurnRunner:
         """Wait for background logprob recomputations (tests)."""
         await self._background.join()
 
-    async def close(self, grace: float = 30.0) -> None:
+    async def close(self, grace: float = 5.0) -> None:
         """At shutdown, before the pool and the store close: give running recomputations `grace`
         seconds to finish, then cancel the rest (each records a ``recompute_failed`` event)."""
         try:
