@@ -68,6 +68,42 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
+async def open_gateway(
+    app: Starlette,
+    config: GatewayConfig,
+    stack: contextlib.AsyncExitStack,
+    pool: EnginePool | None = None,
+    observers: list[TurnObserver] | None = None,
+    sandbox_backend: SandboxBackend | None = None,
+    aux_transport: httpx.AsyncBaseTransport | None = None,
+) -> Gateway:
+    """Open the long-lived objects in order; `stack` closes them in reverse: the turn runner first (its
+    recomputations need pool and store), then the sandboxes, the pool, and the store last."""
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    http = await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=None))
+    store = SqliteStore(config.store_path, config.store_synchronous)
+    stack.callback(store.close)
+    tok = ChatTokenizer.load(config.model)
+    the_pool = pool or build_pool(config, http)
+    stack.push_async_callback(the_pool.stop)  # also when start fails half-way: launched workers stop
+    await the_pool.start()
+    sandboxes = await stack.enter_async_context(
+        sandbox_api.open_sandboxes(config.sandbox, store, the_pool, sandbox_backend)
+    )
+    if sandboxes is not None and config.sandbox.sandbox_port is not None:
+        await stack.enter_async_context(
+            serve_sandboxes(app, sandboxes, sandboxes.network, config.sandbox.sandbox_port)
+        )
+    aux_http = await stack.enter_async_context(httpx.AsyncClient(timeout=None, transport=aux_transport))
+    watchers = [*(observers or []), *([sandboxes] if sandboxes else [])]
+    runner = TurnRunner(
+        store, the_pool, tok, config.default_max_tokens, watchers, config.failover, config.max_tokens_cap
+    )
+    stack.push_async_callback(runner.close)
+    sessions = SessionManager(store, tok)
+    return Gateway(config, store, tok, the_pool, sessions, runner, sandboxes, aux_http)
+
+
 def _warn_open(config: GatewayConfig) -> None:
     if config.api_token is None:
         log.warning(
@@ -89,51 +125,13 @@ def build_app(
 ) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        async with httpx.AsyncClient(limits=limits, timeout=None) as http:
-            the_pool = pool or build_pool(config, http)
-            store = SqliteStore(config.store_path, config.store_synchronous)
-            tok = ChatTokenizer.load(config.model)
-            owned = contextlib.AsyncExitStack()  # what the lifespan opens after the pool, closed first
-            try:
-                await the_pool.start()
-                sandboxes = await owned.enter_async_context(
-                    sandbox_api.open_sandboxes(config.sandbox, store, the_pool, sandbox_backend)
-                )
-                if sandboxes is not None and config.sandbox.sandbox_port is not None:
-                    await owned.enter_async_context(
-                        serve_sandboxes(app, sandboxes, sandboxes.network, config.sandbox.sandbox_port)
-                    )
-                watchers = [*(observers or []), *([sandboxes] if sandboxes else [])]
-                aux_http = await owned.enter_async_context(
-                    httpx.AsyncClient(timeout=None, transport=aux_transport)
-                )
-                runner = TurnRunner(
-                    store,
-                    the_pool,
-                    tok,
-                    config.default_max_tokens,
-                    watchers,
-                    config.failover,
-                    config.max_tokens_cap,
-                )
-                # Closed first: its recomputations finish (or are cancelled) while pool and store are up.
-                owned.push_async_callback(runner.close)
-                sessions = SessionManager(store, tok)
-                app.state.gateway = Gateway(
-                    config, store, tok, the_pool, sessions, runner, sandboxes, aux_http
-                )
-                _warn_open(config)
-                log.info(
-                    "gateway ready: workers=%s max_model_len=%d",
-                    [m.name for m in the_pool.ready()],
-                    the_pool.max_model_len,
-                )
-                yield
-            finally:
-                await owned.aclose()
-                await the_pool.stop()
-                store.close()
+        async with contextlib.AsyncExitStack() as stack:
+            gw = await open_gateway(app, config, stack, pool, observers, sandbox_backend, aux_transport)
+            app.state.gateway = gw
+            _warn_open(config)
+            ready = [m.name for m in gw.pool.ready()]
+            log.info("gateway ready: workers=%s max_model_len=%d", ready, gw.pool.max_model_len)
+            yield
 
     return Starlette(
         routes=[

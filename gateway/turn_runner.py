@@ -6,13 +6,11 @@ running, prompt ids) and finished, durably, before ``Done`` is yielded, so a cli
 response whose turn is not on disk. When a worker is lost mid-turn, the runner resubmits the prompt plus
 the tokens generated so far to another worker (``gateway.failover``); the client's stream goes on.
 
-Logprob recomputations for rewritten history run in the background, owned by the runner's
-``TaskOwner``; ``close`` waits for them (with a grace period) before the pool and the store close.
+Logprobs for history a harness rewrote are recomputed in the background (``gateway.recompute``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -31,13 +29,13 @@ from core.errors import (
     InvalidRequest,
     StoreError,
 )
-from core.tasks import TaskOwner
 from engine_pool.client import SamplingParams, TokenChunk
 from engine_pool.pool import EnginePool, PoolMember
 from gateway.config import FailoverConfig
 from gateway.failover import Failure, stall_guarded
 from gateway.observers import TurnObserver
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
+from gateway.recompute import LogprobRecomputer
 from gateway.sessions import PromptPlan, chain_keys
 from gateway.store import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_ABORTED, TURN_COMPLETE, TURN_ERROR, TURN_INTERRUPTED
@@ -123,13 +121,13 @@ class TurnRunner:
         max_tokens_cap: int | None = None,
     ) -> None:
         self.max_tokens_cap = max_tokens_cap
-        self._background = TaskOwner("turn-runner")
         self.failover = failover or FailoverConfig()
         self.store = store
         self.pool = pool
         self.tok = tokenizer
         self.default_max_tokens = default_max_tokens
         self.observers = observers if observers is not None else []
+        self.recomputer = LogprobRecomputer(store, pool, self.failover.no_worker_wait)
         self.interrupting = False
         """Set by the server (``gateway.server``) when its shutdown deadline passes, just before it
         cancels the requests still running: a turn cancelled then is recorded ``interrupted`` (with its
@@ -364,41 +362,13 @@ class TurnRunner:
         content.append(delta.content)
         return delta
 
-    async def _recompute(self, req: GenerationRequest, turn: TurnRecord) -> None:
-        """Logprobs for the rewritten assistant tokens of this turn's prompt (history a harness
-        changed): one prompt-logprobs pass on a worker, recorded as a ``recomputed_logprobs`` event."""
-        spans = req.plan.rewritten
-        try:
-            async with self.pool.lease(req.session.id, wait=self.failover.no_worker_wait) as member:
-                values = await member.client.prompt_logprobs(turn.prompt_ids[: max(b for _, b in spans)])
-                worker = member.name
-        except asyncio.CancelledError:  # the gateway shuts down: say so in the trajectory, then stop
-            self._event(turn, "recompute_failed", {"spans": spans, "error": "cancelled at shutdown"})
-            raise
-        except Exception as e:
-            log.warning("turn %s: logprob recomputation failed: %s", turn.id, e)
-            self._event(turn, "recompute_failed", {"spans": spans, "error": f"{type(e).__name__}: {e}"})
-            return
-        runs = [[a, values[a:b]] for a, b in spans]
-        self._event(
-            turn,
-            "recomputed_logprobs",
-            {"runs": runs, "worker": worker, "tokens": sum(b - a for a, b in spans)},
-        )
-
     async def idle(self) -> None:
         """Wait for background logprob recomputations (tests)."""
-        await self._background.join()
+        await self.recomputer.idle()
 
     async def close(self, grace: float = 5.0) -> None:
-        """At shutdown, before the pool and the store close: give running recomputations `grace`
-        seconds to finish, then cancel the rest (each records a ``recompute_failed`` event)."""
-        try:
-            async with asyncio.timeout(grace):
-                await self._background.join()
-        except TimeoutError:
-            log.warning("shutdown: cancelling %d logprob recomputations", self._background.running)
-        await self._background.close()
+        """At shutdown, before the pool and the store close: recomputations get `grace` seconds."""
+        await self.recomputer.close(grace)
 
     def _fail(self, turn: TurnRecord, status: str, error: str, t0: float) -> None:
         turn.status = status
@@ -446,5 +416,5 @@ class TurnRunner:
         finally:
             self._notify_finished(turn)
         if req.plan.rewritten:
-            self._background.spawn(self._recompute(req, turn), f"recompute-turn-{turn.id}")
+            self.recomputer.schedule(turn, req.plan.rewritten)
         return Done(turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids))
