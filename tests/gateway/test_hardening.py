@@ -19,8 +19,9 @@ from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from engine_pool.worker import free_port
 from gateway.app import build_app
-from gateway.config import GatewayConfig
-from tests.support import GatewayHarness, post_body
+from gateway.config import GatewayConfig, SandboxConfig
+from sandbox.fake import FakeSandboxBackend
+from tests.support import GatewayHarness, asgi_gateway, post_body
 
 MSG = [{"role": "user", "content": "hi"}]
 DEEP = (
@@ -160,3 +161,36 @@ async def test_after_an_unexpected_500_the_keep_alive_connection_still_serves(
         server.should_exit = True
         await serving
         await engine_http.aclose()
+
+
+async def endless_post(client: httpx.AsyncClient, url: str) -> tuple[httpx.Response, int]:
+    """POST an endless body (chunked, no length); the response, and how many bytes were sent."""
+    sent = 0
+
+    async def endless() -> Any:
+        nonlocal sent
+        while True:
+            sent += 64 * 1024
+            yield b" " * (64 * 1024)
+
+    headers = {"content-type": "application/json"}
+    r = await asyncio.wait_for(client.post(url, content=endless(), headers=headers), timeout=10)
+    return r, sent
+
+
+async def test_optional_bodies_stop_at_the_size_limit(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The two routes whose body may be empty (a session, a sandbox) used to read all of it before the
+    size limit applied: here, forever. Now they stop just past the limit."""
+    config = GatewayConfig(
+        model=str(tiny_model_dir),
+        store_path=str(tmp_path / "t.db"),
+        max_body_bytes=256 * 1024,
+        sandbox=SandboxConfig(enabled=True, sandbox_port=None),
+    )
+    engine = httpx.ASGITransport(FakeEngine().app())
+    async with asgi_gateway(config, engine, sandbox_backend=FakeSandboxBackend()) as (_, client):
+        sid = (await client.post("/api/sessions", json={})).json()["id"]
+        for url in ("/api/sessions", f"/api/sessions/{sid}/sandbox"):
+            r, sent = await endless_post(client, url)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", url
+            assert sent <= 256 * 1024 + 2 * 64 * 1024  # the limit, and not much more was read
