@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -123,9 +124,15 @@ def belayer_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "belayer.cli", *args]
 
 
-def spawn(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(argv: Sequence[str], log: Path, nofile: int | None = None) -> subprocess.Popen[bytes]:
     """Start ``argv`` in the repository, in its own process group (``stop`` reaches its children; a
-    Ctrl-C of the test run does not reach it), its output appended to ``log``."""
+    Ctrl-C of the test run does not reach it), its output appended to ``log``; with `nofile`, its
+    open-file limit (soft and hard) is that."""
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     with log.open("ab") as out:
         return subprocess.Popen(
             list(argv),
@@ -134,6 +141,7 @@ def spawn(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=limit if nofile is not None else None,
         )
 
 

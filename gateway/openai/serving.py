@@ -175,8 +175,18 @@ class _OpenAIFormatter:
     """What both OpenAI formatters share: top logprobs gathered from non-streamed deltas, and the
     in-stream error event."""
 
-    top: int | None
-    tops: list[list[tuple[int, float]]]
+    ID_PREFIX: str
+
+    def __init__(
+        self, model: str, tok: ChatTokenizer, top_logprobs: int | None, include_usage: bool = False
+    ) -> None:
+        self.include_usage = include_usage
+        self.tops: list[list[tuple[int, float]]] = []
+        self.id = f"{self.ID_PREFIX}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.model = model
+        self.tok = tok
+        self.top = top_logprobs
 
     def feed(self, delta: Delta) -> None:
         self.tops += delta.top_logprobs
@@ -189,16 +199,7 @@ class _OpenAIFormatter:
 class ChatFormatter(_OpenAIFormatter):
     """Formats one chat completion's events as OpenAI objects."""
 
-    def __init__(
-        self, model: str, tok: ChatTokenizer, top_logprobs: int | None, include_usage: bool = False
-    ) -> None:
-        self.include_usage = include_usage
-        self.tops = []
-        self.id = f"chatcmpl-{secrets.token_hex(12)}"
-        self.created = int(time.time())
-        self.model = model
-        self.tok = tok
-        self.top = top_logprobs
+    ID_PREFIX = "chatcmpl"
 
     def _logprobs(
         self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
@@ -292,16 +293,7 @@ class ChatFormatter(_OpenAIFormatter):
 class CompletionFormatter(_OpenAIFormatter):
     """Formats one text completion's events as OpenAI ``text_completion`` objects."""
 
-    def __init__(
-        self, model: str, tok: ChatTokenizer, top_logprobs: int | None, include_usage: bool = False
-    ) -> None:
-        self.include_usage = include_usage
-        self.tops = []
-        self.id = f"cmpl-{secrets.token_hex(12)}"
-        self.created = int(time.time())
-        self.model = model
-        self.tok = tok
-        self.top = top_logprobs
+    ID_PREFIX = "cmpl"
 
     def _logprobs(
         self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]

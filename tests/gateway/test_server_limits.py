@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import pytest
 
 from engine_pool.worker import free_port
 from gateway.store import SqliteStore
-from tests.support import REPO, ServerProcess, belayer_argv, belayer_server, wait_healthy
+from tests.support import REPO, ServerProcess, belayer_argv, belayer_server, spawn, wait_healthy
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
@@ -153,24 +153,6 @@ def test_oversized_headers_are_answered_431(gateway: str) -> None:
 # --- too many connections ---------------------------------------------------------------------------
 
 
-def spawn_with_nofile(argv: Sequence[str], log: Path, nofile: int) -> subprocess.Popen[bytes]:
-    """``tests.support.spawn``, with the open-file limit (soft and hard) set to `nofile`."""
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            list(argv),
-            cwd=REPO,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=limit,
-        )
-
-
 @pytest.fixture
 def crowded(engine: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServerProcess]:
     """A gateway under a descriptor limit of 256 with room for 32 connections (half-open ones are held
@@ -178,7 +160,7 @@ def crowded(engine: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Serve
     port = free_port()
     args = serve_args(engine, tiny_model_dir, tmp_path / "t.db", "--max-connections", "32")
     log = tmp_path / "gw.log"
-    proc = spawn_with_nofile(belayer_argv(*args, "--port", str(port)), log, nofile=256)
+    proc = spawn(belayer_argv(*args, "--port", str(port)), log, nofile=256)
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log)
     try:
         wait_healthy(f"{server.url}/health", [proc], 60, log)
