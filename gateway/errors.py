@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -105,6 +105,10 @@ TABLE: dict[type[BaseException], HttpError] = {
     Forbidden: HttpError(403, "forbidden", type="permission_error"),
     SandboxesDisabled: HttpError(404, "sandboxes_disabled"),
     RequestError: HttpError(400),
+    # a client that hung up while sending its body: its own doing, not an unexpected error (no one reads it)
+    ClientDisconnect: HttpError(
+        400, "client_disconnected", prefix="the client closed the connection before it sent the whole body"
+    ),
     # engines
     EngineRejected: HttpError(400, "engine_rejected", prefix="the engine rejected the request: "),
     EngineTimeout: HttpError(504, "engine_timeout", hint="; retry the request"),

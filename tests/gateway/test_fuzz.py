@@ -1,0 +1,602 @@
+"""A property-based fuzzer over every gateway route: valid requests, mutated (``tests/gateway/fuzzing.py``).
+
+For every example, on every route (plain and per-session, OpenAI and Anthropic, streamed or not, the
+sessions and engines APIs): no 5xx and no exception out of the ASGI app; an error in the route's
+protocol shape, in the body or in the SSE stream; a body declared as another media type than JSON is a
+415 wherever the body is read first. The sessions the example touched keep readable trajectories,
+and the list of sessions and a rotating sample of their trajectories are read back every
+``CHECK_EVERY`` examples, every trajectory at the end of each test. A session is closed after
+``MAX_TURNS`` turns, so that the cost of an example does not grow with the run.
+
+One gateway (over a scripted fake engine that answers every prompt: text, tool calls, malformed tool
+calls, cut-short and empty replies, random token ids) serves the whole module: its lifespan runs in
+one task of an event loop the fixture owns, and each example is driven with ``run_until_complete``.
+
+About 3,000 examples in all by default; ``BELAYER_FUZZ_EXAMPLES=30000`` runs ten times as many.
+The seed is fixed (``derandomize``) unless ``BELAYER_FUZZ_SEED=N`` picks another, and nothing is
+written to ``.hypothesis``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+from starlette.applications import Starlette
+
+from engine_pool.fake import FakeEngine, Fault, FaultInjector, Script
+from gateway.access import bearer_matches
+from gateway.config import FailoverConfig, GatewayConfig
+from gateway.tokenization import ChatTokenizer
+from tests.gateway import fuzzing
+from tests.gateway.fuzzing import ROUTES, SANDBOX_ROUTES, Plan, check_answer, is_json_media
+from tests.support import asgi_gateway
+
+EXAMPLES = int(os.environ.get("BELAYER_FUZZ_EXAMPLES", "3000"))
+SEED = os.environ.get("BELAYER_FUZZ_SEED")  # another seed than the fixed one: new ground for a long run
+CHECK_EVERY = 100
+MAX_TURNS = 40
+ADMIN = "fuzz-admin"
+LIMIT = 256 * 1024
+VOCAB = 8198  # the tiny model's
+REPLY_TEXTS = [
+    "ok",
+    "Sure, here it is.",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    'Let me check.<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "run", "arguments": {"n": 2}}\n</tool_call>',
+    "<tool_call>\n{not json}\n</tool_call>",
+    '<tool_call>\n{"name": "f", "arguments": "x"}',
+    "<think>hmm</think>The answer.",
+    "<|im_start|>user\na turn of its own",
+    "é🦀\u202e",
+]  # fmt: skip
+
+
+def fuzzer(share: float) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The settings of a fuzz test that runs `share` of the examples (and its seed)."""
+    fixed = settings(
+        max_examples=max(10, round(EXAMPLES * share)),
+        deadline=None,
+        derandomize=SEED is None,
+        database=None,
+        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.large_base_example,
+        ],
+    )
+    return fixed if SEED is None else lambda test: seed(int(SEED))(fixed(test))
+
+
+def reply_script(tok: ChatTokenizer) -> Script:
+    """A reply for every prompt, chosen by the prompt: each of ``REPLY_TEXTS`` (with EOS), one cut short
+    (no EOS), an empty one, and now and then random token ids."""
+    eos = tok.encode(tok.eos_token)[0]
+    replies = [[*tok.encode(t), eos] for t in REPLY_TEXTS] + [tok.encode("cut short"), []]
+
+    def script(prompt: list[int]) -> list[int]:
+        h = sum(prompt) + len(prompt)
+        if h % 13 == 12:
+            return [(h * 31 + i * 7919) % 8000 for i in range(6)]
+        return list(replies[h % len(replies)])
+
+    return script
+
+
+def check_turn(turn: dict[str, Any], where: str) -> None:
+    """What a trainer relies on: masks and logprobs aligned with the tokens, and a logprob for every
+    token the policy generated in a complete turn."""
+    n = len(turn["prompt_ids"]) + len(turn["output_ids"])
+    aligned = {k: len(turn[k]) for k in ("loss_mask", "logprobs", "recomputed_mask")}
+    assert set(aligned.values()) == {n}, f"{where}: {aligned} for {n} tokens"
+    assert all(isinstance(t, int) and 0 <= t < VOCAB for t in turn["prompt_ids"] + turn["output_ids"]), where
+    if turn["status"] == "complete":
+        assert len(turn["output_logprobs"]) == len(turn["output_ids"]), where
+        missing = [
+            i
+            for i, (m, lp) in enumerate(zip(turn["loss_mask"], turn["logprobs"], strict=True))
+            if m and lp is None
+        ]
+        assert not missing, f"{where}: generated tokens without a logprob at {missing[:10]}"
+
+
+class Logged(logging.Handler):
+    """The records the gateway logs at ERROR and above, kept for the example's check."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A plan resolved into the request that goes out."""
+
+    plan: Plan
+    method: str
+    url: str
+    path: str
+    headers: dict[str, str]
+    content: bytes | None
+    sid: str
+    known: bool
+    """Whether ``sid`` is one of the gateway's sessions."""
+    auth: str | None
+
+    def __str__(self) -> str:
+        body = self.content[:600] if self.content is not None else None
+        enc = self.plan.encoding
+        return (
+            f"{self.method} {self.url} {self.headers} chunk={enc.chunk} hangup={enc.hangup!r} body={body!r}"
+        )
+
+
+async def hang_up(app: Starlette, sent: Sent) -> httpx.Response | None:
+    """Call the app as a server would for a client that disconnects (``Encoding.hangup``): after the
+    first ``cut`` bytes of the body, or once the answer has begun. What the app sent (which nobody
+    reads), or None when it sent nothing."""
+    assert sent.content is not None
+    url = httpx.URL(f"http://gw{sent.url}")
+    mid_body = sent.plan.encoding.hangup == "body"
+    cut = sent.plan.encoding.cut % (len(sent.content) + 1) if mid_body else len(sent.content)
+    pending = [{"type": "http.request", "body": sent.content[:cut], "more_body": mid_body}]
+    answering = asyncio.Event()
+    headers = [(b"host", b"gw")] + [(k.encode(), v.encode("latin-1")) for k, v in sent.headers.items()]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": sent.method,
+        "scheme": "http", "path": unquote(url.path), "raw_path": url.raw_path.split(b"?")[0],
+        "query_string": url.query, "root_path": "", "headers": headers, "client": ("127.0.0.1", 9),
+        "server": ("gw", 80),
+    }  # fmt: skip
+    out: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop(0)
+        if not mid_body:
+            await answering.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        out.append(dict(message))
+        answering.set()
+
+    try:
+        await app(scope, receive, send)
+    except Exception as e:
+        raise AssertionError(f"{sent} (hung up: {sent.plan.encoding.hangup}): the app raised {e!r}") from e
+    start = next((m for m in out if m["type"] == "http.response.start"), None)
+    if start is None:
+        return None
+    body = b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body")
+    return httpx.Response(start["status"], headers=start["headers"], content=body)
+
+
+async def _chunks(content: bytes, size: int) -> AsyncIterator[bytes]:
+    size = max(size, len(content) // 256)  # a few hundred pieces at most
+    for i in range(0, len(content), size):
+        yield content[i : i + size]
+
+
+class FuzzGateway:
+    """The gateway app over a fake engine, its lifespan in one task of a loop of its own, driven
+    synchronously (Hypothesis runs the examples) and with the state the plans are resolved against."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        engine: httpx.AsyncBaseTransport,
+        hosts: tuple[str, ...] = ("http://fake-engine",),
+        allow_5xx: frozenset[int] = frozenset(),
+    ) -> None:
+        self.config, self.engine, self.hosts, self.allow_5xx = config, engine, hosts, allow_5xx
+        self.app: Starlette | None = None
+        self.stream_errors = 0
+        self.loop = asyncio.new_event_loop()
+        self.client: httpx.AsyncClient | None = None
+        self.sessions: list[str] = []  # created through the API, newest last
+        self.closed: set[str] = set()
+        self.engines: list[str] = []  # registered by the fuzzer (removable)
+        self.last: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = {}
+        self.statuses: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.sent = 0
+        self.cursor = 0
+        self._stop = asyncio.Event()
+        self.logged = Logged(logging.ERROR)
+        self._serving: asyncio.Task[None] | None = None
+
+    # --- lifecycle ---
+
+    async def _serve(self, ready: asyncio.Event) -> None:
+        probes = {"probe_interval": 0.05, "probe_timeout": 0.5}
+        gateway = asgi_gateway(self.config, self.engine, hosts=self.hosts, pool_options=probes, timeout=60.0)
+        async with gateway as (app, client):
+            self.app, self.client = app, client
+            ready.set()
+            await self._stop.wait()
+
+    def start(self) -> None:
+        logging.getLogger("belayer").addHandler(self.logged)  # "unexpected error", a task that failed
+        ready = asyncio.Event()
+        self._serving = self.loop.create_task(self._serve(ready))
+        waiting = self.loop.create_task(ready.wait())
+        self.loop.run_until_complete(
+            asyncio.wait([self._serving, waiting], return_when=asyncio.FIRST_COMPLETED)
+        )
+        if not ready.is_set():
+            waiting.cancel()
+            self._serving.result()  # raises why the gateway did not start
+        self.keep_sessions_open()
+
+    def close(self) -> None:
+        logging.getLogger("belayer").removeHandler(self.logged)
+        self._stop.set()
+        try:
+            if self._serving is not None:
+                self.loop.run_until_complete(self._serving)
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        finally:
+            self.loop.close()
+
+    def run(self, work: Callable[[], Coroutine[Any, Any, httpx.Response]]) -> httpx.Response:
+        return self.loop.run_until_complete(work())
+
+    def call(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        client = self.client
+        assert client is not None
+        return self.run(lambda: client.request(method, url, **kw))
+
+    # --- state the plans resolve against ---
+
+    def keep_sessions_open(self) -> None:
+        """At least three open sessions to send to (the fuzzer closes some)."""
+        while len([s for s in self.sessions if s not in self.closed]) < 3:
+            r = self.call("POST", "/api/sessions", json={"metadata": {"by": "fuzzer"}})
+            assert r.status_code == 201, r.text
+            self.sessions.append(r.json()["id"])
+
+    def session_id(self, plan: Plan) -> tuple[str, bool]:
+        """The plan's session id, and whether it is one of the gateway's sessions."""
+        if isinstance(plan.session, str):
+            return plan.session, False
+        going_on = [sid for sid, route in self.last if route == plan.route and sid not in self.closed]
+        if plan.follow_up and going_on:  # continue one of the recent conversations on this route
+            return going_on[-1 - plan.session % len(going_on)], True
+        return self.sessions[-1 - plan.session % len(self.sessions)], True
+
+    def engine_name(self, plan: Plan) -> str:
+        if isinstance(plan.session, str) or not self.engines:
+            return f"no-such-{plan.session}"
+        return self.engines[plan.session % len(self.engines)]
+
+    def body_of(self, plan: Plan, sid: str) -> Any:
+        """The plan's body, or the extension of the session's last conversation on this route."""
+        prev = self.last.get((sid, plan.route)) if plan.follow_up else None
+        body = plan.body
+        if prev is None or not isinstance(body, dict):
+            return body
+        sent, answer = prev
+        if plan.route == "s-chat":
+            msg = answer["choices"][0]["message"]
+            reply: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+            calls = msg.get("tool_calls") or []
+            if calls:
+                reply["tool_calls"] = calls
+            results = [{"role": "tool", "tool_call_id": c["id"], "content": "done"} for c in calls]
+            new = body["messages"][-1] if body["messages"][-1].get("role") == "user" else None
+            messages = [*sent["messages"], reply, *results, new or {"role": "user", "content": "go on"}]
+        else:
+            uses = [b for b in answer["content"] if b.get("type") == "tool_use"]
+            results = [{"type": "tool_result", "tool_use_id": b["id"], "content": "done"} for b in uses]
+            messages = [
+                *sent["messages"],
+                {"role": "assistant", "content": answer["content"]},
+                {"role": "user", "content": [*results, {"type": "text", "text": "go on"}]},
+            ]
+        return {**sent, "messages": messages, "stream": bool(body.get("stream"))}
+
+    # --- one example ---
+
+    def prepare(self, plan: Plan) -> Sent:
+        """The plan resolved against the gateway's state: the request to send."""
+        spec = ROUTES[plan.route]
+        sid, known = self.session_id(plan)
+        path = spec.path.replace("{sid}", sid).replace("{name}", self.engine_name(plan))
+        headers: dict[str, str] = {}
+        auth = plan.auth.replace("{admin}", ADMIN) if plan.auth is not None else None
+        if auth is not None:
+            headers["authorization"] = auth
+        content = None
+        if spec.body is not None:
+            content = plan.encoding.bytes_of(fuzzing.apply(self.body_of(plan, sid), plan.mutations), LIMIT)
+            if plan.content_type is not None:
+                headers["content-type"] = plan.content_type
+        url = path + (f"?{plan.query}" if plan.query else "")
+        return Sent(plan, plan.method or spec.method, url, path, headers, content, sid, known, auth)
+
+    async def exchange(self, sent: Sent) -> httpx.Response | None:
+        assert self.client is not None and self.app is not None
+        if sent.content is not None and sent.plan.encoding.hangup:
+            return await hang_up(self.app, sent)
+        content: bytes | AsyncIterator[bytes] | None = sent.content
+        if sent.content is not None and sent.plan.encoding.chunk:
+            content = _chunks(sent.content, sent.plan.encoding.chunk)  # no content-length: read as it comes
+        try:
+            return await self.client.request(sent.method, sent.url, content=content, headers=sent.headers)
+        except Exception as e:  # the app raised (a dropped connection for a real client)
+            raise AssertionError(f"{sent}: the ASGI app raised {type(e).__name__}: {e}") from e
+
+    def send(self, plan: Plan) -> None:
+        """One example: send the plan, check the answer and the sessions it touched."""
+        sent = self.prepare(plan)
+        self.finish(sent, self.loop.run_until_complete(self.exchange(sent)))
+        self.after_example()
+
+    def send_together(self, plans: list[Plan]) -> None:
+        """One example of concurrent requests (often to one session): each answer is checked alike."""
+        sent = [self.prepare(p) for p in plans]
+
+        async def together() -> list[httpx.Response | None]:
+            return list(await asyncio.gather(*(self.exchange(s) for s in sent)))
+
+        for s, r in zip(sent, self.loop.run_until_complete(together()), strict=True):
+            self.finish(s, r)
+        self.after_example()
+
+    def finish(self, sent: Sent, r: httpx.Response | None) -> None:
+        plan = sent.plan
+        if r is None:  # the client hung up and the app answered nothing: nobody to answer
+            return
+        where = f"{sent} -> {r.status_code} {r.text[:300]!r}"
+        answer = check_answer(sent.method, sent.path, r, where, self.allow_5xx)
+        if isinstance(answer, list):
+            self.stream_errors += any(fuzzing.is_error_event(e) for e in answer)
+        self.statuses[(plan.route if plan.method is None else "wrong-method", r.status_code)] += 1
+        if sent.content is not None and plan.method is None and not is_json_media(plan.content_type):
+            admin_ok = sent.auth is not None and bearer_matches(sent.auth, ADMIN)
+            reads_first = {"reward": sent.known, "register-engine": admin_ok}.get(plan.route, True)
+            if reads_first:
+                assert r.status_code == 415, f"{where}: a non-JSON media type answered {r.status_code}"
+        self.record(plan, sent.sid, sent.content, r, answer)
+        for touched in {r.headers.get("x-belayer-session"), sent.sid if sent.known else None} - {None}:
+            turns = len(self.check_trajectory(str(touched))["turns"])
+            if turns >= MAX_TURNS and touched in self.sessions and touched not in self.closed:
+                self.retire(str(touched))
+
+    def retire(self, sid: str) -> None:
+        """Close a long session: the next examples go to fresh ones (each read costs its length)."""
+        r = self.call("POST", f"/api/sessions/{sid}/close")
+        assert r.status_code == 200, r.text
+        self.closed.add(sid)
+
+    def after_example(self) -> None:
+        failures = [f"{r.getMessage()}: {r.exc_info[1]!r}" for r in self.logged.records if r.exc_info]
+        self.logged.records.clear()
+        assert not failures, f"the gateway logged an error with a traceback: {failures}"
+        self.sent += 1
+        if self.sent % CHECK_EVERY == 0:
+            self.check_readable(sample=20)
+        self.keep_sessions_open()
+
+    def record(self, plan: Plan, sid: str, content: bytes | None, r: httpx.Response, answer: Any) -> None:
+        if plan.method is not None or r.status_code >= 300:
+            return
+        if plan.route == "create-session":
+            self.sessions.append(answer["id"])
+        elif plan.route == "close":
+            self.closed.add(sid)
+        elif plan.route == "register-engine":
+            self.engines.append(answer["name"])
+        elif plan.route == "remove-engine":
+            self.engines.remove(answer["name"])
+        elif plan.route in ("s-chat", "s-messages") and isinstance(answer, dict) and content:
+            self.last.pop((sid, plan.route), None)  # the newest conversation last
+            self.last[(sid, plan.route)] = (json.loads(content.decode("utf-8-sig")), answer)
+
+    # --- invariants ---
+
+    def check_trajectory(self, sid: str) -> dict[str, Any]:
+        r = self.call("GET", f"/api/sessions/{sid}/trajectory")
+        assert r.status_code == 200, (
+            f"the trajectory of {sid} after the example: {r.status_code} {r.text[:1000]}"
+        )
+        traj: dict[str, Any] = r.json()
+        assert traj["session"]["id"] == sid and isinstance(traj["turns"], list)
+        for turn in traj["turns"]:
+            check_turn(turn, f"session {sid}, turn {turn['index']}")
+        return traj
+
+    def check_readable(self, sample: int | None = None) -> None:
+        """Every session is listed, and its summary and trajectory read back as JSON: all of them, or
+        the next `sample` of them (the periodic check, which must not grow with the run)."""
+        r = self.call("GET", "/api/sessions")
+        assert r.status_code == 200, r.text[:1000]
+        listed = sorted(s["id"] for s in r.json()["data"])
+        assert set(self.sessions) <= set(listed), set(self.sessions) - set(listed)
+        if sample is not None and len(listed) > sample:
+            start, self.cursor = self.cursor % len(listed), self.cursor + sample
+            listed = (listed + listed)[start : start + sample]
+        for sid in listed:
+            assert self.call("GET", f"/api/sessions/{sid}").status_code == 200
+            self.check_trajectory(sid)
+        healthy = {200, 503} if self.allow_5xx else {200}  # 503: no ready worker, for a moment
+        assert self.call("GET", "/health").status_code in healthy
+
+    def check_reached(self, routes: list[str]) -> None:
+        """The valid requests got through on every route: the mutations are around working requests."""
+        for route in routes:
+            seen = {code: n for (name, code), n in self.statuses.items() if name == route}
+            if route != "remove-engine" and sum(seen.values()) >= 30:
+                ok = sum(n for code, n in seen.items() if code < 300)
+                assert ok, f"{route}: no request succeeded: {seen}"
+
+
+ENGINE_5XX = frozenset({502, 503, 504})
+"""The documented answers when every worker failed the request: engine error, unavailable, timeout."""
+STREAMED = ["chat", "s-chat", "completions", "s-completions", "messages", "s-messages"]
+fault_queues = st.lists(
+    st.builds(Fault, kind=st.sampled_from(["drop_after", "refuse"]), after=st.integers(0, 6)), max_size=2
+)
+
+
+class FaultyGateway(FuzzGateway):
+    def reset(self, e0: list[Fault], e1: list[Fault]) -> None:
+        """Both workers ready again (a broken one is probed back), then the example's faults queued."""
+        assert isinstance(self.engine, FaultInjector) and self.app is not None
+        pool = self.app.state.gateway.pool
+        for _ in range(250):
+            if len(pool.ready()) == 2:
+                break
+            self.loop.run_until_complete(asyncio.sleep(0.02))  # the pool's probes bring workers back
+        assert len(pool.ready()) == 2, [(m.name, m.state) for m in pool.members]
+        self.engine.faults = {"e0": list(e0), "e1": list(e1)}
+
+
+def fuzz_config(tmp_path_factory: pytest.TempPathFactory, model: Path, **options: Any) -> GatewayConfig:
+    return GatewayConfig(
+        model=str(model),
+        store_path=str(tmp_path_factory.mktemp("fuzz") / "traj.db"),
+        store_synchronous="OFF",  # what is fuzzed here is not durability
+        max_body_bytes=LIMIT,
+        admin_token=ADMIN,
+        **fuzzing.AUX_CONFIG,
+        **options,
+    )
+
+
+@contextlib.contextmanager
+def started(gw: FuzzGateway) -> Iterator[FuzzGateway]:
+    gw.start()
+    try:
+        yield gw
+    finally:
+        gw.close()
+
+
+@pytest.fixture(scope="module")
+def fuzz(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[FuzzGateway]:
+    config = fuzz_config(
+        tmp_path_factory, tiny_model_dir, failover=FailoverConfig(no_worker_wait=0.3, stall_timeout=5.0)
+    )
+    engine = FakeEngine(max_model_len=4096, script=reply_script(ChatTokenizer.load(tiny_model_dir)))
+    with started(FuzzGateway(config, httpx.ASGITransport(engine.app()))) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[FaultyGateway]:
+    """Two workers behind a `FaultInjector`, one failover per request: streams that break for good."""
+    failover = FailoverConfig(no_worker_wait=0.2, stall_timeout=5.0, max_failovers=1)
+    config = fuzz_config(tmp_path_factory, tiny_model_dir, failover=failover)
+    engine = FakeEngine(max_model_len=4096, script=reply_script(ChatTokenizer.load(tiny_model_dir)))
+    faults = FaultInjector(httpx.ASGITransport(engine.app()))
+    gw = FaultyGateway(config, faults, hosts=("http://e0", "http://e1"), allow_5xx=ENGINE_5XX)
+    with started(gw):
+        yield gw
+
+
+def run_fuzzer(fuzz: FuzzGateway, routes: list[str], share: float) -> None:
+    @fuzzer(share)
+    @given(plan=fuzzing.plans(routes))
+    def example(plan: Plan) -> None:
+        fuzz.send(plan)
+
+    example()
+    fuzz.check_readable()
+    fuzz.check_reached(routes)
+
+
+OPENAI = ["chat", "s-chat", "completions", "s-completions", "models", "s-models"]
+ANTHROPIC = ["messages", "s-messages", "count", "s-count"]
+API = [name for name in ROUTES if name not in OPENAI + ANTHROPIC]
+
+
+def test_openai_routes_survive_mutated_requests(fuzz: FuzzGateway) -> None:
+    run_fuzzer(fuzz, OPENAI, 0.3)
+
+
+def test_anthropic_routes_survive_mutated_requests(fuzz: FuzzGateway) -> None:
+    run_fuzzer(fuzz, ANTHROPIC, 0.3)
+
+
+def test_sessions_and_engines_apis_survive_mutated_requests(fuzz: FuzzGateway) -> None:
+    run_fuzzer(fuzz, API, 0.25)
+
+
+CROWD = [
+    "s-chat",
+    "s-messages",
+    "s-completions",
+    "s-count",
+    "chat",
+    "messages",
+    "reward",
+    "close",
+    "trajectory",
+]
+
+
+@st.composite
+def crowds(draw: st.DrawFn) -> list[Plan]:
+    """Two to four requests at once, most of them to one session."""
+    session = draw(st.integers(0, 2))
+    crowd = draw(st.lists(fuzzing.plans(CROWD), min_size=2, max_size=4))
+    return [dataclasses.replace(p, session=session) if draw(st.booleans()) else p for p in crowd]
+
+
+def test_concurrent_mutated_requests_leave_readable_sessions(fuzz: FuzzGateway) -> None:
+    @fuzzer(0.1)
+    @given(crowd=crowds())
+    def example(crowd: list[Plan]) -> None:
+        fuzz.send_together(crowd)
+
+    example()
+    fuzz.check_readable()
+
+
+@pytest.mark.parametrize(("method", "path"), SANDBOX_ROUTES)
+def test_sandbox_routes_answer_sandboxes_disabled(fuzz: FuzzGateway, method: str, path: str) -> None:
+    for sid in (fuzz.sessions[-1], "no-such-session"):
+        for content_type in ("application/json", "text/plain"):
+            url = path.replace("{sid}", sid) + ("?path=/etc/passwd" if path.endswith("files") else "")
+            headers = {"content-type": content_type}
+            r = fuzz.call(method, url, content=b'{"image": "x", "command": "\\ud800"}', headers=headers)
+            body = check_answer(method, url, r, f"{method} {url}")
+            assert r.status_code == 404 and body["error"]["code"] == "sandboxes_disabled", r.text
+
+
+def test_errors_inside_streams_have_the_protocol_shape(faulty: FaultyGateway) -> None:
+    """Streams whose workers all break: the failure is a documented 5xx before the first token, or an
+    error event in the protocol's shape after it; and the session stays readable."""
+
+    @fuzzer(0.05)
+    @given(plan=fuzzing.plans(STREAMED), e0=fault_queues, e1=fault_queues)
+    def example(plan: Plan, e0: list[Fault], e1: list[Fault]) -> None:
+        faulty.reset(e0, e1)
+        body = {**plan.body, "stream": True}
+        session = plan.session if isinstance(plan.session, int) else 0
+        valid = Plan(plan.route, body, session, plan.follow_up)  # as drawn, sent as valid JSON
+        faulty.send(valid)
+
+    example()
+    faulty.check_readable()
+    assert faulty.stream_errors, "no stream carried an error event: the faults missed"
