@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.errors import Forbidden, InvalidRequest, Unauthorized
+from gateway.bodies import check_json_media_type
 from gateway.config import GatewayConfig
 
 SANDBOX_SCOPE_KEY = "belayer.sandbox_session"
@@ -73,6 +74,8 @@ class Access:
                 f"use one of {config.allowed_hosts} (--allowed-hosts)",
                 code="invalid_host",
             )
+        if request.method in ("POST", "PUT", "PATCH"):  # every such route is a JSON route, body or not
+            check_json_media_type(request.headers.get("content-type"))
         if path.startswith("/api/"):
             self._need_token(request, "the API")
         elif _PLAIN_GENERATION.fullmatch(path):

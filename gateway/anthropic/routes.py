@@ -44,7 +44,7 @@ async def messages_count_tokens(request: Request) -> Response:
     raw = await read_json(request, gw.config.max_body_bytes)
     reject_unsupported(raw)
     req = validate(CountTokensRequest, raw)
-    gw.check_model(req.model)
+    gw.route_model(req.model)  # a refused auxiliary model is refused here too
     sid = request.path_params.get("session_id")
     if sid is not None:
         gw.sessions.get(sid)

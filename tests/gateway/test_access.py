@@ -82,10 +82,12 @@ async def test_a_cross_site_text_plain_post_is_refused(locked: tuple[Starlette, 
         headers={"content-type": "text/plain"},
     )
     assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    # A route that reads no body refuses it too: no cross-site form or text/plain POST reaches any route.
     r = await client.post(
         f"/api/sessions/{sid}/close", content=b"", headers={**TOKEN, "content-type": "text/plain"}
     )
-    assert r.status_code == 200  # no body: nothing to smuggle; closing needs the token anyway
+    assert r.status_code == 415
+    assert (await client.get(f"/api/sessions/{sid}", headers=TOKEN)).json()["status"] == "open"
 
 
 async def test_rewards_are_final_once_closed_unless_an_admin_overrides(

@@ -101,6 +101,9 @@ async def test_refused_and_unknown_models_get_clear_errors(env: Env) -> None:
         "error",
         "invalid_request_error",
     )
+    r = await env.client.post(f"/s/{sid}/v1/messages/count_tokens", json=body)  # refused there too
+    assert (r.status_code, r.json()["error"]["type"]) == (400, "invalid_request_error")
+    assert "auxiliary model" in r.json()["error"]["message"]
     r = await env.client.post(f"/s/{sid}/v1/chat/completions", json={**body, "model": "nobody"})
     assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
     assert env.engine.requests == [] and env.provider.requests == []
