@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import sqlite3
 import threading
 import time
@@ -32,6 +33,16 @@ from gateway.store.base import (
 )
 
 log = logging.getLogger("belayer.store")
+
+
+def _loads(text: str) -> Any:
+    """JSON as stored; a non-finite number that an older version wrote (``NaN``, ``Infinity``) reads
+    as null, so that one poisoned value cannot make every later read fail."""
+    return json.loads(text, parse_constant=lambda _name: None)
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else None
 
 
 def _dumps(value: object) -> str:
@@ -88,16 +99,14 @@ def _turn(row: tuple[Any, ...]) -> TurnRecord:
         ext_key=row[5],
         status=row[6],
         prompt_ids=_ids(row[7]),
-        prompt_gen_spans=[
-            (span[0], span[1], span[2] if len(span) > 2 else -1) for span in json.loads(row[8])
-        ],
+        prompt_gen_spans=[(span[0], span[1], span[2] if len(span) > 2 else -1) for span in _loads(row[8])],
         output_ids=_ids(row[9]),
         output_logprobs=_floats(row[10]),
-        request=json.loads(row[11]),
-        response=json.loads(row[12]) if row[12] else None,
+        request=_loads(row[11]),
+        response=_loads(row[12]) if row[12] else None,
         finish_reason=row[13],
         worker=row[14],
-        timings=json.loads(row[15]),
+        timings=_loads(row[15]),
         error=row[16],
         received_at=row[17],
     )
@@ -107,10 +116,10 @@ def _session(row: tuple[Any, ...]) -> SessionRecord:
     return SessionRecord(
         id=row[0],
         created_at=row[1],
-        metadata=json.loads(row[2]),
+        metadata=_loads(row[2]),
         status=row[3],
-        reward=row[4],
-        reward_info=json.loads(row[5]) if row[5] else None,
+        reward=_finite(row[4]),  # an older version stored inf / NaN rewards
+        reward_info=_loads(row[5]) if row[5] else None,
         closed_at=row[6],
         ephemeral=bool(row[7]),
     )
@@ -361,7 +370,7 @@ class SqliteStore(TrajectoryStore):
             "SELECT session_id, turn_id, ts, kind, data FROM events WHERE session_id = ? ORDER BY id",
             (session_id,),
         ).fetchall()
-        return [EventRecord(r[0], r[1], r[2], r[3], json.loads(r[4])) for r in rows]
+        return [EventRecord(r[0], r[1], r[2], r[3], _loads(r[4])) for r in rows]
 
     def discard_turns_after(self, session_id: str, turn_index: int, reason: str) -> list[int]:
         where = "session_id = ? AND idx > ? AND status != ?"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sqlite3
 from pathlib import Path
@@ -14,7 +15,8 @@ import pytest
 from core.errors import StoreError
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
-from gateway.store import EventRecord, SessionRecord, SqliteStore
+from gateway.export import export
+from gateway.store import EventRecord, SessionRecord, SqliteStore, TurnRecord
 from tests.support import asgi_gateway
 
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}
@@ -84,3 +86,37 @@ def test_a_read_only_store_names_the_cause(tmp_path: Path, caplog: pytest.LogCap
         store.add_event(EventRecord("ses_1", None, 0.0, "x", {}))
     assert store.failures == 2 and "readonly database" in caplog.text
     store.close()
+
+
+def test_a_store_poisoned_by_an_older_version_reads_and_exports(tmp_path: Path) -> None:
+    """Non-finite values written before the edge refused them (an inf reward, Infinity in metadata)
+    read as null: the session list, trajectories and the export work, and the export is JSON."""
+    path = tmp_path / "t.db"
+    store = SqliteStore(path)
+    store.create_session(SessionRecord("ses_1", created_at=0.0, metadata={"a": 1}))
+    store._db.execute(
+        "UPDATE sessions SET reward = ?, metadata = ? WHERE id = 'ses_1'", (float("inf"), '{"a": Infinity}')
+    )
+    turn = store.begin_turn(
+        TurnRecord(
+            "ses_1",
+            prompt_ids=[1, 2],
+            prompt_gen_spans=[],
+            parent_id=None,
+            ext_key=None,
+            request={},
+            received_at=0.0,
+        )
+    )
+    turn.output_ids, turn.output_logprobs, turn.status = [3], [-0.5], "complete"
+    store.finish_turn(turn)
+    [session] = store.list_sessions()
+    assert session.reward is None and session.metadata == {"a": None}
+    out = tmp_path / "out.jsonl"
+    assert export(store, str(out), "jsonl", None) == 1
+    store.close()
+    [row] = [
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the export"))
+        for line in out.read_text().splitlines()
+    ]
+    assert row["reward"] is None and row["input_ids"] == [1, 2, 3]
