@@ -45,9 +45,11 @@ async def completions(request: Request) -> Response:
     raw = await read_json(request, gw.config.max_body_bytes)
     reject_unsupported(raw)
     req = validate(CompletionRequest, raw)
-    gw.check_model(req.model)
+    route = gw.route_model(req.model)
+    if route is not None and route.kind == "external":
+        return await auxiliary.forward(gw.aux_http_client(), gw.store, route, raw, "completions", request)
     gw.bound_prompt(raw.get("prompt"))
-    session = await session_for(gw, request)
+    session = await session_for(gw, request, auxiliary_model=req.model if route else None)
     gen = await gw.offload(completion_request, req, raw, session, gw.tokenizer)
     gen.stream = bool(req.stream)
     usage = bool(req.stream_options and req.stream_options.include_usage)

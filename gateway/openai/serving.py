@@ -40,11 +40,17 @@ def _text(content: str | list[Any] | None, where: str) -> str:
         return content or ""
     parts = []
     for i, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise InvalidRequest(
                 f"content part of type '{part.type}' is not supported by this text-only model; send text parts",
                 param=f"{where}.content[{i}]",
                 code="unsupported_content",
+            )
+        if part.text is None:
+            raise InvalidRequest(
+                "a content part of type 'text' needs its 'text'",
+                f"{where}.content[{i}].text",
+                "missing_required_parameter",
             )
         parts.append(part.text)
     return "".join(parts)

@@ -139,3 +139,21 @@ def test_bad_routes_are_refused_at_start_up(tiny_model_dir: Path) -> None:
         json.loads(GatewayConfig(model="m", auxiliary_models=AUX).model_dump_json())["auxiliary_models"]
         == AUX
     )
+
+
+async def test_text_completions_are_routed_like_chat(env: Env) -> None:
+    sid = await session(env)
+    env.engine.outputs.append(env.gw.tokenizer.encode("A title."))
+    r = await env.client.post(
+        f"/s/{sid}/v1/completions",
+        json={"model": "claude-haiku-4-5", "prompt": "Title this.", "max_tokens": 8},
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "A title."
+    assert env.gw.store.get_turns(sid) == []  # recorded in the side session, not the episode's
+    assert len(env.gw.store.get_turns(f"{sid}-aux")) == 1
+    r = await env.client.post(
+        f"/s/{sid}/v1/completions", json={"model": "judge-v1", "prompt": [5, 6], "max_tokens": 2}
+    )
+    assert r.status_code == 200 and env.provider.requests[-1]["model"] == "judge-large"
+    r = await env.client.post(f"/s/{sid}/v1/completions", json={"model": "gpt-4o-mini", "prompt": "x"})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "auxiliary_model_refused")

@@ -45,6 +45,13 @@ CASES: list[tuple[str, Any, int, str | None, str]] = [
         "messages[0].content[0]",
         "text-only",
     ),
+    (
+        "text part without text",
+        body(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        400,
+        "messages[0].content[0].text",
+        "needs its 'text'",
+    ),
     ("tool_choice without tools", body(tool_choice="required"), 400, "tool_choice", "tools"),
     (
         "named tool not offered",
