@@ -62,8 +62,12 @@ class Access:
         self.config = config
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and SANDBOX_SCOPE_KEY not in scope:
-            self.check(Request(scope))
+        if scope["type"] == "http":
+            request = Request(scope)
+            if request.method in ("POST", "PUT", "PATCH"):  # every such route is a JSON route, body or not
+                check_json_media_type(request.headers.get("content-type"))
+            if SANDBOX_SCOPE_KEY not in scope:  # a sandbox's listener checked who it is
+                self.check(request)
         await self.app(scope, receive, send)
 
     def check(self, request: Request) -> None:
@@ -74,8 +78,6 @@ class Access:
                 f"use one of {config.allowed_hosts} (--allowed-hosts)",
                 code="invalid_host",
             )
-        if request.method in ("POST", "PUT", "PATCH"):  # every such route is a JSON route, body or not
-            check_json_media_type(request.headers.get("content-type"))
         if path.startswith("/api/"):
             self._need_token(request, "the API")
         elif _PLAIN_GENERATION.fullmatch(path):
