@@ -151,7 +151,9 @@ def _trajectory(gw: Gateway, request: Request, session: SessionRecord) -> Respon
     ]
     return JSONResponse(
         {
-            "session": _summary(gw, request, session),
+            "session": _summary(
+                gw, request, session, {session.id: (len(turns), len({t.branch for t in turns}))}
+            ),
             "turns": [_turn_json(t, by_id, events, recomputed) for t in turns],
             "branches": branches,
             "events": events,
