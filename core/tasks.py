@@ -65,9 +65,6 @@ class TaskOwner:
     def running(self) -> int:
         return len(self._tasks)
 
-    def names(self) -> list[str]:
-        return sorted(t.get_name() for t in self._tasks)
-
     async def join(self) -> None:
         """Wait until no task is running (tasks spawned meanwhile are waited for too)."""
         while self._tasks:

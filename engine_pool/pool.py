@@ -31,10 +31,9 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -168,10 +167,7 @@ class EnginePool:
                 m.client.model = m.info.name
             active = sum(1 for x in self.members if x.state == READY)
             self._set(m, READY if m.process is None or active < self.active else SHADOW, "started")
-        self._spawn(self._probe_forever(), "engine-pool-probe")
-
-    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        self._tasks.spawn(work, name)
+        self._tasks.spawn(self._probe_forever(), "engine-pool-probe")
 
     async def stop(self) -> None:
         self._closing = True
@@ -227,10 +223,10 @@ class EnginePool:
             return
         was = m.state
         self._set(m, DRAINING, f"failed: {error}")
-        self._spawn(self._fence(m), f"fence-{m.name}")
+        self._tasks.spawn(self._fence(m), f"fence-{m.name}")
         if was == READY:
             self._promote()
-        self._spawn(self._launch_replacement(), "replace-worker")
+        self._tasks.spawn(self._launch_replacement(), "replace-worker")
 
     async def _fence(self, m: PoolMember) -> None:
         """Kill a failed (dead or hung) worker's whole process group, so it cannot come back."""
