@@ -5,7 +5,7 @@ network's firewall lets sandboxes reach that port and nothing else. It serves th
 request must come from a sandbox and name that sandbox's own session: ``/s/{its session}/…`` (and
 ``/health``). Everything else, the admin, sandbox and sessions APIs and other sessions included, is
 refused with a 403 in the protocol's error JSON. The request's source address tells the sandbox
-(`SandboxManager.session_for_address`); sandboxes cannot spoof it, since they have no capabilities.
+(`SandboxManager.owner_of`); sandboxes cannot spoof it, since they have no capabilities.
 """
 
 from __future__ import annotations
@@ -40,25 +40,24 @@ class SandboxFacing:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            refusal = self._refusal(scope)
+            client = scope.get("client")
+            owner = await self.manager.owner_of(client[0]) if client else None
+            refusal = self._refusal(scope["path"], owner)
             if refusal is not None:
-                path = scope["path"]
                 body = error_body(refusal, "permission_error", None, "forbidden")
-                if ANTHROPIC_PATH.search(path):
+                if ANTHROPIC_PATH.search(scope["path"]):
                     body = anthropic_error(403, body)
                 await JSONResponse(body, status_code=403)(scope, receive, send)
                 return
-            scope = {**scope, SANDBOX_SCOPE_KEY: self.manager.session_for_address(scope["client"][0])}
+            scope = {**scope, SANDBOX_SCOPE_KEY: owner}
         elif scope["type"] != "lifespan":
             return
         await self.app(scope, receive, send)
 
-    def _refusal(self, scope: Scope) -> str | None:
-        path: str = scope["path"]
+    @staticmethod
+    def _refusal(path: str, owner: str | None) -> str | None:
         if path == "/health":
             return None
-        client = scope.get("client")
-        owner = self.manager.session_for_address(client[0]) if client else None
         if owner is None:
             return "this listener serves Belayer sandboxes only, and the request comes from none"
         match = _SESSION_PATH.match(path)

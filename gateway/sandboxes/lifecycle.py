@@ -2,7 +2,7 @@
 
 A sandbox with ``network="gateway"`` can reach the gateway's sandbox listener (`gateway_url`) and
 nothing else; it gets ``OPENAI_BASE_URL``, ``ANTHROPIC_BASE_URL`` and ``BELAYER_SESSION_URL`` pointing
-at its own session, and the listener only serves that session (`SandboxManager.session_for_address`,
+at its own session, and the listener only serves that session (`SandboxManager.owner_of`,
 by the sandbox's address on the network, looked up here whenever the sandbox changes).
 """
 

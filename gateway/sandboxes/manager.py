@@ -131,9 +131,19 @@ class SandboxManager:
     def sandbox_id(self, session_id: str) -> str:
         return self._slots.require(session_id).live()
 
-    def session_for_address(self, address: str) -> str | None:
-        """The session whose sandbox has this address on the gateway network, if any."""
-        return self._slots.session_for_address(address)
+    async def owner_of(self, address: str) -> str | None:
+        """The session whose sandbox has this address on the gateway network, if any. A restored
+        sandbox's processes run (and call the gateway) before the restore has recorded its new
+        address: with an unknown address, wait for the restores in progress, then look again.
+        With none in progress, an unknown address is answered at once."""
+        owner = self._slots.session_for_address(address)
+        if owner is None:
+            for slot in self._slots:
+                if slot.restores.in_progress:
+                    async with slot.lock:
+                        pass
+            owner = self._slots.session_for_address(address)
+        return owner
 
     async def settled(self, session_id: str) -> None:
         """Return once the session's sandbox is not being restored (the trajectory is truncated)."""

@@ -55,8 +55,8 @@ async def test_the_gateway_network_gives_each_sandbox_its_own_session(env: Env) 
     ).stdout == f"{url}/v1 mine\n"
     [(_, created)] = env.events(sid)
     assert created["address"] == "10.99.0.2"
-    assert env.manager.session_for_address("10.99.0.2") == sid
-    assert env.manager.session_for_address("10.99.0.3") is None
+    assert await env.manager.owner_of("10.99.0.2") == sid
+    assert await env.manager.owner_of("10.99.0.3") is None
     assert env.manager.describe(sid)["gateway_url"] == url
 
 
@@ -92,3 +92,27 @@ async def test_settled_waits_for_a_restore_in_progress(env: Env) -> None:
     await asyncio.wait_for(settled, 1)
     assert env.manager.sandbox_id(sid) == info.sandbox_id
     await asyncio.wait_for(env.manager.settled(sid), 1)  # nothing in progress: returns at once
+
+
+async def test_a_restored_sandbox_is_known_by_its_new_address_before_its_first_call_is_judged(
+    env: Env,
+) -> None:
+    """A restored process calls the gateway at once, before the restore has looked its address up:
+    the listener's lookup waits for the restore instead of refusing it (a 403 the agent cannot
+    recover from)."""
+    env.manager.gateway_url = "http://10.99.0.1:9000"
+    spec = SandboxSpec(image="img", network="gateway")
+    sid = await env.session(spec=spec, recovery="truncate")
+    await env.manager.checkpoint(sid)
+    release = threading.Event()
+    env.backend.inject(Fault("restore", "block", release=release))
+    restore = asyncio.create_task(env.manager.restore(sid))
+    await eventually(lambda: env.backend.ops("restore") != [])
+    lookup = asyncio.create_task(env.manager.owner_of("10.99.0.3"))  # the restored sandbox's address
+    await asyncio.sleep(0.05)
+    assert not lookup.done()
+
+    release.set()
+    await restore
+    assert await asyncio.wait_for(lookup, 1) == sid
+    assert await env.manager.owner_of("10.99.0.2") is None  # the dead sandbox's address, at once
