@@ -1,3 +1,5 @@
 """Belayer: a fault-tolerant rollout gateway for agentic reinforcement learning."""
 
-__version__ = "0.1.0"
+from core import __version__
+
+__all__ = ["__version__"]

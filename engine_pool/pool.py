@@ -39,6 +39,7 @@ import httpx
 
 from core.errors import Conflict, EngineError, EngineUnavailable, InvalidRequest, NotFound
 from core.tasks import TaskOwner
+from core.telemetry import Telemetry
 from engine_pool.client import EngineClient, ModelInfo
 from engine_pool.worker import VllmWorker, WorkerSpec
 
@@ -63,6 +64,32 @@ class PoolMember:
     info: ModelInfo | None = None
     probe_failures: int = 0
     history: list[tuple[float, str]] = field(default_factory=list)
+    last_transition: dict[str, object] | None = None
+    """The latest state change: ``{"at", "from", "to", "why"}``."""
+    started_at: float = field(default_factory=time.time)
+
+    def view(self, start_timeout: float) -> dict[str, object]:
+        """The member as ``GET /api/engines`` and the dashboard show it."""
+        now = time.time()
+        p = self.process
+        launched_at = p.started_at if p is not None and p.started_at is not None else self.started_at
+        return {
+            "name": self.name,
+            "url": self.client.base_url,
+            "state": self.state,
+            "launched": p is not None,
+            "pid": p.pid if p is not None else None,
+            "outstanding": self.outstanding,
+            "served": self.served,
+            "started_at": launched_at,
+            "launched_at": p.started_at if p is not None else None,
+            "ready_at": p.ready_at if p is not None else None,
+            "max_model_len": self.info.max_model_len if self.info else None,
+            "uptime_s": round(now - launched_at, 3),
+            "last_transition": self.last_transition,
+            "starting_elapsed_s": round(now - launched_at, 3) if self.state == STARTING else None,
+            "start_timeout_s": start_timeout,
+        }
 
 
 @dataclass(slots=True)
@@ -87,6 +114,8 @@ class EnginePool:
     _launched: int = 0
     _remotes: int = 0
     _closing: bool = False
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    """Where state changes, promotions, replacements and cold starts are published."""
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -158,9 +187,11 @@ class EnginePool:
         for m in launched:
             assert m.process is not None
             m.process.launch()
+        started = time.monotonic()
         for m in launched:
             assert m.process is not None
             await m.process.wait_ready(self.start_timeout)
+            self._cold_start(m, time.monotonic() - started)
         for m in self.members:
             m.info = await m.client.model_info()
             if not m.client.model:
@@ -238,20 +269,45 @@ class EnginePool:
         shadow = next((m for m in self.members if m.state == SHADOW), None)
         if shadow is not None:
             self._set(shadow, READY, "promoted from shadow")
+            self.telemetry.publish("shadow_promoted", {"worker": shadow.name})
 
     async def _launch_replacement(self) -> None:
         member = self._new_launched()
         assert member.process is not None
+        self.telemetry.publish("replacement_started", {"worker": member.name})
+        started = time.monotonic()
         await member.process.start(self.start_timeout)
         member.info = await member.client.model_info()
+        self._cold_start(member, time.monotonic() - started)
         active = sum(1 for m in self.members if m.state == READY and m.process is not None)
         self._set(member, READY if active < self.active else SHADOW, "replacement ready")
 
+    def _cold_start(self, m: PoolMember, seconds: float) -> None:
+        self.telemetry.publish("worker_cold_start", {"worker": m.name, "seconds": round(seconds, 3)})
+
     def _set(self, m: PoolMember, state: str, why: str) -> None:
+        """Change a member's state: logged (WARNING when it lost a worker, else INFO), published, and
+        every waiter looks again."""
         if m.state != state:
-            log.warning("worker %s: %s -> %s (%s)", m.name, m.state, state, why)
+            lost = state in (DEAD, UNHEALTHY, DRAINING) and why.startswith("failed")
+            log.log(
+                logging.WARNING if lost else logging.INFO,
+                "worker %s: %s -> %s (%s)",
+                m.name,
+                m.state,
+                state,
+                why,
+            )
+            now = time.time()
+            m.last_transition = {"at": now, "from": m.state, "to": state, "why": why}
+            p = m.process
+            data = {
+                "worker": m.name, "from": m.state, "to": state, "why": why, "url": m.client.base_url,
+                "pid": p.pid if p is not None else None, "launched": p is not None,
+            }  # fmt: skip
             m.state = state
-            m.history.append((time.time(), state))
+            m.history.append((now, state))
+            self.telemetry.publish("worker_state", data)
             self._wake_waiters()
 
     def _wake_waiters(self) -> None:

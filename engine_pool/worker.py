@@ -53,14 +53,21 @@ class WorkerSpec:
     python: str = sys.executable
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
+    kind: str = "vllm"
+    """``vllm``, or ``fake``: a scripted fake engine process (``python -m engine_pool.fake``)."""
 
     def argv(self) -> list[str]:
+        if self.kind == "fake":
+            return [
+                self.python, "-m", "engine_pool.fake", "--host", self.host, "--port", str(self.port),
+                "--model", self.served_name, "--max-model-len", str(self.max_model_len), *self.extra_args,
+            ]  # fmt: skip
         return [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--served-model-name", self.served_name,
             "--host", self.host, "--port", str(self.port),
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-            "--enforce-eager", "--seed", str(self.seed), "--disable-log-stats",
+            "--enforce-eager", "--seed", str(self.seed),  # no --disable-log-stats: it empties /metrics
             *self.extra_args,
         ]  # fmt: skip
 

@@ -78,7 +78,7 @@ class Access:
                 f"use one of {config.allowed_hosts} (--allowed-hosts)",
                 code="invalid_host",
             )
-        if path.startswith("/api/"):
+        if path.startswith("/api/") or path.startswith("/metrics"):
             self._need_token(request, "the API")
         elif _PLAIN_GENERATION.fullmatch(path):
             if config.plain_v1 == "off":
@@ -94,6 +94,8 @@ class Access:
         if token is None:
             return
         header = request.headers.get("authorization")
+        if header is None and request.url.path == "/api/events" and "token" in request.query_params:
+            header = f"Bearer {request.query_params['token']}"  # EventSource cannot send headers
         if not (bearer_matches(header, token) or (admin is not None and bearer_matches(header, admin))):
             problem = "without the gateway's API token" if header is None else "with a wrong API token"
             raise Unauthorized(f"{what} answered a request {problem}: send 'Authorization: Bearer <token>'")

@@ -25,23 +25,13 @@ from gateway.bodies import read_json, validate
 from gateway.runtime import gateway_of
 
 
-def _engine_json(m: PoolMember) -> dict[str, Any]:
-    return {
-        "name": m.name,
-        "url": m.client.base_url,
-        "state": m.state,
-        "outstanding": m.outstanding,
-        "served": m.served,
-        "pid": m.process.pid if m.process else None,
-        "launched_at": m.process.started_at if m.process else None,
-        "ready_at": m.process.ready_at if m.process else None,
-        "max_model_len": m.info.max_model_len if m.info else None,
-    }
+def _engine_json(m: PoolMember, request: Request) -> dict[str, Any]:
+    return m.view(gateway_of(request).pool.start_timeout)
 
 
 async def engines(request: Request) -> Response:
     gw = gateway_of(request)
-    return JSONResponse({"data": [_engine_json(m) for m in gw.pool.members]})
+    return JSONResponse({"data": [_engine_json(m, request) for m in gw.pool.members]})
 
 
 class RegisterEngine(BaseModel):
@@ -55,7 +45,7 @@ async def register_engine(request: Request) -> Response:
     require_admin(gw.config, request)
     req = validate(RegisterEngine, await read_json(request, gw.config.max_body_bytes))
     member = await gw.pool.register(req.url)
-    return JSONResponse(_engine_json(member), status_code=201)
+    return JSONResponse(_engine_json(member, request), status_code=201)
 
 
 async def remove_engine(request: Request) -> Response:
@@ -72,7 +62,7 @@ async def remove_engine(request: Request) -> Response:
             f"drain_s must be seconds between 0 and 3600, not {raw!r}", "drain_s", "invalid_value"
         )
     member = await gw.pool.remove(request.path_params["name"], drain_timeout=drain_s)
-    return JSONResponse(_engine_json(member))
+    return JSONResponse(_engine_json(member, request))
 
 
 def routes() -> list[Route]:

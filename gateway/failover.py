@@ -45,6 +45,8 @@ class Failure:
     """When it was noticed (``time.monotonic()``)."""
     last_token_at: float | None
     """When the turn's last token arrived (None: before its first)."""
+    cause: str = "dead"
+    """``dead`` (connection lost), ``stall`` (no token within the stall timeout) or ``error``."""
 
     def event(self, *, to_worker: str | None, now: float, greedy: bool) -> dict[str, Any]:
         """The ``failover`` event's data, once the turn resumed on `to_worker` (None: it did not)."""
@@ -53,6 +55,7 @@ class Failure:
             "token_index": self.token_index,
             "from_worker": self.from_worker,
             "error": self.error,
+            "cause": self.cause,
             "to_worker": to_worker,
             "detect_ms": round((self.at - since) * 1000, 3),
             "lost_ms": round((now - since) * 1000, 3),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
@@ -12,10 +12,13 @@ import httpx
 from starlette.requests import Request
 
 from core.errors import AuxiliaryUnavailable, ContextLengthExceeded, NotFound
+from core.telemetry import Telemetry
 from engine_pool.pool import EnginePool
 from gateway.auxiliary import AuxRoute, refuse
 from gateway.bodies import text_chars
 from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.recorder import Recorder
 from gateway.sandboxes.manager import SandboxManager
 from gateway.sessions import SessionManager
 from gateway.store import TrajectoryStore
@@ -35,6 +38,10 @@ class Gateway:
     runner: TurnRunner
     sandboxes: SandboxManager | None = None
     aux_http: httpx.AsyncClient | None = None
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    metrics: GatewayMetrics | None = None
+    recorder: Recorder = field(default_factory=lambda: Recorder(Telemetry()))
+    version: str = "0"
 
     def route_model(self, model: str) -> AuxRoute | None:
         """None when the policy serves `model` (a served name or an alias); its auxiliary route when an

@@ -18,6 +18,7 @@ from gateway import sandbox_api
 from gateway.access import base_root, require_admin
 from gateway.bodies import read_json, validate
 from gateway.export import Runs, aligned_logprobs, branch_leaves, recomputed_mask, recomputed_runs
+from gateway.observe_api import session_query
 from gateway.runtime import Gateway, gateway_of
 from gateway.store import SessionRecord, TurnRecord
 
@@ -110,9 +111,18 @@ async def list_sessions(request: Request) -> Response:
 
 
 def _session_list(gw: Gateway, request: Request) -> Response:
-    counts = gw.store.turn_counts()
-    sessions = [s for s in gw.store.list_sessions() if not s.ephemeral]
-    return JSONResponse({"data": [_summary(gw, request, s, counts) for s in sessions]})
+    """One page of the sessions that match the query's filters (`observe_api.session_query`)."""
+    query = session_query(request)
+    sessions, total = gw.store.query_sessions(query)
+    counts = gw.store.turn_counts([s.id for s in sessions])
+    return JSONResponse(
+        {
+            "data": [_summary(gw, request, s, counts) for s in sessions],
+            "total": total,
+            "limit": query.limit,
+            "offset": query.offset,
+        }
+    )
 
 
 async def get_session(request: Request) -> Response:

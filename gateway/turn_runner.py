@@ -29,10 +29,12 @@ from core.errors import (
     InvalidRequest,
     StoreError,
 )
+from core.telemetry import Telemetry
 from engine_pool.client import SamplingParams, TokenChunk
 from engine_pool.pool import EnginePool, PoolMember
 from gateway.config import FailoverConfig
 from gateway.failover import Failure, stall_guarded
+from gateway.metrics import REQUEST_CLOCK, GatewayMetrics
 from gateway.observers import TurnObserver
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
 from gateway.recompute import LogprobRecomputer
@@ -81,6 +83,8 @@ class _OutputState:
     finish: str = "stop"
     failovers: int = 0
     last_token_at: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    """Inter-token gaps (seconds), for the metrics."""
     refused_by: list[str] = field(default_factory=list)
     """Healthy workers that answered this turn with an error (a second one makes it the request's)."""
 
@@ -119,8 +123,13 @@ class TurnRunner:
         observers: list[TurnObserver] | None = None,
         failover: FailoverConfig | None = None,
         max_tokens_cap: int | None = None,
+        telemetry: Telemetry | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.max_tokens_cap = max_tokens_cap
+        self.telemetry = telemetry or Telemetry()
+        """Where each turn's start and end are published (``turn_started``, ``turn_finished``)."""
+        self.metrics = metrics
         self.failover = failover or FailoverConfig()
         self.store = store
         self.pool = pool
@@ -192,6 +201,12 @@ class TurnRunner:
         prompt_ids, params = self.prepare(req)
         t0 = time.monotonic()
         turn = self._begin(req, prompt_ids)
+        self.telemetry.publish(
+            "turn_started",
+            {"index": turn.index, "branch": turn.branch, "prompt_tokens": len(prompt_ids),
+             "reused_tokens": req.plan.reused_tokens},
+            turn.session_id, turn.id,
+        )  # fmt: skip
         for obs in self.observers:
             obs.turn_started(turn)
         st = _OutputState(
@@ -204,16 +219,21 @@ class TurnRunner:
                     yield delta
         except EngineError as e:  # EngineRejected among them: answered as the client's error (400)
             self._fail(turn, TURN_ERROR, str(e), t0)
+            self._published(turn, req, st)
             raise
         except BaseException as e:  # client went away (cancelled) or a bug: keep what was generated
             if self.interrupting and not isinstance(e, Exception):  # cancelled by the shutdown deadline
                 self._fail(turn, TURN_INTERRUPTED, "the gateway shut down (its grace period ran out)", t0)
             else:
                 self._fail(turn, TURN_ABORTED, repr(e), t0)
+            self._published(turn, req, st)
             raise
         finish = "stop" if st.trimmer.stopped else st.finish
         finish = "tool_calls" if st.parser.calls and finish == "stop" else finish
-        done = self._complete(req, turn, finish, "".join(st.content), st.parser.calls, t0)
+        try:
+            done = self._complete(req, turn, finish, "".join(st.content), st.parser.calls, t0)
+        finally:
+            self._published(turn, req, st)
         done.stop_sequence = st.trimmer.matched
         yield done
 
@@ -258,8 +278,10 @@ class TurnRunner:
         wait = fo.no_worker_wait if fo.enabled else 0.0
         async with self.pool.lease(affinity, wait, frozenset(st.refused_by)) as member:
             turn.worker = member.name
-            turn.timings.setdefault("queue_ms", (time.monotonic() - t0) * 1000)
+            submitted = time.monotonic()
+            turn.timings.setdefault("queue_ms", (submitted - t0) * 1000)
             stream = self._engine_stream(member, turn.prompt_ids + turn.output_ids, remaining, req.stream)
+            clock = REQUEST_CLOCK.get()
             try:
                 async for chunk in stream:
                     if previous is not None:
@@ -273,6 +295,8 @@ class TurnRunner:
                 yield await self._lost(member, e, turn, st)
             finally:
                 await stream.aclose()
+                if clock is not None:
+                    clock.charge(time.monotonic() - submitted)
 
     async def _lost(
         self, member: PoolMember, error: EngineError, turn: TurnRecord, st: _OutputState
@@ -297,7 +321,16 @@ class TurnRunner:
         if not fo.enabled or st.failovers >= fo.max_failovers:
             raise error
         st.failovers += 1
-        return Failure(len(turn.output_ids), member.name, str(error), time.monotonic(), st.last_token_at)
+        cause = (
+            "stall"
+            if isinstance(error, EngineTimeout)
+            else "error"
+            if isinstance(error, EngineServerError)
+            else "dead"
+        )
+        return Failure(
+            len(turn.output_ids), member.name, str(error), time.monotonic(), st.last_token_at, cause
+        )
 
     def _done_after_failure(
         self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: Failure | None
@@ -340,7 +373,10 @@ class TurnRunner:
         ids, lps = chunk.token_ids[:n], chunk.logprobs[:n]
         turn.output_ids += ids
         turn.output_logprobs += lps
-        st.last_token_at = time.monotonic()
+        now = time.monotonic()
+        if st.last_token_at is not None and n:
+            st.gaps += [(now - st.last_token_at) / n] * n
+        st.last_token_at = now
         st.finish = chunk.finish_reason or st.finish
         delta = self._delta(turn, st.parser.feed("".join(pieces)), st.content)
         delta.token_ids, delta.logprobs, delta.top_logprobs = ids, lps, chunk.top_logprobs[:n]
@@ -381,6 +417,22 @@ class TurnRunner:
             pass  # logged by the store, which keeps the turn's end and writes it later: the first error is the news
         finally:
             self._notify_finished(turn)
+
+    def _published(self, turn: TurnRecord, req: GenerationRequest, st: _OutputState) -> None:
+        """The turn's end on the live feed, and its token gaps to the metrics."""
+        self.telemetry.publish(
+            "turn_finished",
+            {
+                "index": turn.index, "status": turn.status, "prompt_tokens": len(turn.prompt_ids),
+                "reused_tokens": req.plan.reused_tokens, "output_tokens": len(turn.output_ids),
+                "worker": turn.worker, "ttft_ms": turn.timings.get("ttft_ms"),
+                "total_ms": turn.timings.get("total_ms"), "finish_reason": turn.finish_reason,
+                "failovers": st.failovers,
+            },
+            turn.session_id, turn.id,
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.observe_gaps(st.gaps)
 
     def _notify_finished(self, turn: TurnRecord) -> None:
         for obs in self.observers:

@@ -170,6 +170,24 @@ class SandboxManager:
             "last_restore": slot.restores.last.as_json() if slot.restores.last else None,
         }
 
+    def views(self) -> list[dict[str, Any]]:
+        """Every sandbox in brief (the dashboard): its state (running, restoring, failed) and counts."""
+        return [
+            {
+                "session_id": slot.session_id,
+                "sandbox_id": slot.sandbox_id,
+                "image": slot.spec.image,
+                "state": "restoring"
+                if slot.restores.in_progress
+                else "failed"
+                if slot.failure
+                else "running",
+                "checkpoints": len(slot.history.items),
+                "last_restore": slot.restores.last.as_json() if slot.restores.last else None,
+            }
+            for slot in self._slots
+        ]
+
     def stats(self) -> dict[str, int]:
         """Counters for metrics: sandboxes, checkpoints taken, restores, and leaked checkpoint deletions."""
         return {

@@ -81,6 +81,23 @@ class TurnRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionQuery:
+    """Which sessions to list (``GET /api/sessions``): filters, then one page of them."""
+
+    status: str | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    has_reward: bool | None = None
+    created_after: float | None = None
+    created_before: float | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    """Top-level metadata keys whose value, as text, equals the given one."""
+    limit: int = 100
+    offset: int = 0
+    newest_first: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class EventRecord:
     session_id: str
     turn_id: int | None
@@ -126,8 +143,16 @@ class TrajectoryStore(abc.ABC):
     def get_turns(self, session_id: str) -> list[TurnRecord]: ...
 
     @abc.abstractmethod
-    def turn_counts(self, session_id: str | None = None) -> dict[str, tuple[int, int]]:
-        """Each session's (or one session's) number of turns and of branches, without reading turns."""
+    def query_sessions(self, query: SessionQuery) -> tuple[list[SessionRecord], int]:
+        """One page of the (non-ephemeral) sessions that match, and how many match in all."""
+
+    @abc.abstractmethod
+    def size_bytes(self) -> int:
+        """The store's size on disk."""
+
+    @abc.abstractmethod
+    def turn_counts(self, session_id: str | list[str] | None = None) -> dict[str, tuple[int, int]]:
+        """Each session's (or the given sessions') number of turns and of branches, without reading turns."""
 
     @abc.abstractmethod
     def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:

@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import StoreError
+from core.telemetry import Telemetry
 from gateway.store.base import (
     TURN_COMPLETE,
     TURN_DISCARDED,
     TURN_INTERRUPTED,
     TURN_RUNNING,
     EventRecord,
+    SessionQuery,
     SessionRecord,
     TrajectoryStore,
     TurnRecord,
@@ -69,6 +71,7 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL, data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_session ON events (session_id);
+CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at);
 """
 
 _TURN_COLS = (
@@ -128,8 +131,13 @@ def _session(row: tuple[Any, ...]) -> SessionRecord:
 class SqliteStore(TrajectoryStore):
     """The default store. Safe to share between threads; writes are serialised by a lock."""
 
-    def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
+    def __init__(
+        self, path: str | Path, synchronous: str = "NORMAL", telemetry: Telemetry | None = None
+    ) -> None:
         self.path = str(path)
+        self.telemetry = telemetry
+        """Where each committed event (and session change) is also published, for the live feed."""
+        self._committed: list[EventRecord] = []
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -168,7 +176,8 @@ class SqliteStore(TrajectoryStore):
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """Several writes committed together (or not at all), under the store's lock. SQLite may have
         rolled back already (a full disk does): then there is nothing to roll back, and the error
-        that ended the transaction is the one reported."""
+        that ended the transaction is the one reported. The events it wrote are published once it
+        has committed."""
         try:
             with self._lock:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -176,16 +185,27 @@ class SqliteStore(TrajectoryStore):
                     yield self._db
                     self._db.execute("COMMIT")
                 except BaseException:
+                    self._committed.clear()
                     if self._db.in_transaction:
                         with contextlib.suppress(sqlite3.Error):
                             self._db.execute("ROLLBACK")
                     raise
+                committed, self._committed = self._committed, []
         except sqlite3.Error as e:
             raise self._failed(e) from e
+        if self.telemetry is not None:  # outside the lock: listeners may read the store
+            for ev in committed:
+                self.telemetry.publish(ev.kind, ev.data, ev.session_id, ev.turn_id, ev.ts)
+
+    def _publish_session(self, kind: str, session: SessionRecord) -> None:
+        if self.telemetry is not None and not session.ephemeral:
+            data = {"status": session.status, "reward": session.reward, "metadata": session.metadata}
+            self.telemetry.publish(kind, data, session.id)
 
     def create_session(self, session: SessionRecord) -> SessionRecord:
         with self._lock:
             self._insert_session(session)
+        self._publish_session("session_created", session)
         return session
 
     def _insert_session(self, session: SessionRecord) -> None:
@@ -226,6 +246,7 @@ class SqliteStore(TrajectoryStore):
                 session.id,
             ),
         )
+        self._publish_session("session_updated", session)
 
     def begin_turn(
         self,
@@ -333,13 +354,44 @@ class SqliteStore(TrajectoryStore):
         """A turn as it is: its finished state when that could not be written yet."""
         return self._unwritten.get(stored.id, stored)
 
-    def turn_counts(self, session_id: str | None = None) -> dict[str, tuple[int, int]]:
+    def turn_counts(self, session_id: str | list[str] | None = None) -> dict[str, tuple[int, int]]:
         sql = "SELECT session_id, COUNT(*), COUNT(DISTINCT branch) FROM turns"
-        rows = self._exec(
-            f"{sql} WHERE session_id = ? GROUP BY session_id" if session_id else f"{sql} GROUP BY session_id",
-            (session_id,) if session_id else (),
-        )
+        ids = [session_id] if isinstance(session_id, str) else session_id
+        if ids is None:
+            rows = self._exec(f"{sql} GROUP BY session_id")
+        else:
+            marks = ",".join("?" * len(ids))
+            rows = self._exec(f"{sql} WHERE session_id IN ({marks}) GROUP BY session_id", tuple(ids))
         return {sid: (turns, branches) for sid, turns, branches in rows.fetchall()}
+
+    def query_sessions(self, query: SessionQuery) -> tuple[list[SessionRecord], int]:
+        where, args = ["ephemeral = 0"], list[Any]()
+        if query.status is not None:
+            where.append("status = ?")
+            args.append(query.status)
+        if query.has_reward is not None:
+            where.append("reward IS NOT NULL" if query.has_reward else "reward IS NULL")
+        bounds: tuple[tuple[str, str, float | None], ...] = (
+            ("reward", ">=", query.reward_min),
+            ("reward", "<=", query.reward_max),
+            ("created_at", ">=", query.created_after),
+            ("created_at", "<", query.created_before),
+        )
+        for column, op, bound in bounds:
+            if bound is not None:
+                where.append(f"{column} {op} ?")
+                args.append(bound)
+        for key, text in query.metadata.items():
+            where.append("CAST(json_extract(metadata, ?) AS TEXT) = ?")
+            args += ['$."' + key.replace('"', '""') + '"', text]
+        clause = " AND ".join(where)
+        total = int(self._exec(f"SELECT COUNT(*) FROM sessions WHERE {clause}", tuple(args)).fetchone()[0])
+        order = "DESC" if query.newest_first else "ASC"
+        rows = self._exec(
+            f"SELECT * FROM sessions WHERE {clause} ORDER BY created_at {order}, id {order} LIMIT ? OFFSET ?",
+            (*args, query.limit, query.offset),
+        ).fetchall()
+        return [_session(r) for r in rows], total
 
     def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
         if not keys:
@@ -359,11 +411,22 @@ class SqliteStore(TrajectoryStore):
         with self._transaction():
             self._insert_event(event)
 
+    def size_bytes(self) -> int:
+        if self.path == ":memory:":
+            return 0
+        return sum(
+            Path(self.path + suffix).stat().st_size
+            for suffix in ("", "-wal")
+            if Path(self.path + suffix).exists()
+        )
+
     def _insert_event(self, event: EventRecord) -> None:
+        """In a transaction: the event is published once that commits."""
         self._db.execute(
             "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
             (event.session_id, event.turn_id, event.ts, event.kind, _dumps(event.data)),
         )
+        self._committed.append(event)
 
     def get_events(self, session_id: str) -> list[EventRecord]:
         rows = self._exec(

@@ -31,6 +31,7 @@ from urllib.parse import unquote
 
 import httpx
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 Json = Any
 ANTHROPIC_PATH = re.compile(r"/v1/messages(/|$)")  # the routes that answer errors in Anthropic's shape
@@ -601,6 +602,10 @@ ROUTES: dict[str, RouteSpec] = {
     "register-engine": RouteSpec("POST", "/api/engines", engine_bodies),
     "remove-engine": RouteSpec("DELETE", "/api/engines/{name}"),
     "health": RouteSpec("GET", "/health"),
+    "dashboard-state": RouteSpec("GET", "/api/dashboard/state"),
+    "metrics": RouteSpec("GET", "/metrics"),
+    "engine-metrics": RouteSpec("GET", "/metrics/engines"),
+    "dashboard": RouteSpec("GET", "/dashboard"),
 }
 SANDBOX_ROUTES = [
     ("POST", "/api/sessions/{sid}/sandbox"),
@@ -616,6 +621,17 @@ SANDBOX_ROUTES = [
 ADMIN_AUTH = [None, "", "Bearer", "Bearer wrong", "Basic Zm9vOmJhcg==", "bearer  {admin}", "Bearer {admin}x"]
 DRAIN = ["0", "0", "0", "", "-1", "3601", "nan", "inf", "1e400", "abc", "0x10", "１"]
 WRONG_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+LIST_KEYS = [
+    "status", "reward_min", "reward_max", "has_reward", "created_after", "created_before", "limit", "offset",
+    "order", "meta.task", "meta.", "meta.%ff", "meta.a%22b", "other",
+]  # fmt: skip
+LIST_VALUES = [
+    "", "open", "closed", "x", "-1", "0", "1", "2.5", "1000", "1001", "nan", "inf", "-inf", "1e400", "abc",
+    "0x10", "%EF%BC%91", "true", "false", "asc", "desc", "%ff", "%ED%A0%80", "1e-400", "99999999999999999999",
+]  # fmt: skip
+list_queries = st.lists(st.tuples(st.sampled_from(LIST_KEYS), st.sampled_from(LIST_VALUES)), max_size=4).map(
+    lambda pairs: "&".join(f"{k}={v}" for k, v in pairs)
+)
 
 
 @st.composite
@@ -644,6 +660,8 @@ def plans(draw: st.DrawFn, routes: list[str]) -> Plan:
     elif name == "reward":
         auth = draw(st.none() | st.just("Bearer {admin}"))
         plan = dataclasses.replace(plan, auth=auth)
+    elif name == "list-sessions":
+        plan = dataclasses.replace(plan, query=draw(list_queries))
     return plan
 
 
@@ -738,6 +756,10 @@ def check_answer(
         return check_stream(path, r.text, where)
     if method == "HEAD" or (not r.content and r.status_code < 400):
         return None
+    if r.status_code < 400 and media.startswith("text/plain") and path.startswith("/metrics"):
+        return list(text_string_to_metric_families(r.text))  # Prometheus text that parses
+    if r.status_code < 400 and media.startswith("text/html") and path.startswith("/dashboard"):
+        return r.text
     assert media.startswith("application/json"), f"{where}: {r.status_code} as {media!r}: {r.text[:500]}"
     try:
         body = r.json()

@@ -428,9 +428,15 @@ class FuzzGateway:
     def check_readable(self, sample: int | None = None) -> None:
         """Every session is listed, and its summary and trajectory read back as JSON: all of them, or
         the next `sample` of them (the periodic check, which must not grow with the run)."""
-        r = self.call("GET", "/api/sessions")
-        assert r.status_code == 200, r.text[:1000]
-        listed = sorted(s["id"] for s in r.json()["data"])
+        listed = []
+        while True:  # every page
+            r = self.call("GET", f"/api/sessions?limit=1000&offset={len(listed)}")
+            assert r.status_code == 200, r.text[:1000]
+            page = r.json()
+            listed += [s["id"] for s in page["data"]]
+            if len(listed) >= page["total"] or not page["data"]:
+                break
+        listed.sort()
         assert set(self.sessions) <= set(listed), set(self.sessions) - set(listed)
         if sample is not None and len(listed) > sample:
             start, self.cursor = self.cursor % len(listed), self.cursor + sample

@@ -143,13 +143,13 @@ async def test_after_an_unexpected_500_the_keep_alive_connection_still_serves(
             while not server.started:
                 await asyncio.sleep(0.01)
             store = app.state.gateway.store
-            real = store.list_sessions
+            real = store.query_sessions
 
             def broken_once() -> Any:
-                store.list_sessions = real
+                store.query_sessions = real
                 raise RuntimeError("a bug")
 
-            store.list_sessions = broken_once
+            store.query_sessions = broken_once
             r = await client.get("/api/sessions")
             assert r.status_code == 500 and r.json()["error"]["message"].startswith(
                 "internal error (RuntimeError)"
