@@ -145,7 +145,7 @@ async def test_after_an_unexpected_500_the_keep_alive_connection_still_serves(
             store = app.state.gateway.store
             real = store.query_sessions
 
-            def broken_once() -> Any:
+            def broken_once(*_: Any) -> Any:
                 store.query_sessions = real
                 raise RuntimeError("a bug")
 
