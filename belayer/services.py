@@ -137,12 +137,17 @@ def fake_engine_service(workdir: Path, tokens: int) -> Service:
     return Service("fake-engine", argv, f"http://127.0.0.1:{port}/health", workdir / "fake-engine.log")
 
 
-def gateway_service(workdir: Path, model_dir: str, engine: str, log_level: str) -> Service:
+def gateway_service(
+    workdir: Path, model_dir: str, engine: str, log_level: str, *, name: str = "gateway", metrics: bool = True
+) -> Service:
+    """``belayer serve`` in front of `engine`; `name` names its store and log; ``metrics=False`` runs it
+    without Prometheus metrics (``BELAYER_METRICS=false``)."""
     port = free_port()
     argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model_dir, "--engine-url", engine]
-    argv += ["--port", str(port), "--store", str(workdir / "trajectories.db"), "--log-dir", str(workdir)]
+    argv += ["--port", str(port), "--store", str(workdir / f"{name}.db"), "--log-dir", str(workdir)]
     argv += ["--log-level", log_level]
-    return Service("gateway", argv, f"http://127.0.0.1:{port}/health", workdir / "gateway.log")
+    env: dict[str, str | None] = {"BELAYER_METRICS": "true" if metrics else "false"}
+    return Service(name, argv, f"http://127.0.0.1:{port}/health", workdir / f"{name}.log", env)
 
 
 def litellm_config(engine: str, provider: str = "openai") -> str:

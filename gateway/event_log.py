@@ -1,0 +1,94 @@
+"""Log lines for recoveries, from the live feed: one per failover, sandbox failure, sandbox restore and
+discard of turns, naming what happened in words (``belayer.recovery`` logger).
+
+`log_event` is a `Telemetry` listener; every other kind of event it ignores. The event's session,
+turn and data go with the line as structured fields (``event``, ``session_id``, ``turn_id``, ``data``)
+for ``--log-format json``.
+
+Example::
+
+    gw.telemetry.listen(log_event)
+
+>>> describe(Event(1, 0.0, "failover", "s1", 7, {"token_index": 12, "from_worker": "worker-0",
+...     "to_worker": "worker-1", "cause": "dead", "error": "reset", "lost_ms": 412.5}))
+(30, 'session s1 turn 7: worker worker-0 lost at token 12 (dead), resumed on worker-1 after 412 ms')
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from core.telemetry import Event
+
+log = logging.getLogger("belayer.recovery")
+
+Line = tuple[int, str]
+"""A log level and the message."""
+
+
+def _failover(e: Event, d: dict[str, Any]) -> Line:
+    lost = f"session {e.session_id} turn {e.turn_id}: worker {d.get('from_worker')} lost at token {d.get('token_index')} ({d.get('cause') or d.get('error')})"
+    if d.get("to_worker") is None:
+        return logging.WARNING, f"{lost}, not resumed: {d.get('error')}"
+    return logging.WARNING, f"{lost}, resumed on {d['to_worker']} after {d.get('lost_ms', 0):.0f} ms"
+
+
+def _sandbox_failure(e: Event, d: dict[str, Any]) -> Line:
+    again = " again after a replay" if d.get("after_replay") else ""
+    return (
+        logging.WARNING,
+        f"session {e.session_id}: sandbox {d.get('sandbox_id')} failed{again} ({d.get('kind')}): {d.get('detail')}",
+    )
+
+
+def _sandbox_restored(e: Event, d: dict[str, Any]) -> Line:
+    origin = (
+        f"checkpoint {d['checkpoint_id']} (turn {d.get('turn_index')})"
+        if d.get("checkpoint_id")
+        else "scratch"
+    )
+    message = f"session {e.session_id}: sandbox restored ({d.get('mode')}) from {origin} into {d.get('sandbox_id')} in {d.get('seconds', 0):.2f} s"
+    if d.get("mode") == "replay":
+        message += f", {d.get('replayed')} tool calls replayed ({d.get('diverged')} gave another result)"
+    if d.get("discarded_turns"):
+        message += f", turns {d['discarded_turns']} discarded"
+    return logging.INFO, f"{message} ({d.get('reason')})"
+
+
+def _turns_discarded(e: Event, d: dict[str, Any]) -> Line:
+    after = f" after turn {d['after_turn']}" if d.get("after_turn") is not None else ""
+    return (
+        logging.WARNING,
+        f"session {e.session_id}: turns {d.get('turn_indices')} discarded{after} ({d.get('reason')})",
+    )
+
+
+_DESCRIBE: dict[str, Callable[[Event, dict[str, Any]], Line]] = {
+    "failover": _failover,
+    "sandbox_failure": _sandbox_failure,
+    "sandbox_restored": _sandbox_restored,
+    "turns_discarded": _turns_discarded,
+}
+
+
+def describe(event: Event) -> Line | None:
+    """The level and message for `event`, or None for a kind that is not logged here."""
+    how = _DESCRIBE.get(event.kind)
+    return how(event, event.data) if how is not None else None
+
+
+def log_event(event: Event) -> None:
+    """Log `event` if it is a recovery (see the module docstring)."""
+    line = describe(event)
+    if line is None:
+        return
+    level, message = line
+    fields = {
+        "event": event.kind,
+        "session_id": event.session_id,
+        "turn_id": event.turn_id,
+        "data": event.data,
+    }
+    log.log(level, "%s", message, extra=fields)

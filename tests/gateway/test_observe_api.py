@@ -1,0 +1,143 @@
+"""The operator's APIs: session filters and paging, the live feed over SSE, the dashboard's snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from engine_pool.fake import FakeEngine
+from engine_pool.pool import EnginePool
+from engine_pool.worker import free_port
+from gateway.app import build_app
+from gateway.config import GatewayConfig
+from tests.support import asgi_gateway
+
+HI = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture
+def config(tmp_path: Path, tiny_model_dir: Path) -> GatewayConfig:
+    return GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"))
+
+
+async def test_sessions_are_filtered_and_paged_on_the_server(config: GatewayConfig) -> None:
+    async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (_, client):
+        ids = []
+        for i in range(7):
+            meta = {"task": f"t{i % 2}", "step": i}
+            ids.append((await client.post("/api/sessions", json={"metadata": meta})).json()["id"])
+        for i, sid in enumerate(ids[:4]):
+            assert (
+                await client.post(f"/api/sessions/{sid}/reward", json={"reward": i / 2})
+            ).status_code == 200
+        for sid in ids[5:]:
+            assert (await client.post(f"/api/sessions/{sid}/close")).status_code == 200
+
+        async def listed(query: str) -> tuple[list[str], int]:
+            r = await client.get(f"/api/sessions?{query}")
+            assert r.status_code == 200, r.text
+            return [s["id"] for s in r.json()["data"]], r.json()["total"]
+
+        assert await listed("") == (ids[::-1], 7)  # newest first
+        assert await listed("order=asc&limit=3&offset=2") == (ids[2:5], 7)
+        assert await listed("status=closed") == (ids[6:4:-1], 2)
+        assert await listed("reward_min=0.5&reward_max=1&order=asc") == (ids[1:3], 2)
+        assert await listed("has_reward=false&order=asc") == (ids[4:], 3)
+        assert await listed("meta.task=t1&order=asc") == (ids[1::2], 3)
+        assert await listed("meta.step=3") == ([ids[3]], 1)
+        assert await listed("meta.task=t0&status=open&has_reward=true&order=asc") == (ids[0:4:2], 2)
+        created = [s["created_at"] for s in (await client.get("/api/sessions?order=asc")).json()["data"]]
+        assert await listed(f"created_after={created[5]}&order=asc") == (ids[5:], 2)
+        assert await listed(f"created_before={created[1]}") == (ids[:1], 1)
+        assert await listed("limit=0") == ([], 7)
+
+        for query, param in [
+            ("limit=1001", "limit"), ("limit=x", "limit"), ("offset=-1", "offset"), ("status=done", "status"),
+            ("reward_min=nan", "reward_min"), ("order=up", "order"), ("has_reward=yes", "has_reward"),
+        ]:  # fmt: skip
+            r = await client.get(f"/api/sessions?{query}")
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (query, r.text)
+
+
+async def test_the_dashboard_state_holds_workers_totals_and_the_feed_position(config: GatewayConfig) -> None:
+    async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (app, client):
+        assert (await client.post("/v1/chat/completions", json=HI)).status_code == 200
+        state = (await client.get("/api/dashboard/state")).json()
+        [worker] = state["workers"]
+        assert (worker["name"], worker["state"], worker["launched"], worker["served"]) == (
+            "remote-0", "ready", False, 1,
+        )  # fmt: skip
+        assert worker["last_transition"]["to"] == "ready"
+        assert state["totals"]["turns"] == 1 and state["totals"]["tokens_generated"] == 4
+        assert state["seq"] == app.state.gateway.telemetry.seq
+        assert state["gateway"]["store_bytes"] > 0 and state["sandboxes"] == []
+
+
+@contextlib.asynccontextmanager
+async def served(config: GatewayConfig, engine: FakeEngine) -> AsyncIterator[str]:
+    """The gateway on a real socket (SSE needs a streaming transport)."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(engine.app())) as engine_http:
+        pool = EnginePool(engine_http)
+        pool.add_remote("http://fake-engine")
+        server = uvicorn.Server(
+            uvicorn.Config(build_app(config, pool=pool), host="127.0.0.1", port=free_port(), log_config=None)
+        )
+        serving = asyncio.create_task(server.serve())
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            yield f"http://127.0.0.1:{server.config.port}"
+        finally:
+            server.should_exit = True
+            await serving
+
+
+async def read_events(lines: AsyncIterator[str], until: str) -> AsyncIterator[dict[str, Any]]:
+    event = None
+    async for line in lines:
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: ") and event is not None:
+            yield {"event": event, **json.loads(line[6:])}
+            if event == until:
+                return
+
+
+async def test_the_live_feed_streams_a_turn_from_a_snapshot_without_a_gap(config: GatewayConfig) -> None:
+    config = config.model_copy(update={"api_token": "secret"})
+    auth = {"Authorization": "Bearer secret"}
+    async with served(config, FakeEngine()) as base, httpx.AsyncClient(base_url=base, timeout=30) as client:
+        sid = (await client.post("/api/sessions", json={}, headers=auth)).json()["id"]
+        # one turn before the snapshot, one after: the feed from the snapshot's seq has only the second
+        assert (await client.post(f"/s/{sid}/v1/chat/completions", json=HI)).status_code == 200
+        seq = (await client.get("/api/dashboard/state", headers=auth)).json()["seq"]
+        assert (await client.post(f"/s/{sid}/v1/chat/completions", json=HI)).status_code == 200
+
+        assert (await client.get("/api/events")).status_code == 401
+        url = f"/api/events?since={seq}&session={sid}&token=secret"  # EventSource sends no headers
+        async with client.stream("GET", url) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            got = [e async for e in read_events(r.aiter_lines(), until="turn_finished")]
+        assert [e["event"] for e in got] == ["branch", "turn_started", "turn_finished"]  # same messages again
+        assert all(e["session_id"] == sid and e["seq"] > seq for e in got)
+        assert got[1]["data"]["index"] == 1 and got[-1]["data"]["status"] == "complete"
+        assert [e["seq"] for e in got] == sorted(e["seq"] for e in got)
+
+        # a kinds filter, live: the feed is open before the request is sent
+        async with client.stream("GET", "/api/events?kinds=turn_finished", headers=auth) as r:
+            lines = r.aiter_lines()
+            assert await anext(lines) == ": belayer live feed"
+            assert (await client.post("/v1/chat/completions", json=HI)).status_code == 200
+            [finished] = [e async for e in read_events(lines, until="turn_finished")]
+        assert finished["data"]["output_tokens"] == 4 and finished["session_id"] != sid
+
+        r = await client.get("/api/events?since=x", headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "since"
