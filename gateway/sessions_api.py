@@ -6,6 +6,7 @@ Closing a session destroys its sandbox and the sandbox's checkpoints; the trajec
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,9 +63,16 @@ def _summary(
 
 
 def _turn_json(
-    t: TurnRecord, by_id: dict[int, TurnRecord], events: list[dict[str, Any]], recomputed: dict[int, Runs]
+    t: TurnRecord,
+    by_id: dict[int, TurnRecord],
+    events: list[dict[str, Any]],
+    recomputed: dict[int, Runs],
+    token_text: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
+    """A turn as ``/trajectory`` shows it; with `token_text` (``?token_text=1``), each output token's
+    text too (``output_text``: a byte-level token may hold part of a character, shown as U+FFFD)."""
     parent = by_id.get(t.parent_id) if t.parent_id is not None else None
+    extra = {"output_text": [token_text(i) for i in t.output_ids]} if token_text is not None else {}
     return {
         "index": t.index,
         "id": t.id,
@@ -85,6 +93,7 @@ def _turn_json(
         "received_at": t.received_at,
         "error": t.error,
         "events": [e for e in events if e["turn_index"] == t.index],
+        **extra,
     }
 
 
@@ -150,6 +159,7 @@ def _trajectory(gw: Gateway, request: Request, session: SessionRecord) -> Respon
     ]
     raw_events = gw.store.get_events(session.id)
     recomputed = recomputed_runs(raw_events)
+    text = gw.tokenizer.token_text if request.query_params.get("token_text") in ("1", "true") else None
     events = [
         {
             "turn_index": by_id[e.turn_id].index if e.turn_id in by_id else None,
@@ -164,7 +174,7 @@ def _trajectory(gw: Gateway, request: Request, session: SessionRecord) -> Respon
             "session": _summary(
                 gw, request, session, {session.id: (len(turns), len({t.branch for t in turns}))}
             ),
-            "turns": [_turn_json(t, by_id, events, recomputed) for t in turns],
+            "turns": [_turn_json(t, by_id, events, recomputed, text) for t in turns],
             "branches": branches,
             "events": events,
         }

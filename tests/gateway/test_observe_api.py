@@ -141,3 +141,14 @@ async def test_the_live_feed_streams_a_turn_from_a_snapshot_without_a_gap(config
 
         r = await client.get("/api/events?since=x", headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == "since"
+
+
+async def test_the_trajectory_can_carry_each_output_tokens_text(config: GatewayConfig) -> None:
+    async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (app, client):
+        sid = (await client.post("/api/sessions", json={})).json()["id"]
+        assert (await client.post(f"/s/{sid}/v1/chat/completions", json=HI)).status_code == 200
+        plain = (await client.get(f"/api/sessions/{sid}/trajectory")).json()["turns"][0]
+        turn = (await client.get(f"/api/sessions/{sid}/trajectory?token_text=1")).json()["turns"][0]
+        tok = app.state.gateway.tokenizer
+        assert "output_text" not in plain and len(turn["output_text"]) == len(turn["output_ids"]) == 4
+        assert "".join(turn["output_text"]) == tok.decode(turn["output_ids"], skip_special_tokens=False)
