@@ -27,7 +27,7 @@ from core import __version__
 from core.telemetry import Telemetry
 from engine_pool.pool import EnginePool
 from engine_pool.worker import WorkerSpec, free_port
-from gateway import engine_metrics, engines_api, observe_api, sandbox_api, sessions_api
+from gateway import engine_metrics, engines_api, export_api, observe_api, sandbox_api, sessions_api
 from gateway.access import Access
 from gateway.anthropic import routes as anthropic_routes
 from gateway.config import GatewayConfig
@@ -166,6 +166,7 @@ def build_app(
             *sandbox_api.routes(),
             *observe_api.routes(),
             *engine_metrics.routes(),
+            *export_api.routes(),
             *dashboard_routes.routes(),
         ],
         exception_handlers=handlers(),

@@ -120,11 +120,22 @@ def export(store: TrajectoryStore, out: str | Path, fmt: str, session_ids: list[
     rows = [row for sid in ids for row in session_rows(store, sid)]
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        f.write(encode_rows(rows, fmt))
+    return len(rows)
+
+
+FORMATS = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
+"""The export formats and their media types."""
+
+
+def encode_rows(rows: list[dict[str, Any]], fmt: str) -> bytes:
+    """Rows as a JSONL or Parquet file's bytes."""
     if fmt == "jsonl":
-        with path.open("w") as f:
-            for row in rows:
-                f.write(_dumps(row) + "\n")
-    elif fmt == "parquet":
+        return "".join(_dumps(row) + "\n" for row in rows).encode()
+    if fmt == "parquet":
+        import io
+
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -143,7 +154,7 @@ def export(store: TrajectoryStore, out: str | Path, fmt: str, session_ids: list[
                 ("metadata", pa.string()),
             ]
         )
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
-    else:
-        raise ValueError(f"unknown export format '{fmt}'; use jsonl or parquet")
-    return len(rows)
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf)
+        return buf.getvalue()
+    raise ValueError(f"unknown export format '{fmt}'; use jsonl or parquet")

@@ -603,6 +603,7 @@ ROUTES: dict[str, RouteSpec] = {
     "remove-engine": RouteSpec("DELETE", "/api/engines/{name}"),
     "health": RouteSpec("GET", "/health"),
     "dashboard-state": RouteSpec("GET", "/api/dashboard/state"),
+    "export": RouteSpec("GET", "/api/export"),
     "metrics": RouteSpec("GET", "/metrics"),
     "engine-metrics": RouteSpec("GET", "/metrics/engines"),
     "dashboard": RouteSpec("GET", "/dashboard"),
@@ -662,6 +663,9 @@ def plans(draw: st.DrawFn, routes: list[str]) -> Plan:
         plan = dataclasses.replace(plan, auth=auth)
     elif name == "list-sessions":
         plan = dataclasses.replace(plan, query=draw(list_queries))
+    elif name == "export":
+        fmt = draw(st.sampled_from(["format=jsonl", "format=parquet", "format=csv", "", "format=%ff"]))
+        plan = dataclasses.replace(plan, query="&".join(q for q in (fmt, draw(list_queries)) if q))
     return plan
 
 
@@ -760,6 +764,11 @@ def check_answer(
         return list(text_string_to_metric_families(r.text))  # Prometheus text that parses
     if r.status_code < 400 and media.startswith("text/html") and path.startswith("/dashboard"):
         return r.text
+    if r.status_code < 400 and path == "/api/export":
+        if media.startswith("application/x-ndjson"):
+            return [json.loads(line) for line in r.text.splitlines()]
+        assert media.startswith("application/vnd.apache.parquet") and r.content[:4] == b"PAR1", where
+        return None
     assert media.startswith("application/json"), f"{where}: {r.status_code} as {media!r}: {r.text[:500]}"
     try:
         body = r.json()

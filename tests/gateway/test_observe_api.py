@@ -152,3 +152,37 @@ async def test_the_trajectory_can_carry_each_output_tokens_text(config: GatewayC
         tok = app.state.gateway.tokenizer
         assert "output_text" not in plain and len(turn["output_text"]) == len(turn["output_ids"]) == 4
         assert "".join(turn["output_text"]) == tok.decode(turn["output_ids"], skip_special_tokens=False)
+
+
+async def test_export_over_http_pages_the_filtered_sessions_and_is_counted(config: GatewayConfig) -> None:
+    import io
+
+    import pyarrow.parquet as pq
+
+    from gateway.export import session_rows
+
+    async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (app, client):
+        ids = []
+        for i in range(3):
+            sid = (await client.post("/api/sessions", json={"metadata": {"i": i}})).json()["id"]
+            assert (await client.post(f"/s/{sid}/v1/chat/completions", json=HI)).status_code == 200
+            ids.append(sid)
+        assert (await client.post(f"/api/sessions/{ids[0]}/close")).status_code == 200
+
+        r = await client.get("/api/export?format=jsonl&status=open&order=asc&limit=1&offset=1")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        assert (r.headers["x-total-count"], r.headers["x-row-count"]) == ("2", "1")
+        [row] = [json.loads(line) for line in r.text.splitlines()]
+        assert row == session_rows(app.state.gateway.store, ids[2])[0]
+
+        r = await client.get("/api/export?format=parquet&order=asc")
+        table = pq.read_table(io.BytesIO(r.content)).to_pylist()
+        assert [t["session_id"] for t in table] == ids and table[0]["input_ids"] == json.loads(
+            (await client.get("/api/export?meta.i=0")).text
+        )["input_ids"]
+
+        r = await client.get("/api/export?format=csv")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "format"
+        metrics = (await client.get("/metrics")).text
+        assert 'belayer_exports_total{format="jsonl"} 2.0' in metrics
+        assert 'belayer_exports_total{format="parquet"} 1.0' in metrics

@@ -1,0 +1,45 @@
+"""``GET /api/export``: the export (`gateway.export`) over HTTP, for a trainer beside the gateway.
+
+It takes ``GET /api/sessions``'s filters and page (``status``, ``reward_min``, ``meta.KEY``, ``limit``,
+``offset``...) and ``format=jsonl|parquet``, and answers the matching sessions' rows (one per branch)
+as a file, with ``X-Total-Count`` (sessions that match) so that a trainer pages through them. Each run
+is published on the live feed (``export``) and counted in ``belayer_exports_total{format}``.
+
+Example::
+
+    curl 'http://127.0.0.1:8000/api/export?status=closed&has_reward=true&format=jsonl&limit=500'
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from core.errors import InvalidRequest
+from gateway.export import FORMATS, encode_rows, session_rows
+from gateway.observe_api import session_query
+from gateway.runtime import Gateway, gateway_of
+from gateway.store import SessionQuery
+
+
+async def export(request: Request) -> Response:
+    gw = gateway_of(request)
+    fmt = request.query_params.get("format", "jsonl")
+    if fmt not in FORMATS:
+        raise InvalidRequest(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}", "format")
+    query = session_query(request)
+    body, rows, total = await gw.offload(_export, gw, query, fmt)
+    gw.telemetry.publish("export", {"format": fmt, "rows": rows, "sessions_matched": total})
+    headers = {"X-Total-Count": str(total), "X-Row-Count": str(rows)}
+    return Response(body, media_type=FORMATS[fmt], headers=headers)
+
+
+def _export(gw: Gateway, query: SessionQuery, fmt: str) -> tuple[bytes, int, int]:
+    sessions, total = gw.store.query_sessions(query)
+    rows = [row for s in sessions for row in session_rows(gw.store, s.id)]
+    return encode_rows(rows, fmt), len(rows), total
+
+
+def routes() -> list[Route]:
+    return [Route("/api/export", export, methods=["GET"])]
