@@ -33,6 +33,7 @@ from gateway.runtime import Gateway, gateway_of
 from gateway.store import SessionQuery
 
 HEARTBEAT_S = 15.0
+MAX_OFFSET = 1 << 53
 
 
 def _number(request: Request, name: str, kind: type[int] | type[float] = float) -> Any:
@@ -64,8 +65,8 @@ def session_query(request: Request) -> SessionQuery:
     offset = _number(request, "offset", int)
     if limit is not None and not 0 <= limit <= 1000:
         raise InvalidRequest("limit must be between 0 and 1000", "limit")
-    if offset is not None and offset < 0:
-        raise InvalidRequest("offset must be 0 or more", "offset")
+    if offset is not None and not 0 <= offset <= MAX_OFFSET:
+        raise InvalidRequest(f"offset must be between 0 and {MAX_OFFSET}", "offset")
     metadata = {k[5:]: v for k, v in q.multi_items() if k.startswith("meta.") and len(k) > 5}
     return SessionQuery(
         status=status,

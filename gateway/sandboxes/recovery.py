@@ -19,7 +19,6 @@ A harness *inside* the sandbox is always truncated: its memory comes back with t
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +41,6 @@ from gateway.sandboxes.journal import Call
 from gateway.sandboxes.lifecycle import Lifecycle
 from gateway.sandboxes.records import EventLog, RestoreInfo
 from gateway.sandboxes.state import Slot
-
-log = logging.getLogger("belayer.sandbox")
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +134,7 @@ class Recovery:
     async def recover(self, slot: Slot, failure: Failure) -> RestoreInfo:
         """Bring a failed sandbox back (the caller holds `slot.lock`): replay, or restore and truncate,
         or, with nothing to restore, drop it and raise `SandboxFailed`."""
-        self._failure_event(slot, failure)
-        log.warning("session %s: sandbox %s failed: %s", slot.session_id, slot.sandbox_id, failure.detail)
+        self._failure_event(slot, failure)  # logged from the live feed (gateway.event_log)
         reason = f"{failure.kind}: {failure.detail}"
         if self.settings.auto_restore and slot.recovery == "replay":
             return await self.replay(slot, reason)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Iterator
 from importlib.metadata import version
@@ -26,6 +27,17 @@ def _fails(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.endswith("\n"), err
     return err.rstrip("\n")
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """`belayer serve` points the root logger at this test's (captured, soon closed) stderr: undo it,
+    or every later test's log lines end in 'I/O operation on closed file'."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture

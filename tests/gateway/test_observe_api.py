@@ -60,7 +60,7 @@ async def test_sessions_are_filtered_and_paged_on_the_server(config: GatewayConf
         assert await listed("limit=0") == ([], 7)
 
         for query, param in [
-            ("limit=1001", "limit"), ("limit=x", "limit"), ("offset=-1", "offset"), ("status=done", "status"),
+            ("limit=1001", "limit"), ("limit=x", "limit"), ("offset=-1", "offset"), ("offset=99999999999999999999", "offset"), ("status=done", "status"),
             ("reward_min=nan", "reward_min"), ("order=up", "order"), ("has_reward=yes", "has_reward"),
         ]:  # fmt: skip
             r = await client.get(f"/api/sessions?{query}")

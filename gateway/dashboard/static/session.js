@@ -27,6 +27,13 @@ export class SessionView {
     this.pending = new Map(); // turn index -> turn_started data, until the trajectory has the turn
     this.controller = null;
     this.refetch = debounce(() => this.load(false), 400);
+    this.tokenMode = localStorage.getItem("belayer.tokens") === "ids" ? "ids" : "text";
+  }
+
+  setTokenMode(mode) {
+    this.tokenMode = mode;
+    localStorage.setItem("belayer.tokens", mode);
+    this.render();
   }
 
   show(id, params) {
@@ -63,7 +70,8 @@ export class SessionView {
     this.controller = controller;
     let data;
     try {
-      data = await getJson(`api/sessions/${encodeURIComponent(id)}/trajectory`, null, controller.signal);
+      const params = { token_text: 1 }; // each output token's text, for the strips
+      data = await getJson(`api/sessions/${encodeURIComponent(id)}/trajectory`, params, controller.signal);
     } catch (err) {
       if (err.name === "AbortError") return;
       if (err instanceof ApiError && err.status === 401) this.onAuth(err);
@@ -249,7 +257,7 @@ export class SessionView {
       logprobs: logprobs ? logprobs.slice(p) : t.output_logprobs || [],
       loss: (t.loss_mask || []).slice(p),
       recomputed: (t.recomputed_mask || []).slice(p),
-      pieces: t.output_text_pieces || null,
+      pieces: this.tokenMode === "text" ? t.output_text || null : null,
     };
     const markers = new Map();
     for (const e of own) {
@@ -271,7 +279,7 @@ export class SessionView {
         logprobs: logprobs ? logprobs.slice(0, p) : [],
         loss: (t.loss_mask || []).slice(0, p),
         recomputed: (t.recomputed_mask || []).slice(0, p),
-        pieces: t.prompt_text_pieces || null,
+        pieces: t.prompt_text || null,
       }, new Map(), Infinity));
     };
     prompt.addEventListener("toggle", () => prompt.open && drawPrompt());
@@ -285,8 +293,18 @@ export class SessionView {
     if (showAll) outStrip.dataset.all = "";
     return h("div", { class: "strips" },
       h("div", { class: "strip-head" }, h("span", { class: "card-label" }, `Output tokens · ${num(out.ids.length)}`),
-        markers.size ? h("span", { class: "muted" }, ` · ${num([...markers.values()].flat().length)} failover`) : null),
+        markers.size ? h("span", { class: "muted" }, ` · ${num([...markers.values()].flat().length)} failover`) : null,
+        h("span", { class: "spacer" }),
+        t.output_text ? this.modeSwitch() : null),
       outStrip, prompt);
+  }
+
+  modeSwitch() {
+    return h("span", { class: "token-mode", title: "show each token as its text or its id" },
+      ["text", "ids"].map((mode) => h("button", {
+        type: "button", class: `chip${this.tokenMode === mode ? " active" : ""}`, dataset: { mode },
+        onclick: () => this.setTokenMode(mode),
+      }, mode)));
   }
 
   renderPending() {
@@ -332,7 +350,8 @@ function bucket(logprob) {
 }
 
 function strip(turnIndex, part, s, markers, limit) {
-  const el = h("div", { class: `strip strip-${part}`, dataset: { turnIndex, part } });
+  const text = Array.isArray(s.pieces) && s.pieces.length === s.ids.length;
+  const el = h("div", { class: `strip strip-${part}${text ? " strip-text" : ""}`, dataset: { turnIndex, part } });
   const n = Math.min(s.ids.length, limit);
   const frag = document.createDocumentFragment();
   for (let i = 0; i < n; i++) {
@@ -343,9 +362,8 @@ function strip(turnIndex, part, s, markers, limit) {
     const span = document.createElement("span");
     span.className = `tok ${bucket(lp)}${loss ? "" : " nomask"}${rec ? " recomputed" : ""}`;
     span.dataset.i = i;
-    const piece = s.pieces ? s.pieces[i] : null;
-    span.textContent = piece !== null && piece !== undefined ? visible(piece) : String(s.ids[i]);
-    span.title = `${part} token ${i} · id ${s.ids[i]}` +
+    span.textContent = text ? visible(s.pieces[i]) : String(s.ids[i]);
+    span.title = `${part} token ${i} · id ${s.ids[i]}${text ? ` · ${JSON.stringify(s.pieces[i])}` : ""}` +
       (lp === null || lp === undefined ? "" : ` · logprob ${lp.toFixed(4)} (p ${Math.exp(lp).toFixed(3)})`) +
       (loss ? "" : " · loss mask 0") + (rec ? " · recomputed" : "");
     frag.append(span);
@@ -364,8 +382,9 @@ function failoverMarker(e) {
   return h("span", { class: "failover-marker", dataset: { tokenIndex: d.token_index }, title }, "⚡");
 }
 
+// Whitespace that would vanish is drawn; a newline also breaks the line, as in the text.
 function visible(piece) {
-  return piece.replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
+  return piece.replace(/\t/g, "⇥").replace(/\n/g, "↵\n") || "∅";
 }
 
 function eventChip(e) {
