@@ -13,6 +13,7 @@ Install the browser with ``deploy/host/setup_browser.sh`` (``make test`` does it
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import threading
@@ -221,6 +222,10 @@ def check_session_page(dashboard: Dashboard, api: httpx.Client, session_id: str)
     messages: list[Any] = [{"role": "user", "content": "One more thing."}]
     client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
     expect(turns).to_have_count(count + 1)  # the page tailed it, without a reload
+    expect(strip).to_have_class(re.compile(r"\bstrip-text\b"))  # each token's text (?token_text=1)
+    page.locator('.token-mode [data-mode="ids"]').first.click()  # the fake engine's text is noise
+    expect(strip).not_to_have_class(re.compile(r"\bstrip-text\b"))
+    expect(marker).to_be_visible()
     page.evaluate("window.scrollTo(0, 0)")  # the session's header, and its marker if that fits too
     marker.scroll_into_view_if_needed()
     dashboard.shot("session", full_page=False)

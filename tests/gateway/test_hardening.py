@@ -155,7 +155,12 @@ async def test_after_an_unexpected_500_the_keep_alive_connection_still_serves(
                 "internal error (RuntimeError)"
             )
             again = await client.get("/api/sessions")  # same pooled connection
-            assert again.status_code == 200 and again.json() == {"data": [], "total": 0, "limit": 100, "offset": 0}
+            assert again.status_code == 200 and again.json() == {
+                "data": [],
+                "total": 0,
+                "limit": 100,
+                "offset": 0,
+            }
             assert client._transport._pool.connections and len(client._transport._pool.connections) == 1  # type: ignore[attr-defined]
     finally:
         server.should_exit = True
