@@ -69,7 +69,8 @@ class Subscription:
     """One reader's queue; `lost` counts events dropped because it fell behind."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Event]
+    queue: asyncio.Queue[Event | None]
+    """The events; None once the feed is closed (the gateway is shutting down)."""
     session_id: str | None = None
     kinds: frozenset[str] | None = None
     lost: int = 0
@@ -79,8 +80,8 @@ class Subscription:
             return False
         return self.kinds is None or event.kind in self.kinds
 
-    def offer(self, event: Event) -> None:
-        """On the subscriber's loop: queue the event, dropping the oldest when full."""
+    def offer(self, event: Event | None) -> None:
+        """On the subscriber's loop: queue the event (None: the end), dropping the oldest when full."""
         if self.queue.full():
             self.queue.get_nowait()
             self.lost += 1
@@ -95,6 +96,9 @@ class Telemetry:
     queue_size: int = 10000
     started_at: float = field(default_factory=time.time)
     seq: int = 0
+    closed: bool = False
+    tokens_streamed: int = 0
+    """Generated tokens as they arrive (the turn runner adds them; the dashboard's tokens/s reads it)."""
     _recent: collections.deque[Event] = field(init=False)
     _listeners: list[Callable[[Event], None]] = field(default_factory=list)
     _subs: list[Subscription] = field(default_factory=list)
@@ -130,6 +134,16 @@ class Telemetry:
                 sub.loop.call_soon_threadsafe(sub.offer, event)
         return event
 
+    def close(self) -> None:
+        """End every subscription (each reader gets None, then the end of its queue): a server that
+        shuts down must not wait for streams that never end by themselves."""
+        with self._lock:
+            self.closed = True
+            subs = list(self._subs)
+        for sub in subs:
+            with contextlib.suppress(RuntimeError):
+                sub.loop.call_soon_threadsafe(sub.offer, None)
+
     def recent(
         self, after: int = 0, session_id: str | None = None, kinds: Collection[str] | None = None
     ) -> list[Event]:
@@ -161,6 +175,8 @@ class Telemetry:
             self._subs.append(sub)
         for event in backlog[-self.queue_size :]:
             sub.queue.put_nowait(event)
+        if self.closed:
+            sub.offer(None)
         try:
             yield sub
         finally:

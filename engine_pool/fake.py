@@ -393,6 +393,25 @@ def autoregressive(context: list[int]) -> int:
     return (context[-1] * 31 + len(context) * 7) % 400 + 10
 
 
+def word_ids(model_dir: str) -> list[int]:
+    """The ids of a model's whole-word tokens (" the", " value", ...): a fake engine that draws from
+    them writes text a person can read in a dashboard or a demo."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    words = []
+    for i in range(tok.get_vocab_size()):
+        text = tok.decode([i])
+        if text.startswith(" ") and text[1:].isascii() and text[1:].isalpha() and len(text) > 2:
+            words.append(i)
+    return words
+
+
+def autoregressive_over(vocab: list[int]) -> Callable[[list[int]], int]:
+    """`autoregressive`, drawing its tokens from `vocab`."""
+    return lambda context: vocab[(context[-1] * 31 + len(context) * 7) % len(vocab)]
+
+
 def serve(
     host: str,
     port: int,
@@ -400,9 +419,11 @@ def serve(
     tokens: int | None = None,
     token_delay: float = 0.0,
     max_model_len: int = 4096,
+    words_from: str | None = None,
 ) -> None:
     """Serve a fake engine until interrupted: `tokens` tokens per request when given (benchmarks),
-    else autoregressive output up to ``max_tokens`` (launched fake workers: failover stays exact)."""
+    else autoregressive output up to ``max_tokens`` (launched fake workers: failover stays exact),
+    drawn from the whole words of the model in `words_from` when given."""
     import uvicorn
 
     if tokens is not None:
@@ -412,9 +433,8 @@ def serve(
             script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(n)],
         )  # fmt: skip
     else:
-        engine = FakeEngine(
-            model=model, max_model_len=max_model_len, token_delay=token_delay, step=autoregressive
-        )
+        step = autoregressive_over(word_ids(words_from)) if words_from else autoregressive
+        engine = FakeEngine(model=model, max_model_len=max_model_len, token_delay=token_delay, step=step)
     uvicorn.run(engine.app(), host=host, port=port, log_level="warning", access_log=False)
 
 
@@ -429,8 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=None, help="tokens per request (default: max_tokens)")
     p.add_argument("--token-delay", type=float, default=0.02, help="seconds between streamed tokens")
+    p.add_argument("--words-from", metavar="MODEL_DIR", help="write that model's whole-word tokens")
     args = p.parse_args(argv)
-    serve(args.host, args.port, args.model, args.tokens, args.token_delay, args.max_model_len)
+    serve(
+        args.host, args.port, args.model, args.tokens, args.token_delay, args.max_model_len, args.words_from
+    )
     return 0
 
 

@@ -60,7 +60,8 @@ class WorkerSpec:
         if self.kind == "fake":
             return [
                 self.python, "-m", "engine_pool.fake", "--host", self.host, "--port", str(self.port),
-                "--model", self.served_name, "--max-model-len", str(self.max_model_len), *self.extra_args,
+                "--model", self.served_name, "--max-model-len", str(self.max_model_len),
+                "--words-from", self.model, *self.extra_args,
             ]  # fmt: skip
         return [
             self.python, "-m", "vllm.entrypoints.openai.api_server",

@@ -6,7 +6,8 @@
   retained events after that sequence number come first, so a reader that took a snapshot
   (``/api/dashboard/state``'s ``seq``) continues without a gap. A comment line every 15 s keeps
   proxies from closing an idle stream; a reader that fell behind gets a ``lagged`` event saying how
-  many events it lost. Browsers' ``EventSource`` cannot send headers: ``?token=`` is accepted here.
+  many events it lost, and a ``shutdown`` event ends the stream when the gateway stops. Browsers'
+  ``EventSource`` cannot send headers: ``?token=`` is accepted here.
 - ``GET /api/dashboard/state``: one snapshot of everything the dashboard shows (workers, sandboxes,
   totals, the recovery timeline, the per-second series), with the feed's ``seq`` at that moment.
 
@@ -107,6 +108,9 @@ async def events(request: Request) -> Response:
                 except TimeoutError:
                     yield b": keep-alive\n\n"
                     continue
+                if event is None:  # the gateway is shutting down: the reader reconnects later
+                    yield b"event: shutdown\ndata: {}\n\n"
+                    return
                 if sub.lost > lost:
                     body = json.dumps({"kind": "lagged", "data": {"lost": sub.lost - lost}})
                     yield f"event: lagged\ndata: {body}\n\n".encode()

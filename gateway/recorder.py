@@ -3,11 +3,12 @@
 A `Recorder` listens to the feed (`core.telemetry`). Prometheus keeps the same counts with labels; the
 recorder keeps what a page needs at once when it opens: the last 300 recovery events (failovers,
 worker state changes, promotions, cold starts, checkpoints, restores) and ten minutes of per-second
-samples (tokens/s, mean time to first token, checkpoint time), which it also publishes as ``sample``
+samples (tokens/s as they stream, mean time to first token, checkpoint time), which it also publishes as ``sample``
 events so that open pages extend their charts live.
 
 >>> hub = Telemetry()
 >>> rec = Recorder(hub)
+>>> hub.tokens_streamed += 8  # what the turn runner does as tokens arrive
 >>> _ = hub.publish("turn_finished", {"output_tokens": 8, "ttft_ms": 40.0})
 >>> _ = hub.publish("failover", {"token_index": 3})
 >>> rec.sample(2.0)["tokens_per_s"], rec.totals.failovers, [e.kind for e in rec.timeline]
@@ -63,7 +64,8 @@ class Recorder:
     series: collections.deque[dict[str, Any]] = field(
         default_factory=lambda: collections.deque(maxlen=SERIES_SECONDS)
     )
-    _tokens: int = 0
+    _streamed: int = 0
+    """`Telemetry.tokens_streamed` at the last sample."""
     _turns: int = 0
     _ttft_ms: list[float] = field(default_factory=list)
     _checkpoint_s: float = 0.0
@@ -79,7 +81,6 @@ class Recorder:
         if e.kind == "turn_finished":
             t.turns += 1
             t.tokens_generated += d["output_tokens"]
-            self._tokens += d["output_tokens"]
             self._turns += 1
             if d.get("ttft_ms") is not None:
                 self._ttft_ms.append(d["ttft_ms"])
@@ -106,13 +107,17 @@ class Recorder:
     def sample(self, seconds: float) -> dict[str, Any]:
         """Close the current interval: its figures, published as a ``sample`` event."""
         ttft = sum(self._ttft_ms) / len(self._ttft_ms) if self._ttft_ms else None
+        streamed, self._streamed = (
+            self.telemetry.tokens_streamed - self._streamed,
+            self.telemetry.tokens_streamed,
+        )
         data = {
-            "tokens_per_s": round(self._tokens / seconds, 3),
+            "tokens_per_s": round(streamed / seconds, 3),
             "turns_per_s": round(self._turns / seconds, 3),
             "ttft_ms": round(ttft, 3) if ttft is not None else None,
             "checkpoint_ms": round(self._checkpoint_s * 1000, 3),
         }
-        self._tokens, self._turns, self._ttft_ms, self._checkpoint_s = 0, 0, [], 0.0
+        self._turns, self._ttft_ms, self._checkpoint_s = 0, [], 0.0
         event = self.telemetry.publish("sample", data)
         self.series.append({"ts": event.ts, **data})
         return data

@@ -94,7 +94,12 @@ def build_server(app: Starlette, config: GatewayConfig) -> GatewayServer:
         if isinstance(gateway, Gateway):
             gateway.runner.interrupting = True
 
-    return GatewayServer(options, limits.shutdown_grace_s, interrupt_turns)
+    def end_feeds() -> None:
+        gateway = getattr(app.state, "gateway", None)
+        if isinstance(gateway, Gateway):
+            gateway.telemetry.close()
+
+    return GatewayServer(options, limits.shutdown_grace_s, interrupt_turns, end_feeds)
 
 
 def serve(app: Starlette, config: GatewayConfig) -> None:
@@ -131,12 +136,21 @@ class GatewayServer(uvicorn.Server):
     """uvicorn's server with a shutdown deadline: in-flight requests get ``grace`` seconds, then
     ``on_deadline`` runs and they are cancelled; then uvicorn's own shutdown (the lifespan)."""
 
-    def __init__(self, config: uvicorn.Config, grace: float, on_deadline: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        grace: float,
+        on_deadline: Callable[[], None],
+        on_shutdown: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__(config)
         self.grace = grace
         self.on_deadline = on_deadline
+        self.on_shutdown = on_shutdown
+        """Runs first: ends the live-feed streams (they never end by themselves)."""
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.on_shutdown()
         for server in self.servers:
             server.close()  # accept no more connections
         for connection in list(self.server_state.connections):

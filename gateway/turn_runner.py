@@ -373,6 +373,7 @@ class TurnRunner:
         ids, lps = chunk.token_ids[:n], chunk.logprobs[:n]
         turn.output_ids += ids
         turn.output_logprobs += lps
+        self.telemetry.tokens_streamed += n
         now = time.monotonic()
         if st.last_token_at is not None and n:
             st.gaps += [(now - st.last_token_at) / n] * n

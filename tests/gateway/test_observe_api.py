@@ -186,3 +186,29 @@ async def test_export_over_http_pages_the_filtered_sessions_and_is_counted(confi
         metrics = (await client.get("/metrics")).text
         assert 'belayer_exports_total{format="jsonl"} 2.0' in metrics
         assert 'belayer_exports_total{format="parquet"} 1.0' in metrics
+
+
+async def test_an_open_feed_does_not_hold_up_shutdown(config: GatewayConfig) -> None:
+    """A dashboard left open must not make the gateway wait out its whole grace period: the feed
+    ends with a ``shutdown`` event as soon as shutdown starts."""
+    from gateway.server import build_server
+
+    config = config.model_copy(update={"port": free_port()})
+    config.server.shutdown_grace_s = 60.0
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(FakeEngine().app())) as engine_http:
+        pool = EnginePool(engine_http)
+        pool.add_remote("http://fake-engine")
+        server = build_server(build_app(config, pool=pool), config)
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.port}", timeout=30) as client,
+            client.stream("GET", "/api/events") as r,
+        ):
+            lines = r.aiter_lines()
+            assert await anext(lines) == ": belayer live feed"
+            server.should_exit = True
+            rest = [line async for line in lines]
+        assert "event: shutdown" in rest
+        await asyncio.wait_for(serving, 10)  # not the 60 s grace
