@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import tenacity
 
 from core.errors import Conflict, EngineError, EngineUnavailable, InvalidRequest, NotFound
 from core.tasks import TaskOwner
@@ -193,12 +194,54 @@ class EnginePool:
             await m.process.wait_ready(self.start_timeout)
             self._cold_start(m, time.monotonic() - started)
         for m in self.members:
-            m.info = await m.client.model_info()
+            if m.process is None and not await self._admit(m):
+                self._set(m, STARTING, "not answering yet")
+                self._tasks.spawn(self._wait_for_remote(m), f"await-{m.name}")
+                continue
+            m.info = m.info or await m.client.model_info()
             if not m.client.model:
                 m.client.model = m.info.name
             active = sum(1 for x in self.members if x.state == READY)
             self._set(m, READY if m.process is None or active < self.active else SHADOW, "started")
         self._tasks.spawn(self._probe_forever(), "engine-pool-probe")
+
+    async def _admit(self, m: PoolMember) -> bool:
+        """Ask a registered engine for its model; False while it does not answer (still loading)."""
+        try:
+            m.info = await m.client.model_info()
+        except EngineError:
+            return False
+        m.client.model = m.client.model or m.info.name
+        return True
+
+    async def _wait_for_remote(self, m: PoolMember) -> None:
+        """An engine given by URL that is not answering yet (loading its weights): ask again with
+        backoff, logging progress, until it answers; then route to it. Never gives up: a gateway
+        started beside a slow engine serves as soon as it is up, instead of exiting in a crash loop."""
+        started = time.monotonic()
+
+        def progress(state: tenacity.RetryCallState) -> None:
+            waited = time.monotonic() - started
+            late = waited > self.start_timeout
+            log.log(
+                logging.WARNING if late else logging.INFO,
+                "engine %s at %s not answering yet (%s); waited %.0f s, asking again in %.1f s",
+                m.name, m.client.base_url, state.outcome.exception() if state.outcome else "?", waited,
+                state.next_action.sleep if state.next_action else 0.0,
+            )  # fmt: skip
+
+        retrying = tenacity.AsyncRetrying(
+            wait=tenacity.wait_exponential(multiplier=0.25, max=5.0),
+            retry=tenacity.retry_if_exception_type(EngineError),
+            before_sleep=progress,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if m.state != STARTING:  # removed meanwhile
+                    return
+                m.info = await m.client.model_info()
+        m.client.model = m.client.model or (m.info.name if m.info else "")
+        self._set(m, READY, f"answering after {time.monotonic() - started:.1f} s")
 
     async def stop(self) -> None:
         self._closing = True

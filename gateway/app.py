@@ -25,9 +25,17 @@ from starlette.routing import Route
 
 from core import __version__
 from core.telemetry import Telemetry
-from engine_pool.pool import EnginePool
+from engine_pool.pool import STARTING, EnginePool
 from engine_pool.worker import WorkerSpec, free_port
-from gateway import engine_metrics, engines_api, export_api, observe_api, sandbox_api, sessions_api
+from gateway import (
+    engine_metrics,
+    engines_api,
+    export_api,
+    finished_api,
+    observe_api,
+    sandbox_api,
+    sessions_api,
+)
 from gateway.access import Access
 from gateway.anthropic import routes as anthropic_routes
 from gateway.config import GatewayConfig
@@ -71,9 +79,17 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
 
 
 async def health(request: Request) -> Response:
+    """200 with a ready worker; 503 ``starting`` while engines load, ``no_engine`` with none."""
     gw = gateway_of(request)
     ready = [m.name for m in gw.pool.ready()]
-    body = {"status": "ok" if ready else "no_engine", "ready_workers": ready}
+    starting = [m.name for m in gw.pool.members if m.state == STARTING]
+    status = "ok" if ready else "starting" if starting else "no_engine"
+    body = {
+        "status": status,
+        "ready_workers": ready,
+        "starting_workers": starting,
+        "store_bytes": gw.store.size_bytes(),
+    }
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
@@ -167,6 +183,7 @@ def build_app(
             *observe_api.routes(),
             *engine_metrics.routes(),
             *export_api.routes(),
+            *finished_api.routes(),
             *dashboard_routes.routes(),
         ],
         exception_handlers=handlers(),
