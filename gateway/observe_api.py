@@ -19,7 +19,9 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -50,6 +52,26 @@ def _number(request: Request, name: str, kind: type[int] | type[float] = float) 
     return value
 
 
+def encode_cursor(created_at: float, session_id: str) -> str:
+    """An opaque page cursor: where the last session of a page sits in the list's order.
+
+    >>> decode_cursor(encode_cursor(1.5, "ses_1"))
+    (1.5, 'ses_1')
+    """
+    raw = json.dumps([created_at, session_id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        created_at, session_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if isinstance(created_at, int | float) and isinstance(session_id, str) and math.isfinite(created_at):
+            return float(created_at), session_id
+    except (ValueError, TypeError, UnicodeDecodeError):
+        pass
+    raise InvalidRequest("cursor is not one this gateway gave (use a page's next_cursor as it is)", "cursor")
+
+
 def session_query(request: Request) -> SessionQuery:
     """``GET /api/sessions``'s filters and page from its query string (errors name the parameter)."""
     q = request.query_params
@@ -69,7 +91,9 @@ def session_query(request: Request) -> SessionQuery:
     if offset is not None and not 0 <= offset <= MAX_OFFSET:
         raise InvalidRequest(f"offset must be between 0 and {MAX_OFFSET}", "offset")
     metadata = {k[5:]: v for k, v in q.multi_items() if k.startswith("meta.") and len(k) > 5}
+    cursor = q.get("cursor") or None
     return SessionQuery(
+        after=decode_cursor(cursor) if cursor is not None else None,
         status=status,
         reward_min=_number(request, "reward_min"),
         reward_max=_number(request, "reward_max"),

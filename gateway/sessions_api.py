@@ -19,7 +19,7 @@ from gateway import sandbox_api
 from gateway.access import base_root, require_admin
 from gateway.bodies import read_json, validate
 from gateway.export import Runs, aligned_logprobs, branch_leaves, recomputed_mask, recomputed_runs
-from gateway.observe_api import session_query
+from gateway.observe_api import encode_cursor, session_query
 from gateway.runtime import Gateway, gateway_of
 from gateway.store import SessionRecord, TurnRecord
 
@@ -51,6 +51,7 @@ def _summary(
     return {
         "id": s.id,
         "base_url": f"{_root(gw, request)}/s/{s.id}/v1",
+        "anthropic_base_url": f"{_root(gw, request)}/s/{s.id}",  # the Anthropic SDK adds /v1 itself
         "status": s.status,
         "metadata": s.metadata,
         "created_at": s.created_at,
@@ -124,12 +125,14 @@ def _session_list(gw: Gateway, request: Request) -> Response:
     query = session_query(request)
     sessions, total = gw.store.query_sessions(query)
     counts = gw.store.turn_counts([s.id for s in sessions])
+    full = query.limit > 0 and len(sessions) == query.limit
     return JSONResponse(
         {
             "data": [_summary(gw, request, s, counts) for s in sessions],
             "total": total,
             "limit": query.limit,
             "offset": query.offset,
+            "next_cursor": encode_cursor(sessions[-1].created_at, sessions[-1].id) if full else None,
         }
     )
 
@@ -210,9 +213,10 @@ async def close_session(request: Request) -> Response:
 
 
 def _close(gw: Gateway, session: SessionRecord) -> None:
+    """Close the session once: the store records it on the finished feed (``GET /api/finished``)."""
     if session.status == "open":
         session.status, session.closed_at = "closed", time.time()
-        gw.store.update_session(session)
+        gw.store.mark_closed(session)
 
 
 def routes() -> list[Route]:

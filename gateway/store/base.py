@@ -95,6 +95,8 @@ class SessionQuery:
     limit: int = 100
     offset: int = 0
     newest_first: bool = True
+    after: tuple[float, str] | None = None
+    """Keyset paging: only sessions after this (created_at, id) in the list's order (a cursor)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,3 +179,14 @@ class TrajectoryStore(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def mark_closed(self, session: SessionRecord) -> bool:
+        """Close an open session: its status and ``closed_at`` (set by the caller) and one
+        ``session_closed`` event, the finished feed's entry, in one transaction. False, and nothing
+        written, when the stored session is not open (it was closed already)."""
+
+    @abc.abstractmethod
+    def closed_after(self, after_id: int, limit: int) -> list[tuple[int, str]]:
+        """The finished feed: ``(event id, session id)`` of the ``session_closed`` events with an id
+        above ``after_id``, oldest first, at most ``limit``. Ids only grow, so an id is a cursor."""

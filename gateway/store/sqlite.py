@@ -1,9 +1,11 @@
 """SQLite (WAL) trajectory store: one file, durable across process crashes.
 
 Token ids are stored as packed uint32 arrays and logprobs as packed float64 arrays, so a 64k-token
-prompt costs 256 KiB and a logprob round-trips bit for bit. ``synchronous=NORMAL`` in WAL mode makes
-every commit survive a crash of the gateway process (not a power loss); pass ``synchronous="FULL"`` for
-that, at the cost of an fsync per commit.
+prompt costs 256 KiB and a logprob round-trips bit for bit. A turn stores only what it adds to an
+earlier turn (`gateway.store.layout`), so an episode costs O(tokens), not O(turns²); the tables, their
+version and the migration of older stores are in `gateway.store.schema`. ``synchronous=NORMAL`` in
+WAL mode makes every commit survive a crash of the gateway process (not a power loss); pass
+``synchronous="FULL"`` for that, at the cost of an fsync per commit.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from core.errors import StoreError
+from core.errors import NotFound, StoreError
 from core.telemetry import Telemetry
+from gateway.store import layout, schema
 from gateway.store.base import (
     TURN_COMPLETE,
     TURN_DISCARDED,
@@ -37,53 +40,19 @@ from gateway.store.base import (
 log = logging.getLogger("belayer.store")
 
 
-def _loads(text: str) -> Any:
-    """JSON as stored; a non-finite number that an older version wrote (``NaN``, ``Infinity``) reads
-    as null, so that one poisoned value cannot make every later read fail."""
-    return json.loads(text, parse_constant=lambda _name: None)
+_loads = schema.load_json
+_dumps = schema.dump_json
 
 
 def _finite(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
 
-def _dumps(value: object) -> str:
-    """JSON that any reader can parse back: a non-finite number is an error here, never stored."""
-    return json.dumps(value, allow_nan=False)
-
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    id TEXT PRIMARY KEY, created_at REAL NOT NULL, metadata TEXT NOT NULL, status TEXT NOT NULL,
-    reward REAL, reward_info TEXT, closed_at REAL, ephemeral INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS turns (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL REFERENCES sessions(id),
-    idx INTEGER NOT NULL, branch INTEGER NOT NULL, parent_id INTEGER, ext_key TEXT,
-    status TEXT NOT NULL, prompt_ids BLOB NOT NULL, prompt_gen_spans TEXT NOT NULL,
-    output_ids BLOB NOT NULL, output_logprobs BLOB NOT NULL, request TEXT NOT NULL, response TEXT,
-    finish_reason TEXT, worker TEXT, timings TEXT NOT NULL, error TEXT, received_at REAL NOT NULL,
-    UNIQUE (session_id, idx)
-);
-CREATE INDEX IF NOT EXISTS turns_ext ON turns (session_id, ext_key);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, turn_id INTEGER, ts REAL NOT NULL,
-    kind TEXT NOT NULL, data TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_session ON events (session_id);
-CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at);
-"""
-
 _TURN_COLS = (
     "id, session_id, idx, branch, parent_id, ext_key, status, prompt_ids, prompt_gen_spans, output_ids, "
-    "output_logprobs, request, response, finish_reason, worker, timings, error, received_at"
+    "output_logprobs, request, response, finish_reason, worker, timings, error, received_at, base_id, "
+    "prompt_base, spans_base, request_delta"
 )
-
-
-def _ids(blob: bytes) -> list[int]:
-    a = array("I")
-    a.frombytes(blob)
-    return a.tolist()
 
 
 def _floats(blob: bytes) -> list[float]:
@@ -92,7 +61,24 @@ def _floats(blob: bytes) -> list[float]:
     return a.tolist()
 
 
-def _turn(row: tuple[Any, ...]) -> TurnRecord:
+def _shape(turn: TurnRecord) -> layout.Turn:
+    return layout.Turn(turn.prompt_ids, turn.output_ids, turn.prompt_gen_spans, turn.request)
+
+
+def _turn(row: tuple[Any, ...], base: TurnRecord | None) -> TurnRecord:
+    """A turn from its row and, when it is stored as a segment (``base_id``), its base turn."""
+    if row[18] is not None and base is None:
+        raise StoreError(f"turn {row[0]} is stored beyond turn {row[18]}, which is missing")
+    stored = layout.Encoded(
+        row[18] is not None,
+        row[19],
+        layout.unpack_ids(row[7]),
+        row[20],
+        schema.load_spans(row[8]),
+        _loads(row[11]),
+        bool(row[21]),
+    )
+    prompt_ids, spans, request = layout.decode(stored, _shape(base) if base is not None else None)
     return TurnRecord(
         id=row[0],
         session_id=row[1],
@@ -101,11 +87,11 @@ def _turn(row: tuple[Any, ...]) -> TurnRecord:
         parent_id=row[4],
         ext_key=row[5],
         status=row[6],
-        prompt_ids=_ids(row[7]),
-        prompt_gen_spans=[(span[0], span[1], span[2] if len(span) > 2 else -1) for span in _loads(row[8])],
-        output_ids=_ids(row[9]),
+        prompt_ids=prompt_ids,
+        prompt_gen_spans=spans,
+        output_ids=layout.unpack_ids(row[9]),
         output_logprobs=_floats(row[10]),
-        request=_loads(row[11]),
+        request=request,
         response=_loads(row[12]) if row[12] else None,
         finish_reason=row[13],
         worker=row[14],
@@ -132,8 +118,14 @@ class SqliteStore(TrajectoryStore):
     """The default store. Safe to share between threads; writes are serialised by a lock."""
 
     def __init__(
-        self, path: str | Path, synchronous: str = "NORMAL", telemetry: Telemetry | None = None
+        self,
+        path: str | Path,
+        synchronous: str = "NORMAL",
+        telemetry: Telemetry | None = None,
+        recover: bool = True,
     ) -> None:
+        """``recover=False`` leaves running turns as they are: for a tool that opens the store of a
+        gateway that may be running (``belayer store prune``); the gateway passes True."""
         self.path = str(path)
         self.telemetry = telemetry
         """Where each committed event (and session change) is also published, for the live feed."""
@@ -144,7 +136,7 @@ class SqliteStore(TrajectoryStore):
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
-            self._db.executescript(_SCHEMA)
+            schema.prepare(self._db, self.path)
         except sqlite3.Error as e:
             raise StoreError(f"cannot open trajectory store {self.path}: {e}") from e
         self._lock = threading.Lock()
@@ -153,7 +145,8 @@ class SqliteStore(TrajectoryStore):
         and written by the next write that succeeds, so no turn stays ``running``."""
         self.failures = 0
         """Store operations that failed (each is logged with its cause)."""
-        self._mark_interrupted()
+        if recover:
+            self._mark_interrupted()
 
     def _mark_interrupted(self) -> None:
         """Turns left running by a crashed gateway keep their prompt and are marked interrupted."""
@@ -253,15 +246,21 @@ class SqliteStore(TrajectoryStore):
         turn: TurnRecord,
         first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
         new_session: SessionRecord | None = None,
+        parent: TurnRecord | None = None,
     ) -> TurnRecord:
+        base_id, base = self._base(turn, parent) if new_session is None else (None, None)
+        enc = layout.encode(_shape(turn), base)
         with self._transaction() as db:
             if new_session is not None:
                 self._insert_session(new_session)
+            elif db.execute("SELECT 1 FROM sessions WHERE id = ?", (turn.session_id,)).fetchone() is None:
+                raise NotFound(f"session '{turn.session_id}' was deleted", "session_id", "session_not_found")
             turn.index, turn.branch = self._next_index_and_branch(turn)
             cur = db.execute(
-                "INSERT INTO turns (session_id, idx, branch, parent_id, ext_key, status, prompt_ids, "
-                "prompt_gen_spans, output_ids, output_logprobs, request, timings, received_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO turns (session_id, idx, branch, parent_id, ext_key, status, output_ids, "
+                "output_logprobs, timings, received_at, base_id, prompt_base, prompt_ids, spans_base, "
+                "prompt_gen_spans, request, request_delta) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     turn.session_id,
                     turn.index,
@@ -269,13 +268,12 @@ class SqliteStore(TrajectoryStore):
                     turn.parent_id,
                     turn.ext_key,
                     turn.status,
-                    array("I", turn.prompt_ids).tobytes(),
-                    _dumps(turn.prompt_gen_spans),
                     b"",
                     b"",
-                    _dumps(turn.request),
                     _dumps(turn.timings),
                     turn.received_at,
+                    base_id if enc.has_base else None,
+                    *schema.encoded_columns(enc),
                 ),
             )
             turn.id = int(cur.lastrowid or 0)
@@ -283,6 +281,55 @@ class SqliteStore(TrajectoryStore):
                 kind, data = first_event(turn)
                 self._insert_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
         return turn
+
+    def _base(self, turn: TurnRecord, parent: TurnRecord | None) -> tuple[int | None, layout.Turn | None]:
+        """The turn to store `turn` beyond: its parent, else the session's newest turn. The caller's
+        copy of the parent (read by the prefix reuse) saves reading it again when it is the stored one."""
+        if turn.parent_id is None:
+            row = self._exec("SELECT MAX(id) FROM turns WHERE session_id = ?", (turn.session_id,)).fetchone()
+            base_id = row[0]
+        elif parent is not None and parent.id == turn.parent_id and self._is_stored(parent):
+            return parent.id, _shape(parent)
+        else:
+            base_id = turn.parent_id
+        base = self._read(base_id) if base_id is not None else None
+        if base is None or base.session_id != turn.session_id:
+            return None, None
+        return base.id, _shape(base)
+
+    def _is_stored(self, turn: TurnRecord) -> bool:
+        """Whether the store holds `turn`'s prompt and output as they are (compared by length)."""
+        row = self._exec(
+            "SELECT session_id, prompt_base + length(prompt_ids) / 4, length(output_ids) / 4 FROM turns "
+            "WHERE id = ?",
+            (turn.id,),
+        ).fetchone()
+        return row is not None and tuple(row) == (turn.session_id, len(turn.prompt_ids), len(turn.output_ids))
+
+    def _read(self, turn_id: int) -> TurnRecord | None:
+        """A turn as stored (not `_latest`), with the chain of bases it is stored beyond, in one query."""
+        rows = self._exec(
+            "WITH RECURSIVE chain(id) AS (SELECT ? UNION ALL SELECT t.base_id FROM turns t "
+            "JOIN chain c ON t.id = c.id WHERE t.base_id < t.id) "
+            f"SELECT {_TURN_COLS} FROM turns WHERE id IN (SELECT id FROM chain) ORDER BY id",
+            (turn_id,),
+        ).fetchall()
+        turns = self._decode(rows, {})
+        return turns[-1] if turns and turns[-1].id == turn_id else None
+
+    def _decode(self, rows: list[tuple[Any, ...]], known: dict[int, TurnRecord]) -> list[TurnRecord]:
+        """Turns from rows in id order; each base is found in `known` (filled as rows are read: a base
+        is always an earlier turn), else read."""
+        turns = []
+        for row in rows:
+            base_id = row[18]
+            base = known.get(base_id) if base_id is not None else None
+            if base_id is not None and base is None:
+                base = self._read(base_id)
+            turn = _turn(row, base)
+            known[turn.id] = turn
+            turns.append(turn)
+        return turns
 
     def _next_index_and_branch(self, turn: TurnRecord) -> tuple[int, int]:
         """Index = next in the session. Branch = the parent's branch when the parent is that branch's
@@ -343,12 +390,12 @@ class SqliteStore(TrajectoryStore):
         )
 
     def get_turn(self, turn_id: int) -> TurnRecord | None:
-        row = self._exec(f"SELECT {_TURN_COLS} FROM turns WHERE id = ?", (turn_id,)).fetchone()
-        return self._latest(_turn(row)) if row else None
+        turn = self._read(turn_id)
+        return self._latest(turn) if turn else None
 
     def get_turns(self, session_id: str) -> list[TurnRecord]:
         rows = self._exec(f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? ORDER BY idx", (session_id,))
-        return [self._latest(_turn(r)) for r in rows.fetchall()]
+        return [self._latest(t) for t in self._decode(rows.fetchall(), {})]
 
     def _latest(self, stored: TurnRecord) -> TurnRecord:
         """A turn as it is: its finished state when that could not be written yet."""
@@ -387,6 +434,10 @@ class SqliteStore(TrajectoryStore):
         clause = " AND ".join(where)
         total = int(self._exec(f"SELECT COUNT(*) FROM sessions WHERE {clause}", tuple(args)).fetchone()[0])
         order = "DESC" if query.newest_first else "ASC"
+        if query.after is not None:  # keyset paging: cheap at any depth, unlike OFFSET
+            op = "<" if query.newest_first else ">"
+            clause += f" AND (created_at {op} ? OR (created_at = ? AND id {op} ?))"
+            args += [query.after[0], query.after[0], query.after[1]]
         rows = self._exec(
             f"SELECT * FROM sessions WHERE {clause} ORDER BY created_at {order}, id {order} LIMIT ? OFFSET ?",
             (*args, query.limit, query.offset),
@@ -398,14 +449,13 @@ class SqliteStore(TrajectoryStore):
             return None
         marks = ",".join("?" * len(keys))
         rows = self._exec(
-            f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? AND status = ? AND ext_key IN ({marks}) "
-            "ORDER BY id DESC",
+            f"SELECT id, ext_key FROM turns WHERE session_id = ? AND status = ? AND ext_key IN ({marks})",
             (session_id, TURN_COMPLETE, *keys),
         ).fetchall()
         if not rows:
             return None
         rank = {k: i for i, k in enumerate(keys)}
-        return _turn(max(rows, key=lambda r: (rank[r[5]], r[0])))
+        return self._read(max(rows, key=lambda r: (rank[r[1]], r[0]))[0])
 
     def add_event(self, event: EventRecord) -> None:
         with self._transaction():
@@ -468,3 +518,23 @@ class SqliteStore(TrajectoryStore):
             )
         with self._lock:
             self._db.close()
+
+    def mark_closed(self, session: SessionRecord) -> bool:
+        data = {"reward": session.reward, "closed_at": session.closed_at}
+        with self._transaction() as db:
+            changed = db.execute(
+                "UPDATE sessions SET status = ?, closed_at = ? WHERE id = ? AND status = 'open'",
+                (session.status, session.closed_at, session.id),
+            ).rowcount
+            if changed:
+                self._insert_event(EventRecord(session.id, None, time.time(), "session_closed", data))
+        if changed:
+            self._publish_session("session_updated", session)
+        return bool(changed)
+
+    def closed_after(self, after_id: int, limit: int) -> list[tuple[int, str]]:
+        rows = self._exec(
+            "SELECT id, session_id FROM events WHERE kind = 'session_closed' AND id > ? ORDER BY id LIMIT ?",
+            (after_id, limit),
+        ).fetchall()
+        return [(int(r[0]), str(r[1])) for r in rows]

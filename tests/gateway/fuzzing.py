@@ -604,6 +604,7 @@ ROUTES: dict[str, RouteSpec] = {
     "health": RouteSpec("GET", "/health"),
     "dashboard-state": RouteSpec("GET", "/api/dashboard/state"),
     "export": RouteSpec("GET", "/api/export"),
+    "finished": RouteSpec("GET", "/api/finished"),
     "metrics": RouteSpec("GET", "/metrics"),
     "engine-metrics": RouteSpec("GET", "/metrics/engines"),
     "dashboard": RouteSpec("GET", "/dashboard"),
@@ -624,11 +625,17 @@ DRAIN = ["0", "0", "0", "", "-1", "3601", "nan", "inf", "1e400", "abc", "0x10", 
 WRONG_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 LIST_KEYS = [
     "status", "reward_min", "reward_max", "has_reward", "created_after", "created_before", "limit", "offset",
-    "order", "meta.task", "meta.", "meta.%ff", "meta.a%22b", "other",
+    "order", "meta.task", "meta.", "meta.%ff", "meta.a%22b", "other", "cursor",
 ]  # fmt: skip
 LIST_VALUES = [
     "", "open", "closed", "x", "-1", "0", "1", "2.5", "1000", "1001", "nan", "inf", "-inf", "1e400", "abc",
     "0x10", "%EF%BC%91", "true", "false", "asc", "desc", "%ff", "%ED%A0%80", "1e-400", "99999999999999999999",
+    "WzEuNSwic2VzXzEiXQ", "WzEsMl0", "W251bGwsInMiXQ", "WyJ4IiwicyJd", "e30", "WzFlNDAwLCJzIl0",
+]  # fmt: skip
+FEED_KEYS = ["after", "after", "limit", "limit", "rows", "other"]
+FEED_VALUES = [
+    "", "0", "1", "2", "5", "17", "-1", "x", "true", "false", "1e3", "0x10", "%EF%BC%91", "%ff", "%ED%A0%80",
+    "99999999999999999999", "9223372036854775807", "9223372036854775808", "1.5", " 3",
 ]  # fmt: skip
 list_queries = st.lists(st.tuples(st.sampled_from(LIST_KEYS), st.sampled_from(LIST_VALUES)), max_size=4).map(
     lambda pairs: "&".join(f"{k}={v}" for k, v in pairs)
@@ -666,6 +673,11 @@ def plans(draw: st.DrawFn, routes: list[str]) -> Plan:
     elif name == "export":
         fmt = draw(st.sampled_from(["format=jsonl", "format=parquet", "format=csv", "", "format=%ff"]))
         plan = dataclasses.replace(plan, query="&".join(q for q in (fmt, draw(list_queries)) if q))
+    elif name == "finished":  # follow=false last, always: a followed feed never ends in-process
+        pairs = draw(
+            st.lists(st.tuples(st.sampled_from(FEED_KEYS), st.sampled_from(FEED_VALUES)), max_size=3)
+        )
+        plan = dataclasses.replace(plan, query="&".join([*(f"{k}={v}" for k, v in pairs), "follow=false"]))
     return plan
 
 
@@ -717,6 +729,8 @@ def sse_events(text: str, where: str) -> list[tuple[str | None, str]]:
                 name = line[6:].strip()
             elif line.startswith("data:"):
                 data.append(line[5:].removeprefix(" "))
+            elif line.startswith(("id:", "retry:")):
+                continue
             else:
                 assert line.startswith(":"), f"{where}: not an SSE line: {line!r}"
         events.append((name, "\n".join(data)))

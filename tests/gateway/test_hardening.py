@@ -160,6 +160,7 @@ async def test_after_an_unexpected_500_the_keep_alive_connection_still_serves(
                 "total": 0,
                 "limit": 100,
                 "offset": 0,
+                "next_cursor": None,
             }
             assert client._transport._pool.connections and len(client._transport._pool.connections) == 1  # type: ignore[attr-defined]
     finally:

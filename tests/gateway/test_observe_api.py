@@ -59,9 +59,21 @@ async def test_sessions_are_filtered_and_paged_on_the_server(config: GatewayConf
         assert await listed(f"created_before={created[1]}") == (ids[:1], 1)
         assert await listed("limit=0") == ([], 7)
 
+        # keyset paging: each page's next_cursor gives the next one, in either order
+        for order, expected in (("desc", ids[::-1]), ("asc", ids)):
+            seen, cursor = [], ""
+            while True:
+                page = (await client.get(f"/api/sessions?order={order}&limit=3{cursor}")).json()
+                seen += [s["id"] for s in page["data"]]
+                if page["next_cursor"] is None:
+                    break
+                cursor = f"&cursor={page['next_cursor']}"
+            assert seen == expected
+
         for query, param in [
             ("limit=1001", "limit"), ("limit=x", "limit"), ("offset=-1", "offset"), ("offset=99999999999999999999", "offset"), ("status=done", "status"),
             ("reward_min=nan", "reward_min"), ("order=up", "order"), ("has_reward=yes", "has_reward"),
+            ("cursor=abc", "cursor"), ("cursor=WzFlNDAwLCJzIl0", "cursor"),
         ]:  # fmt: skip
             r = await client.get(f"/api/sessions?{query}")
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (query, r.text)
