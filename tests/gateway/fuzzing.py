@@ -598,6 +598,7 @@ ROUTES: dict[str, RouteSpec] = {
     "trajectory": RouteSpec("GET", "/api/sessions/{sid}/trajectory"),
     "reward": RouteSpec("POST", "/api/sessions/{sid}/reward", reward_bodies),
     "close": RouteSpec("POST", "/api/sessions/{sid}/close"),
+    "delete-session": RouteSpec("DELETE", "/api/sessions/{sid}"),
     "engines": RouteSpec("GET", "/api/engines"),
     "register-engine": RouteSpec("POST", "/api/engines", engine_bodies),
     "remove-engine": RouteSpec("DELETE", "/api/engines/{name}"),
@@ -733,7 +734,8 @@ def sse_events(text: str, where: str) -> list[tuple[str | None, str]]:
                 continue
             else:
                 assert line.startswith(":"), f"{where}: not an SSE line: {line!r}"
-        events.append((name, "\n".join(data)))
+        if name is not None or data:  # a block of comments only (a keep-alive) is no event
+            events.append((name, "\n".join(data)))
     return events
 
 

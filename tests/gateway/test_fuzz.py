@@ -214,6 +214,7 @@ class FuzzGateway:
         self.client: httpx.AsyncClient | None = None
         self.sessions: list[str] = []  # created through the API, newest last
         self.closed: set[str] = set()
+        self.deleted: set[str] = set()
         self.engines: list[str] = []  # registered by the fuzzer (removable)
         self.last: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = {}
         self.statuses: collections.Counter[tuple[str, int]] = collections.Counter()
@@ -377,7 +378,10 @@ class FuzzGateway:
             if reads_first:
                 assert r.status_code == 415, f"{where}: a non-JSON media type answered {r.status_code}"
         self.record(plan, sent.sid, sent.content, r, answer)
-        for touched in {r.headers.get("x-belayer-session"), sent.sid if sent.known else None} - {None}:
+        for touched in {r.headers.get("x-belayer-session"), sent.sid if sent.known else None} - {
+            None,
+            *self.deleted,
+        }:
             turns = len(self.check_trajectory(str(touched))["turns"])
             if turns >= MAX_TURNS and touched in self.sessions and touched not in self.closed:
                 self.retire(str(touched))
@@ -404,6 +408,12 @@ class FuzzGateway:
             self.sessions.append(answer["id"])
         elif plan.route == "close":
             self.closed.add(sid)
+        elif plan.route == "delete-session":
+            self.sessions.remove(sid)
+            self.closed.discard(sid)
+            self.deleted.add(sid)
+            for key in [k for k in self.last if k[0] == sid]:
+                del self.last[key]
         elif plan.route == "register-engine":
             self.engines.append(answer["name"])
         elif plan.route == "remove-engine":

@@ -189,9 +189,9 @@ async def test_export_over_http_pages_the_filtered_sessions_and_is_counted(confi
 
         r = await client.get("/api/export?format=parquet&order=asc")
         table = pq.read_table(io.BytesIO(r.content)).to_pylist()
-        assert [t["session_id"] for t in table] == ids and table[0]["input_ids"] == json.loads(
+        assert [t["session_id"] for t in table] == ids and table[0]["response_ids"] == json.loads(
             (await client.get("/api/export?meta.i=0")).text
-        )["input_ids"]
+        )["response_ids"]
 
         r = await client.get("/api/export?format=csv")
         assert r.status_code == 400 and r.json()["error"]["param"] == "format"

@@ -119,4 +119,4 @@ def test_a_store_poisoned_by_an_older_version_reads_and_exports(tmp_path: Path) 
         json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the export"))
         for line in out.read_text().splitlines()
     ]
-    assert row["reward"] is None and row["input_ids"] == [1, 2, 3]
+    assert row["reward"] is None and row["prompt_ids"] + row["response_ids"] == [1, 2, 3]
