@@ -12,6 +12,8 @@
     GET    /api/sessions/{id}/sandbox/checkpoints
     POST   /api/sessions/{id}/sandbox/checkpoints   checkpoint now
     POST   /api/sessions/{id}/sandbox/restore       {"checkpoint_id"?}: newest when absent
+    POST   /api/sessions/{id}/sandbox/verify        {"files": [{"path", "content" (base64), "mode"?}], ...}:
+                                                    the verify stage (`gateway.sandboxes.verify`)
 
 Sandbox errors become OpenAI- or Anthropic-style error JSON in the gateway's one table (`gateway.errors`). A tool call during
 which the sandbox failed is, by default (`"recovery": "replay"`), run again on the restored sandbox
@@ -40,6 +42,7 @@ from gateway.bodies import read_json, validate
 from gateway.config import SandboxConfig
 from gateway.runtime import Gateway, gateway_of
 from gateway.sandboxes.manager import SandboxManager
+from gateway.sandboxes.verify import VerifyPlan
 from gateway.store import TrajectoryStore
 from sandbox.backend import SandboxBackend, SandboxSpec
 
@@ -115,6 +118,34 @@ class WriteFile(BaseModel):
 class RestoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     checkpoint_id: str | None = None
+
+
+class TaskFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(min_length=1)
+    content: str = Field(description="base64")
+    mode: int = Field(default=0o644, ge=0, le=0o7777)
+
+
+class VerifyRequest(BaseModel):
+    """The verify stage: `files` go to /belayer-verify (``verify.sh`` required: the verifier; e.g.
+    ``tests/...``: hidden tests); `originals` are the task's own versions of the protected files."""
+
+    model_config = ConfigDict(extra="forbid")
+    files: list[TaskFile] = Field(min_length=1)
+    originals: list[TaskFile] = Field(default_factory=list)
+    protected_paths: list[str] = Field(default_factory=list)
+    on_tamper: Literal["reset", "fail"] = "reset"
+    timeout_s: float = Field(default=300.0, gt=0, le=3600)
+    image: str | None = None
+    keep_sandbox: bool = False
+
+
+def _decoded(files: list[TaskFile], param: str) -> dict[str, tuple[bytes, int]]:
+    try:
+        return {f.path: (base64.b64decode(f.content, validate=True), f.mode) for f in files}
+    except binascii.Error as e:
+        raise InvalidRequest(f"'{param}': a content is not valid base64: {e}", param, "invalid_value") from e
 
 
 def _manager(request: Request) -> tuple[SandboxManager, str]:
@@ -236,6 +267,22 @@ async def restore(request: Request) -> Response:
     return JSONResponse(info.as_json())
 
 
+async def verify(request: Request) -> Response:
+    manager, sid = _manager(request)
+    gateway_of(request).sessions.get_open(sid)
+    req = validate(VerifyRequest, await _body(request))
+    files = _decoded(req.files, "files")
+    if "verify.sh" not in files:
+        raise InvalidRequest("'files' must hold verify.sh", "files", "invalid_value")
+    plan = VerifyPlan(
+        files=files, originals=_decoded(req.originals, "originals"), protected=tuple(req.protected_paths),
+        on_tamper=req.on_tamper, timeout_s=req.timeout_s, image=req.image, keep_agent_sandbox=req.keep_sandbox,
+    )  # fmt: skip
+    outcome = await manager.verify(sid, plan)
+    body = {**outcome.summary(), "output": outcome.output, "changes": [c.as_json() for c in outcome.changes]}
+    return JSONResponse({**body, "agent_sandbox_kept": outcome.agent_sandbox_kept})
+
+
 def routes() -> list[Route]:
     base = "/api/sessions/{session_id}/sandbox"
     return [
@@ -248,4 +295,5 @@ def routes() -> list[Route]:
         Route(f"{base}/checkpoints", list_checkpoints, methods=["GET"]),
         Route(f"{base}/checkpoints", create_checkpoint, methods=["POST"]),
         Route(f"{base}/restore", restore, methods=["POST"]),
+        Route(f"{base}/verify", verify, methods=["POST"]),
     ]

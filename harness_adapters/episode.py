@@ -4,16 +4,28 @@ A task is a directory::
 
     task/
       instruction.md   what the agent is asked to do
-      repo/            the repository snapshot, copied to the sandbox's /workspace
-      verify.sh        run in /workspace after the episode (sh); exit code 0 means solved
-      task.json        optional: {"max_turns": 30, "timeout_s": 600, "image": "belayer-sandbox-python"}
+      repo/            the repository snapshot: the sandbox's /workspace
+      verify.sh        the verifier (sh, run from /workspace in the verify stage); exit code 0 means solved
+      tests/           optional hidden tests (also hidden/): with verify.sh, never in the agent's sandbox
+      task.json        optional: {"max_turns": 30, "timeout_s": 600, "image": "belayer-sandbox-python",
+                                  "setup": ["pip install -e ."], "protected_paths": ["test_*.py"],
+                                  "on_tamper": "reset", "verify_timeout_s": 300}
 
-The runner creates a session with a sandbox, uploads the repository, runs the harness, runs the
-verifier in the sandbox, posts the reward (1.0 solved, 0.0 not), reads the trajectory back, and
-closes the session (which removes the sandbox). A harness with ``inside = True`` (Claude Code) runs in
-the sandbox, on the ``network="gateway"`` network, from an image with its files
-(`sandbox.images.ensure_harness_image`, built on this host's Docker); the others run here with their
-commands executed in the sandbox (mini-swe-agent's `belayer_mini_env`).
+An episode runs in three stages:
+
+- **setup**: the task's image (the base image + repo/ + the ``setup`` commands) is built once and cached
+  by content hash (`sandbox.task_images`); an episode starts a sandbox from it (``task_start_s``);
+- **agent**: the harness works in that sandbox, which holds the repository and nothing of the verifier;
+- **verify**: the gateway copies the agent's /workspace out (its processes frozen), resets the
+  ``protected_paths`` (``protected_path_modified`` events; ``on_tamper: fail`` gives reward 0 instead),
+  and runs verify.sh with the hidden tests in a new sandbox from the clean task image, with no network
+  and a clean environment (`gateway.sandboxes.verify`). The verdict goes to the reward (a summary, no
+  output) and the report (with the verifier's output); nothing of it to the trajectory.
+
+A harness with ``inside = True`` (Claude Code) runs in the sandbox, on the ``network="gateway"``
+network, from an image with its files (`sandbox.images.ensure_harness_image`, built on this host's
+Docker, under the task image); the others run here with their commands executed in the sandbox
+(mini-swe-agent's `belayer_mini_env`).
 
 The report says per episode how the gateway built each prompt: prefix reuse, a fresh prompt, or a
 branch, and for every branch the first place where the harness's history differs from what it sent
@@ -38,15 +50,21 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
 from core.errors import HarnessError, TaskError
+from gateway.sandboxes.verify import is_protected
 from harness_adapters.base import Episode, HarnessAdapter, Outcome, SandboxRef
+from sandbox.task_images import TaskImage, ensure_task_image
 
 OUT_DIR = "/tmp/belayer-harness"
 HOME = "/root"
+
+
+TASK_KEYS = {"max_turns", "timeout_s", "image", "setup", "protected_paths", "on_tamper", "verify_timeout_s"}
+HIDDEN_DIRS = ("tests", "hidden")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +77,10 @@ class Task:
     max_turns: int = 30
     timeout_s: float = 600.0
     image: str | None = None
+    setup: tuple[str, ...] = ()
+    protected_paths: tuple[str, ...] = ()
+    on_tamper: Literal["reset", "fail"] = "reset"
+    verify_timeout_s: float = 300.0
 
     @classmethod
     def load(cls, root: Path) -> Task:
@@ -73,15 +95,7 @@ class Task:
             raise TaskError(
                 f"task {root} lacks {', '.join(missing)} (a task has instruction.md, repo/, verify.sh)"
             )
-        options: dict[str, Any] = {}
-        if (root / "task.json").exists():
-            try:
-                options = json.loads((root / "task.json").read_text())
-            except json.JSONDecodeError as exc:
-                raise TaskError(f"{root / 'task.json'} is not valid JSON: {exc}") from exc
-            unknown = set(options) - {"max_turns", "timeout_s", "image"}
-            if unknown:
-                raise TaskError(f"{root / 'task.json'}: unknown keys {sorted(unknown)}")
+        options = _options(root / "task.json")
         return cls(
             name=root.name,
             root=root,
@@ -93,11 +107,46 @@ class Task:
 
     def files(self) -> list[tuple[str, bytes, int]]:
         """The repository's files: (relative path, content, mode)."""
-        return [
-            (str(p.relative_to(self.repo)), p.read_bytes(), p.stat().st_mode & 0o777)
-            for p in sorted(self.repo.rglob("*"))
-            if p.is_file()
-        ]
+        return _tree(self.repo)
+
+    def verifier_files(self) -> list[tuple[str, bytes, int]]:
+        """What the verify stage gets and the agent never sees: verify.sh and the hidden directories."""
+        files = [("verify.sh", self.verifier.read_bytes(), 0o644)]
+        for name in HIDDEN_DIRS:
+            files += [(f"{name}/{path}", data, mode) for path, data, mode in _tree(self.root / name)]
+        return files
+
+    def originals(self) -> list[tuple[str, bytes, int]]:
+        """The repository's own versions of the protected files."""
+        return [f for f in self.files() if is_protected(f[0], self.protected_paths)]
+
+
+def _options(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        options: dict[str, Any] = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TaskError(f"{path} is not valid JSON: {exc}") from exc
+    unknown = set(options) - TASK_KEYS
+    if unknown:
+        raise TaskError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(TASK_KEYS)})")
+    if options.get("on_tamper", "reset") not in ("reset", "fail"):
+        raise TaskError(f"{path}: on_tamper must be 'reset' or 'fail', not {options['on_tamper']!r}")
+    for key in ("setup", "protected_paths"):
+        value = options.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise TaskError(f"{path}: {key} must be a list of strings")
+        options[key] = tuple(value)
+    return options
+
+
+def _tree(root: Path) -> list[tuple[str, bytes, int]]:
+    return [
+        (str(p.relative_to(root)), p.read_bytes(), p.stat().st_mode & 0o777)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    ]
 
 
 class EpisodeRunner:
@@ -132,21 +181,24 @@ class EpisodeRunner:
         inside = self.adapter.inside if inside is None else inside
         self.progress(f"{self.adapter.name}: installing (cached after the first time)")
         self.adapter.install()
-        image = self._image(task, inside)
-        sid, base_url, sandbox = self._session(task, image, inside, metadata or {})
+        setup_started = time.monotonic()
+        image = self.task_image(task, inside)
+        sid, base_url, sandbox = self._session(task, image.name, inside, metadata or {})
+        task_start_s = time.monotonic() - setup_started
         started = time.monotonic()
         try:
-            self._upload(sid, task)
             self.progress(
-                f"{self.adapter.name}: episode {sid} on task {task.name} ({'inside' if inside else 'beside'})"
+                f"{self.adapter.name}: episode {sid} on task {task.name} ({'inside' if inside else 'beside'}; "
+                f"image {image.name}, {'cached' if image.cached else 'built'}, started in {task_start_s:.2f}s)"
             )
             if inside:
                 outcome = self._run_inside(sid, task, sandbox)
             else:
                 outcome = self._run_beside(sid, task, base_url)
+            agent_s = time.monotonic() - started
             self.progress(f"{self.adapter.name}: harness ended (exit {outcome.returncode}); verifying")
-            verified, verifier_output = self._verify(sid, task)
-            reward = {"reward": 1.0 if verified else 0.0, "info": {"verifier": verifier_output[-2000:]}}
+            verdict = self._verify(sid, task, keep)
+            reward = {"reward": 1.0 if verdict["verified"] else 0.0, "info": _reward_info(verdict)}
             self._ok(self.http.post(f"{self.gateway}/api/sessions/{sid}/reward", json=reward))
             trajectory = self._ok(self.http.get(f"{self.gateway}/api/sessions/{sid}/trajectory")).json()
         finally:
@@ -157,8 +209,17 @@ class EpisodeRunner:
             "task": task.name,
             "session_id": sid,
             "inside": inside,
-            "verified": verified,
-            "verifier_output": verifier_output[-2000:],
+            "verified": verdict["verified"],
+            "verifier_output": verdict["output"][-2000:],
+            "verifier_exit_code": verdict["exit_code"],
+            "verifier_timed_out": verdict["timed_out"],
+            "protected_path_changes": verdict["changes"],
+            "tamper_action": verdict["tamper_action"],
+            "task_image": image.name,
+            "task_image_cached": image.cached,
+            "task_start_s": round(task_start_s, 3),
+            "agent_s": round(agent_s, 2),
+            "verify_s": verdict["seconds"],
             "harness_ok": outcome.ok,
             "harness_returncode": outcome.returncode,
             "harness_report": {k: v for k, v in outcome.report.items() if k != "messages"},
@@ -167,15 +228,18 @@ class EpisodeRunner:
             **summarize(trajectory),
         }
 
-    def _image(self, task: Task, inside: bool) -> str:
+    def task_image(self, task: Task, inside: bool) -> TaskImage:
+        """The setup stage: the task's image, from the cache or built now (`sandbox.task_images`); on
+        the harness's image for a harness inside the sandbox."""
+        if not inside:
+            return build_task_image(task)
         from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
-        from sandbox.images import ensure_harness_image, ensure_python_image
+        from sandbox.images import ensure_harness_image
 
         with DockerSandboxBackend(DockerBackendConfig()) as backend:
-            if inside:
-                version = getattr(self.adapter, "installed_version", lambda: None)() or "latest"
-                return ensure_harness_image(backend, self.adapter.name, version, self.adapter.image_files())
-            return task.image or ensure_python_image(backend)
+            version = getattr(self.adapter, "installed_version", lambda: None)() or "latest"
+            base = ensure_harness_image(backend, self.adapter.name, version, self.adapter.image_files())
+        return build_task_image(task, base)
 
     def _session(
         self, task: Task, image: str, inside: bool, metadata: dict[str, Any]
@@ -192,16 +256,6 @@ class EpisodeRunner:
             self.http.post(f"{self.gateway}/api/sessions", json={"metadata": meta, "sandbox": spec})
         ).json()
         return str(body["id"]), str(body["base_url"]), dict(body["sandbox"])
-
-    def _upload(self, sid: str, task: Task) -> None:
-        for path, data, mode in task.files():
-            body = {
-                "path": path,
-                "content": base64.b64encode(data).decode(),
-                "encoding": "base64",
-                "mode": mode,
-            }
-            self._ok(self.http.put(f"{self.gateway}/api/sessions/{sid}/sandbox/files", json=body))
 
     def _run_inside(self, sid: str, task: Task, sandbox: dict[str, Any]) -> Outcome:
         if not sandbox.get("gateway_url"):
@@ -232,11 +286,22 @@ class EpisodeRunner:
             episode = Episode(task.instruction, Path(tmp), task.max_turns, task.timeout_s, sandbox=sandbox)
             return self.adapter.run(episode, base_url)
 
-    def _verify(self, sid: str, task: Task) -> tuple[bool, str]:
-        script = base64.b64encode(task.verifier.read_bytes()).decode()
-        command = f"echo {script} | base64 -d > /tmp/belayer-verify.sh && cd /workspace && sh /tmp/belayer-verify.sh 2>&1"
-        result = self._sh(sid, command, timeout_s=300)
-        return result["exit_code"] == 0, str(result["stdout"])
+    def _verify(self, sid: str, task: Task, keep: bool) -> dict[str, Any]:
+        """The verify stage, run by the gateway (`gateway.sandboxes.verify`)."""
+        body = {
+            "files": [_file(p, d, m) for p, d, m in task.verifier_files()],
+            "originals": [_file(p, d, m) for p, d, m in task.originals()],
+            "protected_paths": list(task.protected_paths),
+            "on_tamper": task.on_tamper,
+            "timeout_s": task.verify_timeout_s,
+            "keep_sandbox": keep,
+        }
+        response = self.http.post(
+            f"{self.gateway}/api/sessions/{sid}/sandbox/verify",
+            json=body,
+            timeout=task.verify_timeout_s + 300,
+        )
+        return dict(self._ok(response).json())
 
     def _sh(
         self, sid: str, command: str, timeout_s: float = 60, max_output_bytes: int = 1 << 20
@@ -262,6 +327,27 @@ class EpisodeRunner:
                 f"{response.request.method} {response.request.url.path}: {response.status_code} {message}"
             )
         return response
+
+
+def build_task_image(task: Task, base: str | None = None) -> TaskImage:
+    """`task`'s image on `base` (default: task.json's ``image``, else the python sandbox image), from
+    the cache or built now, on this host's Docker engine."""
+    from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+    from sandbox.images import ensure_python_image
+
+    with DockerSandboxBackend(DockerBackendConfig()) as backend:
+        base = base or task.image or ensure_python_image(backend)
+        return ensure_task_image(backend, task.name, base, task.files(), list(task.setup))
+
+
+def _file(path: str, data: bytes, mode: int) -> dict[str, Any]:
+    return {"path": path, "content": base64.b64encode(data).decode(), "mode": mode}
+
+
+def _reward_info(verdict: dict[str, Any]) -> dict[str, Any]:
+    """The verdict without the verifier's output (the reward is part of what a trainer reads back)."""
+    keys = ("verified", "exit_code", "timed_out", "tamper_action", "protected_paths_modified", "seconds")
+    return {f"verify_{k}": verdict[k] for k in keys}
 
 
 # --------------------------------------------------------------------------- the report

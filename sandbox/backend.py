@@ -191,6 +191,17 @@ class SandboxBackend(abc.ABC):
         """Create or replace a file (parents are created); same path rules as `read_file`."""
 
     @abc.abstractmethod
+    def archive(self, sandbox_id: str, path: str) -> bytes:
+        """A tar of the directory `path` (absolute) and everything under it, taken with the sandbox's
+        processes frozen so that none of them changes a file halfway through. Member names start with
+        the directory's own name (``/workspace`` → ``workspace/…``), as ``docker cp`` writes them."""
+
+    @abc.abstractmethod
+    def extract(self, sandbox_id: str, tar: bytes) -> None:
+        """Unpack `tar` at the sandbox's root (member names are relative to ``/``). Paths resolve inside
+        the sandbox: a link in it cannot send a file outside."""
+
+    @abc.abstractmethod
     def checkpoint(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
         """Snapshot filesystem and processes; the sandbox keeps running afterwards."""
 
@@ -209,6 +220,18 @@ class SandboxBackend(abc.ABC):
     @abc.abstractmethod
     def status(self, sandbox_id: str) -> SandboxStatus:
         """Whether the sandbox runs; raises `SandboxNotFound` when it is gone altogether."""
+
+    def changed_paths(self, sandbox_id: str) -> list[tuple[str, str]]:
+        """What changed in the sandbox's filesystem since its image, as ``(kind, path)`` with kind
+        ``added``, ``modified`` or ``deleted``, read from outside the sandbox; [] when the backend
+        cannot tell."""
+        return []
+
+    def processes(self, sandbox_id: str) -> list[str]:
+        """Command lines of the processes running in the sandbox besides its supervisor and session
+        shells (what earlier commands left behind), read from outside it; [] when the backend cannot
+        tell."""
+        return []
 
     @property
     def network(self) -> SandboxNetwork | None:

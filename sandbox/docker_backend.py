@@ -311,6 +311,31 @@ class DockerSandboxBackend(SandboxBackend):
         with docker_errors(file_op=True):
             self._api.put_archive(sandbox_id, "/", buf.getvalue())
 
+    def archive(self, sandbox_id: str, path: str) -> bytes:
+        with self._lock(sandbox_id), docker_errors(file_op=True):
+            running = bool(self._api.inspect_container(sandbox_id)["State"].get("Running"))
+            with self._paused(sandbox_id) if running else contextlib.nullcontext():
+                stream, _stat = self._api.get_archive(sandbox_id, path)
+                return b"".join(stream)
+
+    def extract(self, sandbox_id: str, tar: bytes) -> None:
+        with self._lock(sandbox_id), docker_errors(file_op=True):
+            self._api.put_archive(sandbox_id, "/", tar)
+
+    def changed_paths(self, sandbox_id: str) -> list[tuple[str, str]]:
+        kinds = {0: "modified", 1: "added", 2: "deleted"}
+        with docker_errors():
+            changes = self._api.diff(sandbox_id) or []
+        return [(kinds.get(c["Kind"], "modified"), str(c["Path"])) for c in changes]
+
+    def processes(self, sandbox_id: str) -> list[str]:
+        shell = self._spec(sandbox_id).shell
+        with docker_errors():
+            top = self._api.top(sandbox_id)
+        column = (top.get("Titles") or []).index("CMD") if "CMD" in (top.get("Titles") or []) else -1
+        commands = [str(row[column]) for row in top.get("Processes") or []]
+        return [c for c in commands if supervisor.ROOT + "/" not in c and c != shell]
+
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
         spec = self._spec(sandbox_id)
@@ -432,6 +457,11 @@ class DockerSandboxBackend(SandboxBackend):
                 return False
         return True
 
+    def image_id(self, name: str) -> str:
+        """Image `name`'s id (``sha256:…``)."""
+        with docker_errors():
+            return str(self._inspect_image(name)["Id"])
+
     def image_layers(self, name: str) -> int:
         """How many layers image `name` has (Docker refuses to stack more than 125)."""
         with docker_errors():
@@ -464,6 +494,75 @@ class DockerSandboxBackend(SandboxBackend):
                 self._api.commit(container["Id"], repository=repo, tag=tag or "latest")
             finally:
                 self._api.remove_container(container["Id"], force=True)
+
+    def build_image(
+        self,
+        name: str,
+        base: str,
+        tar: bytes,
+        script: str,
+        *,
+        labels: dict[str, str],
+        workdir: str = "/workspace",
+        timeout_s: float = 1800.0,
+        network: bool = True,
+    ) -> str:
+        """Build image `name` (tag included): `base`, plus `tar` unpacked at ``/``, after ``sh -c script``
+        ran in `workdir` (with the default bridge network when `network`); returns the script's output.
+        The image carries `labels`."""
+        with docker_errors(ImageBuildError):
+            host = self._api.create_host_config(network_mode="bridge" if network else "none")
+            container = self._api.create_container(
+                base, entrypoint=["/bin/sh", "-c", script], working_dir=workdir, user="0:0",
+                labels={"belayer": "image-build"}, host_config=host,
+            )  # fmt: skip
+            try:
+                self._api.put_archive(container["Id"], "/", tar)
+                self._api.start(container["Id"])
+                try:
+                    status = self._api.wait(container["Id"], timeout=timeout_s)
+                except requests.exceptions.ReadTimeout as exc:
+                    raise ImageBuildError(f"building {name}: setup ran over {timeout_s:g}s") from exc
+                logs: str = self._api.logs(container["Id"]).decode(errors="replace")
+                if status.get("StatusCode") != 0:
+                    raise ImageBuildError(
+                        f"building {name}: setup exited {status.get('StatusCode')}: {logs[-2000:]}"
+                    )
+                repo, _, tag = name.partition(":")
+                changes = [f"LABEL {k}={json.dumps(v)}" for k, v in labels.items()]
+                changes += [f"WORKDIR {workdir}", "ENTRYPOINT []", 'CMD ["/bin/sh"]']
+                self._api.commit(container["Id"], repository=repo, tag=tag or "latest", changes=changes)
+            finally:
+                self._api.remove_container(container["Id"], force=True)
+        return logs
+
+    def images(self, label: str) -> list[dict[str, Any]]:
+        """Images carrying `label`: name (first tag), id, created (epoch s), size (bytes), labels."""
+        with docker_errors():
+            found = self._api.images(filters={"label": label})
+        return [
+            {
+                "name": (img.get("RepoTags") or [img["Id"]])[0],
+                "id": img["Id"],
+                "created": float(img.get("Created") or 0),
+                "size": int(img.get("Size") or 0),
+                "labels": dict(img.get("Labels") or {}),
+            }
+            for img in found
+        ]
+
+    def remove_image(self, name: str) -> bool:
+        """Remove image `name`; False when a container still uses it (it is kept)."""
+        with docker_errors():
+            try:
+                self._api.remove_image(name)
+            except docker.errors.NotFound:
+                return True
+            except docker.errors.APIError as exc:
+                if exc.status_code == 409:
+                    return False
+                raise
+        return True
 
     def _import(self, stream: io.BufferedIOBase, name: str, changes: list[str]) -> None:
         chunks = iter(lambda: stream.read(1 << 20), b"")

@@ -41,6 +41,9 @@ core.errors.CheckpointError: delete_checkpoint failed (injected fault)
 from __future__ import annotations
 
 import copy
+import io
+import posixpath
+import tarfile
 import threading
 import time
 import uuid
@@ -79,8 +82,8 @@ from sandbox.network import SandboxNetwork
 __all__ = ["CommandHandler", "FakeNetwork", "FakeSandboxBackend", "Fault", "Shell"]
 
 Operation = Literal[
-    "create", "exec", "read_file", "write_file", "checkpoint", "restore", "destroy",
-    "delete_checkpoint", "status",
+    "create", "exec", "read_file", "write_file", "archive", "extract", "checkpoint", "restore",
+    "destroy", "delete_checkpoint", "status",
 ]  # fmt: skip
 FaultKind = Literal["fail", "hang", "break", "kill", "oom", "block"]
 
@@ -247,6 +250,33 @@ class FakeSandboxBackend(SandboxBackend):
             self._enter("write_file", sandbox_id, box)
             box.state.files[target] = bytes(data)
 
+    def archive(self, sandbox_id: str, path: str) -> bytes:
+        box = self._box(sandbox_id)
+        root = posixpath.normpath(path)
+        top = posixpath.dirname(root)
+        with box.lock:
+            self._enter("archive", sandbox_id, box)
+            files = {k: v for k, v in box.state.files.items() if k.startswith(root.rstrip("/") + "/")}
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.addfile(_tar_info(posixpath.relpath(root, top), tarfile.DIRTYPE, 0))
+            for name, data in sorted(files.items()):
+                tar.addfile(
+                    _tar_info(posixpath.relpath(name, top), tarfile.REGTYPE, len(data)), io.BytesIO(data)
+                )
+        return buf.getvalue()
+
+    def extract(self, sandbox_id: str, tar: bytes) -> None:
+        box = self._box(sandbox_id)
+        with box.lock:
+            self._enter("extract", sandbox_id, box)
+            _require_running(box)
+            with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+                for member in archive:
+                    data = archive.extractfile(member) if member.isfile() else None
+                    if data is not None:
+                        box.state.files["/" + posixpath.normpath(member.name).lstrip("/")] = data.read()
+
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
         box = self._box(sandbox_id)
@@ -327,6 +357,12 @@ def _play(fault: Fault, box: FakeContainer | None) -> None:
         raise SandboxError(f"{what}: the exec transport broke (connection reset)")
     error = {"checkpoint": CheckpointError, "delete_checkpoint": CheckpointError, "restore": RestoreError}
     raise error.get(fault.op, SandboxError)(f"{what} failed (injected fault)")
+
+
+def _tar_info(name: str, kind: bytes, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.mode, info.mtime = kind, size, 0o755 if kind == tarfile.DIRTYPE else 0o644, 0
+    return info
 
 
 def _require_running(box: FakeContainer) -> None:

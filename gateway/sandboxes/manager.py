@@ -12,6 +12,7 @@ each:
 - `journal` and `recovery`: tool calls under the slot's lock, replay or truncation after a failure;
 - `watcher`: restores a sandbox that stopped while idle;
 - `bubbles`: the checkpoint decisions in inference bubbles;
+- `verify`: the verify stage, in a new sandbox from a copy of the agent's working directory;
 - `io`: the executors.
 
 Example::
@@ -42,12 +43,13 @@ from gateway.sandboxes.policy import AdaptivePolicy
 from gateway.sandboxes.records import CheckpointInfo, EventLog, RestoreInfo
 from gateway.sandboxes.recovery import Recovery
 from gateway.sandboxes.state import RecoveryMode, Slots
+from gateway.sandboxes.verify import VerifyOutcome, VerifyPlan, VerifyStage
 from gateway.sandboxes.watcher import Watcher
 from gateway.store import TrajectoryStore, TurnRecord
 from sandbox.backend import DEFAULT_SESSION, ExecResult, SandboxBackend, SandboxSpec
 from sandbox.network import SandboxNetwork
 
-__all__ = ["CheckpointInfo", "RestoreInfo", "SandboxManager"]
+__all__ = ["CheckpointInfo", "RestoreInfo", "SandboxManager", "VerifyOutcome", "VerifyPlan"]
 
 
 class SandboxManager:
@@ -79,6 +81,7 @@ class SandboxManager:
             engine_load or (lambda: 1.0),
         )  # fmt: skip
         self.watcher = Watcher(self._slots, self.io, self._recovery)
+        self._verify = VerifyStage(self.io, events)
         self._watch_task = TaskOwner("sandbox-watcher")
 
     @property
@@ -261,6 +264,24 @@ class SandboxManager:
     def release_checkpoints(self, session_id: str) -> list[CheckpointInfo]:
         """Hand the session's checkpoints to the caller: the manager forgets them and will not delete them."""
         return self._slots.require(session_id).history.release()
+
+    # ------------------------------------------------------------------ the verify stage
+    async def verify(self, session_id: str, plan: VerifyPlan) -> VerifyOutcome:
+        """The verify stage (`gateway.sandboxes.verify`): copy the agent's working directory out with its
+        processes frozen, destroy its sandbox (unless `plan.keep_agent_sandbox`), and judge the copy
+        in a new sandbox from the clean image. Only ``protected_path_modified`` events are recorded."""
+        slot = self._slots.require(session_id)
+        async with slot.lock:
+            box = slot.live()
+            spec = slot.spec
+            agent_tar = await self._verify.copy_out(session_id, box, spec.workdir)
+            if not plan.keep_agent_sandbox:
+                self._slots.remove(slot)
+                await self._lifecycle.drop(slot)
+                await self._checkpointer.delete_all(session_id, slot.history.release())
+        if not plan.keep_agent_sandbox:
+            self._events.add(session_id, None, "sandbox_destroyed", {"sandbox_id": box, "stage": "verify"})
+        return await self._verify.judge(session_id, spec, plan, agent_tar, plan.keep_agent_sandbox)
 
     # ------------------------------------------------------------------ TurnObserver: the bubble
     def turn_started(self, turn: TurnRecord) -> None:

@@ -1,0 +1,76 @@
+"""``belayer task build DIR`` and ``belayer task prune``: the cached task images (`sandbox.task_images`).
+
+``build`` builds a task's environment image (its base image, repo/ and task.json's ``setup`` steps)
+unless one with the same content hash exists, and prints its name; ``run-episode`` then starts from it.
+``prune`` removes task images beyond the ``--keep`` newest and those older than ``--older-than``.
+
+Example::
+
+    belayer task build tasks/fix-greet                 # belayer-task:fix-greet-3f1c…  built in 2.1s
+    belayer task prune --keep 50 --older-than 14d
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def add_arguments(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    leaf: Callable[[argparse.ArgumentParser, Callable[[argparse.Namespace], int]], None],
+    older_than: Callable[[str], float],
+) -> None:
+    t = sub.add_parser("task", help="task images: build once, reuse in every episode")
+    tsub = t.add_subparsers(dest="task_command", required=True)
+    b = tsub.add_parser("build", help="build a task's environment image (cached by content hash)")
+    b.add_argument("dir", help="the task directory (instruction.md, repo/, verify.sh, task.json)")
+    b.add_argument("--harness", help="build on this harness's image (one that runs inside the sandbox)")
+    b.add_argument("--cache", default=".cache/harness", help="where harnesses are installed")
+    leaf(b, _build)
+    p = tsub.add_parser("prune", help="remove old task images")
+    p.add_argument("--keep", type=int, default=20, help="keep this many of the newest (default 20)")
+    p.add_argument("--older-than", metavar="DURATION", help="also remove any older than this (7d, 12h)")
+    p.add_argument("--task", help="only this task's images (its directory name)")
+
+    def prune(args: argparse.Namespace) -> int:
+        return _prune(args, older_than(args.older_than) if args.older_than else None)
+
+    leaf(p, prune)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from core.errors import HarnessError, ImageBuildError, TaskError
+    from harness_adapters.episode import EpisodeRunner, Task, build_task_image
+    from harness_adapters.registry import adapter
+
+    try:
+        task = Task.load(Path(args.dir))
+        if args.harness:
+            harness = adapter(args.harness, Path(args.cache))
+            harness.install()
+            image = EpisodeRunner("http://unused", harness).task_image(task, inside=True)
+        else:
+            image = build_task_image(task)
+    except (TaskError, HarnessError, ImageBuildError) as exc:
+        sys.stderr.write(f"belayer task build: {exc}\n")
+        return 2
+    how = "cached" if image.cached else "built"
+    sys.stdout.write(f"{image.name}  {how} in {image.seconds:.2f}s\n")
+    return 0
+
+
+def _prune(args: argparse.Namespace, max_age_s: float | None) -> int:
+    from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+    from sandbox.task_images import prune_task_images
+
+    with DockerSandboxBackend(DockerBackendConfig()) as backend:
+        removed, busy = prune_task_images(backend, keep=args.keep, max_age_s=max_age_s, task=args.task)
+    sys.stdout.write(
+        f"removed {len(removed)} task images" + (f": {', '.join(removed)}" if removed else "") + "\n"
+    )
+    if busy:
+        sys.stdout.write(f"kept {len(busy)} still used by a container: {', '.join(busy)}\n")
+    return 0

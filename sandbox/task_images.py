@@ -1,0 +1,151 @@
+"""Task images: a task's environment (its repository and setup steps) built once into an image and
+reused by every episode, keyed by the hash of what went into it.
+
+The key hashes the base image's id, the working directory, every repository file (path, mode, bytes)
+and the setup commands, so a changed file, step or base image is a new image; the same inputs on another
+day are the same image. Images carry labels (``belayer.task``, ``belayer.task.hash``) that
+`prune_task_images` goes by.
+
+Example::
+
+    with DockerSandboxBackend(DockerBackendConfig()) as backend:
+        image, cached = ensure_task_image(backend, "fix-greet", "belayer-sandbox-python", files, ["pip install -e ."])
+        box = backend.create(SandboxSpec(image=image))       # /workspace holds the repository, set up
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import tarfile
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+TASK_LABEL = "belayer.task"
+HASH_LABEL = "belayer.task.hash"
+REPOSITORY = "belayer-task"
+
+
+class TaskImageStore(Protocol):
+    """What task images need from an engine (`DockerSandboxBackend` provides it)."""
+
+    def has_image(self, name: str) -> bool: ...
+
+    def image_id(self, name: str) -> str: ...
+
+    def build_image(
+        self,
+        name: str,
+        base: str,
+        tar: bytes,
+        script: str,
+        *,
+        labels: dict[str, str],
+        workdir: str = "/workspace",
+        timeout_s: float = 1800.0,
+        network: bool = True,
+    ) -> str: ...
+
+    def images(self, label: str) -> list[dict[str, Any]]: ...
+
+    def remove_image(self, name: str) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TaskImage:
+    name: str
+    cached: bool
+    """True: it was there already; False: built now."""
+    seconds: float
+    setup_output: str = ""
+
+
+def task_image_key(base_id: str, workdir: str, files: list[tuple[str, bytes, int]], setup: list[str]) -> str:
+    """The content hash of a task's environment.
+
+    >>> task_image_key("sha256:0", "/workspace", [("a.py", b"x", 0o644)], [])[:12]
+    '14d41f5d15c1'
+    """
+    h = hashlib.sha256()
+    for part in (base_id, workdir, *setup):
+        h.update(part.encode() + b"\0")
+    for path, data, mode in sorted(files):
+        h.update(f"{path}\0{mode:o}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def task_image_name(task: str, key: str) -> str:
+    """``belayer-task:<task>-<key[:16]>`` (the task's name made tag-safe).
+
+    >>> task_image_name("Fix greet!", "0123456789abcdef0123")
+    'belayer-task:fix-greet-0123456789abcdef'
+    """
+    slug = re.sub(r"[^a-z0-9_.-]+", "-", task.lower()).strip("-.")[:64] or "task"
+    return f"{REPOSITORY}:{slug}-{key[:16]}"
+
+
+def ensure_task_image(
+    store: TaskImageStore,
+    task: str,
+    base: str,
+    files: list[tuple[str, bytes, int]],
+    setup: list[str],
+    *,
+    workdir: str = "/workspace",
+    setup_timeout_s: float = 1800.0,
+) -> TaskImage:
+    """The task's image: found by its content hash, or built from `base` (repository files unpacked in
+    `workdir`, then the `setup` commands run there, with network, as ``sh -ec``)."""
+    started = time.monotonic()
+    key = task_image_key(store.image_id(base), workdir, files, setup)
+    name = task_image_name(task, key)
+    if store.has_image(name):
+        return TaskImage(name, True, time.monotonic() - started)
+    script = "set -e\n" + "\n".join(setup or [":"]) + "\n"
+    labels = {TASK_LABEL: task, HASH_LABEL: key, "belayer.task.base": base}
+    output = store.build_image(
+        name, base, repository_tar(files, workdir), script, labels=labels, workdir=workdir,
+        timeout_s=setup_timeout_s,
+    )  # fmt: skip
+    return TaskImage(name, False, time.monotonic() - started, output)
+
+
+def prune_task_images(
+    store: TaskImageStore,
+    *,
+    keep: int = 20,
+    max_age_s: float | None = None,
+    task: str | None = None,
+    now: float | None = None,
+) -> tuple[list[str], list[str]]:
+    """Remove task images (only `task`'s, when given) beyond the `keep` newest, and any older than
+    `max_age_s`. Returns (removed, kept because a container still uses them)."""
+    now = time.time() if now is None else now
+    label = TASK_LABEL if task is None else f"{TASK_LABEL}={task}"
+    found = sorted(store.images(label), key=lambda img: img["created"], reverse=True)
+    removed: list[str] = []
+    busy: list[str] = []
+    for rank, img in enumerate(found):
+        too_old = max_age_s is not None and now - img["created"] > max_age_s
+        if rank < keep and not too_old:
+            continue
+        (removed if store.remove_image(img["name"]) else busy).append(img["name"])
+    return removed, busy
+
+
+def repository_tar(files: list[tuple[str, bytes, int]], workdir: str) -> bytes:
+    """The repository's files under `workdir`, as a tar to unpack at ``/``."""
+    buf = io.BytesIO()
+    root = workdir.strip("/")
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo(root)
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(info)
+        for path, data, mode in sorted(files):
+            info = tarfile.TarInfo(f"{root}/{path}")
+            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()

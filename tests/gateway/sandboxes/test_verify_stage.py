@@ -1,0 +1,70 @@
+"""The manager's verify stage over the in-memory backend: the copy, the events, which sandboxes live."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.sandboxes.verify import VerifyPlan
+from sandbox.fake import FakeSandboxBackend, Shell
+from tests.gateway.sandboxes.conftest import EnvFactory
+
+TEST = b"assert greet() == 'hello, world'\n"
+PLAN = VerifyPlan(
+    files={"verify.sh": (b"exit 0\n", 0o644)}, originals={"test_hello.py": (TEST, 0o644)},
+    protected=("test_hello.py",),
+)  # fmt: skip
+
+
+def verifier(seen: list[list[str]]) -> FakeSandboxBackend:
+    """A backend whose `env -i ... verify.sh` passes when /workspace/hello.py says "hello, world"."""
+    backend = FakeSandboxBackend()
+
+    def find(sh: Shell, argv: list[str]) -> int:  # find DIR -mindepth 1 -delete
+        for name in [n for n in sh.files if n.startswith(argv[1] + "/")]:
+            del sh.files[name]
+        return 0
+
+    def env(sh: Shell, argv: list[str]) -> int:
+        seen.append(argv)
+        fixed = b"hello, world" in sh.files.get("/workspace/hello.py", b"")
+        sh.print("verifier: ok\n" if fixed else "verifier: FAILED\n")
+        return 0 if fixed and sh.files["/workspace/test_hello.py"] == TEST else 1
+
+    backend.commands |= {"find": find, "/usr/bin/env": env}
+    return backend
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+async def test_the_copy_is_judged_in_a_new_sandbox_and_the_agent_sandbox_goes(
+    make_env: EnvFactory, fixed: bool
+) -> None:
+    seen: list[list[str]] = []
+    env = await make_env(verifier(seen))
+    sid = await env.session()
+    agent_box = env.manager.sandbox_id(sid)
+    body = b"return 'hello, world'" if fixed else b"return 'hello'"
+    await env.manager.write_file(sid, "hello.py", body)
+    await env.manager.write_file(sid, "test_hello.py", b"assert True\n")  # tampered with
+    outcome = await env.manager.verify(sid, PLAN)
+    assert outcome.verified is fixed and outcome.action == "reset"
+    assert outcome.output == ("verifier: ok\n" if fixed else "verifier: FAILED\n")
+    assert [c.path for c in outcome.changes] == ["test_hello.py"]
+    assert seen and seen[0][1] == "-i" and seen[0][-1] == "/belayer-verify/verify.sh"
+    assert env.backend.sandboxes == []  # the agent's and the verifier's sandboxes are gone
+    assert env.backend.ops("create")[1] == "belayer-sandbox-busybox"  # the clean image again
+    assert not env.manager.has_sandbox(sid) and agent_box in env.backend.ops("destroy")
+    assert env.kinds(sid) == ["sandbox_created", "sandbox_destroyed", "protected_path_modified"]
+    assert not any("verifier" in str(data) for _, data in env.events(sid, ""))
+
+
+async def test_on_tamper_fail_runs_no_verifier_and_keep_keeps_the_agent_sandbox(make_env: EnvFactory) -> None:
+    seen: list[list[str]] = []
+    env = await make_env(verifier(seen))
+    sid = await env.session()
+    await env.manager.write_file(sid, "test_hello.py", b"assert True\n")
+    plan = VerifyPlan(PLAN.files, PLAN.originals, PLAN.protected, on_tamper="fail", keep_agent_sandbox=True)
+    outcome = await env.manager.verify(sid, plan)
+    assert (outcome.verified, outcome.action, outcome.exit_code, seen) == (False, "fail", None, [])
+    assert env.backend.sandboxes == [env.manager.sandbox_id(sid)]  # kept for inspection
+    [(_, data)] = env.events(sid, "protected_path_modified")
+    assert (data["path"], data["change"], data["action"]) == ("test_hello.py", "modified", "fail")
