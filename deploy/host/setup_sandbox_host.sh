@@ -2,7 +2,8 @@
 # Prepare a Debian 12 host (root, no systemd) for Belayer's Docker + CRIU sandboxes.
 #
 #   setup_sandbox_host.sh [install]  install what is missing: Docker (Debian's docker.io), debootstrap,
-#                                    busybox-static, and CRIU >= 4.2 built from Debian's source archive;
+#                                    busybox-static, docker-compose (Debian's, for deploy/compose.yaml's
+#                                    test), and CRIU >= 4.2 built from Debian's source archive;
 #                                    make /etc/criu/runc.conf enable tcp-close and irmap scan paths; run `criu check`
 #   setup_sandbox_host.sh check      report what is present and what is missing; change nothing
 #   setup_sandbox_host.sh start      start `dockerd --experimental` unless an engine already answers
@@ -77,6 +78,7 @@ install_runtime_pkgs() {
     want+=(docker.io containerd runc iptables)
   fi
   command -v debootstrap >/dev/null 2>&1 || want+=(debootstrap)
+  command -v docker-compose >/dev/null 2>&1 || want+=(docker-compose)  # reads deploy/compose.yaml
   [ -x /bin/busybox ] && /bin/busybox --list >/dev/null 2>&1 && ldd /bin/busybox 2>&1 | grep -q 'not a dynamic' \
     || want+=(busybox-static)
   mapfile -t missing < <(missing_pkgs "${want[@]}")
@@ -282,6 +284,7 @@ cmd_check() {
   have debootstrap "needed for the python sandbox image (apt-get install debootstrap)" \
     command -v debootstrap || gaps=1
   have busybox "busybox-static provides /bin/busybox" test -x /bin/busybox || gaps=1
+  have docker-compose "'$0 install' installs Debian's docker-compose" command -v docker-compose || gaps=1
   have "tcp-close and irmap-scan-path in /etc/criu/runc.conf" "'$0 install' adds them" \
     grep -qsx 'irmap-scan-path /root' /etc/criu/runc.conf || gaps=1
   if [ "$gaps" = 0 ]; then say "check: docker $(dockerd --version 2>/dev/null | awk '{print $3}' | tr -d ,), criu $(criu_version "$(working_criu)")"; fi
