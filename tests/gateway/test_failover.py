@@ -130,10 +130,12 @@ async def test_two_failures_in_one_request(rig: Rig) -> None:
     rig.faults.faults["e1"] = [Fault("drop_after", 4)]
     _, traj = await rig.chat(True, max_tokens=12)
     check_exact(rig, traj, 12)
-    assert [(f["token_index"], f["from_worker"], f["to_worker"]) for f in failovers(traj)] == [
-        (3, "remote-0", "remote-1"),
-        (7, "remote-1", "remote-2"),
-    ]
+    first, second = failovers(traj)
+    assert (first["token_index"], first["from_worker"], first["to_worker"]) == (3, "remote-0", "remote-1")
+    # remote-2, or remote-0 once a probe has let it back in (on a busy machine the second failure
+    # can come after that probe)
+    assert (second["token_index"], second["from_worker"]) == (7, "remote-1")
+    assert second["to_worker"] in ("remote-0", "remote-2")
 
 
 async def test_stall_confirmed_by_probe_fails_over(rig: Rig) -> None:
