@@ -124,13 +124,12 @@ class VllmWorker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **CPU_ENV, **self.spec.extra_env}
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                self.spec.argv(),
+            self._proc = subprocess.Popen(  # through the reaper: a dead gateway leaves no process behind
+                [self.spec.python, "-m", "engine_pool.reaper", *self.spec.argv()],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         self.started_at = time.time()
 
@@ -189,16 +188,6 @@ class VllmWorker:
                 self._proc.poll()
                 await asyncio.sleep(0.05)
         self._proc.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL if the gateway dies, so a crashed gateway leaves no worker behind."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:
