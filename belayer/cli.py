@@ -304,6 +304,7 @@ BENCHES = {
     "gateway": "belayer.bench.gateway",
     "recovery": "belayer.bench.recovery",
     "env-recovery": "belayer.bench.env_recovery",
+    "fork": "belayer.bench.fork",
     "store": "belayer.bench.store",
     "task-start": "belayer.bench.task_start",
 }

@@ -243,6 +243,9 @@ class GatewayConfig(BaseSettings):
         default=None, description="the URL clients reach the gateway at (for session base_urls)"
     )
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, description="largest request body")
+    max_fork_siblings: int = Field(
+        default=16, ge=1, le=1024, description="the most child sessions one fork request may create"
+    )
     default_max_tokens: int | None = Field(
         default=None,
         gt=0,

@@ -151,6 +151,8 @@ def branch_row(
         "created_at": session.created_at,
         "metadata": metadata_text(session.metadata),
         "metadata_json": _dumps(session.metadata),
+        "parent_session": session.parent_session,
+        "fork_turn": session.fork_turn,
     }
 
 
@@ -161,8 +163,11 @@ def session_rows(store: TrajectoryStore, session_id: str) -> list[dict[str, Any]
         return []
     turns = store.get_turns(session_id)
     by_id = {t.id: t for t in turns}
-    recomputed = recomputed_runs(store.get_events(session_id))
-    return [branch_row(session, leaf, by_id, recomputed.get(leaf.id, [])) for leaf in branch_leaves(turns)]
+    events = [e for sid in {t.session_id for t in turns} | {session_id} for e in store.get_events(sid)]
+    recomputed = recomputed_runs(events)
+    # A fork child's rows are its own branches: those that end in the turns it shares are its parent's.
+    leaves = [leaf for leaf in branch_leaves(turns) if leaf.session_id == session_id]
+    return [branch_row(session, leaf, by_id, recomputed.get(leaf.id, [])) for leaf in leaves]
 
 
 PAGE = 1000
@@ -244,6 +249,8 @@ def row_schema(metadata_keys: list[str]) -> pa.Schema:
             ("created_at", pa.float64()),
             ("metadata", metadata),
             ("metadata_json", pa.string()),
+            ("parent_session", pa.string()),
+            ("fork_turn", pa.int32()),
         ]
     )
 

@@ -6,6 +6,12 @@ request must come from a sandbox and name that sandbox's own session: ``/s/{its 
 ``/health``). Everything else, the admin, sandbox and sessions APIs and other sessions included, is
 refused with a 403 in the protocol's error JSON. The request's source address tells the sandbox
 (`SandboxManager.owner_of`); sandboxes cannot spoof it, since they have no capabilities.
+
+A fork child's sandbox is restored from its parent's checkpoint, so the processes in it (a harness
+inside, restored with its memory) still hold the parent's URL. A request from such a sandbox for one
+of the sessions it descends from (`SandboxManager.lineage_of`: its parent, the parent's parent...) is
+rewritten to its own session, ``/s/{ancestor}/…`` -> ``/s/{child}/…``: a forked harness lands in its own
+child session, never in its parent's or a sibling's. Any other session is still refused.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class SandboxFacing:
         if scope["type"] == "http":
             client = scope.get("client")
             owner = await self.manager.owner_of(client[0]) if client else None
+            if owner is not None:
+                scope = self._own_session(scope, owner)
             refusal = self._refusal(scope["path"], owner)
             if refusal is not None:
                 body = error_body(refusal, "permission_error", None, "forbidden")
@@ -53,6 +61,14 @@ class SandboxFacing:
         elif scope["type"] != "lifespan":
             return
         await self.app(scope, receive, send)
+
+    def _own_session(self, scope: Scope, owner: str) -> Scope:
+        """The request with an ancestor's session id in its path replaced by the fork child's own."""
+        match = _SESSION_PATH.match(scope["path"])
+        if match is None or match.group(1) not in self.manager.lineage_of(owner):
+            return scope
+        path = f"/s/{owner}/{scope['path'][match.end() :]}"
+        return {**scope, "path": path, "raw_path": path.encode()}
 
     @staticmethod
     def _refusal(path: str, owner: str | None) -> str | None:

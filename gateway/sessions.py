@@ -76,15 +76,20 @@ class SessionManager:
     def create(self, metadata: dict[str, Any] | None = None, ephemeral: bool = False) -> SessionRecord:
         """A new session. An ephemeral one (a plain ``/v1`` request) is stored with its first turn, so a
         request rejected before generation leaves nothing behind."""
+        record = self.new_record(metadata, ephemeral)
+        return record if ephemeral else self.store.create_session(record)
+
+    @staticmethod
+    def new_record(metadata: dict[str, Any] | None = None, ephemeral: bool = False) -> SessionRecord:
+        """A new session's record, not stored yet (`create` stores it; a fork stores its children)."""
         prefix = "req" if ephemeral else "ses"
-        record = SessionRecord(
+        return SessionRecord(
             id=f"{prefix}_{secrets.token_hex(16)}",  # 128 random bits: a session id is a capability
             created_at=time.time(),
             metadata=metadata or {},
             ephemeral=ephemeral,
             status="closed" if ephemeral else "open",  # nothing can send a second request to it
         )
-        return record if ephemeral else self.store.create_session(record)
 
     def get(self, session_id: str) -> SessionRecord:
         record = self.store.get_session(session_id)

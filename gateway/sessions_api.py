@@ -1,7 +1,18 @@
-"""The trainer's sessions API: create (optionally with a sandbox), read, reward, close, delete.
+"""The trainer's sessions API: create (optionally with a sandbox), read, fork, reward, close, delete.
 
 Closing a session destroys its sandbox and the sandbox's checkpoints; the trajectory stays. Deleting
-one (retention) removes its trajectory and events too.
+one (retention) removes its trajectory and events too; a session with fork children is refused (409
+``session_has_forks``): they share its turns, so delete the children first.
+
+Forking (tree rollouts)::
+
+    POST /api/sessions/{id}/fork  {"at_turn": k, "n": N, "metadata": {...}}  -> 201 {"data": [N children]}
+
+Each child reads the parent's turns 0..k as its own first turns (shared in the store, not copied) and
+continues from turn k + 1 with its own ``base_url``: a request that extends the conversation through
+turn k reuses the parent's exact token ids. Its metadata is the parent's, updated with the request's.
+When the parent has a sandbox, each child gets its own, restored from the parent's checkpoint at turn
+k (`SandboxManager.fork`). All or nothing: a fork that fails leaves no child and no sandbox behind.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from core.errors import Conflict
+from core.errors import Conflict, InvalidRequest
 from gateway import sandbox_api
 from gateway.access import base_root, require_admin
 from gateway.bodies import read_json, validate
@@ -30,6 +41,14 @@ class CreateSession(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     sandbox: dict[str, Any] | None = None
     """A sandbox spec (the body of POST /api/sessions/{id}/sandbox) to create with the session."""
+
+
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    at_turn: int = Field(ge=0)
+    n: int = Field(default=1, ge=1)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    """Merged over the parent's metadata for every child."""
 
 
 class Reward(BaseModel):
@@ -61,6 +80,8 @@ def _summary(
         "reward_info": s.reward_info,
         "num_turns": turns,
         "num_branches": branches,
+        "parent_session": s.parent_session,
+        "fork_turn": s.fork_turn,
     }
 
 
@@ -116,6 +137,35 @@ async def create_session(request: Request) -> Response:
     return JSONResponse(summary, status_code=201)
 
 
+async def fork_session(request: Request) -> Response:
+    """Fork the session at a complete turn into N children (see the module docstring)."""
+    gw = gateway_of(request)
+    parent = gw.sessions.get_open(request.path_params["session_id"])
+    req = validate(ForkRequest, await read_json(request, gw.config.max_body_bytes))
+    if req.n > gw.config.max_fork_siblings:
+        raise InvalidRequest(
+            f"n={req.n} is over this gateway's limit of {gw.config.max_fork_siblings} siblings per fork "
+            "(max_fork_siblings)",
+            "n",
+            "too_many_siblings",
+        )
+    children = [gw.sessions.new_record({**parent.metadata, **req.metadata}) for _ in range(req.n)]
+    await gw.offload(gw.store.fork, parent.id, req.at_turn, children)
+    sandboxes: dict[str, dict[str, Any]] = {}
+    try:
+        if gw.sandboxes is not None and gw.sandboxes.has_sandbox(parent.id):
+            await gw.sandboxes.fork(parent.id, [c.id for c in children], req.at_turn)
+            sandboxes = {c.id: gw.sandboxes.describe(c.id) for c in children}
+    except BaseException:  # all or nothing: no child without the sandbox it was forked with
+        for child in children:
+            await gw.offload(gw.store.delete_session, child.id)
+        raise
+    data = [_summary(gw, request, c) | ({"sandbox": sandboxes[c.id]} if sandboxes else {}) for c in children]
+    return JSONResponse(
+        {"data": data, "parent_session": parent.id, "fork_turn": req.at_turn}, status_code=201
+    )
+
+
 async def list_sessions(request: Request) -> Response:
     gw = gateway_of(request)
     return await gw.offload(_session_list, gw, request)
@@ -162,6 +212,9 @@ def _trajectory(gw: Gateway, request: Request, session: SessionRecord) -> Respon
         for leaf in branch_leaves(turns)
     ]
     raw_events = gw.store.get_events(session.id)
+    for sid in {t.session_id for t in turns} - {session.id}:  # a fork child: the shared turns' events
+        raw_events += [e for e in gw.store.get_events(sid) if e.turn_id in by_id]
+    raw_events.sort(key=lambda e: e.ts)
     recomputed = recomputed_runs(raw_events)
     text = gw.tokenizer.token_text if request.query_params.get("token_text") in ("1", "true") else None
     events = [
@@ -253,4 +306,5 @@ def routes() -> list[Route]:
         Route("/api/sessions/{session_id}/trajectory", trajectory, methods=["GET"]),
         Route("/api/sessions/{session_id}/reward", set_reward, methods=["POST"]),
         Route("/api/sessions/{session_id}/close", close_session, methods=["POST"]),
+        Route("/api/sessions/{session_id}/fork", fork_session, methods=["POST"]),
     ]

@@ -36,6 +36,9 @@ class Call:
     result: Any = None
     fingerprint: tuple[int, str] | None = None
     """Exit code and output digest of an exec, kept in the journal instead of the output itself."""
+    turn: int = -1
+    """The session's newest turn when the call ran: a harness outside runs turn k's tool calls after
+    turn k's answer, so a fork at turn k replays the calls of the turns before k (`fork`)."""
 
     def take(self) -> Any:
         """The result, handed to the caller once (the journal keeps only the fingerprint)."""

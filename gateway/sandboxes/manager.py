@@ -9,6 +9,7 @@ each:
 - `state`: a session's `Slot` (its sandbox, journal, checkpoints, turns in flight, restores);
 - `lifecycle`: creating, replacing and dropping a slot's sandbox, and the gateway network's env;
 - `checkpoints`: taking checkpoints tagged with turns (`keep_through`), retention, deletion;
+- `fork`: a session's sandbox copied into fork children, from its checkpoint at a turn (`recovery`);
 - `journal` and `recovery`: tool calls under the slot's lock, replay or truncation after a failure;
 - `watcher`: restores a sandbox that stopped while idle;
 - `bubbles`: the checkpoint decisions in inference bubbles;
@@ -28,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +44,7 @@ from gateway.sandboxes.lifecycle import Lifecycle
 from gateway.sandboxes.policy import AdaptivePolicy
 from gateway.sandboxes.records import CheckpointInfo, EventLog, RestoreInfo
 from gateway.sandboxes.recovery import Recovery
-from gateway.sandboxes.state import RecoveryMode, Slots
+from gateway.sandboxes.state import RecoveryMode, Slot, Slots
 from gateway.sandboxes.verify import VerifyOutcome, VerifyPlan, VerifyStage
 from gateway.sandboxes.watcher import Watcher
 from gateway.store import TrajectoryStore, TurnRecord
@@ -109,6 +111,56 @@ class SandboxManager:
         self._ensure_watcher()
         return slot.live()
 
+    async def fork(self, session_id: str, children: list[str], at_turn: int) -> None:
+        """Give each child session a sandbox restored from this session's state at turn `at_turn`: its
+        checkpoint consistent with that turn, or the nearest earlier one and the journaled tool calls
+        up to the turn replayed (`Recovery.fork_source`). All or nothing: when one fails, the sandboxes
+        made so far are removed and the error raised. Each child's listener requests for its ancestors'
+        sessions land in its own (`lineage_of`)."""
+        slot = self._slots.require(session_id)
+        taken = [c for c in children if c in self._slots]
+        if taken:
+            raise SandboxExists(f"sessions {taken} already have a sandbox")
+        async with slot.lock:
+            chosen, calls = self._recovery.fork_source(slot, at_turn)
+            made = [self._fork_slot(slot, child_id) for child_id in children]
+            for child in made:  # a restored process may call before the fork returns: `owner_of`
+                self._slots.add(child)  # waits for the restore in progress
+            results = await asyncio.gather(
+                *(self._fork_into(child, chosen, calls) for child in made), return_exceptions=True
+            )
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                for child in made:
+                    self._slots.remove(child)
+                    await self._lifecycle.drop(child)
+                raise failed[0]
+        for child in made:
+            data = {
+                "sandbox_id": child.sandbox_id, "parent_session": session_id, "fork_turn": at_turn,
+                "checkpoint_id": chosen.checkpoint.id if chosen else None, "replayed": len(calls),
+                "address": child.address,
+            }  # fmt: skip
+            self._events.add(child.session_id, None, "sandbox_forked", data)
+        self._ensure_watcher()
+
+    def _fork_slot(self, slot: Slot, child_id: str) -> Slot:
+        labels = {**slot.spec.labels, "belayer.session": child_id}
+        return Slot(
+            child_id, slot.spec.model_copy(update={"labels": labels}), slot.harness_inside, slot.recovery,
+            None, lineage=(slot.session_id, *slot.lineage),
+        )  # fmt: skip
+
+    async def _fork_into(self, child: Slot, chosen: CheckpointInfo | None, calls: list[Call]) -> None:
+        async with child.lock:
+            with child.restores.running():
+                await self._recovery.fork_into(child, chosen, calls)
+
+    def lineage_of(self, session_id: str) -> tuple[str, ...]:
+        """The sessions a fork child's sandbox descends from, parent first (empty for any other)."""
+        slot = self._slots.get(session_id)
+        return slot.lineage if slot is not None else ()
+
     async def destroy(self, session_id: str) -> None:
         """Remove the session's sandbox and all its checkpoints."""
         slot = self._slots.require(session_id)
@@ -169,6 +221,7 @@ class SandboxManager:
             "gateway_url": f"{gateway_url}/s/{session_id}" if gateway_url else None,
             "recovery": slot.recovery,
             "journaled_calls": len(slot.journal),
+            "forked_from": slot.lineage[0] if slot.lineage else None,
             "checkpoints": [c.as_json() for c in slot.history.items],
             "last_restore": slot.restores.last.as_json() if slot.restores.last else None,
         }

@@ -39,7 +39,7 @@ from gateway.sandboxes.checkpoints import Checkpointer
 from gateway.sandboxes.io import SandboxIO
 from gateway.sandboxes.journal import Call
 from gateway.sandboxes.lifecycle import Lifecycle
-from gateway.sandboxes.records import EventLog, RestoreInfo
+from gateway.sandboxes.records import CheckpointInfo, EventLog, RestoreInfo
 from gateway.sandboxes.state import Slot
 
 
@@ -116,6 +116,7 @@ class Recovery:
         try:
             call.result = await self.io.call(call.run, box, long=call.long, deadline=deadline)
         except SandboxTimeout:
+            call.turn = slot.turns.last
             slot.journal.record(call)  # it ran, and what it did until the kill is part of the state
             raise
         except (SandboxArgumentError, SandboxFileNotFound, SandboxUnavailable):
@@ -127,6 +128,7 @@ class Recovery:
             if status is not None and not status.running:
                 return Failure(status.failure_kind, f"{call.op} failed: {status.detail}")
             return Failure("sandbox_error", f"{call.op} failed: {exc}")
+        call.turn = slot.turns.last
         slot.journal.record(call)
         return None
 
@@ -136,7 +138,9 @@ class Recovery:
         or, with nothing to restore, drop it and raise `SandboxFailed`."""
         self._failure_event(slot, failure)  # logged from the live feed (gateway.event_log)
         reason = f"{failure.kind}: {failure.detail}"
-        if self.settings.auto_restore and slot.recovery == "replay":
+        # a fork child's journal starts at its fork: with no checkpoint of its own, nothing to replay on
+        replayable = bool(slot.history.items) or not slot.lineage
+        if self.settings.auto_restore and slot.recovery == "replay" and replayable:
             return await self.replay(slot, reason)
         if self.settings.auto_restore and slot.history.items:
             return await self.restore(slot, None, reason)
@@ -190,16 +194,47 @@ class Recovery:
         self.replays += 1
         return info
 
-    async def _replay_journal(self, slot: Slot, box: str) -> int:
-        """Run the journaled calls on the new sandbox; return how many gave another result."""
+    async def _replay_journal(self, slot: Slot, box: str, calls: list[Call] | None = None) -> int:
+        """Run the journaled calls (or `calls`) on the new sandbox; return how many gave another result."""
         diverged = 0
-        for call in slot.journal:
+        for call in slot.journal if calls is None else calls:
             try:
                 again = await self.io.call(call.run, box, long=call.long, deadline=None)
             except SandboxTimeout:
                 continue  # it timed out the first time too
             diverged += call.diverged(again)
         return diverged
+
+    # ------------------------------------------------------------------ forks
+    def fork_source(self, slot: Slot, at_turn: int) -> tuple[CheckpointInfo | None, list[Call]]:
+        """What a fork at turn `at_turn` restores (the caller holds `slot.lock`): the newest checkpoint
+        consistent with exactly that turn (``keep_through == at_turn``), else the nearest earlier one
+        (None: the image, when the sandbox never had one) and the journaled calls of the turns from it
+        up to `at_turn` to replay. Raises `NoCheckpoint` when that state cannot be rebuilt."""
+        exact = [c for c in slot.history.items if c.keep_through == at_turn]
+        if exact:
+            return exact[-1], []
+        if slot.harness_inside:
+            raise NoCheckpoint(
+                f"session {slot.session_id} has no checkpoint at turn {at_turn} (a harness inside its sandbox "
+                "is forked with its memory, which only a checkpoint holds); fork at a turn that has one: "
+                f"{sorted({c.keep_through for c in slot.history.items})}"
+            )
+        newest = slot.history.newest()
+        earlier = [c for c in slot.history.items if c.keep_through < at_turn]
+        since_start = newest is None and slot.restores.last is None
+        if not since_start and (not earlier or earlier[-1] is not newest):
+            raise NoCheckpoint(
+                f"session {slot.session_id} cannot be forked at turn {at_turn}: no checkpoint at or before it "
+                "from which the journaled tool calls reach it (the journal holds the calls since the newest "
+                f"checkpoint only; checkpoints at turns {sorted(c.keep_through for c in slot.history.items)})"
+            )
+        return newest, [c for c in slot.journal if c.turn < at_turn]
+
+    async def fork_into(self, child: Slot, chosen: CheckpointInfo | None, calls: list[Call]) -> None:
+        """Give `child` its sandbox: restored from `chosen` (or the image), then `calls` replayed."""
+        await self.lifecycle.replace(child, chosen)
+        await self._replay_journal(child, child.live(), calls)
 
     def _restored(self, slot: Slot, info: RestoreInfo) -> None:
         slot.restores.done(info)

@@ -130,6 +130,9 @@ class Slot:
     """The sandbox's address on the gateway network (network="gateway" only)."""
     failure: str | None = None
     """Why the sandbox is gone and was not restored."""
+    lineage: tuple[str, ...] = ()
+    """A fork child's: its parent session, the parent's parent... (newest first). Its sandbox came from
+    one of theirs, so its processes may still call their sessions' URLs (`sandbox_listener`)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     journal: Journal = field(default_factory=Journal)
     history: CheckpointHistory = field(default_factory=CheckpointHistory)

@@ -45,6 +45,10 @@ class SessionRecord:
     reward_info: dict[str, Any] | None = None
     closed_at: float | None = None
     ephemeral: bool = False
+    parent_session: str | None = None
+    """A fork child: the session it was forked from (`TrajectoryStore.fork`)."""
+    fork_turn: int | None = None
+    """A fork child: the parent's turn index it was forked at; its own turns are numbered after it."""
 
 
 @dataclass(slots=True)
@@ -183,13 +187,26 @@ class TrajectoryStore(abc.ABC):
     @abc.abstractmethod
     def delete_session(self, session_id: str) -> tuple[int, int] | None:
         """Delete the session with its turns, events and export mark, in one transaction; the numbers
-        of turns and events deleted. None, and nothing deleted, while one of its turns is running."""
+        of turns and events deleted. None, and nothing deleted, while one of its turns is running.
+        Raises `Conflict` when sessions were forked from it: they share its turns."""
 
     @abc.abstractmethod
     def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:
         """Delete the sessions that were closed before `closed_before` (an epoch time; a plain ``/v1``
         request's session counts from its creation), only those exported with `exported_only`, as
-        `delete_session` does; their ids. Open sessions, and those with a running turn, are kept."""
+        `delete_session` does; their ids. Open sessions, those with a running turn, and those that fork
+        children share turns with, are kept."""
+
+    @abc.abstractmethod
+    def fork(self, parent_id: str, at_turn: int, children: list[SessionRecord]) -> list[SessionRecord]:
+        """Create `children` as forks of session `parent_id` at its turn `at_turn`, in one transaction:
+        each child's turns read as the parent's turns with index <= `at_turn` (shared rows, not copies)
+        followed by its own, numbered from ``at_turn + 1``. Raises `NotFound` (unknown session or turn)
+        or `Conflict` (the turn is not complete)."""
+
+    @abc.abstractmethod
+    def children(self, session_id: str) -> list[str]:
+        """The ids of the sessions forked from this one (directly)."""
 
     @abc.abstractmethod
     def mark_exported(self, session_ids: list[str]) -> None:

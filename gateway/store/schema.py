@@ -5,10 +5,13 @@ Versions (the ``meta`` table's ``schema_version``; a store without ``meta`` is v
 1. every turn stores its whole prompt ids and its whole request (an episode costs O(turns²));
 2. a turn stores what it adds to a base turn (`gateway.store.layout`): four columns more in ``turns``
    (``base_id``, ``prompt_base``, ``spans_base``, ``request_delta``); ``meta``; ``exported`` (which
-   sessions an export has written, for ``belayer store prune --exported-only``).
+   sessions an export has written, for ``belayer store prune --exported-only``);
+3. tree rollouts: ``sessions`` gains ``parent_session`` and ``fork_turn`` (a fork child reads its
+   parent's turns through ``fork_turn`` as its own first turns, shared, not copied;
+   `gateway.store.sqlite`), and an index on ``parent_session``.
 
 Opening a version 1 store migrates it in place, in one transaction (all or nothing), then compacts the
-file; a store newer than this code, or one that is not a Belayer store, is refused with a `StoreError`.
+file; a version 2 store gains the version 3 columns in one transaction; a store newer than this code, or one that is not a Belayer store, is refused with a `StoreError`.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from gateway.store import layout
 
 log = logging.getLogger("belayer.store")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _TABLES = (
     """CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY, created_at REAL NOT NULL, metadata TEXT NOT NULL, status TEXT NOT NULL,
-    reward REAL, reward_info TEXT, closed_at REAL, ephemeral INTEGER NOT NULL DEFAULT 0
+    reward REAL, reward_info TEXT, closed_at REAL, ephemeral INTEGER NOT NULL DEFAULT 0,
+    parent_session TEXT, fork_turn INTEGER
 )""",
     """CREATE TABLE IF NOT EXISTS turns (
     id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL REFERENCES sessions(id),
@@ -53,6 +57,8 @@ _V2_TABLES = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS exported (session_id TEXT PRIMARY KEY, exported_at REAL NOT NULL)",
 )
+_V3_SESSION_COLUMNS = ("parent_session TEXT", "fork_turn INTEGER")
+_V3_INDEX = "CREATE INDEX IF NOT EXISTS sessions_parent ON sessions (parent_session)"
 _V2_TURN_COLUMNS = (
     "base_id INTEGER",
     "prompt_base INTEGER NOT NULL DEFAULT 0",
@@ -73,6 +79,8 @@ def prepare(db: sqlite3.Connection, path: str) -> None:
         _check_version(db, path)
         if not {"sessions", "turns", "events", "meta", "exported"} <= tables:
             _create(db)
+        if version(db) < 3:
+            migrate_v3(db, path)
     elif "turns" not in tables:
         db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # in WAL mode, takes with a VACUUM (of nothing)
         db.execute("VACUUM")
@@ -96,7 +104,7 @@ def _tables(db: sqlite3.Connection) -> set[str]:
 def _create(db: sqlite3.Connection) -> None:
     db.execute("BEGIN IMMEDIATE")
     try:
-        for sql in (*_TABLES, *_V2_TABLES):
+        for sql in (*_TABLES, *_V2_TABLES, _V3_INDEX):
             db.execute(sql)
         db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         db.execute("COMMIT")
@@ -132,6 +140,7 @@ def migrate(db: sqlite3.Connection, path: str) -> None:
             for sql in (*_TABLES, *_V2_TABLES):  # and any index an older version lacked
                 db.execute(sql)
             sessions, turns, compacted = _compact(db)
+            _add_v3(db)
             db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             db.execute("COMMIT")
         except BaseException:
@@ -150,6 +159,36 @@ def migrate(db: sqlite3.Connection, path: str) -> None:
         path, SCHEMA_VERSION, sessions, turns, compacted, before, _file_bytes(db),
         "" if shrunk else " (not compacted: VACUUM failed)", time.monotonic() - t0,
     )  # fmt: skip
+
+
+def _add_v3(db: sqlite3.Connection) -> None:
+    """In a transaction: the version 3 session columns (when missing) and index."""
+    columns = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
+    for column in _V3_SESSION_COLUMNS:
+        if column.split()[0] not in columns:
+            db.execute(f"ALTER TABLE sessions ADD COLUMN {column}")
+    db.execute(_V3_INDEX)
+
+
+def migrate_v3(db: sqlite3.Connection, path: str) -> None:
+    """Version 2 -> 3, in place and in one transaction: the fork columns of ``sessions``."""
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if version(db) < 3:  # else another process migrated it while this one waited
+                _add_v3(db)
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+    except sqlite3.Error as e:
+        raise StoreError(
+            f"cannot migrate trajectory store {path} from schema version 2 to {SCHEMA_VERSION}: {e}; the "
+            "store is unchanged (it needs write access)"
+        ) from e
+    log.info("trajectory store %s migrated from schema version 2 to %d", path, SCHEMA_VERSION)
 
 
 def _check_v1(db: sqlite3.Connection, path: str) -> None:

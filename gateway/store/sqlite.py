@@ -3,7 +3,13 @@
 Token ids are stored as packed uint32 arrays and logprobs as packed float64 arrays, so a 64k-token
 prompt costs 256 KiB and a logprob round-trips bit for bit. A turn stores only what it adds to an
 earlier turn (`gateway.store.layout`), so an episode costs O(tokens), not O(turns²); the tables, their
-version and the migration of older stores are in `gateway.store.schema`. ``synchronous=NORMAL`` in
+version and the migration of older stores are in `gateway.store.schema`.
+
+A fork child (``parent_session``, ``fork_turn`` k) stores only its own turns. Reading its turns reads
+its parent's turns with index <= k (the parent's own view, so a fork of a fork reads through the chain)
+and then its own; its own turns are numbered from k + 1, stored as segments of the shared turn they
+extend (or of turn k), and prefix reuse finds the shared turns too (`find_turn_by_ext_keys`). A
+session that has fork children cannot be deleted (`Conflict`), nor pruned, while they exist. ``synchronous=NORMAL`` in
 WAL mode makes every commit survive a crash of the gateway process (not a power loss); pass
 ``synchronous="FULL"`` for that, at the cost of an fsync per commit.
 """
@@ -18,10 +24,11 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.errors import NotFound, StoreError
+from core.errors import Conflict, NotFound, StoreError
 from core.telemetry import Telemetry
 from gateway.store import layout, schema
 from gateway.store.base import (
@@ -100,6 +107,19 @@ def _turn(row: tuple[Any, ...], base: TurnRecord | None) -> TurnRecord:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Fork:
+    """What writing a fork child's turns needs to know of the turns it shares (fixed at the fork)."""
+
+    at_turn: int
+    turn_id: int
+    """The shared turn at index `at_turn`."""
+    ids: frozenset[int]
+    newest: dict[int, int]
+    """Branch -> the newest shared turn's id on it."""
+    max_branch: int
+
+
 def _session(row: tuple[Any, ...]) -> SessionRecord:
     return SessionRecord(
         id=row[0],
@@ -110,6 +130,8 @@ def _session(row: tuple[Any, ...]) -> SessionRecord:
         reward_info=_loads(row[5]) if row[5] else None,
         closed_at=row[6],
         ephemeral=bool(row[7]),
+        parent_session=row[8],
+        fork_turn=row[9],
     )
 
 
@@ -139,6 +161,8 @@ class SqliteStore(TrajectoryStore):
         except sqlite3.Error as e:
             raise StoreError(f"cannot open trajectory store {self.path}: {e}") from e
         self._lock = threading.Lock()
+        self._forks: dict[str, _Fork] = {}
+        """Fork children's shared turns as writing needs them (they never change once forked)."""
         self._unwritten: dict[int, TurnRecord] = {}
         """Finished turns whose final write failed (disk full, read-only): kept here, shown to readers,
         and written by the next write that succeeds, so no turn stays ``running``."""
@@ -203,7 +227,8 @@ class SqliteStore(TrajectoryStore):
     def _insert_session(self, session: SessionRecord) -> None:
         try:
             self._db.execute(
-                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sessions (id, created_at, metadata, status, reward, reward_info, closed_at, "
+                "ephemeral, parent_session, fork_turn) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     session.id,
                     session.created_at,
@@ -213,6 +238,8 @@ class SqliteStore(TrajectoryStore):
                     _dumps(session.reward_info) if session.reward_info is not None else None,
                     session.closed_at,
                     int(session.ephemeral),
+                    session.parent_session,
+                    session.fork_turn,
                 ),
             )
         except sqlite3.Error as e:
@@ -247,14 +274,15 @@ class SqliteStore(TrajectoryStore):
         new_session: SessionRecord | None = None,
         parent: TurnRecord | None = None,
     ) -> TurnRecord:
-        base_id, base = self._base(turn, parent) if new_session is None else (None, None)
+        fork = self._fork_of(turn.session_id) if new_session is None else None
+        base_id, base = self._base(turn, parent, fork) if new_session is None else (None, None)
         enc = layout.encode(_shape(turn), base)
         with self._transaction() as db:
             if new_session is not None:
                 self._insert_session(new_session)
             elif db.execute("SELECT 1 FROM sessions WHERE id = ?", (turn.session_id,)).fetchone() is None:
                 raise NotFound(f"session '{turn.session_id}' was deleted", "session_id", "session_not_found")
-            turn.index, turn.branch = self._next_index_and_branch(turn)
+            turn.index, turn.branch = self._next_index_and_branch(turn, fork)
             cur = db.execute(
                 "INSERT INTO turns (session_id, idx, branch, parent_id, ext_key, status, output_ids, "
                 "output_logprobs, timings, received_at, base_id, prompt_base, prompt_ids, spans_base, "
@@ -281,20 +309,51 @@ class SqliteStore(TrajectoryStore):
                 self._insert_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
         return turn
 
-    def _base(self, turn: TurnRecord, parent: TurnRecord | None) -> tuple[int | None, layout.Turn | None]:
-        """The turn to store `turn` beyond: its parent, else the session's newest turn. The caller's
-        copy of the parent (read by the prefix reuse) saves reading it again when it is the stored one."""
+    def _base(
+        self, turn: TurnRecord, parent: TurnRecord | None, fork: _Fork | None
+    ) -> tuple[int | None, layout.Turn | None]:
+        """The turn to store `turn` beyond: its parent, else the session's newest turn (a fork child
+        with none yet: the turn it was forked at). The caller's copy of the parent (read by the prefix
+        reuse) saves reading it again when it is the stored one."""
         if turn.parent_id is None:
             row = self._exec("SELECT MAX(id) FROM turns WHERE session_id = ?", (turn.session_id,)).fetchone()
-            base_id = row[0]
+            base_id = row[0] if row[0] is not None or fork is None else fork.turn_id
         elif parent is not None and parent.id == turn.parent_id and self._is_stored(parent):
             return parent.id, _shape(parent)
         else:
             base_id = turn.parent_id
         base = self._read(base_id) if base_id is not None else None
-        if base is None or base.session_id != turn.session_id:
+        shared = fork is not None and base is not None and base.id in fork.ids
+        if base is None or (base.session_id != turn.session_id and not shared):
             return None, None
         return base.id, _shape(base)
+
+    def _fork_of(self, session_id: str) -> _Fork | None:
+        """The shared turns of a fork child (None for any other session)."""
+        fork = self._forks.get(session_id)
+        if fork is not None:
+            return fork
+        row = self._exec(
+            "SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,)
+        ).fetchone()
+        if row is None or row[0] is None:
+            return None
+        shared = self._shared(str(row[0]), int(row[1]))
+        at = next((t for t in shared if t.index == row[1]), None)
+        if at is None:
+            raise StoreError(
+                f"session {session_id} was forked at turn {row[1]} of {row[0]}, which is missing"
+            )
+        newest: dict[int, int] = {}
+        for t in shared:
+            newest[t.branch] = max(newest.get(t.branch, t.id), t.id)
+        fork = _Fork(int(row[1]), at.id, frozenset(t.id for t in shared), newest, max(newest))
+        self._forks[session_id] = fork
+        return fork
+
+    def _shared(self, parent_id: str, at_turn: int) -> list[TurnRecord]:
+        """The turns a child of `parent_id` forked at `at_turn` shares: the parent's, through it."""
+        return [t for t in self.get_turns(parent_id) if t.index <= at_turn]
 
     def _is_stored(self, turn: TurnRecord) -> bool:
         """Whether the store holds `turn`'s prompt and output as they are (compared by length)."""
@@ -330,26 +389,27 @@ class SqliteStore(TrajectoryStore):
             turns.append(turn)
         return turns
 
-    def _next_index_and_branch(self, turn: TurnRecord) -> tuple[int, int]:
-        """Index = next in the session. Branch = the parent's branch when the parent is that branch's
-        newest turn, else a new branch."""
+    def _next_index_and_branch(self, turn: TurnRecord, fork: _Fork | None) -> tuple[int, int]:
+        """Index = next in the session (a fork child's: after its fork turn). Branch = the parent's
+        branch when the parent is that branch's newest turn (shared turns included), else a new branch."""
         db = self._db
-        idx = db.execute(
-            "SELECT COALESCE(MAX(idx) + 1, 0) FROM turns WHERE session_id = ?", (turn.session_id,)
-        )
-        index = int(idx.fetchone()[0])
-        new_branch = db.execute(
-            "SELECT COALESCE(MAX(branch) + 1, 0) FROM turns WHERE session_id = ?", (turn.session_id,)
-        ).fetchone()[0]
+        index, new_branch = (int(v) for v in db.execute(
+            "SELECT COALESCE(MAX(idx) + 1, 0), COALESCE(MAX(branch) + 1, 0) FROM turns WHERE session_id = ?",
+            (turn.session_id,),
+        ).fetchone())  # fmt: skip
+        if fork is not None:
+            index, new_branch = max(index, fork.at_turn + 1), max(new_branch, fork.max_branch + 1)
         if turn.parent_id is None:
-            return index, int(new_branch)
+            return index, new_branch
         parent = db.execute("SELECT branch FROM turns WHERE id = ?", (turn.parent_id,)).fetchone()
         if parent is None:
-            return index, int(new_branch)
+            return index, new_branch
         newest = db.execute(
             "SELECT MAX(id) FROM turns WHERE session_id = ? AND branch = ?", (turn.session_id, parent[0])
         ).fetchone()[0]
-        return index, int(parent[0]) if newest == turn.parent_id else int(new_branch)
+        if newest is None and fork is not None and turn.parent_id in fork.ids:
+            newest = fork.newest.get(int(parent[0]))
+        return index, int(parent[0]) if newest == turn.parent_id else new_branch
 
     def finish_turn(self, turn: TurnRecord) -> None:
         try:
@@ -393,8 +453,13 @@ class SqliteStore(TrajectoryStore):
         return self._latest(turn) if turn else None
 
     def get_turns(self, session_id: str) -> list[TurnRecord]:
+        row = self._exec(
+            "SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,)
+        ).fetchone()
+        shared = self._shared(str(row[0]), int(row[1])) if row is not None and row[0] is not None else []
         rows = self._exec(f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? ORDER BY idx", (session_id,))
-        return [self._latest(t) for t in self._decode(rows.fetchall(), {})]
+        own = self._decode(rows.fetchall(), {t.id: t for t in shared})
+        return shared + [self._latest(t) for t in own]
 
     def _latest(self, stored: TurnRecord) -> TurnRecord:
         """A turn as it is: its finished state when that could not be written yet."""
@@ -408,7 +473,17 @@ class SqliteStore(TrajectoryStore):
         else:
             marks = ",".join("?" * len(ids))
             rows = self._exec(f"{sql} WHERE session_id IN ({marks}) GROUP BY session_id", tuple(ids))
-        return {sid: (turns, branches) for sid, turns, branches in rows.fetchall()}
+        counts = {sid: (turns, branches) for sid, turns, branches in rows.fetchall()}
+        if ids is None:
+            forks = self._exec("SELECT id FROM sessions WHERE parent_session IS NOT NULL").fetchall()
+        else:
+            marks = ",".join("?" * len(ids))
+            sql = f"SELECT id FROM sessions WHERE parent_session IS NOT NULL AND id IN ({marks})"
+            forks = self._exec(sql, tuple(ids)).fetchall()
+        for (sid,) in forks:  # a fork child counts the turns it shares
+            turns = self.get_turns(sid)
+            counts[sid] = (len(turns), len({t.branch for t in turns}))
+        return counts
 
     def query_sessions(self, query: SessionQuery) -> tuple[list[SessionRecord], int]:
         where, args = ["ephemeral = 0"], list[Any]()
@@ -447,9 +522,12 @@ class SqliteStore(TrajectoryStore):
         if not keys:
             return None
         marks = ",".join("?" * len(keys))
+        fork = self._fork_of(session_id)
+        shared = sorted(fork.ids) if fork is not None else []
         rows = self._exec(
-            f"SELECT id, ext_key FROM turns WHERE session_id = ? AND status = ? AND ext_key IN ({marks})",
-            (session_id, TURN_COMPLETE, *keys),
+            f"SELECT id, ext_key FROM turns WHERE (session_id = ? OR id IN ({','.join('?' * len(shared))})) "
+            f"AND status = ? AND ext_key IN ({marks})",
+            (session_id, *shared, TURN_COMPLETE, *keys),
         ).fetchall()
         if not rows:
             return None
@@ -509,6 +587,16 @@ class SqliteStore(TrajectoryStore):
 
     def delete_session(self, session_id: str) -> tuple[int, int] | None:
         with self._transaction() as db:
+            forks = [
+                r[0] for r in db.execute("SELECT id FROM sessions WHERE parent_session = ?", (session_id,))
+            ]
+            if forks:
+                raise Conflict(
+                    f"session '{session_id}' has fork children ({', '.join(forks)}) that share its turns; "
+                    "delete them first",
+                    "session_id",
+                    "session_has_forks",
+                )
             running = db.execute(
                 "SELECT id FROM turns WHERE session_id = ? AND status = ?", (session_id, TURN_RUNNING)
             ).fetchall()
@@ -523,7 +611,8 @@ class SqliteStore(TrajectoryStore):
     def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:
         where = (
             "status != 'open' AND COALESCE(closed_at, created_at) < ? AND id NOT IN "
-            "(SELECT session_id FROM turns WHERE status = 'running')"
+            "(SELECT session_id FROM turns WHERE status = 'running') AND id NOT IN "
+            "(SELECT parent_session FROM sessions WHERE parent_session IS NOT NULL)"
         ) + (" AND id IN (SELECT session_id FROM exported)" if exported_only else "")
         pruned: list[str] = []
         while True:  # in batches: a gateway writing to this store waits for one batch at most
@@ -547,12 +636,42 @@ class SqliteStore(TrajectoryStore):
         events = db.execute(f"DELETE FROM events WHERE session_id IN ({marks})", ids).rowcount
         db.execute(f"DELETE FROM exported WHERE session_id IN ({marks})", ids)
         db.execute(f"DELETE FROM sessions WHERE id IN ({marks})", ids)
+        for sid in ids:
+            self._forks.pop(sid, None)
         return turns, events
 
     def _forget_unwritten(self, session_ids: set[str]) -> None:
         for turn_id, turn in list(self._unwritten.items()):
             if turn.session_id in session_ids:
                 self._unwritten.pop(turn_id, None)
+
+    def fork(self, parent_id: str, at_turn: int, children: list[SessionRecord]) -> list[SessionRecord]:
+        if self.get_session(parent_id) is None:
+            raise NotFound(f"unknown session '{parent_id}'", "session_id", "session_not_found")
+        at = next((t for t in self.get_turns(parent_id) if t.index == at_turn), None)
+        if at is None:
+            raise NotFound(f"session '{parent_id}' has no turn {at_turn}", "at_turn", "turn_not_found")
+        if at.status != TURN_COMPLETE:
+            raise Conflict(
+                f"turn {at_turn} of session '{parent_id}' is {at.status}; fork at a complete turn",
+                "at_turn",
+                "turn_not_complete",
+            )
+        data = {"parent_session": parent_id, "fork_turn": at_turn, "fork_turn_id": at.id}
+        with self._transaction():
+            for child in children:
+                child.parent_session, child.fork_turn = parent_id, at_turn
+                self._insert_session(child)
+                self._insert_event(EventRecord(child.id, None, time.time(), "session_forked", data))
+        for child in children:
+            self._publish_session("session_created", child)
+        return children
+
+    def children(self, session_id: str) -> list[str]:
+        rows = self._exec(
+            "SELECT id FROM sessions WHERE parent_session = ? ORDER BY created_at, id", (session_id,)
+        )
+        return [str(r[0]) for r in rows.fetchall()]
 
     def mark_exported(self, session_ids: list[str]) -> None:
         now = time.time()

@@ -459,6 +459,13 @@ reward_bodies = st.fixed_dictionaries(
     {"reward": st.floats(-10, 10)},
     optional={"info": st.dictionaries(st.text(max_size=8), scalars, max_size=2), "override": st.booleans()},
 )
+fork_bodies = st.fixed_dictionaries(
+    {"at_turn": st.one_of(st.just(0), st.integers(-2, 6))},  # mostly 0: a session with one turn forks
+    optional={
+        "n": st.one_of(st.just(2), st.integers(-1, 40)),
+        "metadata": st.dictionaries(st.text(max_size=8), scalars, max_size=2),
+    },
+)
 ODD_URLS = [
     "http://fake-engine", "http://fake-engine/", "http://x/v1", "http://x:99999", "http://x:0", "http://[::1",
     "http://[::1]:8000", "ftp://x", "http://user:pw@x", "http://x?y=1", "http://x#f", "http:///", "x",
@@ -599,6 +606,7 @@ ROUTES: dict[str, RouteSpec] = {
     "reward": RouteSpec("POST", "/api/sessions/{sid}/reward", reward_bodies),
     "close": RouteSpec("POST", "/api/sessions/{sid}/close"),
     "delete-session": RouteSpec("DELETE", "/api/sessions/{sid}"),
+    "fork": RouteSpec("POST", "/api/sessions/{sid}/fork", fork_bodies),
     "engines": RouteSpec("GET", "/api/engines"),
     "register-engine": RouteSpec("POST", "/api/engines", engine_bodies),
     "remove-engine": RouteSpec("DELETE", "/api/engines/{name}"),

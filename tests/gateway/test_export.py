@@ -175,6 +175,8 @@ def test_metadata_is_null_when_no_session_has_any() -> None:
         "created_at": 0.0,
         "metadata": {},
         "metadata_json": "{}",
+        "parent_session": None,
+        "fork_turn": None,
     }
     [line] = encode_rows([row], "jsonl").decode().splitlines()
     assert json.loads(line) == {**row, "metadata": None}

@@ -406,6 +406,8 @@ class FuzzGateway:
             return
         if plan.route == "create-session":
             self.sessions.append(answer["id"])
+        elif plan.route == "fork":
+            self.sessions += [child["id"] for child in answer["data"]]
         elif plan.route == "close":
             self.closed.add(sid)
         elif plan.route == "delete-session":
@@ -461,7 +463,8 @@ class FuzzGateway:
         """The valid requests got through on every route: the mutations are around working requests."""
         for route in routes:
             seen = {code: n for (name, code), n in self.statuses.items() if name == route}
-            if route != "remove-engine" and sum(seen.values()) >= 30:
+            # a fork needs a complete turn, which API-only runs never make (tests/gateway/test_fork.py)
+            if route not in ("remove-engine", "fork") and sum(seen.values()) >= 30:
                 ok = sum(n for code, n in seen.items() if code < 300)
                 assert ok, f"{route}: no request succeeded: {seen}"
 

@@ -118,7 +118,7 @@ def _version(path: Path) -> int:
 
 def test_a_new_store_has_the_current_version_and_incremental_vacuum(tmp_path: Path) -> None:
     SqliteStore(tmp_path / "t.db").close()
-    assert _version(tmp_path / "t.db") == SCHEMA_VERSION == 2
+    assert _version(tmp_path / "t.db") == SCHEMA_VERSION == 3
     db = sqlite3.connect(tmp_path / "t.db")
     assert db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # incremental
     db.close()
@@ -141,7 +141,7 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path: Path, caplog: pytest.L
     with caplog.at_level(logging.INFO, logger="belayer.store"):
         store = SqliteStore(path)
     [line] = [r.getMessage() for r in caplog.records if "migrated" in r.getMessage()]
-    assert "from schema version 1 to 2: 2 sessions, 37 turns" in line and " s" in line
+    assert "from schema version 1 to 3: 2 sessions, 37 turns" in line and " s" in line
     old.expected[running]["status"] = "interrupted"  # as any store left running by a crash
     _check(store, old.expected)
     assert [t.index for t in store.get_turns("s1")] == list(range(34))
@@ -149,7 +149,7 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path: Path, caplog: pytest.L
     assert found is not None and found.prompt_ids == old.expected[main[-1]]["prompt_ids"]
     assert len(store.get_events("s1")) == 1 and store.get_session("s2") is not None
     store.close()
-    assert _version(path) == 2 and path.stat().st_size < before / 3  # compacted and vacuumed
+    assert _version(path) == 3 and path.stat().st_size < before / 3  # compacted and vacuumed
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="belayer.store"):
