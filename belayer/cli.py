@@ -11,6 +11,7 @@ belayer bench gateway                              gateway overhead vs direct vs
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo [--worker-kind fake]                  2 workers + 1 shadow, an SDK episode, a worker killed mid-stream
 belayer run-episode --harness NAME --task DIR      one real harness episode on a task, with its verifier
+              [--fork-at K --siblings N]          forked at turn K into N siblings, each verified
 belayer --version
 
 A start-up error (a setting that cannot work, Docker not running) is one line on stderr, exit code 2.
@@ -348,7 +349,9 @@ def _run_episode(args: argparse.Namespace) -> int:
         harness = adapter(args.harness, Path(args.cache), model=args.model)
         token = os.environ.get("BELAYER_API_TOKEN")  # the gateway's --api-token, if it has one
         runner = EpisodeRunner(args.gateway, harness, progress=progress, api_token=token)
-        report = runner.run(task, inside=args.inside, keep=args.keep)
+        report = runner.run(
+            task, inside=args.inside, keep=args.keep, fork_at=args.fork_at, siblings=args.siblings
+        )
     except (TaskError, HarnessError) as exc:
         print(f"belayer run-episode: {exc}", file=sys.stderr)
         return 2
@@ -360,6 +363,12 @@ def _run_episode(args: argparse.Namespace) -> int:
         f"verified={report['verified']} turns={report['turns']} prefix_reuse={report['prefix_reuse']} "
         f"branches={report['branches']} failovers={report['failovers']}"
     )
+    for sibling in report.get("fork", {}).get("siblings", []):
+        progress(
+            f"sibling {sibling['session_id']}: verified={sibling['verified']} turns={sibling['turns']} "
+            f"reused_output_tokens={sibling['reused_output_tokens']} "
+            f"reused_tool_calls={sibling['reused_tool_calls']}"
+        )
     return 0
 
 
@@ -483,6 +492,13 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--cache", default=".cache/harness", help="where harnesses are installed")
     r.add_argument("--out", help="also write the JSON report here")
+    r.add_argument(
+        "--fork-at",
+        type=int,
+        metavar="K",
+        help="fork the episode at turn K (a harness inside; the gateway with --checkpoint-policy always)",
+    )
+    r.add_argument("--siblings", type=int, default=2, metavar="N", help="how many siblings a fork makes")
     _leaf(r, _run_episode)
     return p
 

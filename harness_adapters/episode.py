@@ -27,6 +27,21 @@ network, from an image with its files (`sandbox.images.ensure_harness_image`, bu
 Docker, under the task image); the others run here with their commands executed in the sandbox
 (mini-swe-agent's `belayer_mini_env`).
 
+**Forking** (``fork_at=K, siblings=N``; ``belayer run-episode --fork-at K --siblings N``), for a harness
+inside its sandbox only, since its memory travels in the sandbox's checkpoint (one beside runs in this
+process, which a sandbox checkpoint does not hold). The runner launches the harness and polls the
+session's sandbox until it has a checkpoint with ``keep_through == K``: one taken in turn K + 1's
+inference bubble, with the harness waiting on that LLM call (run the gateway with
+``--checkpoint-policy always`` so that every bubble gets one). Then it asks the gateway for N children
+(``POST /api/sessions/{id}/fork``) and does nothing else: each child's sandbox is that checkpoint
+restored, its harness retries the call with its parent's URL, and the sandbox listener puts it in the
+child's own session. The parent runs on untouched. The runner then waits for every harness (the
+parent's first), verifies each session in its own sandbox, rewards it, and reports per sibling its
+verdict, its turns, and what the fork saved it: the output tokens and the tool calls of turns 0..K
+(``reused_output_tokens``, ``reused_tool_calls``). Polling is the whole mechanism: no hook in the
+harness or the gateway, and a fork point it cannot reach (the harness finished, or checkpoints already
+past K without one at K) is an error that says so.
+
 The report says per episode how the gateway built each prompt: prefix reuse, a fresh prompt, or a
 branch, and for every branch the first place where the harness's history differs from what it sent
 before (``branch_reasons``).
@@ -36,6 +51,7 @@ Example::
     runner = EpisodeRunner("http://127.0.0.1:8000", ClaudeCode(Path(".cache/harness")))
     report = runner.run(Task.load(Path("tasks/fix-greet")))
     print(report["verified"], report["prefix_reuse"], report["branches"])
+    forked = runner.run(task, fork_at=3, siblings=4)   # + forked["fork"]["siblings"]: one report each
 """
 
 from __future__ import annotations
@@ -177,8 +193,16 @@ class EpisodeRunner:
         inside: bool | None = None,
         keep: bool = False,
         metadata: dict[str, Any] | None = None,
+        fork_at: int | None = None,
+        siblings: int = 2,
     ) -> dict[str, Any]:
+        """One episode; with `fork_at`, forked into `siblings` children at that turn (module docstring)."""
         inside = self.adapter.inside if inside is None else inside
+        if fork_at is not None and not inside:
+            raise HarnessError(
+                f"forking needs a harness inside its sandbox (its memory is in the checkpoint); "
+                f"{self.adapter.name} runs beside it here"
+            )
         self.progress(f"{self.adapter.name}: installing (cached after the first time)")
         self.adapter.install()
         setup_started = time.monotonic()
@@ -186,46 +210,105 @@ class EpisodeRunner:
         sid, base_url, sandbox = self._session(task, image.name, inside, metadata or {})
         task_start_s = time.monotonic() - setup_started
         started = time.monotonic()
+        children: list[str] = []
+        fork: dict[str, Any] = {}
         try:
             self.progress(
                 f"{self.adapter.name}: episode {sid} on task {task.name} ({'inside' if inside else 'beside'}; "
                 f"image {image.name}, {'cached' if image.cached else 'built'}, started in {task_start_s:.2f}s)"
             )
             if inside:
-                outcome = self._run_inside(sid, task, sandbox)
+                deadline = self._launch(sid, task, sandbox)
+                if fork_at is not None:
+                    children, fork = self._fork(sid, fork_at, siblings, deadline)
+                outcome = self._wait(sid, task, deadline)
             else:
                 outcome = self._run_beside(sid, task, base_url)
             agent_s = time.monotonic() - started
             self.progress(f"{self.adapter.name}: harness ended (exit {outcome.returncode}); verifying")
-            verdict = self._verify(sid, task, keep)
-            reward = {"reward": 1.0 if verdict["verified"] else 0.0, "info": _reward_info(verdict)}
-            self._ok(self.http.post(f"{self.gateway}/api/sessions/{sid}/reward", json=reward))
-            trajectory = self._ok(self.http.get(f"{self.gateway}/api/sessions/{sid}/trajectory")).json()
+            verdict, trajectory = self._finish(sid, task, keep)
+            if fork_at is not None:
+                fork["siblings"] = [
+                    self._sibling(c, task, keep, deadline, trajectory, fork_at) for c in children
+                ]
         finally:
             if not keep:
-                self.http.post(f"{self.gateway}/api/sessions/{sid}/close")
+                for session in [sid, *children]:
+                    self.http.post(f"{self.gateway}/api/sessions/{session}/close")
         return {
             "harness": self.adapter.name,
             "task": task.name,
             "session_id": sid,
             "inside": inside,
-            "verified": verdict["verified"],
-            "verifier_output": verdict["output"][-2000:],
-            "verifier_exit_code": verdict["exit_code"],
-            "verifier_timed_out": verdict["timed_out"],
-            "protected_path_changes": verdict["changes"],
-            "tamper_action": verdict["tamper_action"],
+            **_verdict_report(verdict),
             "task_image": image.name,
             "task_image_cached": image.cached,
             "task_start_s": round(task_start_s, 3),
             "agent_s": round(agent_s, 2),
             "verify_s": verdict["seconds"],
-            "harness_ok": outcome.ok,
-            "harness_returncode": outcome.returncode,
-            "harness_report": {k: v for k, v in outcome.report.items() if k != "messages"},
-            "harness_stderr_tail": outcome.stderr[-2000:],
+            **_outcome_report(outcome),
             "duration_s": round(time.monotonic() - started, 2),
             **summarize(trajectory),
+            **({"fork": fork} if fork_at is not None else {}),
+        }
+
+    def _finish(self, sid: str, task: Task, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The verify stage, the reward from its verdict, and the session's trajectory."""
+        verdict = self._verify(sid, task, keep)
+        reward = {"reward": 1.0 if verdict["verified"] else 0.0, "info": _reward_info(verdict)}
+        self._ok(self.http.post(f"{self.gateway}/api/sessions/{sid}/reward", json=reward))
+        trajectory = self._ok(self.http.get(f"{self.gateway}/api/sessions/{sid}/trajectory")).json()
+        return verdict, dict(trajectory)
+
+    # ------------------------------------------------------------------ forks
+    def _fork(self, sid: str, at_turn: int, n: int, deadline: float) -> tuple[list[str], dict[str, Any]]:
+        """Once the sandbox has a checkpoint at turn `at_turn` (taken in turn at_turn + 1's bubble, the
+        harness waiting on that call), fork the session into `n` children; their harnesses run on."""
+        started = time.monotonic()
+        while not self._forkable(sid, at_turn):
+            if time.monotonic() > deadline:
+                raise HarnessError(f"no checkpoint at turn {at_turn} to fork from within the task's timeout")
+            time.sleep(min(self.poll_s, 0.2))  # the harness runs in its sandbox: poll the gateway's view
+        waited_s = time.monotonic() - started
+        body = {"at_turn": at_turn, "n": n, "metadata": {"fork_of": sid}}
+        forked = self._ok(self.http.post(f"{self.gateway}/api/sessions/{sid}/fork", json=body)).json()
+        children = [str(c["id"]) for c in forked["data"]]
+        self.progress(f"{self.adapter.name}: forked {sid} at turn {at_turn} into {', '.join(children)}")
+        fork_s = time.monotonic() - started - waited_s
+        return children, {"at_turn": at_turn, "waited_s": round(waited_s, 2), "fork_s": round(fork_s, 2)}
+
+    def _forkable(self, sid: str, at_turn: int) -> bool:
+        """Whether the sandbox has a checkpoint at turn `at_turn`; an error once it never will."""
+        state = self._ok(self.http.get(f"{self.gateway}/api/sessions/{sid}/sandbox")).json()
+        kept = [int(c["keep_through"]) for c in state.get("checkpoints", [])]
+        if at_turn in kept:
+            return True
+        if any(k > at_turn for k in kept) or self._sh(sid, f"cat {OUT_DIR}/rc 2>/dev/null || true")["stdout"]:
+            raise HarnessError(
+                f"the episode went past turn {at_turn} without a checkpoint there (checkpoints at {kept}); "
+                "run the gateway with --checkpoint-policy always to fork at any turn"
+            )
+        return False
+
+    def _sibling(
+        self, sid: str, task: Task, keep: bool, deadline: float, parent: dict[str, Any], at_turn: int
+    ) -> dict[str, Any]:
+        """Wait for a fork child's harness, verify and reward it: its report."""
+        outcome = self._wait(sid, task, deadline)
+        verdict, trajectory = self._finish(sid, task, keep)
+        shared = [t for t in parent["turns"] if t["index"] <= at_turn and t["status"] == "complete"]
+        own = [t for t in trajectory["turns"] if t["index"] > at_turn and t["status"] == "complete"]
+        return {
+            "session_id": sid,
+            **_verdict_report(verdict),
+            **_outcome_report(outcome),
+            "turns": sum(1 for t in trajectory["turns"] if t["status"] == "complete"),
+            "own_turns": len(own),
+            "reused_turns": len(shared),
+            "reused_output_tokens": sum(len(t["output_ids"]) for t in shared),
+            "reused_tool_calls": sum(
+                len(((t.get("response") or {}).get("message") or {}).get("tool_calls") or []) for t in shared
+            ),
         }
 
     def task_image(self, task: Task, inside: bool) -> TaskImage:
@@ -257,7 +340,8 @@ class EpisodeRunner:
         ).json()
         return str(body["id"]), str(body["base_url"]), dict(body["sandbox"])
 
-    def _run_inside(self, sid: str, task: Task, sandbox: dict[str, Any]) -> Outcome:
+    def _launch(self, sid: str, task: Task, sandbox: dict[str, Any]) -> float:
+        """Start the harness in its sandbox, detached; return the episode's deadline."""
         if not sandbox.get("gateway_url"):
             raise HarnessError("the gateway has no sandbox listener; start it with --sandboxes as root")
         base_url = f"{sandbox['gateway_url']}/v1"
@@ -266,7 +350,11 @@ class EpisodeRunner:
         started = time.monotonic()
         launch = f"rm -rf {OUT_DIR}; mkdir -p {OUT_DIR}; setsid sh -c {shlex.quote(script)} >/dev/null 2>&1 &"
         self._sh(sid, f"{launch} echo $! > {OUT_DIR}/pid")
-        deadline = started + task.timeout_s
+        return started + task.timeout_s
+
+    def _wait(self, sid: str, task: Task, deadline: float) -> Outcome:
+        """Wait for the harness in `sid`'s sandbox to exit (a fork child's too: it was restored running)."""
+        started = deadline - task.timeout_s
         while True:
             rc = self._sh(sid, f"cat {OUT_DIR}/rc 2>/dev/null || true")["stdout"].strip()
             if rc:
@@ -338,6 +426,26 @@ def build_task_image(task: Task, base: str | None = None) -> TaskImage:
     with DockerSandboxBackend(DockerBackendConfig()) as backend:
         base = base or task.image or ensure_python_image(backend)
         return ensure_task_image(backend, task.name, base, task.files(), list(task.setup))
+
+
+def _verdict_report(verdict: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "verified": verdict["verified"],
+        "verifier_output": verdict["output"][-2000:],
+        "verifier_exit_code": verdict["exit_code"],
+        "verifier_timed_out": verdict["timed_out"],
+        "protected_path_changes": verdict["changes"],
+        "tamper_action": verdict["tamper_action"],
+    }
+
+
+def _outcome_report(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "harness_ok": outcome.ok,
+        "harness_returncode": outcome.returncode,
+        "harness_report": {k: v for k, v in outcome.report.items() if k != "messages"},
+        "harness_stderr_tail": outcome.stderr[-2000:],
+    }
 
 
 def _file(path: str, data: bytes, mode: int) -> dict[str, Any]:

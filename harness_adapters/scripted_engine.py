@@ -7,6 +7,13 @@ retries cannot shift the script. Several scripts can share one engine: a prompt 
 whose ``marker`` it contains; a prompt that matches none (a harness's side query: a title, a summary)
 gets ``FALLBACK``. Every reply is the encoded text plus the EOS id, logged with its prompt.
 
+Forks (``fork_turn``, ``fork_answers``): the engine sees token ids, never a session, and a forked
+session's first call repeats its parent's prompt exactly. So the first request at script turn
+``fork_turn`` (the parent's) gets ``turns[fork_turn]``, and each later one with exactly its prompt (a
+fork child's retry of that call) the next of ``fork_answers``, in order of arrival (the last repeats).
+Give each answer a marker of its own and put a script with that marker before this one: from then
+on each child plays its own.
+
 A failover resubmits the prompt plus the tokens already generated: when the prompt ends with the
 start of this turn's reply, the engine answers only the rest (logged with ``resumed`` = tokens kept).
 ``crash`` (``--crash TURN:TOKENS``) makes the engine *process* exit after streaming TOKENS tokens of
@@ -59,6 +66,8 @@ class Script(BaseModel):
 
     turns: list[str] = Field(min_length=1)
     marker: str | None = Field(default=None, description="text every main-loop prompt contains")
+    fork_turn: int | None = Field(default=None, ge=0, description="the turn a fork's children diverge at")
+    fork_answers: list[str] = Field(default_factory=list, description="later requests' answers there")
 
 
 class ScriptFile(BaseModel):
@@ -86,6 +95,7 @@ class ScriptedEngine:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _assistant: list[int] = field(default_factory=list)
     _crash_memo: tuple[list[int], bool] | None = None
+    _fork_requests: dict[int, tuple[list[int], int]] = field(default_factory=dict)  # script -> (prompt, n)
 
     @classmethod
     def load(
@@ -97,6 +107,8 @@ class ScriptedEngine:
     def reply(self, prompt: list[int]) -> list[int]:
         turn, which, out = self._answer(prompt)
         resumed = self._already_generated(prompt, out)
+        if not resumed and which is not None and turn == self.scripts[which].fork_turn:
+            out = self._fork_answer(which, prompt, out)
         self._record(Emission(list(prompt), out[resumed:], turn, which, resumed))
         return out[resumed:]
 
@@ -110,6 +122,19 @@ class ScriptedEngine:
             turn = min(max(text.count(ASSISTANT) - 1, 0), len(turns) - 1)
             answer = turns[turn]
         return turn, which, [*self.tokenizer.encode(answer), self.eos_id]
+
+    def _fork_answer(self, which: int, prompt: list[int], out: list[int]) -> list[int]:
+        """The parent's answer at the fork turn to the first request, a child's to each later one with
+        exactly that prompt (another prompt there, a side query, gets the parent's answer)."""
+        with self._lock:
+            first, seen = self._fork_requests.get(which, (prompt, 0))
+            if prompt != first:
+                return out
+            self._fork_requests[which] = (first, seen + 1)
+        answers = self.scripts[which].fork_answers
+        if seen == 0 or not answers:
+            return out
+        return [*self.tokenizer.encode(answers[min(seen, len(answers)) - 1]), self.eos_id]
 
     def _already_generated(self, prompt: list[int], out: list[int]) -> int:
         """How many of `out`'s tokens end the prompt, after its last assistant header."""

@@ -114,9 +114,10 @@ class SandboxManager:
     async def fork(self, session_id: str, children: list[str], at_turn: int) -> None:
         """Give each child session a sandbox restored from this session's state at turn `at_turn`: its
         checkpoint consistent with that turn, or the nearest earlier one and the journaled tool calls
-        up to the turn replayed (`Recovery.fork_source`). All or nothing: when one fails, the sandboxes
-        made so far are removed and the error raised. Each child's listener requests for its ancestors'
-        sessions land in its own (`lineage_of`)."""
+        up to the turn replayed (`Recovery.fork_source`), then checkpointed (trigger ``"fork"``): the
+        child's own base for recovery, since its journal starts at the fork. All or nothing: when one
+        fails, the sandboxes and checkpoints made so far are removed and the error raised. Each child's
+        listener requests for its ancestors' sessions land in its own (`lineage_of`)."""
         slot = self._slots.require(session_id)
         taken = [c for c in children if c in self._slots]
         if taken:
@@ -127,13 +128,14 @@ class SandboxManager:
             for child in made:  # a restored process may call before the fork returns: `owner_of`
                 self._slots.add(child)  # waits for the restore in progress
             results = await asyncio.gather(
-                *(self._fork_into(child, chosen, calls) for child in made), return_exceptions=True
+                *(self._fork_into(child, chosen, calls, at_turn) for child in made), return_exceptions=True
             )
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 for child in made:
                     self._slots.remove(child)
                     await self._lifecycle.drop(child)
+                    await self._checkpointer.delete_all(child.session_id, child.history.release())
                 raise failed[0]
         for child in made:
             data = {
@@ -151,10 +153,12 @@ class SandboxManager:
             None, lineage=(slot.session_id, *slot.lineage),
         )  # fmt: skip
 
-    async def _fork_into(self, child: Slot, chosen: CheckpointInfo | None, calls: list[Call]) -> None:
+    async def _fork_into(
+        self, child: Slot, chosen: CheckpointInfo | None, calls: list[Call], at_turn: int
+    ) -> None:
         async with child.lock:
             with child.restores.running():
-                await self._recovery.fork_into(child, chosen, calls)
+                await self._recovery.fork_into(child, chosen, calls, at_turn)
 
     def lineage_of(self, session_id: str) -> tuple[str, ...]:
         """The sessions a fork child's sandbox descends from, parent first (empty for any other)."""

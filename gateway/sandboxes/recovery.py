@@ -138,7 +138,7 @@ class Recovery:
         or, with nothing to restore, drop it and raise `SandboxFailed`."""
         self._failure_event(slot, failure)  # logged from the live feed (gateway.event_log)
         reason = f"{failure.kind}: {failure.detail}"
-        # a fork child's journal starts at its fork: with no checkpoint of its own, nothing to replay on
+        # a fork child's journal starts at its fork: without its fork checkpoint, nothing to replay on
         replayable = bool(slot.history.items) or not slot.lineage
         if self.settings.auto_restore and slot.recovery == "replay" and replayable:
             return await self.replay(slot, reason)
@@ -231,10 +231,17 @@ class Recovery:
             )
         return newest, [c for c in slot.journal if c.turn < at_turn]
 
-    async def fork_into(self, child: Slot, chosen: CheckpointInfo | None, calls: list[Call]) -> None:
-        """Give `child` its sandbox: restored from `chosen` (or the image), then `calls` replayed."""
+    async def fork_into(
+        self, child: Slot, chosen: CheckpointInfo | None, calls: list[Call], at_turn: int
+    ) -> CheckpointInfo:
+        """Give `child` its sandbox: restored from `chosen` (or the image), then `calls` replayed, then
+        checkpointed (trigger ``"fork"``, consistent with turn `at_turn`). The child's journal starts at
+        its fork, so that checkpoint is its own base for a later recovery, which neither the parent's
+        retention nor its close can take away."""
+        child.turns.last = at_turn  # its next tool calls are turn k's, which the fork left to it
         await self.lifecycle.replace(child, chosen)
         await self._replay_journal(child, child.live(), calls)
+        return await self.checkpointer.take(child, "fork", None)
 
     def _restored(self, slot: Slot, info: RestoreInfo) -> None:
         slot.restores.done(info)

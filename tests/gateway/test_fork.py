@@ -276,6 +276,33 @@ async def test_children_get_the_sandbox_of_turn_k(rig: Rig) -> None:
     assert len(rig.backend.sandboxes) == 1
 
 
+async def test_a_child_sandbox_that_dies_is_restored_from_its_fork_checkpoint(rig: Rig) -> None:
+    """A child's journal starts at its fork; its fork checkpoint is the base it replays on, even after
+    the parent's checkpoints are gone."""
+    parent = await rig.session(sandbox=True)
+    manager = rig.gw.sandboxes
+    assert manager is not None
+    convo = await rig.episode(parent, 1, tools=True)
+    await manager.checkpoint(parent)  # keep_through 0
+    for i in (1, 2):
+        convo.append(await rig.turn(parent, convo[-1], f"p step {i}"))
+        await rig.exec(parent, f"echo {i} > /workspace/turn-{i}")
+    [a, b] = await rig.fork(parent, 2, 2)  # the checkpoint at turn 0, then turn 1's call replayed
+    for child in (a, b):
+        [base] = manager.checkpoints(child["id"])
+        assert (base.trigger, base.keep_through, base.session_id) == ("fork", 2, child["id"])
+    assert (await rig.client.post(f"/api/sessions/{parent}/close")).status_code == 200
+    await rig.turn(a["id"], convo[3], "a step 3")
+    await rig.exec(a["id"], "echo 2 > /workspace/turn-2")  # journaled on top of the fork checkpoint
+    rig.backend.kill(manager.describe(a["id"])["sandbox_id"])
+    assert await rig.exec(a["id"], "echo back") == "back\n"  # restored and replayed, transparently
+    assert await rig.turn_files(a["id"]) == [0, 1, 2]
+    assert await rig.turn_files(b["id"]) == [0, 1]
+    [restore] = [e for e in (await rig.trajectory(a["id"]))["events"] if e["kind"] == "sandbox_restored"]
+    assert restore["data"]["mode"] == "replay" and restore["data"]["replayed"] == 1
+    assert [t["index"] for t in (await rig.trajectory(a["id"]))["turns"]] == [0, 1, 2, 3]
+
+
 async def test_a_fork_the_journal_cannot_reach_is_refused(rig: Rig) -> None:
     parent = await rig.session(sandbox=True)
     manager = rig.gw.sandboxes
@@ -308,6 +335,7 @@ async def test_a_fork_that_fails_half_way_leaves_nothing(rig: Rig) -> None:
     assert len(calls) == 3  # every child was tried; the two made were removed
     assert len(rig.backend.sandboxes) == 1 and len(rig.gw.store.list_sessions()) == 1
     assert rig.gw.store.children(parent) == []
+    assert rig.backend.checkpoint_ids == [c.checkpoint.id for c in manager.checkpoints(parent)]
 
 
 async def test_a_forked_sandbox_calling_its_parent_url_lands_in_its_own_session(rig: Rig) -> None:

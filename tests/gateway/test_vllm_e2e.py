@@ -187,6 +187,41 @@ def test_rewritten_history_gets_the_engines_prompt_logprobs(server: Server) -> N
     assert first.content is not None
 
 
+def test_a_fork_continues_in_siblings_that_differ(server: Server) -> None:
+    """Tree rollouts from the SDK: a session forked at turn 1 into 2 siblings, each sampled at
+    temperature 1 through its own base_url; both extend exactly the parent's tokens up to turn 1."""
+    sid, base = server.session()
+    client = openai.OpenAI(base_url=base, api_key="x")
+    msgs: Any = list(MSGS)
+    for i in range(2):
+        text = client.chat.completions.create(model="policy", messages=msgs, temperature=0, max_tokens=8)
+        msgs += [
+            {"role": "assistant", "content": text.choices[0].message.content},
+            {"role": "user", "content": f"step {i}: go on"},
+        ]
+    r = server.http.post(f"/api/sessions/{sid}/fork", json={"at_turn": 1, "n": 2, "metadata": {"g": 1}})
+    assert r.status_code == 201, r.text
+    children = r.json()["data"]
+    parent = server.trajectory(sid)["turns"]
+    upto_k = parent[1]["prompt_ids"] + parent[1]["output_ids"]
+    outputs = []
+    for seed, child in enumerate(children):
+        sibling = openai.OpenAI(base_url=child["base_url"], api_key="x")
+        resp = sibling.chat.completions.create(
+            model="policy", messages=msgs, temperature=1, max_tokens=16, logprobs=True, seed=seed
+        )
+        turns = server.trajectory(child["id"])["turns"]
+        assert [t["index"] for t in turns] == [0, 1, 2] and turns[:2] == parent
+        new = turns[2]
+        assert new["prompt_ids"][: len(upto_k)] == upto_k
+        assert len(new["output_logprobs"]) == len(new["output_ids"]) > 0
+        content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert [c.logprob for c in content] == new["output_logprobs"]  # type: ignore[union-attr]
+        outputs.append(tuple(new["output_ids"]))
+    assert outputs[0] != outputs[1]
+    assert len(server.trajectory(sid)["turns"]) == 2  # the parent is untouched
+
+
 def test_stop_string_and_completions_endpoint(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
     free = client.completions.create(model="policy", prompt="def main():", max_tokens=16, temperature=0)

@@ -84,22 +84,34 @@ MINI_TURNS = [
 
 
 def start_stack(
-    tmp: Path, model_dir: Path, marker: str, turns: list[str], crash: str, policy: str = "adaptive"
+    tmp: Path,
+    model_dir: Path,
+    marker: str,
+    turns: list[str],
+    crash: str | None,
+    policy: str = "adaptive",
+    *,
+    engines: int = 2,
+    scripts: list[dict[str, Any]] | None = None,
 ) -> Iterator[Stack]:
     """Two scripted engine processes (either may crash once at `crash`) and `belayer serve --sandboxes`.
     Tokens come 30 ms apart: each LLM call is an inference bubble of a second or so, long enough for a
-    checkpoint to start in it on a busy machine (at 10 ms, CI once saw every bubble end first)."""
-    (tmp / "scripts.json").write_text(json.dumps({"scripts": [{"marker": marker, "turns": turns}]}))
+    checkpoint to start in it on a busy machine (at 10 ms, CI once saw every bubble end first).
+    `scripts` replaces the one script of `marker` and `turns`; `engines` how many processes serve it."""
+    scripts = scripts or [{"marker": marker, "turns": turns}]
+    (tmp / "scripts.json").write_text(json.dumps({"scripts": scripts}))
     out = tmp / "servers.log"
     procs: list[subprocess.Popen[bytes]] = []
     logs, engine_urls = [], []
     try:
-        for i in range(2):
+        for i in range(engines):
             port = free_port()
             logs.append(tmp / f"emitted-{i}.jsonl")
             cmd = [sys.executable, "-m", "harness_adapters.scripted_engine", "--model-dir", str(model_dir)]
             cmd += ["--script", str(tmp / "scripts.json"), "--port", str(port), "--log", str(logs[-1])]
-            cmd += ["--crash", crash, "--crash-once", str(tmp / "crashed"), "--token-delay", "0.03"]
+            if crash is not None:
+                cmd += ["--crash", crash, "--crash-once", str(tmp / "crashed")]
+            cmd += ["--token-delay", "0.03"]
             procs.append(spawn(cmd, out))
             engine_urls.append(f"http://127.0.0.1:{port}")
             wait_healthy(f"{engine_urls[-1]}/health", procs, 60.0, out)
