@@ -42,11 +42,11 @@ from gateway.config import GatewayConfig
 from gateway.dashboard import routes as dashboard_routes
 from gateway.errors import UnexpectedErrors, handlers
 from gateway.event_log import log_event
-from gateway.metrics import GatewayMetrics, RequestMetrics
+from gateway.metrics import GatewayMetrics
 from gateway.observers import TurnObserver
 from gateway.openai import routes as openai_routes
 from gateway.recorder import Recorder
-from gateway.request_log import RequestLog
+from gateway.request_log import RequestObserver
 from gateway.runtime import Gateway, gateway_of
 from gateway.sandbox_listener import serve_sandboxes
 from gateway.sessions import SessionManager
@@ -188,8 +188,7 @@ def build_app(
         ],
         exception_handlers=handlers(),
         middleware=[
-            Middleware(RequestLog),
-            Middleware(RequestMetrics),
+            Middleware(RequestObserver),
             Middleware(UnexpectedErrors),
             Middleware(Access, config=config),
         ],

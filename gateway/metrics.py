@@ -21,7 +21,6 @@ Example::
 from __future__ import annotations
 
 import contextvars
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +28,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.telemetry import Event, Telemetry
 from engine_pool.pool import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY, EnginePool
@@ -294,39 +292,3 @@ def protocol_of(path: str) -> str:
     if path.startswith("/dashboard"):
         return "dashboard"
     return "other"
-
-
-class RequestMetrics:
-    """ASGI middleware: counts and times each HTTP request by protocol, route template and status,
-    and gives it a `RequestClock` that the turn runner charges its engine time to."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gateway = getattr(scope["app"].state, "gateway", None) if scope["type"] == "http" else None
-        metrics: GatewayMetrics | None = getattr(gateway, "metrics", None)
-        if metrics is None:
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 500
-        clock = RequestClock()
-        token = REQUEST_CLOCK.set(clock)
-
-        async def tracked(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        finally:
-            REQUEST_CLOCK.reset(token)
-            route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
-            path = scope["path"]
-            metrics.observe_request(
-                protocol_of(path), template, scope["method"], status, time.perf_counter() - started, clock
-            )

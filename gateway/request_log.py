@@ -1,5 +1,9 @@
-"""One log line per HTTP request, at INFO on the ``belayer.requests`` logger: method, path, session,
-status and duration (uvicorn's own access log is off, so each request is logged once).
+"""What the gateway records of each HTTP request: one log line, and its Prometheus figures.
+
+One log line per HTTP request, at INFO on the ``belayer.requests`` logger: method, path, session,
+status and duration (uvicorn's own access log is off, so each request is logged once). With metrics
+on, the same timing feeds `GatewayMetrics.observe_request`, and the request gets a `RequestClock`
+that the turn runner charges its engine time to (the gateway's own added time is the difference).
 
 The line is written when the response is complete (for a stream, when its last chunk went out), with
 the values as structured fields for ``--log-format json``: ``method``, ``path``, ``session_id`` (from
@@ -8,7 +12,7 @@ that raised before it answered is logged with status 500 (what the server then a
 
 Example::
 
-    Starlette(routes=..., middleware=[Middleware(RequestLog), Middleware(UnexpectedErrors), ...])
+    Starlette(routes=..., middleware=[Middleware(RequestObserver), Middleware(UnexpectedErrors), ...])
 
 >>> session_of("/s/3f2a/v1/chat/completions"), session_of("/api/sessions/3f2a/trajectory"), session_of("/health")
 ('3f2a', '3f2a', None)
@@ -22,6 +26,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.metrics import REQUEST_CLOCK, GatewayMetrics, RequestClock, protocol_of
+
 log = logging.getLogger("belayer.requests")
 
 _SESSION_PATH = re.compile(r"^/(?:s|api/sessions)/([^/]+)")
@@ -33,18 +39,27 @@ def session_of(path: str) -> str | None:
     return match.group(1) if match else None
 
 
-class RequestLog:
-    """ASGI middleware: logs each HTTP request once its response is complete (see the module)."""
+class RequestObserver:
+    """ASGI middleware: times each HTTP request and tracks its status, then logs it (at INFO) and
+    meters it (with metrics on) once its response is complete (see the module)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not log.isEnabledFor(logging.INFO):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        gateway = getattr(scope["app"].state, "gateway", None)
+        metrics: GatewayMetrics | None = getattr(gateway, "metrics", None)
+        logged = log.isEnabledFor(logging.INFO)
+        if metrics is None and not logged:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
         status = 500  # unless the app answers: it raised, and the server answers 500
+        clock = RequestClock()
+        token = REQUEST_CLOCK.set(clock) if metrics is not None else None
 
         async def tracked(message: Message) -> None:
             nonlocal status
@@ -55,7 +70,15 @@ class RequestLog:
         try:
             await self.app(scope, receive, tracked)
         finally:
-            _log(scope, status, (time.perf_counter() - started) * 1000)
+            seconds = time.perf_counter() - started
+            if token is not None:
+                REQUEST_CLOCK.reset(token)
+            if metrics is not None:
+                template = getattr(scope.get("route"), "path", None) or "unmatched"
+                path = scope["path"]
+                metrics.observe_request(protocol_of(path), template, scope["method"], status, seconds, clock)
+            if logged:
+                _log(scope, status, seconds * 1000)
 
 
 def _log(scope: Scope, status: int, ms: float) -> None:
