@@ -16,10 +16,12 @@ file; a version 2 store gains the version 3 columns in one transaction; a store 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from core.errors import StoreError
@@ -101,17 +103,25 @@ def _tables(db: sqlite3.Connection) -> set[str]:
     return {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
-def _create(db: sqlite3.Connection) -> None:
+@contextlib.contextmanager
+def _immediate(db: sqlite3.Connection) -> Iterator[None]:
+    """One ``BEGIN IMMEDIATE`` transaction: committed, or rolled back on any error (SQLite may have
+    rolled it back already, as a full disk does)."""
     db.execute("BEGIN IMMEDIATE")
     try:
-        for sql in (*_TABLES, *_V2_TABLES, _V3_INDEX):
-            db.execute(sql)
-        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        yield
         db.execute("COMMIT")
     except BaseException:
         if db.in_transaction:
             db.execute("ROLLBACK")
         raise
+
+
+def _create(db: sqlite3.Connection) -> None:
+    with _immediate(db):
+        for sql in (*_TABLES, *_V2_TABLES, _V3_INDEX):
+            db.execute(sql)
+        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
 
 def _check_version(db: sqlite3.Connection, path: str) -> None:
@@ -128,30 +138,25 @@ def migrate(db: sqlite3.Connection, path: str) -> None:
     its base. One transaction: a failure leaves the store as it was, and says so."""
     t0, before = time.monotonic(), _file_bytes(db)
     try:
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            if "meta" in _tables(db):  # another process migrated it while this one waited
-                db.execute("ROLLBACK")
-                _check_version(db, path)
-                return
-            _check_v1(db, path)
-            for column in _V2_TURN_COLUMNS:
-                db.execute(f"ALTER TABLE turns ADD COLUMN {column}")
-            for sql in (*_TABLES, *_V2_TABLES):  # and any index an older version lacked
-                db.execute(sql)
-            sessions, turns, compacted = _compact(db)
-            _add_v3(db)
-            db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
+        with _immediate(db):
+            migrated_meanwhile = "meta" in _tables(db)  # by another process, while this one waited
+            if not migrated_meanwhile:
+                _check_v1(db, path)
+                for column in _V2_TURN_COLUMNS:
+                    db.execute(f"ALTER TABLE turns ADD COLUMN {column}")
+                for sql in (*_TABLES, *_V2_TABLES):  # and any index an older version lacked
+                    db.execute(sql)
+                sessions, turns, compacted = _compact(db)
+                _add_v3(db)
+                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
     except (sqlite3.Error, ValueError) as e:  # ValueError: a row that does not parse
         raise StoreError(
             f"cannot migrate trajectory store {path} from schema version 1 to {SCHEMA_VERSION}: {e}; the "
             "store is unchanged (it needs write access and free space about its size)"
         ) from e
+    if migrated_meanwhile:
+        _check_version(db, path)
+        return
     shrunk = vacuum(db)
     log.info(
         "trajectory store %s migrated from schema version 1 to %d: %d sessions, %d turns (%d stored as "
@@ -173,16 +178,10 @@ def _add_v3(db: sqlite3.Connection) -> None:
 def migrate_v3(db: sqlite3.Connection, path: str) -> None:
     """Version 2 -> 3, in place and in one transaction: the fork columns of ``sessions``."""
     try:
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with _immediate(db):
             if version(db) < 3:  # else another process migrated it while this one waited
                 _add_v3(db)
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
     except sqlite3.Error as e:
         raise StoreError(
             f"cannot migrate trajectory store {path} from schema version 2 to {SCHEMA_VERSION}: {e}; the "
