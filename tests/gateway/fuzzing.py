@@ -628,6 +628,7 @@ SANDBOX_ROUTES = [
     ("GET", "/api/sessions/{sid}/sandbox/checkpoints"),
     ("POST", "/api/sessions/{sid}/sandbox/checkpoints"),
     ("POST", "/api/sessions/{sid}/sandbox/restore"),
+    ("POST", "/api/sessions/{sid}/sandbox/verify"),
 ]
 ADMIN_AUTH = [None, "", "Bearer", "Bearer wrong", "Basic Zm9vOmJhcg==", "bearer  {admin}", "Bearer {admin}x"]
 DRAIN = ["0", "0", "0", "", "-1", "3601", "nan", "inf", "1e400", "abc", "0x10", "１"]
