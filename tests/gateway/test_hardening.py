@@ -200,3 +200,38 @@ async def test_optional_bodies_stop_at_the_size_limit(tmp_path: Path, tiny_model
             r, sent = await endless_post(client, url)
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", url
             assert sent <= 256 * 1024 + 2 * 64 * 1024  # the limit, and not much more was read
+
+
+async def test_the_verify_route_answers_bad_input_with_a_400_that_names_the_field(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    config = GatewayConfig(
+        model=str(tiny_model_dir),
+        store_path=str(tmp_path / "t.db"),
+        sandbox=SandboxConfig(enabled=True, sandbox_port=None),
+    )
+    engine = httpx.ASGITransport(FakeEngine().app())
+    async with asgi_gateway(config, engine, sandbox_backend=FakeSandboxBackend()) as (_, client):
+        sid = (
+            await client.post("/api/sessions", json={"sandbox": {"image": "belayer-sandbox-busybox"}})
+        ).json()["id"]
+        url = f"/api/sessions/{sid}/sandbox/verify"
+        ok_file = {"path": "verify.sh", "content": "ZXhpdCAw"}
+        for body, param in [
+            ({}, "files"),
+            ({"files": []}, "files"),
+            ({"files": [{"path": "other.sh", "content": "ZXhpdCAw"}]}, "files"),
+            ({"files": [{"path": "verify.sh", "content": "not base64!"}]}, "files"),
+            ({"files": [ok_file], "originals": [{"path": "a", "content": "%%%"}]}, "originals"),
+            ({"files": [ok_file], "on_tamper": "ignore"}, "on_tamper"),
+            ({"files": [ok_file], "timeout_s": 0}, "timeout_s"),
+            ({"files": [ok_file], "unknown": 1}, "unknown"),
+        ]:
+            r = await client.post(url, json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] is not None and param in r.json()["error"]["param"], (
+                body,
+                r.text,
+            )
+        r = await client.post("/api/sessions/no-such/sandbox/verify", json={"files": [ok_file]})
+        assert r.status_code == 404 and r.json()["error"]["type"], r.text
