@@ -259,15 +259,14 @@ async def test_a_sync_follower_continues_across_a_gateway_restart(config: Gatewa
     """The follower (a trainer's thread) sees the gateway stop, reconnects to the new one on the same
     store, and gets each session once; a new reader from its saved cursor gets only what came after."""
     items: queue.Queue[Finished | BaseException] = queue.Queue()
-    stop = threading.Event()
     url = f"http://127.0.0.1:{config.port}"
 
     def follow() -> None:
         try:
             with Belayer(url, token=TOKEN, backoff=QUICK) as gw:
-                for item in gw.finished(follow=True):
+                for n, item in enumerate(gw.finished(follow=True), 1):
                     items.put(item)
-                    if stop.is_set():
+                    if n == 4:  # the 2 sessions before the restart and the 2 after
                         return
         except BaseException as e:  # the test reads it
             items.put(e)
@@ -290,7 +289,6 @@ async def test_a_sync_follower_continues_across_a_gateway_restart(config: Gatewa
     await asyncio.sleep(0.3)
     async with served(config), AsyncBelayer(url, token=TOKEN) as gw:
         after = await close_new(gw, 2)
-        stop.set()
         got += await in_thread(lambda: take(2))
         assert [i.session["id"] for i in got] == [*before, *after]
         assert len({i.cursor for i in got}) == 4
