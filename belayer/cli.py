@@ -2,12 +2,15 @@
 
 belayer serve --model DIR [--engine-url URL]       start the gateway (launching a vLLM worker if no URL);
               [--config belayer.toml]             settings: defaults < file < BELAYER_* variables < flags
+              [--worker-profile gpu --gpus 0,1 --tensor-parallel-size 2 --vllm-arg=--max-num-seqs=64]
+              [--shadow-url URL]                  an engine it did not launch, held as a shadow
 belayer model build-tiny DIR                       build the deterministic tiny test model
 belayer export --store DB --format jsonl|parquet --out FILE   trajectories for a trainer (docs/export.md)
               [--status closed] [--rewarded-only] [--since 7d|2026-01-31] [--session ID]
 belayer store prune --store DB --older-than 7d    delete closed sessions (--exported-only), shrink the file
 belayer fake-engine --port P                       a scripted fake engine (benchmarks)
 belayer bench gateway                              gateway overhead vs direct vs LiteLLM
+belayer bench gateway-crash                        kill -9 the gateway under streaming sessions, restart, retry
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo [--worker-kind fake]                  2 workers + 1 shadow, an SDK episode, a worker killed mid-stream
 belayer run-episode --harness NAME --task DIR      one real harness episode on a task, with its verifier
@@ -70,9 +73,14 @@ SERVE_FLAGS = (
     Flag("--config", "config_file", metavar="FILE"),
     Flag("--model", "model", metavar="DIR"),
     Flag("--engine-url", "engine_urls", metavar="URL"),
+    Flag("--shadow-url", "shadow_urls", metavar="URL"),
     Flag("--workers", "workers"),
     Flag("--shadows", "shadows"),
     Flag("--worker-kind", "worker_kind"),
+    Flag("--worker-profile", "launch.profile"),
+    Flag("--vllm-arg", "launch.vllm_args", metavar="ARG"),
+    Flag("--gpus", "launch.gpus", metavar="0,1,..."),
+    Flag("--tensor-parallel-size", "launch.tensor_parallel_size", metavar="N"),
     Flag("--no-failover", "failover.enabled", const=False),
     Flag("--sandboxes", "sandbox.enabled", const=True),
     Flag("--checkpoint-dir", "sandbox.checkpoint_dir"),
@@ -303,6 +311,7 @@ def _fake_engine(args: argparse.Namespace) -> int:
 
 BENCHES = {
     "gateway": "belayer.bench.gateway",
+    "gateway-crash": "belayer.bench.gateway_crash",
     "recovery": "belayer.bench.recovery",
     "env-recovery": "belayer.bench.env_recovery",
     "fork": "belayer.bench.fork",

@@ -1,15 +1,20 @@
 """The engine pool: active workers, pre-initialised shadows, health probes, promotion and replacement.
 
 Workers are either launched and supervised here (``VllmWorker``) or registered by URL (an engine that
-is already running; the pool only probes and routes). States::
+is already running; the pool only probes and routes), each as an active worker or as a shadow
+(``add_remote(url, shadow=True)``: ``belayer serve --shadow-url``). States::
 
     starting ──> ready (active, takes traffic) ──> draining ──> dead
         └──────> shadow (warm, no traffic) ──promote──> ready
-    ready ──failed request / probe──> unhealthy ──probe ok──> ready   (registered workers)
+    ready/shadow ──failed request / probe──> unhealthy ──probe ok──> ready or shadow   (registered)
 
-A launched worker that dies or hangs is *fenced*: its process group is killed, so it can never come
-back half-alive, and it is replaced. A shadow is promoted into its place at once (no cold start), and a
-new shadow is launched in the background, so the pool returns to full strength.
+A worker that dies or hangs is *fenced* and, if it was active, a shadow is promoted into its place at
+once (no cold start). A launched worker is fenced by killing its process group, so it can never come back
+half-alive; then a replacement is launched (on the devices the dead one freed) and the pool returns to
+full strength. A registered worker cannot be killed from here: it is fenced by taking it out of routing
+(``unhealthy``) until it passes a health probe again. Whoever comes back (a replacement, a registered
+worker) becomes active while fewer workers are active than the pool's target, else a shadow: the
+target is ``active`` launched workers plus the registered engines not given as shadows.
 
 Routing prefers the worker that served the session last (its prefix cache holds the session's tokens),
 then the one with the fewest outstanding requests. The affinity map holds named sessions only (a plain
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -68,6 +74,9 @@ class PoolMember:
     last_transition: dict[str, object] | None = None
     """The latest state change: ``{"at", "from", "to", "why"}``."""
     started_at: float = field(default_factory=time.time)
+    standby: bool = False
+    """Given as a shadow (``--shadow-url``): it starts as one, and does not count toward the pool's
+    target of active workers."""
 
     def view(self, start_timeout: float) -> dict[str, object]:
         """The member as ``GET /api/engines`` and the dashboard show it."""
@@ -101,11 +110,15 @@ class EnginePool:
     log_dir: str = "logs"
     spec_factory: Callable[[], WorkerSpec] | None = None
     active: int = 1
+    """Active launched workers (with a ``spec_factory``); registered engines add to the target."""
     shadows: int = 0
     probe_interval: float = 0.5
     probe_timeout: float = 2.0
     probe_failures: int = 3  # consecutive failed probes before a live worker counts as hung
     start_timeout: float = 300.0
+    device_groups: tuple[tuple[int, ...], ...] = ()
+    """Devices for launched workers, a group each (``engine_pool.launch.device_groups``); a new worker
+    gets a group no live worker holds."""
     max_affinity: int = 65536
     """Sessions whose last worker is remembered (least recently used forgotten first)."""
     members: list[PoolMember] = field(default_factory=list)
@@ -120,13 +133,16 @@ class EnginePool:
 
     # -- membership ---------------------------------------------------------------------------------
 
-    def add_remote(self, url: str, model: str | None = None) -> PoolMember:
-        """Add a running engine by URL (checked: ``check_engine_url``; not twice)."""
+    def add_remote(self, url: str, model: str | None = None, shadow: bool = False) -> PoolMember:
+        """Add a running engine by URL (checked: ``check_engine_url``; not twice), as an active worker
+        or, with `shadow`, as a shadow that is promoted when an active worker fails."""
         url = check_engine_url(url)
         same = next((m for m in self.members if m.client.base_url == url and m.state != DEAD), None)
         if same is not None:
             raise Conflict(f"engine {url} is in the pool already, as {same.name} ({same.state})", "url")
-        member = PoolMember(f"remote-{self._remotes}", EngineClient(url, model or "", self.http))
+        member = PoolMember(
+            f"remote-{self._remotes}", EngineClient(url, model or "", self.http), standby=shadow
+        )
         self._remotes += 1
         self.members.append(member)
         return member
@@ -140,7 +156,7 @@ class EnginePool:
             raise NotFound(f"no engine named {name!r} in the pool (engines: {names})", "name")
         was = member.state
         self._set(member, DRAINING, "removed by an admin")
-        if was == READY and member.process is not None:
+        if was == READY:
             self._promote()
         deadline = time.monotonic() + drain_timeout
         while member.outstanding and (left := deadline - time.monotonic()) > 0:
@@ -161,12 +177,21 @@ class EnginePool:
     def _new_launched(self) -> PoolMember:
         assert self.spec_factory is not None, "the pool launches workers only with a spec_factory"
         spec = self.spec_factory()
+        if self.device_groups:
+            spec = dataclasses.replace(spec, devices=self._free_devices())
         name = f"worker-{self._launched}"
         self._launched += 1
         worker = VllmWorker(spec, Path(self.log_dir), name)
         member = PoolMember(name, EngineClient(spec.url, spec.served_name, self.http), process=worker)
         self.members.append(member)
         return member
+
+    def _free_devices(self) -> tuple[int, ...]:
+        held = {m.process.spec.devices for m in self.members if m.process is not None and m.state != DEAD}
+        free = next((g for g in self.device_groups if g not in held), None)
+        if free is None:  # the configuration checks make this unreachable: each worker has its group
+            raise EngineUnavailable(f"no free device group: all of {self.device_groups} are in use")
+        return free
 
     async def register(self, url: str) -> PoolMember:
         """Add a running engine at runtime (``POST /api/engines``): probed, then routed to."""
@@ -193,7 +218,7 @@ class EnginePool:
             assert m.process is not None
             await m.process.wait_ready(self.start_timeout)
             self._cold_start(m, time.monotonic() - started)
-        for m in self.members:
+        for m in sorted(self.members, key=lambda m: m.standby):  # shadows take what actives leave
             if m.process is None and not await self._admit(m):
                 self._set(m, STARTING, "not answering yet")
                 self._tasks.spawn(self._wait_for_remote(m), f"await-{m.name}")
@@ -201,8 +226,7 @@ class EnginePool:
             m.info = m.info or await m.client.model_info()
             if not m.client.model:
                 m.client.model = m.info.name
-            active = sum(1 for x in self.members if x.state == READY)
-            self._set(m, READY if m.process is None or active < self.active else SHADOW, "started")
+            self._set(m, self._role(), "started")
         self._tasks.spawn(self._probe_forever(), "engine-pool-probe")
 
     async def _admit(self, m: PoolMember) -> bool:
@@ -241,7 +265,7 @@ class EnginePool:
                     return
                 m.info = await m.client.model_info()
         m.client.model = m.client.model or (m.info.name if m.info else "")
-        self._set(m, READY, f"answering after {time.monotonic() - started:.1f} s")
+        self._set(m, self._role(), f"answering after {time.monotonic() - started:.1f} s")
 
     async def stop(self) -> None:
         self._closing = True
@@ -271,7 +295,7 @@ class EnginePool:
                         m.client.model = m.client.model or m.info.name
                     if m.info is None:
                         continue
-                self._set(m, READY, "health probe passed")
+                self._set(m, self._role(), "health probe passed")
             elif exited or (m.probe_failures >= self.probe_failures and m.state != UNHEALTHY):
                 why = "process exited" if exited else f"{m.probe_failures} health probes failed"
                 self.report_failure(m, EngineUnavailable(why))
@@ -289,24 +313,27 @@ class EnginePool:
         return True
 
     def report_failure(self, m: PoolMember, error: Exception) -> None:
-        """``m`` failed a request or a probe: stop routing to it; fence and replace a launched worker."""
+        """``m`` failed a request or a probe: fence it (out of routing until a probe passes, for a
+        registered worker; killed and replaced, for a launched one) and promote a shadow in its place."""
         if m.state in (DEAD, DRAINING, STARTING) or self._closing:
             return
-        if m.process is None:
-            self._set(m, UNHEALTHY, f"failed: {error}")
-            return
         was = m.state
-        self._set(m, DRAINING, f"failed: {error}")
-        self._tasks.spawn(self._fence(m), f"fence-{m.name}")
+        if m.process is None:
+            self._set(m, UNHEALTHY, f"failed: {error}; fenced until a health probe passes")
+        else:
+            self._set(m, DRAINING, f"failed: {error}")
+            self._tasks.spawn(self._fence(m), f"fence-{m.name}")
         if was == READY:
             self._promote()
-        self._tasks.spawn(self._launch_replacement(), "replace-worker")
 
     async def _fence(self, m: PoolMember) -> None:
-        """Kill a failed (dead or hung) worker's whole process group, so it cannot come back."""
+        """Kill a failed (dead or hung) worker's whole process group, so it cannot come back; then
+        launch its replacement (after: the replacement may need the devices, and memory, it held)."""
         assert m.process is not None
         await m.process.stop(grace=0.0)
         self._set(m, DEAD, "fenced")
+        if not self._closing:
+            self._tasks.spawn(self._launch_replacement(), "replace-worker")
 
     def _promote(self) -> None:
         shadow = next((m for m in self.members if m.state == SHADOW), None)
@@ -322,8 +349,13 @@ class EnginePool:
         await member.process.start(self.start_timeout)
         member.info = await member.client.model_info()
         self._cold_start(member, time.monotonic() - started)
-        active = sum(1 for m in self.members if m.state == READY and m.process is not None)
-        self._set(member, READY if active < self.active else SHADOW, "replacement ready")
+        self._set(member, self._role(), "replacement ready")
+
+    def _role(self) -> str:
+        """What a worker that comes (back) up becomes: active while fewer than the target are."""
+        launched = self.active if self.spec_factory is not None else 0
+        registered = sum(1 for m in self.members if m.process is None and not m.standby and m.state != DEAD)
+        return READY if len(self.ready()) < launched + registered else SHADOW
 
     def _cold_start(self, m: PoolMember, seconds: float) -> None:
         self.telemetry.publish("worker_cold_start", {"worker": m.name, "seconds": round(seconds, 3)})

