@@ -6,7 +6,9 @@ running, prompt ids) and finished, durably, before ``Done`` is yielded, so a cli
 response whose turn is not on disk. When a worker is lost mid-turn, the runner resubmits the prompt plus
 the tokens generated so far to another worker (``gateway.failover``); the client's stream goes on.
 
-Logprobs for history a harness rewrote are recomputed in the background (``gateway.recompute``).
+Logprobs for history a harness rewrote are recomputed in the background (``gateway.recompute``). While
+a turn streams, its tokens reach the store in batches (``gateway.inflight``), so a crash of the gateway
+keeps them: the turn reads as ``interrupted`` with them after a restart.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from core.errors import (
     StoreError,
 )
 from core.telemetry import Telemetry
-from engine_pool.client import SamplingParams, TokenChunk
+from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
 from engine_pool.pool import EnginePool, PoolMember
-from gateway.config import FailoverConfig
+from gateway.config import FailoverConfig, InflightConfig
 from gateway.failover import Failure, stall_guarded
+from gateway.inflight import InflightWriter
 from gateway.metrics import REQUEST_CLOCK, GatewayMetrics
 from gateway.observers import TurnObserver
 from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
@@ -125,6 +128,7 @@ class TurnRunner:
         max_tokens_cap: int | None = None,
         telemetry: Telemetry | None = None,
         metrics: GatewayMetrics | None = None,
+        inflight: InflightConfig | None = None,
     ) -> None:
         self.max_tokens_cap = max_tokens_cap
         self.telemetry = telemetry or Telemetry()
@@ -137,6 +141,7 @@ class TurnRunner:
         self.default_max_tokens = default_max_tokens
         self.observers = observers if observers is not None else []
         self.recomputer = LogprobRecomputer(store, pool, self.failover.no_worker_wait)
+        self.inflight = InflightWriter(store, inflight or InflightConfig())
         self.interrupting = False
         """Set by the server (``gateway.server``) when its shutdown deadline passes, just before it
         cancels the requests still running: a turn cancelled then is recorded ``interrupted`` (with its
@@ -211,6 +216,7 @@ class TurnRunner:
         )  # fmt: skip
         for obs in self.observers:
             obs.turn_started(turn)
+        self.inflight.track(turn)
         st = _OutputState(
             self.tok.detokenizer(), StopTrimmer(params.stop), HermesToolParser(enabled=req.parse_tools)
         )
@@ -282,7 +288,7 @@ class TurnRunner:
             turn.worker = member.name
             submitted = time.monotonic()
             turn.timings.setdefault("queue_ms", (submitted - t0) * 1000)
-            stream = self._engine_stream(member, turn.prompt_ids + turn.output_ids, remaining, req.stream)
+            stream = self._engine_stream(member, turn, remaining, req.stream)
             clock = REQUEST_CLOCK.get()
             try:
                 async for chunk in stream:
@@ -350,10 +356,13 @@ class TurnRunner:
         return False
 
     def _engine_stream(
-        self, member: PoolMember, prompt: list[int], params: SamplingParams, stream: bool
+        self, member: PoolMember, turn: TurnRecord, params: SamplingParams, stream: bool
     ) -> AsyncGenerator[TokenChunk, None]:
-        """The engine's chunks; with failover on, guarded against a stalled worker."""
-        chunks = member.client.generate(prompt, params, stream=stream)
+        """The engine's chunks for the turn's prompt plus what it generated so far (a resubmission after
+        a failover); with failover on, guarded against a stalled worker."""
+        rid = engine_request_id(turn.session_id, turn.index)
+        prompt = turn.prompt_ids + turn.output_ids
+        chunks = member.client.generate(prompt, params, stream=stream, request_id=rid)
         if not self.failover.enabled:
             return chunks
 
@@ -375,6 +384,7 @@ class TurnRunner:
         ids, lps = chunk.token_ids[:n], chunk.logprobs[:n]
         turn.output_ids += ids
         turn.output_logprobs += lps
+        self.inflight.progressed(turn)
         self.telemetry.tokens_streamed += n
         now = time.monotonic()
         if st.last_token_at is not None and n:
@@ -408,6 +418,7 @@ class TurnRunner:
     async def close(self, grace: float = 5.0) -> None:
         """At shutdown, before the pool and the store close: recomputations get `grace` seconds."""
         await self.recomputer.close(grace)
+        await self.inflight.close()
 
     def _fail(self, turn: TurnRecord, status: str, error: str, t0: float) -> None:
         turn.status = status
@@ -422,7 +433,9 @@ class TurnRunner:
             self._notify_finished(turn)
 
     def _published(self, turn: TurnRecord, req: GenerationRequest, st: _OutputState) -> None:
-        """The turn's end on the live feed, and its token gaps to the metrics."""
+        """The turn's end on the live feed, and its token gaps to the metrics (every way a turn ends
+        comes here, after its final write: its in-flight writes stop)."""
+        self.inflight.untrack(turn)
         self.telemetry.publish(
             "turn_finished",
             {

@@ -104,6 +104,16 @@ class SessionQuery:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputPart:
+    """Tokens a running turn generated, from output position ``start`` on (`TrajectoryStore.append_outputs`)."""
+
+    turn_id: int
+    start: int
+    ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(frozen=True, slots=True)
 class EventRecord:
     session_id: str
     turn_id: int | None
@@ -144,6 +154,29 @@ class TrajectoryStore(abc.ABC):
     @abc.abstractmethod
     def finish_turn(self, turn: TurnRecord) -> None:
         """Persist the turn's outputs, response, status and timings."""
+
+    @abc.abstractmethod
+    def append_outputs(self, parts: list[OutputPart]) -> int:
+        """While turns stream: each part's tokens become its turn's output from position ``start`` on
+        (what was stored beyond ``start`` is replaced), in one transaction, so a crash of the gateway
+        keeps what was generated so far. A part is skipped when its turn is no longer running (its
+        final write came first) or holds fewer than ``start`` tokens (a gap). Returns the parts
+        written. The caller sends a turn's parts in order: what is stored stays a prefix of its
+        final output."""
+
+    @abc.abstractmethod
+    def schedule_recomputation(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
+        """Record that the logprobs of `turn`'s prompt tokens in `spans` are to be recomputed; the
+        mark stays until `end_recomputation`, so a gateway that died first redoes it at start-up."""
+
+    @abc.abstractmethod
+    def pending_recomputations(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        """The recomputations scheduled and not ended: (turn id, spans), oldest first."""
+
+    @abc.abstractmethod
+    def end_recomputation(self, turn_id: int, event: EventRecord | None) -> None:
+        """Record a recomputation's outcome (`event`; None: none, its turn is gone) and drop its mark,
+        in one transaction."""
 
     @abc.abstractmethod
     def get_turn(self, turn_id: int) -> TurnRecord | None: ...

@@ -10,6 +10,10 @@ Versions (the ``meta`` table's ``schema_version``; a store without ``meta`` is v
    parent's turns through ``fork_turn`` as its own first turns, shared, not copied;
    `gateway.store.sqlite`), and an index on ``parent_session``.
 
+Any version-3 store gains the ``recomputations`` table when it is opened (the logprob recomputations
+scheduled and not yet done, redone at start-up); it is not a new version, since code that does not
+know the table reads the store as before.
+
 Opening a version 1 store migrates it in place, in one transaction (all or nothing), then compacts the
 file; a version 2 store gains the version 3 columns in one transaction; a store newer than this code, or one that is not a Belayer store, is refused with a `StoreError`.
 """
@@ -59,6 +63,9 @@ _V2_TABLES = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS exported (session_id TEXT PRIMARY KEY, exported_at REAL NOT NULL)",
 )
+_RECOMPUTATIONS = """CREATE TABLE IF NOT EXISTS recomputations (
+    turn_id INTEGER PRIMARY KEY, session_id TEXT NOT NULL, spans TEXT NOT NULL, scheduled_at REAL NOT NULL
+)"""
 _V3_SESSION_COLUMNS = ("parent_session TEXT", "fork_turn INTEGER")
 _V3_INDEX = "CREATE INDEX IF NOT EXISTS sessions_parent ON sessions (parent_session)"
 _V2_TURN_COLUMNS = (
@@ -83,6 +90,7 @@ def prepare(db: sqlite3.Connection, path: str) -> None:
             _create(db)
         if version(db) < 3:
             migrate_v3(db, path)
+        db.execute(_RECOMPUTATIONS)  # not a new version: code that does not know it ignores it
     elif "turns" not in tables:
         db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # in WAL mode, takes with a VACUUM (of nothing)
         db.execute("VACUUM")
@@ -119,7 +127,7 @@ def _immediate(db: sqlite3.Connection) -> Iterator[None]:
 
 def _create(db: sqlite3.Connection) -> None:
     with _immediate(db):
-        for sql in (*_TABLES, *_V2_TABLES, _V3_INDEX):
+        for sql in (*_TABLES, *_V2_TABLES, _V3_INDEX, _RECOMPUTATIONS):
             db.execute(sql)
         db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
@@ -144,7 +152,7 @@ def migrate(db: sqlite3.Connection, path: str) -> None:
                 _check_v1(db, path)
                 for column in _V2_TURN_COLUMNS:
                     db.execute(f"ALTER TABLE turns ADD COLUMN {column}")
-                for sql in (*_TABLES, *_V2_TABLES):  # and any index an older version lacked
+                for sql in (*_TABLES, *_V2_TABLES, _RECOMPUTATIONS):  # and any index an older version lacked
                     db.execute(sql)
                 sessions, turns, compacted = _compact(db)
                 _add_v3(db)

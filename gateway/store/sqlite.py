@@ -37,6 +37,7 @@ from gateway.store.base import (
     TURN_INTERRUPTED,
     TURN_RUNNING,
     EventRecord,
+    OutputPart,
     SessionQuery,
     SessionRecord,
     TrajectoryStore,
@@ -172,7 +173,8 @@ class SqliteStore(TrajectoryStore):
             self._mark_interrupted()
 
     def _mark_interrupted(self) -> None:
-        """Turns left running by a crashed gateway keep their prompt and are marked interrupted."""
+        """Turns left running by a crashed gateway keep their prompt, and the output written while
+        they streamed (`append_outputs`), and are marked interrupted."""
         self._exec("UPDATE turns SET status = ? WHERE status = ?", (TURN_INTERRUPTED, TURN_RUNNING))
 
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
@@ -448,6 +450,41 @@ class SqliteStore(TrajectoryStore):
             ),
         )
 
+    def append_outputs(self, parts: list[OutputPart]) -> int:
+        written = 0
+        with self._transaction() as db:
+            for part in parts:
+                row = db.execute(
+                    "SELECT output_ids, output_logprobs FROM turns WHERE id = ? AND status = ?",
+                    (part.turn_id, TURN_RUNNING),
+                ).fetchone()
+                if row is None or len(row[0]) < 4 * part.start:
+                    continue
+                ids = row[0][: 4 * part.start] + array("I", part.ids).tobytes()
+                lps = row[1][: 8 * part.start] + array("d", part.logprobs).tobytes()
+                db.execute(
+                    "UPDATE turns SET output_ids = ?, output_logprobs = ? WHERE id = ?",
+                    (ids, lps, part.turn_id),
+                )
+                written += 1
+        return written
+
+    def schedule_recomputation(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO recomputations (turn_id, session_id, spans, scheduled_at) VALUES (?, ?, ?, ?)",
+            (turn.id, turn.session_id, _dumps([list(s) for s in spans]), time.time()),
+        )
+
+    def pending_recomputations(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        rows = self._exec("SELECT turn_id, spans FROM recomputations ORDER BY scheduled_at, turn_id")
+        return [(int(r[0]), [(int(a), int(b)) for a, b in _loads(r[1])]) for r in rows.fetchall()]
+
+    def end_recomputation(self, turn_id: int, event: EventRecord | None) -> None:
+        with self._transaction() as db:
+            if event is not None:
+                self._insert_event(event)
+            db.execute("DELETE FROM recomputations WHERE turn_id = ?", (turn_id,))
+
     def get_turn(self, turn_id: int) -> TurnRecord | None:
         turn = self._read(turn_id)
         return self._latest(turn) if turn else None
@@ -635,6 +672,7 @@ class SqliteStore(TrajectoryStore):
         turns = db.execute(f"DELETE FROM turns WHERE session_id IN ({marks})", ids).rowcount
         events = db.execute(f"DELETE FROM events WHERE session_id IN ({marks})", ids).rowcount
         db.execute(f"DELETE FROM exported WHERE session_id IN ({marks})", ids)
+        db.execute(f"DELETE FROM recomputations WHERE session_id IN ({marks})", ids)
         db.execute(f"DELETE FROM sessions WHERE id IN ({marks})", ids)
         for sid in ids:
             self._forks.pop(sid, None)

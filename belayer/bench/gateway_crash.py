@@ -1,0 +1,246 @@
+"""``belayer bench gateway-crash``: a gateway killed with SIGKILL under streaming sessions, restarted.
+
+In one run:
+
+* the cost of writing running turns' tokens while they stream (``[inflight]``): streamed tokens/s
+  through a gateway with it on and one with it off, in alternating rounds, in front of the same fast
+  fake engine (``inflight_flush_overhead_ratio``: the fraction of throughput it costs; 0 is free);
+* ``--sessions`` sessions each finish a first turn, then stream a long greedy reply; once every stream
+  has ``--kill-after`` tokens, the gateway process is killed (``kill -9``, by its PID) and restarted
+  on the same port and store, and each client retries its request (as the SDKs do) until it streams:
+  - ``sessions_continued_pct``: sessions whose retry is a new turn with exactly the interrupted turn's
+    prompt ids, built by prefix reuse of the first turn, and whose reply starts with the tokens the
+    interrupted turn kept;
+  - ``turns_lost``: turns begun before the kill that the restarted gateway's store lacks, or holds as
+    neither complete nor interrupted;
+  - ``tokens_kept_pct``: of the tokens the clients had received at the kill, the share the store kept;
+  - ``first_token_after_crash_s``: the kill → each client's first token of its retry (median; max too),
+    gateway restart included.
+
+Figures are printed as ``name: value`` lines; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, emit, ensure_model, throughput
+from belayer.services import Service, base_url, fake_engine_service, free_port, progress, running
+
+
+def _gateway(workdir: Path, name: str, model: str, engine: str, port: int, inflight: bool = True) -> Service:
+    argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model, "--engine-url", engine]
+    argv += ["--port", str(port), "--store", str(workdir / f"{name}.db"), "--log-level", "WARNING"]
+    env: dict[str, str | None] = {"BELAYER_INFLIGHT__ENABLED": "true" if inflight else "false"}
+    return Service(name, argv, f"http://127.0.0.1:{port}/health", workdir / f"{name}.log", env)
+
+
+def overhead(workdir: Path, opts: argparse.Namespace) -> None:
+    services: list[Service] = []
+    with running(services):
+        engine = fake_engine_service(workdir, opts.stream_tokens)
+        services.append(engine)
+        engine.start()
+        engine.wait_ready(60)
+        url = base_url(engine)
+        gws = [
+            _gateway(workdir, "inflight-on", opts.model, url, free_port()),
+            _gateway(workdir, "inflight-off", opts.model, url, free_port(), inflight=False),
+        ]
+        for g in gws:
+            services.append(g)
+            g.start()
+        for g in gws:
+            g.wait_ready(120)
+        targets = [Target(g.name, f"{base_url(g)}/v1/chat/completions", "policy") for g in gws]
+        ns = argparse.Namespace(
+            stream_tokens=opts.stream_tokens, stream_rounds=opts.rounds, concurrency=opts.concurrency,
+            stream_ramp=0.5, stream_seconds=2.0,
+        )  # fmt: skip
+
+        async def go() -> dict[str, StreamTally]:
+            conns = opts.concurrency * 2
+            limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
+            async with httpx.AsyncClient(limits=limits, timeout=30.0, trust_env=False) as http:
+                return await throughput(http, targets, ns)
+
+        tallies = asyncio.run(go())
+    on, off = (tallies[n].token_estimate / tallies[n].seconds for n in ("inflight-on", "inflight-off"))
+    emit("stream_tokens_per_s_inflight_on", on)
+    emit("stream_tokens_per_s_inflight_off", off)
+    emit("inflight_flush_overhead_ratio", (off - on) / off)
+
+
+@dataclass(slots=True)
+class _Session:
+    sid: str = ""
+    received: int = 0
+    """Tokens of the long reply received before the kill."""
+    first_after_crash: float | None = None
+    retries: int = 0
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _tokens(line: str) -> int:
+    if not line.startswith("data: {"):
+        return 0
+    choices = json.loads(line[6:]).get("choices") or [{}]
+    return len(((choices[0].get("logprobs") or {}).get("content")) or [])
+
+
+async def _session(
+    http: httpx.AsyncClient, url: str, s: _Session, killed: asyncio.Event, opts: argparse.Namespace
+) -> None:
+    s.sid = (await http.post(f"{url}/api/sessions", json={})).json()["id"]
+    chat = f"{url}/s/{s.sid}/v1/chat/completions"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"session {s.sid[-6:]}"}]
+    first = await http.post(
+        chat, json={"model": "policy", "messages": messages, "max_tokens": 8, "temperature": 0}
+    )
+    first.raise_for_status()
+    messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "go on"}]
+    body = {"model": "policy", "messages": messages, "max_tokens": opts.reply_tokens, "temperature": 0,
+            "stream": True, "logprobs": True}  # fmt: skip
+    try:
+        async with http.stream("POST", chat, json=body) as r:
+            async for line in r.aiter_lines():
+                if not killed.is_set():
+                    s.received += _tokens(line)
+                if s.received >= opts.kill_after:
+                    s.reached.set()
+    except httpx.HTTPError:
+        pass  # the gateway died: retry below
+    else:
+        raise RuntimeError(f"session {s.sid}: the stream ended before the kill (raise --reply-tokens)")
+    deadline = time.monotonic() + opts.retry_deadline
+    while time.monotonic() < deadline:  # the harness retries the same request, as the SDKs do
+        s.retries += 1
+        try:
+            async with http.stream("POST", chat, json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    await asyncio.sleep(0.05)
+                    continue
+                async for line in r.aiter_lines():
+                    if s.first_after_crash is None and _tokens(line):
+                        s.first_after_crash = time.monotonic()
+                return
+        except httpx.HTTPError:
+            await asyncio.sleep(0.05)  # the gateway is not back yet
+    raise RuntimeError(f"session {s.sid}: no retry succeeded within {opts.retry_deadline:.0f} s")
+
+
+def _continued(traj: dict[str, Any]) -> tuple[bool, int]:
+    """Whether the session continued after the crash, and the tokens its interrupted turn kept."""
+    turns = traj["turns"]
+    if len(turns) != 3 or [t["status"] for t in turns] != ["complete", "interrupted", "complete"]:
+        return False, 0
+    t0, cut, retry = turns
+    kept = cut["output_ids"]
+    reuse = retry["events"][0]["data"].get("reused_tokens") if retry["events"] else None
+    ok = (
+        retry["prompt_ids"] == cut["prompt_ids"]
+        and reuse == len(t0["prompt_ids"]) + len(t0["output_ids"])
+        and retry["output_ids"][: len(kept)] == kept
+    )
+    return ok, len(kept)
+
+
+async def _crash_run(workdir: Path, opts: argparse.Namespace, engine: str, services: list[Service]) -> None:
+    port = free_port()
+    gw = _gateway(workdir, "crash", opts.model, engine, port)
+    services.append(gw)
+    gw.start()
+    await asyncio.to_thread(gw.wait_ready, 120)
+    url = base_url(gw)
+    sessions = [_Session() for _ in range(opts.sessions)]
+    killed = asyncio.Event()
+    limits = httpx.Limits(max_connections=opts.sessions * 2, max_keepalive_connections=opts.sessions * 2)
+    async with httpx.AsyncClient(limits=limits, timeout=120.0, trust_env=False) as http:
+        tasks = [asyncio.create_task(_session(http, url, s, killed, opts)) for s in sessions]
+        waits = [asyncio.create_task(s.reached.wait()) for s in sessions]
+        await asyncio.wait_for(asyncio.gather(*waits), 300)
+        assert gw.proc is not None
+        proc = gw.proc
+        killed.set()
+        t_kill = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)  # the gateway process itself, by its PID
+        await asyncio.to_thread(proc.wait)
+        progress(f"gateway killed with {sum(s.received for s in sessions)} tokens streamed; restarting it")
+        again = _gateway(workdir, "crash", opts.model, engine, port)  # the same port and store
+        services.append(again)
+        again.start()
+        await asyncio.to_thread(again.wait_ready, 120)
+        await asyncio.gather(*tasks)
+        trajs = [(await http.get(f"{url}/api/sessions/{s.sid}/trajectory")).json() for s in sessions]
+    results = [_continued(t) for t in trajs]
+    lost = sum(
+        2 - sum(t["status"] in ("complete", "interrupted") for t in traj["turns"][:2]) for traj in trajs
+    )
+    received = sum(s.received for s in sessions)
+    kept = sum(min(k, s.received) for (_, k), s in zip(results, sessions, strict=True))
+    firsts = [s.first_after_crash - t_kill for s in sessions if s.first_after_crash is not None]
+    emit("sessions", len(sessions))
+    emit("sessions_continued_pct", 100.0 * sum(ok for ok, _ in results) / len(sessions))
+    emit("turns_lost", lost)
+    emit("tokens_kept_pct", 100.0 * kept / received if received else 0.0)
+    emit("first_token_after_crash_s", statistics.median(firsts))
+    emit("first_token_after_crash_max_s", max(firsts))
+    emit("retries_per_session", statistics.mean(s.retries for s in sessions))
+
+
+def crash(workdir: Path, opts: argparse.Namespace) -> None:
+    services: list[Service] = []
+    with running(services):
+        port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "engine_pool.fake",
+            "--port",
+            str(port),
+            "--token-delay",
+            str(opts.token_delay),
+        ]
+        engine = Service("engine", argv, f"http://127.0.0.1:{port}/health", workdir / "engine.log")
+        services.append(engine)
+        engine.start()
+        engine.wait_ready(60)
+        asyncio.run(_crash_run(workdir, opts, base_url(engine), services))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="belayer bench gateway-crash", description=__doc__)
+    p.add_argument("--model", default=".cache/tiny-model")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--kill-after", type=int, default=40, help="tokens every stream has before the kill")
+    p.add_argument("--reply-tokens", type=int, default=1000, help="max_tokens of the long replies")
+    p.add_argument("--token-delay", type=float, default=0.02, help="the engine's seconds between tokens")
+    p.add_argument("--retry-deadline", type=float, default=120.0)
+    p.add_argument("--concurrency", type=int, default=32, help="streams in the overhead measurement")
+    p.add_argument("--stream-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="alternating throughput rounds per gateway")
+    p.add_argument("--skip-overhead", action="store_true")
+    opts = p.parse_args(argv[1:] if argv[:1] == ["gateway-crash"] else argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM, like Ctrl-C, stops the servers on the way out
+    ensure_model(opts.model)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="belayer-bench-gateway-crash-") as tmp:
+        if not opts.skip_overhead:
+            overhead(Path(tmp), opts)
+        crash(Path(tmp), opts)
+    emit("bench_wall_s", time.monotonic() - t0)
+    return 0
