@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,26 @@ from core.errors import (
 )
 
 _TOKEN_ID_PREFIX = "token_id:"
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def engine_request_id(session_id: str, turn_index: int) -> str:
+    """The id of one submission of a turn to an engine: its session, its turn, and a random part (a
+    failover resubmits the turn, and vLLM refuses two running requests with one id).
+
+    >>> rid = engine_request_id("ses_ab12", 3)
+    >>> rid.startswith("ses_ab12.t3."), session_of_request(rid), session_of_request("cmpl-x")
+    (True, 'ses_ab12', None)
+    """
+    return f"{session_id}.t{turn_index}.{secrets.token_hex(4)}"
+
+
+def session_of_request(request_id: str | None) -> str | None:
+    """The session an `engine_request_id` names (None for another request id, or none)."""
+    if not request_id:
+        return None
+    session, _, rest = request_id.partition(".t")
+    return session if session and rest.partition(".")[2] else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,10 +262,16 @@ class EngineClient:
         self._timeout = httpx.Timeout(connect=5.0, read=read_timeout, write=30.0, pool=30.0)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, stream: bool = True
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool = True,
+        request_id: str | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """The tokens generated after ``prompt_ids``: one chunk per engine event when ``stream``,
-        else a single chunk once the engine is done (cheaper for short, non-streamed requests)."""
+        else a single chunk once the engine is done (cheaper for short, non-streamed requests).
+        ``request_id`` (see `engine_request_id`) goes as ``X-Request-Id``, which vLLM takes as its own
+        request id: its logs and traces then name the session and turn."""
         body = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -256,7 +283,10 @@ class EngineClient:
         tops = params.top_logprobs > 0
         url = f"{self.base_url}/v1/completions"
         with transport_errors(self.base_url):
-            async with self._http.stream("POST", url, json=body, timeout=self._timeout) as resp:
+            headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+            async with self._http.stream(
+                "POST", url, json=body, headers=headers, timeout=self._timeout
+            ) as resp:
                 if resp.status_code >= 400:
                     _check_status(self.base_url, resp.status_code, await resp.aread())
                 if not stream:

@@ -37,6 +37,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine_pool.client import REQUEST_ID_HEADER, session_of_request
+
 Script = Callable[[list[int]], list[int]]
 
 CHAT_WORDS = ("Hello", " from", " the", " fake", " engine", ".")
@@ -141,6 +143,9 @@ class FakeEngine:
 
     outputs: list[list[int]] = field(default_factory=list)
     script: Script | None = None
+    session_script: Callable[[list[int], str | None], list[int]] | None = None
+    """Used in place of ``script`` when given: it is also told the session each request is for (from
+    the gateway's ``X-Request-Id``, see `engine_request_id`; None for a request without one)."""
     model: str = "fake"
     max_model_len: int = 4096
     token_delay: float = 0.0
@@ -168,11 +173,15 @@ class FakeEngine:
                 break
         return out
 
-    def next_output(self, prompt: list[int], max_tokens: int | None = None) -> list[int]:
+    def next_output(
+        self, prompt: list[int], max_tokens: int | None = None, session: str | None = None
+    ) -> list[int]:
         if self.outputs:
             return self.outputs.pop(0)
         if self.step is not None:
             return self.greedy(prompt, max_tokens or self.max_model_len - len(prompt))
+        if self.session_script is not None:
+            return self.session_script(prompt, session)
         if self.script is not None:
             return self.script(prompt)
         return [(prompt[-1] * 31 + i * 7) % 200 + 10 for i in range(8)] if prompt else [10]
@@ -213,7 +222,8 @@ class FakeEngine:
         if len(prompt) + int(body.get("max_tokens") or 0) > self.max_model_len:
             msg = f"This model's maximum context length is {self.max_model_len} tokens."
             return JSONResponse({"error": {"message": msg, "type": "BadRequestError"}}, status_code=400)
-        out = self.next_output(prompt, body.get("max_tokens"))
+        session = session_of_request(request.headers.get(REQUEST_ID_HEADER))
+        out = self.next_output(prompt, body.get("max_tokens"), session)
         max_tokens = int(body.get("max_tokens") or len(out))
         hit_eos = bool(out) and out[-1] == self.eos_id
         finish = "length" if len(out) > max_tokens or (self.step and not hit_eos) else "stop"

@@ -7,12 +7,14 @@ retries cannot shift the script. Several scripts can share one engine: a prompt 
 whose ``marker`` it contains; a prompt that matches none (a harness's side query: a title, a summary)
 gets ``FALLBACK``. Every reply is the encoded text plus the EOS id, logged with its prompt.
 
-Forks (``fork_turn``, ``fork_answers``): the engine sees token ids, never a session, and a forked
-session's first call repeats its parent's prompt exactly. So the first request at script turn
-``fork_turn`` (the parent's) gets ``turns[fork_turn]``, and each later one with exactly its prompt (a
-fork child's retry of that call) the next of ``fork_answers``, in order of arrival (the last repeats).
-Give each answer a marker of its own and put a script with that marker before this one: from then
-on each child plays its own.
+Forks (``fork_turn``, ``fork_answers``): a forked session's first call repeats its parent's prompt
+exactly, so the engine tells them apart by session, which the gateway names in each engine request's
+``X-Request-Id`` (`engine_request_id`). The first session to ask at script turn ``fork_turn`` (the
+parent) gets ``turns[fork_turn]``; each other session asking with exactly that prompt (a fork child
+retrying its parent's call) gets the next of ``fork_answers``, in order of the sessions' first arrival
+(the last repeats), and keeps it when it asks again. A request that names no session counts as a new
+one. Give each answer a marker of its own and put a script with that marker before this one: from
+then on each child plays its own.
 
 A failover resubmits the prompt plus the tokens already generated: when the prompt ends with the
 start of this turn's reply, the engine answers only the rest (logged with ``resumed`` = tokens kept).
@@ -81,6 +83,7 @@ class Emission:
     turn: int | None  # None: the fallback answer to a side request
     script: int | None = None  # which script answered
     resumed: int = 0  # tokens of the reply already in the prompt (a failover's resubmission)
+    session: str | None = None  # the session the gateway named in the request's id
 
 
 @dataclass(slots=True)
@@ -95,7 +98,8 @@ class ScriptedEngine:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _assistant: list[int] = field(default_factory=list)
     _crash_memo: tuple[list[int], bool] | None = None
-    _fork_requests: dict[int, tuple[list[int], int]] = field(default_factory=dict)  # script -> (prompt, n)
+    # script -> (the fork turn's prompt, each session that asked with it -> its place in order of arrival)
+    _fork_requests: dict[int, tuple[list[int], dict[object, int]]] = field(default_factory=dict)
 
     @classmethod
     def load(
@@ -104,12 +108,12 @@ class ScriptedEngine:
         tok = ChatTokenizer.load(model_dir)
         return cls(tok, scripts, tok.encode(tok.eos_token)[0], log_path=log_path)
 
-    def reply(self, prompt: list[int]) -> list[int]:
+    def reply(self, prompt: list[int], session: str | None = None) -> list[int]:
         turn, which, out = self._answer(prompt)
         resumed = self._already_generated(prompt, out)
         if not resumed and which is not None and turn == self.scripts[which].fork_turn:
-            out = self._fork_answer(which, prompt, out)
-        self._record(Emission(list(prompt), out[resumed:], turn, which, resumed))
+            out = self._fork_answer(which, prompt, out, session)
+        self._record(Emission(list(prompt), out[resumed:], turn, which, resumed, session))
         return out[resumed:]
 
     def _answer(self, prompt: list[int]) -> tuple[int | None, int | None, list[int]]:
@@ -123,14 +127,14 @@ class ScriptedEngine:
             answer = turns[turn]
         return turn, which, [*self.tokenizer.encode(answer), self.eos_id]
 
-    def _fork_answer(self, which: int, prompt: list[int], out: list[int]) -> list[int]:
-        """The parent's answer at the fork turn to the first request, a child's to each later one with
-        exactly that prompt (another prompt there, a side query, gets the parent's answer)."""
+    def _fork_answer(self, which: int, prompt: list[int], out: list[int], session: str | None) -> list[int]:
+        """The parent's answer at the fork turn to the first session, a child's to each other one asking
+        with exactly that prompt (another prompt there, a side query, gets the parent's answer)."""
         with self._lock:
-            first, seen = self._fork_requests.get(which, (prompt, 0))
+            first, sessions = self._fork_requests.setdefault(which, (prompt, {}))
             if prompt != first:
                 return out
-            self._fork_requests[which] = (first, seen + 1)
+            seen = sessions.setdefault(object() if session is None else session, len(sessions))
         answers = self.scripts[which].fork_answers
         if seen == 0 or not answers:
             return out
@@ -170,7 +174,12 @@ class ScriptedEngine:
             if self.log_path is not None:
                 with self.log_path.open("a") as f:
                     row = {"prompt_ids": emission.prompt_ids, "output_ids": emission.output_ids}
-                    extra = {"turn": emission.turn, "script": emission.script, "resumed": emission.resumed}
+                    extra = {
+                        "turn": emission.turn,
+                        "script": emission.script,
+                        "resumed": emission.resumed,
+                        "session": emission.session,
+                    }
                     f.write(json.dumps({**row, **extra}) + "\n")
 
     def fake(
@@ -178,7 +187,11 @@ class ScriptedEngine:
     ) -> FakeEngine:
         crash = self.crash_hook if self.crash_at is not None else None
         return FakeEngine(
-            model=model, script=self.reply, max_model_len=max_model_len, token_delay=token_delay, crash=crash
+            model=model,
+            session_script=self.reply,
+            max_model_len=max_model_len,
+            token_delay=token_delay,
+            crash=crash,
         )
 
 
@@ -187,7 +200,14 @@ def read_log(path: Path) -> list[Emission]:
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [
-        Emission(r["prompt_ids"], r["output_ids"], r["turn"], r.get("script"), r.get("resumed", 0))
+        Emission(
+            r["prompt_ids"],
+            r["output_ids"],
+            r["turn"],
+            r.get("script"),
+            r.get("resumed", 0),
+            r.get("session"),
+        )
         for r in rows
     ]
 

@@ -3,8 +3,8 @@
 
 The scripted engine plays one episode up to turn 3; at turn 4 it gives the parent its own answer and
 each child, retrying the call its parent was making when the checkpoint was taken, another one, which
-carries the marker of that child's own script (``fork_answers``; the engine never sees a session).
-One engine process: the order of arrival at the fork turn is the engine's only key.
+carries the marker of that child's own script (``fork_answers``). The engine keys them by session (the
+gateway names it in each engine request's ``X-Request-Id``), so a child that retries keeps its answer.
 """
 
 from __future__ import annotations
@@ -129,5 +129,10 @@ def test_claude_code_episode_forked_into_three_siblings(
         assert not any(o in tokenizer.decode(t["output_ids"]) for t in own for o in others)
     parent_text = " ".join(tokenizer.decode(t["output_ids"]) for t in parent["turns"])
     assert not any(m in parent_text for m in SIBLINGS)
+    # and on the engine's side: each request that got a sibling's answer named that sibling's session
+    for e in fork_stack.emissions():
+        text = tokenizer.decode(e.output_ids)
+        for marker in (m for m in SIBLINGS if m in text):
+            assert e.session == seen[marker], (marker, e.session)
     for sid in [report["session_id"], *seen.values()]:
         httpx.post(f"{fork_stack.url}/api/sessions/{sid}/close", timeout=60)
