@@ -3,8 +3,11 @@
 While a session's LLM call runs, its harness waits and its sandbox is idle. When the call starts
 (`turn_started`), `AdaptivePolicy` decides whether to checkpoint the sandbox in that bubble or to defer;
 the decision is a ``sandbox_checkpoint_decision`` event (``busy`` when a checkpoint or a call is
-already in progress). The checkpoint runs in the background and is skipped if the bubble is over
-before it can start (the harness may act again). When the call ends (`turn_finished`), its timings
+already in progress). Mode ``always`` takes every bubble it can, so that each turn of a harness inside
+its sandbox has a checkpoint to fork at: its checkpoint waits for a call in progress (the runner's own
+commands, say), and a bubble that found a checkpoint running gets its own when that one ends, if the
+bubble is still open. The checkpoint runs in the background and is skipped if the bubble is
+over before it can start (the harness may act again). When the call ends (`turn_finished`), its timings
 teach the policy, and a turn that a restore discarded while it ran is discarded again.
 
 Example::
@@ -56,14 +59,20 @@ class BubbleObserver:
         slot.turns.start(turn)
         slot.history.turns_since += 1
         decision = self._decide(slot, turn)
-        busy = slot.history.pending or slot.lock.locked()
+        always = self.policy.settings.mode == "always"  # it waits for a call holding the sandbox
+        busy = slot.history.pending or (slot.lock.locked() and not always)
         action = "busy" if decision.checkpoint and busy else decision.action
         self.events.add(
             turn.session_id, turn.id, "sandbox_checkpoint_decision", _decision_json(decision, action, slot)
         )
         if decision.checkpoint and not busy:
-            slot.history.pending = True
-            self.tasks.spawn(self._checkpoint(slot, turn, decision), f"checkpoint/{turn.session_id}")
+            self._spawn(slot, turn, decision)
+        elif decision.checkpoint and always:
+            slot.history.queued = turn
+
+    def _spawn(self, slot: Slot, turn: TurnRecord, decision: Decision) -> None:
+        slot.history.pending, slot.history.queued = True, None
+        self.tasks.spawn(self._checkpoint(slot, turn, decision), f"checkpoint/{turn.session_id}")
 
     def turn_finished(self, turn: TurnRecord) -> None:
         slot = self.slots.get(turn.session_id)
@@ -105,6 +114,9 @@ class BubbleObserver:
             self.events.add(slot.session_id, turn.id, "sandbox_checkpoint_failed", {"error": str(exc)})
         finally:
             slot.history.pending = False
+            queued = slot.history.queued
+            if queued is not None and queued.id in slot.turns.running and self.slots.current(slot):
+                self._spawn(slot, queued, self._decide(slot, queued))  # its bubble is still open
 
 
 def _decision_json(d: Decision, action: str, slot: Slot) -> dict[str, Any]:

