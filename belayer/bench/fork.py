@@ -1,9 +1,11 @@
 """``belayer bench fork``: N siblings forked at turn k of an episode versus N siblings re-run to turn k.
 
 A scripted episode runs through an in-process gateway: a fake engine whose replies take
-``--llm-latency`` s, and after each turn a tool call that takes ``--tool-s`` s of real time in a sandbox
-of the in-memory backend (`sandbox.fake`; the same manager, journal and checkpoints as with Docker). A
-checkpoint is taken before turn k (the nearest earlier one), so the fork restores it and replays the
+``--llm-latency`` s, and after each turn a tool call that takes ``--tool-s`` s of real time in a sandbox:
+with ``--backend fake`` (the default) of the in-memory backend (`sandbox.fake`; the same manager, journal
+and checkpoints as with Docker), with ``--backend docker`` a ``belayer-sandbox-python`` container whose
+checkpoints hold its processes too (CRIU; a Docker engine with CRIU and ``belayer sandbox build-image``
+needed), so each child is a container restored from the parent's checkpoint. A checkpoint is taken before turn k (the nearest earlier one), so the fork restores it and replays the
 journaled tool calls up to k, as it must when no checkpoint is exactly at k. (The checkpoint is taken
 after turn k - 3's tool call: the journal then holds the tool calls of turns k - 2 and k - 1.)
 
@@ -36,7 +38,9 @@ from gateway.app import build_app
 from gateway.config import GatewayConfig, SandboxConfig
 from gateway.runtime import Gateway
 from gateway.sandboxes.policy import PolicySettings
+from sandbox.backend import SandboxBackend
 from sandbox.fake import FakeSandboxBackend
+from sandbox.images import PYTHON_IMAGE
 
 
 def progress(message: str) -> None:
@@ -59,7 +63,12 @@ class Episode:
         )
 
     async def session(self) -> str:
-        body = {"sandbox": {"image": "bench"}, "metadata": {"bench": "fork"}}
+        sandbox = (
+            {"image": PYTHON_IMAGE, "shell": "/bin/bash"}
+            if self.opts.backend == "docker"
+            else {"image": "bench"}
+        )
+        body = {"sandbox": sandbox, "metadata": {"bench": "fork"}}
         r = await self.client.post("/api/sessions", json=body)
         r.raise_for_status()
         return str(r.json()["id"])
@@ -96,7 +105,8 @@ async def run(opts: argparse.Namespace) -> bool:
         http = httpx.AsyncClient(transport=httpx.ASGITransport(LatentEngine(engine.app(), opts.llm_latency)))
         pool = EnginePool(http)
         pool.add_remote("http://fake-engine")
-        app = build_app(config, pool=pool, sandbox_backend=FakeSandboxBackend())
+        backend = sandbox_backend(opts.backend, Path(tmp))
+        app = build_app(config, pool=pool, sandbox_backend=backend)
         async with app.router.lifespan_context(app):
             gw: Gateway = app.state.gateway
             client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw", timeout=600)
@@ -129,10 +139,14 @@ async def run(opts: argparse.Namespace) -> bool:
             await asyncio.gather(*(ep.run(sid, k + 1) for sid in sids))
             rerun_s = time.monotonic() - t0
             rerun_bytes = stored() - before
+            for sid in [parent, *(c["id"] for c in r.json()["data"]), *sids]:  # their sandboxes too
+                (await client.post(f"/api/sessions/{sid}/close")).raise_for_status()
             await client.aclose()
         await http.aclose()
+        backend.close()
     speedup = rerun_s / fork_s
     ratio = max(fork_bytes, 0) / max(rerun_bytes, 1)
+    emit("backend", opts.backend)
     emit("at_turn", k)
     emit("siblings", n)
     emit("fork_replayed_tool_calls", replayed[0] if replayed else 0)
@@ -148,6 +162,17 @@ async def run(opts: argparse.Namespace) -> bool:
     return ok_speed and ok_bytes
 
 
+def sandbox_backend(kind: str, tmp: Path) -> SandboxBackend:
+    if kind == "fake":
+        return FakeSandboxBackend()
+    from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+    from sandbox.images import ensure_python_image
+
+    backend = DockerSandboxBackend(DockerBackendConfig(checkpoint_dir=tmp / "checkpoints"))
+    ensure_python_image(backend)
+    return backend
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="belayer bench fork", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -157,6 +182,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--siblings", type=int, default=4, help="N")
     p.add_argument("--llm-latency", type=float, default=0.2, help="seconds each LLM call takes")
     p.add_argument("--tool-s", type=float, default=0.3, help="seconds each tool call takes")
+    p.add_argument(
+        "--backend",
+        choices=["fake", "docker"],
+        default="fake",
+        help="the sandboxes: in memory, or Docker containers checkpointed with CRIU",
+    )
     opts = p.parse_args(argv)
     if opts.at_turn < 3:
         p.error("--at-turn must be >= 3")
