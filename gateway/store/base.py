@@ -75,6 +75,10 @@ class TurnRecord:
     worker: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    weight_segments: list[tuple[int, int, str]] = field(default_factory=list)
+    """(start, end, version): output tokens ``start..end-1`` were generated on that weight version,
+    one segment per submission that produced tokens (a failover or a weight update's switch starts a
+    new one). Empty for a turn without output, or one stored before versions were recorded."""
 
     def loss_mask(self) -> list[int]:
         """1 for every token the policy generated (earlier turns' outputs and this turn's), else 0."""
@@ -111,6 +115,9 @@ class OutputPart:
     start: int
     ids: list[int]
     logprobs: list[float]
+    weight_segments: list[tuple[int, int, str]] | None = None
+    """The turn's weight segments so far (`TurnRecord.weight_segments`), stored with the tokens;
+    None: left as stored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +270,12 @@ class TrajectoryStore(abc.ABC):
     def closed_after(self, after_id: int, limit: int) -> list[tuple[int, str]]:
         """The finished feed: ``(event id, session id)`` of the ``session_closed`` events with an id
         above ``after_id``, oldest first, at most ``limit``. Ids only grow, so an id is a cursor."""
+
+    def store_id(self) -> str:
+        """This store's identity: a random id made once and kept in the store, the same for every
+        gateway that opens it. Sandboxes carry it as a label, so a gateway restarted on this store finds
+        its own containers, and no one else's (`gateway.sandboxes.adoption`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no store_id()")
 
     @abc.abstractmethod
     def last_event_id(self) -> int:

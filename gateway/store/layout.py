@@ -12,7 +12,8 @@ The base is the turn's parent (the turn it extends) or, when it has none, the se
 - ``spans_base``: how many leading generated spans equal its base's, and the others;
 - its request, whole, or (``request_delta``) as ``{"k": [every key, in order], "s": {key: value}
   (what differs from the base's request), "m": [n, [messages]]}``: the base's first n messages, then
-  these (only when the request has a ``messages`` list that starts like the base's).
+  these (only when the request has a ``messages`` list that starts like the base's). A Responses
+  request's ``input`` list is stored the same way, with ``"mk": "input"`` naming the key.
 
 A turn that shares nothing with a base is stored whole (no base), so reading it reads one row.
 Values compare as their JSON text, so what is read back is exactly what was written (``1`` vs ``1.0``,
@@ -98,16 +99,23 @@ def _shared_messages(messages: list[Any], base: list[Any]) -> int:
     return next(i for i in range(n) if _json(messages[i]) != _json(base[i]))
 
 
+LIST_KEYS = ("messages", "input")
+"""Request keys whose list may be stored as the base's first n items plus the rest (one per request)."""
+
+
 def _request_delta(request: dict[str, Any], base: dict[str, Any]) -> dict[str, Any] | None:
     """The request as a delta from the base's, or None when it shares nothing with it."""
     changed: dict[str, Any] = {}
     kept = 0
     delta: dict[str, Any] = {"k": list(request), "s": changed}
     for key, value in request.items():
-        if key == "messages" and isinstance(value, list) and isinstance(base.get(key), list):
+        listed = key in LIST_KEYS and "m" not in delta
+        if listed and isinstance(value, list) and isinstance(base.get(key), list):
             n = _shared_messages(value, base[key])
             if n:
                 delta["m"] = [n, value[n:]]
+                if key != "messages":
+                    delta["mk"] = key
                 kept += 1
                 continue
         if key in base and _json(base[key]) == _json(value):
@@ -152,12 +160,12 @@ def decode_request(base: Turn | None, stored: dict[str, Any], delta: bool) -> di
         return stored
     if base is None:
         raise ValueError("a request stored as a delta has no base turn")
-    changed, messages = stored["s"], stored.get("m")
+    changed, messages, listed = stored["s"], stored.get("m"), stored.get("mk", "messages")
     out: dict[str, Any] = {}
     for key in stored["k"]:
         if key in changed:
             out[key] = changed[key]
-        elif key == "messages" and messages is not None:
+        elif key == listed and messages is not None:
             out[key] = base.request[key][: messages[0]] + messages[1]
         else:
             out[key] = base.request[key]

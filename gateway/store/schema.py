@@ -8,14 +8,18 @@ Versions (the ``meta`` table's ``schema_version``; a store without ``meta`` is v
    sessions an export has written, for ``belayer store prune --exported-only``);
 3. tree rollouts: ``sessions`` gains ``parent_session`` and ``fork_turn`` (a fork child reads its
    parent's turns through ``fork_turn`` as its own first turns, shared, not copied;
-   `gateway.store.sqlite`), and an index on ``parent_session``.
+   `gateway.store.sqlite`), and an index on ``parent_session``;
+4. weight versions: ``turns`` gains ``weight_segments`` (JSON ``[[start, end, version], ...]``: which
+   weight version generated each run of the turn's output, `TurnRecord.weight_segments`; NULL in turns
+   stored before).
 
 Any version-3 store gains the ``recomputations`` table when it is opened (the logprob recomputations
 scheduled and not yet done, redone at start-up); it is not a new version, since code that does not
 know the table reads the store as before.
 
 Opening a version 1 store migrates it in place, in one transaction (all or nothing), then compacts the
-file; a version 2 store gains the version 3 columns in one transaction; a store newer than this code, or one that is not a Belayer store, is refused with a `StoreError`.
+file; a version 2 store gains the version 3 columns, and a version 3 store the version 4 column, in
+one transaction each; a store newer than this code, or one that is not a Belayer store, is refused with a `StoreError`.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from gateway.store import layout
 
 log = logging.getLogger("belayer.store")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _TABLES = (
     """CREATE TABLE IF NOT EXISTS sessions (
@@ -48,7 +52,7 @@ _TABLES = (
     output_ids BLOB NOT NULL, output_logprobs BLOB NOT NULL, request TEXT NOT NULL, response TEXT,
     finish_reason TEXT, worker TEXT, timings TEXT NOT NULL, error TEXT, received_at REAL NOT NULL,
     base_id INTEGER, prompt_base INTEGER NOT NULL DEFAULT 0, spans_base INTEGER NOT NULL DEFAULT 0,
-    request_delta INTEGER NOT NULL DEFAULT 0,
+    request_delta INTEGER NOT NULL DEFAULT 0, weight_segments TEXT,
     UNIQUE (session_id, idx)
 )""",
     "CREATE INDEX IF NOT EXISTS turns_ext ON turns (session_id, ext_key)",
@@ -67,6 +71,7 @@ _RECOMPUTATIONS = """CREATE TABLE IF NOT EXISTS recomputations (
     turn_id INTEGER PRIMARY KEY, session_id TEXT NOT NULL, spans TEXT NOT NULL, scheduled_at REAL NOT NULL
 )"""
 _V3_SESSION_COLUMNS = ("parent_session TEXT", "fork_turn INTEGER")
+_V4_TURN_COLUMN = "weight_segments TEXT"
 _V3_INDEX = "CREATE INDEX IF NOT EXISTS sessions_parent ON sessions (parent_session)"
 _V2_TURN_COLUMNS = (
     "base_id INTEGER",
@@ -90,6 +95,8 @@ def prepare(db: sqlite3.Connection, path: str) -> None:
             _create(db)
         if version(db) < 3:
             migrate_v3(db, path)
+        if version(db) < 4:
+            migrate_v4(db, path)
         db.execute(_RECOMPUTATIONS)  # not a new version: code that does not know it ignores it
     elif "turns" not in tables:
         db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # in WAL mode, takes with a VACUUM (of nothing)
@@ -156,6 +163,7 @@ def migrate(db: sqlite3.Connection, path: str) -> None:
                     db.execute(sql)
                 sessions, turns, compacted = _compact(db)
                 _add_v3(db)
+                _add_v4(db)
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
     except (sqlite3.Error, ValueError) as e:  # ValueError: a row that does not parse
         raise StoreError(
@@ -189,13 +197,35 @@ def migrate_v3(db: sqlite3.Connection, path: str) -> None:
         with _immediate(db):
             if version(db) < 3:  # else another process migrated it while this one waited
                 _add_v3(db)
-                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', '3')")
     except sqlite3.Error as e:
         raise StoreError(
-            f"cannot migrate trajectory store {path} from schema version 2 to {SCHEMA_VERSION}: {e}; the "
+            f"cannot migrate trajectory store {path} from schema version 2 to 3: {e}; the "
             "store is unchanged (it needs write access)"
         ) from e
-    log.info("trajectory store %s migrated from schema version 2 to %d", path, SCHEMA_VERSION)
+    log.info("trajectory store %s migrated from schema version 2 to 3", path)
+
+
+def _add_v4(db: sqlite3.Connection) -> None:
+    """In a transaction: the version 4 turn column (when missing)."""
+    columns = {r[1] for r in db.execute("PRAGMA table_info(turns)")}
+    if _V4_TURN_COLUMN.split()[0] not in columns:
+        db.execute(f"ALTER TABLE turns ADD COLUMN {_V4_TURN_COLUMN}")
+
+
+def migrate_v4(db: sqlite3.Connection, path: str) -> None:
+    """Version 3 -> 4, in place and in one transaction: the ``weight_segments`` column of ``turns``."""
+    try:
+        with _immediate(db):
+            if version(db) < 4:  # else another process migrated it while this one waited
+                _add_v4(db)
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', '4')")
+    except sqlite3.Error as e:
+        raise StoreError(
+            f"cannot migrate trajectory store {path} from schema version 3 to 4: {e}; the store is "
+            "unchanged (it needs write access)"
+        ) from e
+    log.info("trajectory store %s migrated from schema version 3 to 4", path)
 
 
 def _check_v1(db: sqlite3.Connection, path: str) -> None:

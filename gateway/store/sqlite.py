@@ -22,6 +22,7 @@ import math
 import sqlite3
 import threading
 import time
+import uuid
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,8 +59,17 @@ def _finite(value: float | None) -> float | None:
 _TURN_COLS = (
     "id, session_id, idx, branch, parent_id, ext_key, status, prompt_ids, prompt_gen_spans, output_ids, "
     "output_logprobs, request, response, finish_reason, worker, timings, error, received_at, base_id, "
-    "prompt_base, spans_base, request_delta"
+    "prompt_base, spans_base, request_delta, weight_segments"
 )
+
+
+def _segments(text: str | None) -> list[tuple[int, int, str]]:
+    """Weight segments as stored (NULL: a turn stored before versions were recorded)."""
+    return [(int(a), int(b), str(v)) for a, b, v in _loads(text)] if text else []
+
+
+def _dump_segments(segments: list[tuple[int, int, str]]) -> str:
+    return _dumps([list(s) for s in segments])
 
 
 def _floats(blob: bytes) -> list[float]:
@@ -105,6 +115,7 @@ def _turn(row: tuple[Any, ...], base: TurnRecord | None) -> TurnRecord:
         timings=_loads(row[15]),
         error=row[16],
         received_at=row[17],
+        weight_segments=_segments(row[22]),
     )
 
 
@@ -435,7 +446,7 @@ class SqliteStore(TrajectoryStore):
     def _write_finish(self, turn: TurnRecord) -> None:
         self._exec(
             "UPDATE turns SET status = CASE status WHEN 'discarded' THEN status ELSE ? END, ext_key = ?, output_ids = ?, output_logprobs = ?, response = ?, "
-            "finish_reason = ?, worker = ?, timings = ?, error = ? WHERE id = ?",
+            "finish_reason = ?, worker = ?, timings = ?, error = ?, weight_segments = ? WHERE id = ?",
             (
                 turn.status,
                 turn.ext_key,
@@ -446,6 +457,7 @@ class SqliteStore(TrajectoryStore):
                 turn.worker,
                 _dumps(turn.timings),
                 turn.error,
+                _dump_segments(turn.weight_segments),
                 turn.id,
             ),
         )
@@ -466,6 +478,11 @@ class SqliteStore(TrajectoryStore):
                     "UPDATE turns SET output_ids = ?, output_logprobs = ? WHERE id = ?",
                     (ids, lps, part.turn_id),
                 )
+                if part.weight_segments is not None:
+                    db.execute(
+                        "UPDATE turns SET weight_segments = ? WHERE id = ?",
+                        (_dump_segments(part.weight_segments), part.turn_id),
+                    )
                 written += 1
         return written
 
@@ -754,6 +771,11 @@ class SqliteStore(TrajectoryStore):
             (after_id, limit),
         ).fetchall()
         return [(int(r[0]), str(r[1])) for r in rows]
+
+    def store_id(self) -> str:
+        # made by the first caller (INSERT OR IGNORE: a concurrent one keeps the first), kept in `meta`
+        self._exec("INSERT OR IGNORE INTO meta (key, value) VALUES ('store_id', ?)", (uuid.uuid4().hex,))
+        return str(self._exec("SELECT value FROM meta WHERE key = 'store_id'").fetchone()[0])
 
     def last_event_id(self) -> int:
         # AUTOINCREMENT's counter: ids of deleted events are never given again, so this never shrinks

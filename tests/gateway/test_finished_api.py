@@ -12,7 +12,8 @@ import pytest
 
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
-from gateway.store import SessionRecord, SqliteStore
+from gateway.store import SessionRecord
+from tests.store_backends import StoreBackend
 from tests.support import asgi_gateway
 
 HI = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -33,8 +34,8 @@ def blocks(text: str) -> list[tuple[str | None, str, dict[str, object]]]:
     return out
 
 
-def test_a_session_closes_once_on_the_feed(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "s.db")
+def test_a_session_closes_once_on_the_feed(store_backend: StoreBackend) -> None:
+    store = store_backend.open()
     for sid in ("a", "b", "c"):
         store.create_session(SessionRecord(sid, created_at=0.0, metadata={}))
     for sid in ("b", "a", "b", "c"):

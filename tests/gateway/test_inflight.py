@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -16,8 +17,11 @@ from engine_pool.fake import FakeEngine, Fault, FaultInjector, fake_logprob
 from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
 from gateway.inflight import InflightWriter
 from gateway.store import EventRecord, OutputPart, SessionRecord, SqliteStore, TurnRecord
-from gateway.store.base import TURN_COMPLETE
+from gateway.store.base import TURN_COMPLETE, TrajectoryStore
+from tests.store_backends import StoreBackend
 from tests.support import asgi_gateway
+
+StoreT = TypeVar("StoreT", bound=TrajectoryStore)
 
 
 def _turn(session: str = "s") -> TurnRecord:
@@ -25,7 +29,11 @@ def _turn(session: str = "s") -> TurnRecord:
 
 
 def _store(path: Path) -> tuple[SqliteStore, TurnRecord]:
-    store = SqliteStore(path)
+    return _begin(SqliteStore(path))
+
+
+def _begin(store: StoreT) -> tuple[StoreT, TurnRecord]:
+    """Session "s" and a running turn in it."""
     store.create_session(SessionRecord("s", time.time(), {}))
     return store, store.begin_turn(_turn())
 
@@ -40,8 +48,8 @@ async def _until(check: Callable[[], bool], what: str, timeout: float = 30.0) ->
 # --- the store --------------------------------------------------------------------------------------
 
 
-def test_append_outputs_grows_a_running_turn_and_a_restart_keeps_it(tmp_path: Path) -> None:
-    store, turn = _store(tmp_path / "t.db")
+def test_append_outputs_grows_a_running_turn_and_a_restart_keeps_it(store_backend: StoreBackend) -> None:
+    store, turn = _begin(store_backend.open())
     lps = [-0.1, -1e-300, -123.456789012345678, -2.5]
     assert store.append_outputs([OutputPart(turn.id, 0, [7, 4294967295], lps[:2])]) == 1
     assert store.append_outputs([OutputPart(turn.id, 2, [0, 9], lps[2:])]) == 1
@@ -54,15 +62,15 @@ def test_append_outputs_grows_a_running_turn_and_a_restart_keeps_it(tmp_path: Pa
     assert running.output_ids == [7, 4294967295, 0, 9] and running.output_logprobs == lps
     store.close()  # as a kill -9 leaves it: the turn is still running on disk
 
-    again = SqliteStore(tmp_path / "t.db")
+    again = store_backend.open()
     back = again.get_turn(turn.id)
     assert back is not None and back.status == "interrupted"
     assert back.output_ids == [7, 4294967295, 0, 9] and back.output_logprobs == lps  # bit for bit
     again.close()
 
 
-def test_append_outputs_after_the_final_write_is_skipped(tmp_path: Path) -> None:
-    store, turn = _store(tmp_path / "t.db")
+def test_append_outputs_after_the_final_write_is_skipped(store_backend: StoreBackend) -> None:
+    store, turn = _begin(store_backend.open())
     other = store.begin_turn(_turn())
     turn.output_ids, turn.output_logprobs, turn.status = [5, 6], [-0.5, -0.6], TURN_COMPLETE
     store.finish_turn(turn)
@@ -74,11 +82,13 @@ def test_append_outputs_after_the_final_write_is_skipped(tmp_path: Path) -> None
     store.close()
 
 
-def test_recomputation_marks_last_until_their_outcome_and_go_with_their_session(tmp_path: Path) -> None:
-    store, turn = _store(tmp_path / "t.db")
+def test_recomputation_marks_last_until_their_outcome_and_go_with_their_session(
+    store_backend: StoreBackend,
+) -> None:
+    store, turn = _begin(store_backend.open())
     store.schedule_recomputation(turn, [(0, 2)])
     store.close()
-    store = SqliteStore(tmp_path / "t.db")  # a restart: still pending
+    store = store_backend.open()  # a restart: still pending
     assert store.pending_recomputations() == [(turn.id, [(0, 2)])]
     store.end_recomputation(turn.id, EventRecord("s", turn.id, 1.0, "recomputed_logprobs", {"runs": []}))
     assert store.pending_recomputations() == []

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from core.errors import NotFound
-from gateway.store import SessionRecord, SqliteStore, TurnRecord
+from gateway.store import SessionRecord, TrajectoryStore, TurnRecord
 from gateway.store.layout import Turn, decode, encode, shared_prefix
+from tests.store_backends import StoreBackend
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 
@@ -24,7 +23,7 @@ def _request(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
 class Episode:
     """Writes turns like the turn runner does and remembers what it wrote, to compare with reads."""
 
-    def __init__(self, store: SqliteStore, sid: str = "s") -> None:
+    def __init__(self, store: TrajectoryStore, sid: str = "s") -> None:
         self.store, self.sid = store, sid
         self.written: dict[int, TurnRecord] = {}
         store.create_session(SessionRecord(sid, time.time(), {}))
@@ -89,43 +88,39 @@ def _same(read: TurnRecord, written: TurnRecord) -> None:
     assert read.output_ids == written.output_ids and read.status == written.status
 
 
-def _rows(path: Path) -> list[tuple[Any, ...]]:
-    db = sqlite3.connect(path)
-    try:
-        return db.execute(
-            "SELECT id, base_id, prompt_base, length(prompt_ids) / 4, request_delta FROM turns ORDER BY id"
-        ).fetchall()
-    finally:
-        db.close()
+def _rows(backend: StoreBackend) -> list[tuple[Any, ...]]:
+    return backend.rows(
+        "SELECT id, base_id, prompt_base, length(prompt_ids) / 4, request_delta FROM turns ORDER BY id"
+    )
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> SqliteStore:
-    return SqliteStore(tmp_path / "t.db")
+def store(store_backend: StoreBackend) -> TrajectoryStore:
+    return store_backend.open()
 
 
 @pytest.mark.parametrize("hint", [True, False])
 def test_a_linear_episode_stores_segments_and_reads_back_exactly(
-    tmp_path: Path, store: SqliteStore, hint: bool
+    store_backend: StoreBackend, store: TrajectoryStore, hint: bool
 ) -> None:
     ep = Episode(store)
     turn = ep.turn(list(range(100)), [500, 501, 502], _request([{"role": "user", "content": "go"}]))
     for k in range(20):
         turn = ep.extend(turn, list(range(1000 + k, 1010 + k)), [600 + k] * 5, hint=hint)
     ep.check()
-    rows = _rows(tmp_path / "t.db")
+    rows = _rows(store_backend)
     assert rows[0][1:4] == (None, 0, 100)
     for (tid, base, prompt_base, tail, delta), (prev, *_) in zip(rows[1:], rows, strict=False):
         assert base == prev and tail == 10 and delta == 1
         assert prompt_base == len(ep.written[prev].prompt_ids) + len(ep.written[prev].output_ids)
         assert tid in ep.written
     store.close()
-    again = SqliteStore(tmp_path / "t.db")  # durable: the next process reads the same
+    again = store_backend.open()  # durable: the next process reads the same
     ep.store = again
     ep.check()
 
 
-def test_branches_and_rewrites(tmp_path: Path, store: SqliteStore) -> None:
+def test_branches_and_rewrites(store_backend: StoreBackend, store: TrajectoryStore) -> None:
     ep = Episode(store)
     root = ep.turn([1, 2, 3, 4], [5, 6], _request([{"role": "user", "content": "a"}]))
     second = ep.extend(root, [7, 8], [9])
@@ -139,14 +134,16 @@ def test_branches_and_rewrites(tmp_path: Path, store: SqliteStore) -> None:
     # a prompt that shares nothing with its parent (a re-tokenized history): stored whole
     fresh = ep.turn([42] * 6, [43], {"prompt": [42] * 6}, third, spans=[])
     ep.check()
-    rows = {r[0]: r for r in _rows(tmp_path / "t.db")}
+    rows = {r[0]: r for r in _rows(store_backend)}
     assert rows[branch.id][1:3] == (root.id, 6)
     assert rows[rewritten.id][1:3] == (third.id, 3)
     assert rows[fresh.id][1:3] == (None, 0)
     assert rows[orphan.id][1:3] == (branch.id, 6)
 
 
-def test_discarded_turns_stay_readable_and_the_next_turn_extends_an_earlier_one(store: SqliteStore) -> None:
+def test_discarded_turns_stay_readable_and_the_next_turn_extends_an_earlier_one(
+    store: TrajectoryStore,
+) -> None:
     ep = Episode(store)
     root = ep.turn([1, 2, 3], [4], _request([{"role": "user", "content": "a"}]))
     second = ep.extend(root, [5], [6])
@@ -160,7 +157,7 @@ def test_discarded_turns_stay_readable_and_the_next_turn_extends_an_earlier_one(
     assert again.prompt_ids[:5] == [1, 2, 3, 4, 50]
 
 
-def test_a_child_of_a_running_turn_reads_back_once_the_parent_finishes(store: SqliteStore) -> None:
+def test_a_child_of_a_running_turn_reads_back_once_the_parent_finishes(store: TrajectoryStore) -> None:
     ep = Episode(store)
     parent = ep.turn([1, 2, 3], [], _request([]), finish=False)
     child = ep.turn([1, 2, 3, 4, 5], [6], _request([]), parent, spans=[])
@@ -170,7 +167,7 @@ def test_a_child_of_a_running_turn_reads_back_once_the_parent_finishes(store: Sq
     assert store.get_turns("s")[1].prompt_ids == child.prompt_ids
 
 
-def test_a_stale_parent_hint_is_not_trusted(store: SqliteStore) -> None:
+def test_a_stale_parent_hint_is_not_trusted(store: TrajectoryStore) -> None:
     ep = Episode(store)
     parent = ep.turn([1, 2, 3], [4, 5], _request([]))
     stale = TurnRecord("s", [1, 2, 3], [], None, None, {}, 0.0, id=parent.id, output_ids=[4, 5, 6])
@@ -201,7 +198,7 @@ def test_shared_prefix(a: list[int], b: list[int], n: int) -> None:
     assert shared_prefix(a, b) == shared_prefix(b, a) == n
 
 
-def test_deleting_a_session_while_a_turn_is_about_to_start(store: SqliteStore) -> None:
+def test_deleting_a_session_while_a_turn_is_about_to_start(store: TrajectoryStore) -> None:
     ep = Episode(store)
     ep.turn([1], [2], _request([]))
     assert store.delete_session("s") == (1, 0)

@@ -15,6 +15,7 @@ from gateway.config import GatewayConfig, SandboxConfig
 from gateway.export import export
 from gateway.store import SessionRecord, SqliteStore, TurnRecord
 from sandbox.fake import FakeSandboxBackend
+from tests.store_backends import StoreBackend
 from tests.support import GatewayHarness, asgi_gateway
 
 DAY = 86400.0
@@ -155,8 +156,8 @@ def test_prune_refuses_what_is_not_a_duration(
     assert not (tmp_path / "none.db").exists()
 
 
-def test_prune_goes_in_batches_and_keeps_sessions_with_a_running_turn(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "t.db")
+def test_prune_goes_in_batches_and_keeps_sessions_with_a_running_turn(store_backend: StoreBackend) -> None:
+    store = store_backend.open()
     for k in range(250):
         store.create_session(SessionRecord(f"s{k:03d}", 0.0, {}, status="closed", closed_at=1.0))
     store.begin_turn(TurnRecord("s007", [1], [], None, None, {}, 0.0))  # closed while its turn runs

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from core.errors import StoreError
-from gateway.store import SqliteStore
+from gateway.store import SessionRecord, SqliteStore, TurnRecord
 from gateway.store.schema import SCHEMA_VERSION
 
 V1_SCHEMA = """
@@ -118,7 +118,7 @@ def _version(path: Path) -> int:
 
 def test_a_new_store_has_the_current_version_and_incremental_vacuum(tmp_path: Path) -> None:
     SqliteStore(tmp_path / "t.db").close()
-    assert _version(tmp_path / "t.db") == SCHEMA_VERSION == 3
+    assert _version(tmp_path / "t.db") == SCHEMA_VERSION == 4
     db = sqlite3.connect(tmp_path / "t.db")
     assert db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # incremental
     db.close()
@@ -141,7 +141,7 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path: Path, caplog: pytest.L
     with caplog.at_level(logging.INFO, logger="belayer.store"):
         store = SqliteStore(path)
     [line] = [r.getMessage() for r in caplog.records if "migrated" in r.getMessage()]
-    assert "from schema version 1 to 3: 2 sessions, 37 turns" in line and " s" in line
+    assert "from schema version 1 to 4: 2 sessions, 37 turns" in line and " s" in line
     old.expected[running]["status"] = "interrupted"  # as any store left running by a crash
     _check(store, old.expected)
     assert [t.index for t in store.get_turns("s1")] == list(range(34))
@@ -149,7 +149,7 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path: Path, caplog: pytest.L
     assert found is not None and found.prompt_ids == old.expected[main[-1]]["prompt_ids"]
     assert len(store.get_events("s1")) == 1 and store.get_session("s2") is not None
     store.close()
-    assert _version(path) == 3 and path.stat().st_size < before / 3  # compacted and vacuumed
+    assert _version(path) == 4 and path.stat().st_size < before / 3  # compacted and vacuumed
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="belayer.store"):
@@ -187,3 +187,35 @@ def test_a_newer_store_and_a_foreign_one_are_refused(tmp_path: Path) -> None:
     db.close()
     with pytest.raises(StoreError, match=r"not a Belayer trajectory store .* lacks"):
         SqliteStore(tmp_path / "other.db")
+
+
+def test_a_version_3_store_gains_weight_segments(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Schema 4: a version 3 store gets the ``weight_segments`` column in place; its turns read with
+    none, and new ones keep theirs."""
+    path = tmp_path / "v3.db"
+    store = SqliteStore(path)
+    store.create_session(SessionRecord("s1", 0.0, {}))
+    old = store.begin_turn(TurnRecord("s1", [1, 2], [], None, None, {}, 0.0))
+    old.output_ids, old.output_logprobs, old.status = [3], [-0.5], "complete"
+    store.finish_turn(old)
+    store.close()
+    db = sqlite3.connect(path)  # make it the version 3 store an older Belayer wrote
+    db.execute("ALTER TABLE turns DROP COLUMN weight_segments")
+    db.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+    db.commit()
+    db.close()
+
+    with caplog.at_level(logging.INFO, logger="belayer.store"):
+        store = SqliteStore(path)
+    assert any("from schema version 3 to 4" in r.getMessage() for r in caplog.records)
+    assert _version(path) == 4
+    got = store.get_turn(old.id)
+    assert got is not None and got.weight_segments == [] and got.output_ids == [3]
+    new = store.begin_turn(TurnRecord("s1", [1, 2, 3, 4], [], old.id, None, {}, 0.0))
+    new.output_ids, new.output_logprobs, new.status = [5, 6, 7], [-0.1] * 3, "complete"
+    new.weight_segments = [(0, 2, "v1"), (2, 3, "step-2")]
+    store.finish_turn(new)
+    store.close()
+    again = SqliteStore(path)
+    assert [t.weight_segments for t in again.get_turns("s1")] == [[], [(0, 2, "v1"), (2, 3, "step-2")]]
+    again.close()

@@ -1,0 +1,253 @@
+"""Replicated gateways: two ``belayer serve`` processes on one PostgreSQL and one engine.
+
+A session started on gateway A continues on gateway B with exact prefix reuse: B has never seen the
+session and finds turn 1 in the store. Behind HAProxy, a ``kill -9`` of A mid-stream leaves the
+harness's retry, through the balancer, to B, which continues the session. Real parts: a PostgreSQL
+server, a fake engine process (``tests.gateway.held_engine``, autoregressive: the test knows every
+token it produces), gateway processes, Debian's ``haproxy``, and the official ``openai`` SDK as the
+harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import openai
+import psycopg
+import pytest
+
+from engine_pool.fake import FakeEngine, autoregressive
+from engine_pool.worker import free_port
+from gateway.tokenization import ChatTokenizer
+from tests.postgres_server import PostgresServer
+from tests.support import belayer_server, spawn, stop, wait_healthy
+
+pytestmark = pytest.mark.postgres
+
+T = TypeVar("T")
+HAPROXY = os.environ.get("BELAYER_HAPROXY", "/usr/sbin/haproxy")
+REPLY_TOKENS = 300
+
+
+@contextlib.contextmanager
+def _engine(tmp_path: Path, token_delay: float) -> Iterator[str]:
+    """One fake engine process, the pool of every gateway."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.gateway.held_engine", "--port", str(port)]
+    argv += ["--hold", str(tmp_path / "no-hold"), "--token-delay", str(token_delay)]
+    proc = spawn(argv, tmp_path / "engine.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 60, tmp_path / "engine.log")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[str]:
+    with _engine(tmp_path, 0.001) as url:
+        yield url
+
+
+def _poll(read: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if value is not None:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.02)  # polling other processes' progress
+
+
+def _trajectory(url: str, sid: str) -> dict[str, Any]:
+    r = httpx.get(f"{url}/api/sessions/{sid}/trajectory", timeout=10)
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def _chat(base_url: str, messages: list[dict[str, Any]], max_tokens: int) -> str:
+    sdk = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60)
+    r = sdk.chat.completions.create(model="policy", messages=messages, max_tokens=max_tokens, temperature=0)  # type: ignore[arg-type]
+    content = r.choices[0].message.content
+    assert content is not None
+    return content
+
+
+def _close_seen_by_follower(follower_url: str, close: Callable[[], object]) -> float:
+    """Follow ``/api/finished`` on one gateway, `close` a session (on another); seconds until the
+    follower had it."""
+    with httpx.stream("GET", f"{follower_url}/api/finished?follow=true", timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines) == ": belayer finished feed"  # subscribed: a close from now on wakes it
+        t0 = time.monotonic()
+        close()
+        for line in lines:
+            if line == "event: finished":
+                return time.monotonic() - t0
+    raise AssertionError("the feed ended without the session")
+
+
+def _episode(first: str, second: str, sid: str) -> list[dict[str, Any]]:
+    """Turn 1 through gateway `first`, turn 2 through gateway `second`; the trajectory."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "list the files"}]
+    answer = _chat(f"{first}/s/{sid}/v1", messages, 12)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "now the tests"}]
+    _chat(f"{second}/s/{sid}/v1", messages, 8)
+    turns: list[dict[str, Any]] = _trajectory(first, sid)["turns"]
+    return turns
+
+
+def test_a_session_started_on_a_continues_on_b_with_exact_prefix_reuse(
+    postgres: PostgresServer, engine: str, tmp_path: Path, tiny_model_dir: Path, tokenizer: ChatTokenizer
+) -> None:
+    store = postgres.new_database()
+    args = ["serve", "--model", str(tiny_model_dir), "--engine-url", engine, "--store", store]
+    with (
+        belayer_server(args, tmp_path / "a.log") as a,
+        belayer_server(args, tmp_path / "b.log") as b,
+    ):
+        sid = httpx.post(f"{a.url}/api/sessions", json={"metadata": {"task": "t"}}).json()["id"]
+        turns = _episode(a.url, b.url, sid)
+        # the same conversation on gateway A alone: what one gateway builds is the reference
+        alone = httpx.post(f"{a.url}/api/sessions", json={}).json()["id"]
+        reference = _episode(a.url, a.url, alone)
+        via_b = _trajectory(b.url, sid)["turns"]  # B reads the whole session too
+        # a trainer follows the finished feed on B; the session closes on A: B's feed has it at once
+        waited = _close_seen_by_follower(b.url, lambda: httpx.post(f"{a.url}/api/sessions/{sid}/close"))
+        assert waited < 5.0  # not at the feed's next 15 s heartbeat: A's close woke B (NOTIFY)
+
+    t1, t2 = turns
+    first = [{"role": "user", "content": "list the files"}]
+    assert t1["prompt_ids"] == tokenizer.encode(tokenizer.render(first, None, add_generation_prompt=True))
+    assert t1["output_ids"] == FakeEngine(step=autoregressive).greedy(t1["prompt_ids"], 12)
+    reused = len(t1["prompt_ids"]) + len(t1["output_ids"])
+    assert t2["prompt_ids"][:reused] == t1["prompt_ids"] + t1["output_ids"]  # turn 1's exact tokens
+    assert t2["events"][0]["data"]["reused_tokens"] == reused
+    assert [t["prompt_ids"] for t in turns] == [t["prompt_ids"] for t in reference]
+    assert [t["output_ids"] for t in turns] == [t["output_ids"] for t in reference]
+    assert (t2["index"], t2["branch"], t2["parent_index"]) == (1, 0, 0)
+    assert t2["output_ids"] == FakeEngine(step=autoregressive).greedy(t2["prompt_ids"], 8)
+    assert [(t["prompt_ids"], t["output_ids"]) for t in via_b] == [
+        (t["prompt_ids"], t["output_ids"]) for t in turns
+    ]
+
+
+_HAPROXY_CFG = """
+global
+    maxconn 256
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 120s
+    timeout server 120s
+    retries 3
+    option redispatch 1
+    retry-on conn-failure
+frontend gateways
+    bind 127.0.0.1:{port}
+    default_backend replicas
+backend replicas
+    balance first
+    option httpchk GET /health
+    server a 127.0.0.1:{a} check inter 200ms fall 1 rise 1
+    server b 127.0.0.1:{b} check inter 200ms fall 1 rise 1
+"""
+
+
+@contextlib.contextmanager
+def _haproxy(tmp_path: Path, a: str, b: str) -> Iterator[str]:
+    """HAProxy in front of gateways `a` and `b`: everything to A while it is up (``balance first``), a
+    request whose connection A refuses redispatched to B."""
+    port = free_port()
+    cfg = tmp_path / "haproxy.cfg"
+    ports = {"a": a.rsplit(":", 1)[1], "b": b.rsplit(":", 1)[1]}
+    cfg.write_text(_HAPROXY_CFG.format(port=port, **ports))
+    proc = spawn([HAPROXY, "-f", str(cfg), "-db"], tmp_path / "haproxy.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 30, tmp_path / "haproxy.log")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+def _tokens(chunk: Any) -> int:
+    choice = chunk.choices[0] if chunk.choices else None
+    return len(choice.logprobs.content or []) if choice is not None and choice.logprobs else 0
+
+
+def _connections(store: str, name: str) -> int:
+    with psycopg.connect(store) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (name,)
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_kill_9_of_a_mid_stream_behind_haproxy_the_retry_continues_on_b(
+    postgres: PostgresServer, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    store = postgres.new_database()
+    config = tmp_path / "belayer.toml"
+    config.write_text("[inflight]\nflush_interval_s = 0.05\nflush_tokens = 8\n")
+    with _engine(tmp_path, 0.01) as engine:
+
+        def serve(name: str) -> list[str]:
+            return ["serve", "--model", str(tiny_model_dir), "--engine-url", engine, "--config", str(config),
+                    "--store", f"{store}?application_name={name}"]  # fmt: skip
+
+        with (
+            belayer_server(serve("gw-a"), tmp_path / "a.log") as a,
+            belayer_server(serve("gw-b"), tmp_path / "b.log") as b,
+            _haproxy(tmp_path, a.url, b.url) as lb,
+        ):
+            sid = httpx.post(f"{lb}/api/sessions", json={}).json()["id"]
+            sdk = openai.OpenAI(base_url=f"{lb}/s/{sid}/v1", api_key="none", max_retries=3, timeout=60)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
+            answer = _chat(f"{lb}/s/{sid}/v1", messages, 12)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "go on"}]
+            request = {"model": "policy", "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0,
+                       "logprobs": True, "stream": True}  # fmt: skip
+            stream = sdk.chat.completions.create(**request)
+            received = 0
+            for chunk in stream:
+                received += _tokens(chunk)
+                if received >= 40:
+                    break
+
+            def on_disk() -> list[int] | None:  # read from B: it shares the store
+                turns = _trajectory(b.url, sid)["turns"]
+                out: list[int] = turns[1]["output_ids"] if len(turns) == 2 else []
+                return out if turns[1]["status"] == "running" and len(out) >= received else None
+
+            seen = _poll(on_disk, f"the running turn's first {received} tokens in the store")
+            os.kill(a.proc.pid, signal.SIGKILL)  # gateway A itself, by its PID, mid-stream
+            a.proc.wait(timeout=30)
+            with pytest.raises((openai.APIError, httpx.HTTPError)):
+                for _ in stream:
+                    pass
+            _poll(lambda: _connections(store, "gw-a") == 0 or None, "A's database connections closed")
+
+            retry = sdk.chat.completions.create(**request)  # the harness retries, through the balancer
+            assert sum(_tokens(chunk) for chunk in retry) == REPLY_TOKENS
+            traj = _trajectory(lb, sid)
+            assert b.proc.poll() is None
+
+    t1, t2, t3 = traj["turns"]
+    assert [t["status"] for t in traj["turns"]] == ["complete", "interrupted", "complete"]
+    expected = FakeEngine(step=autoregressive).greedy(t2["prompt_ids"], REPLY_TOKENS)
+    assert len(t2["output_ids"]) >= len(seen) >= received >= 40
+    assert t2["output_ids"] == expected[: len(t2["output_ids"])]  # what A streamed, kept
+    assert t3["prompt_ids"] == t2["prompt_ids"] and t3["output_ids"] == expected
+    reused = len(t1["prompt_ids"]) + len(t1["output_ids"])
+    assert t3["prompt_ids"][:reused] == t1["prompt_ids"] + t1["output_ids"]
+    assert t3["events"][0]["data"]["reused_tokens"] == reused
+    assert t3["parent_index"] == t2["parent_index"] == 0 and t3["branch"] != t2["branch"]

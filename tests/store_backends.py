@@ -1,0 +1,79 @@
+"""Fixtures that run a store test on both stores: SQLite and PostgreSQL.
+
+- ``postgres`` (session): the one PostgreSQL server of the test run (`tests.postgres_server`);
+- ``store_backend`` (parametrized ``sqlite`` | ``postgres``): a `StoreBackend` over fresh storage, whose
+  ``open()`` gives a new store instance over the same data (a restart, or a second gateway), and
+  whose ``rows(sql)`` reads the tables directly (tests of the stored layout).
+
+The ``postgres`` parameter carries the ``postgres`` marker. They are imported into ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from gateway.store import TrajectoryStore
+from gateway.store.postgres import PostgresStore
+from gateway.store.sqlite import SqliteStore
+from tests.postgres_server import PostgresServer, postgres_server
+
+
+@dataclass
+class StoreBackend:
+    kind: str
+    location: str
+    """The SQLite file, or the PostgreSQL database's URL (what ``--store`` takes)."""
+    opened: list[TrajectoryStore] = field(default_factory=list)
+
+    def open(self, **options: Any) -> TrajectoryStore:
+        store: TrajectoryStore = (
+            SqliteStore(self.location, **options)
+            if self.kind == "sqlite"
+            else PostgresStore(self.location, **options)
+        )
+        self.opened.append(store)
+        return store
+
+    def rows(self, sql: str) -> list[tuple[Any, ...]]:
+        """``sql`` on the tables themselves (booleans read as 0/1, as SQLite stores them)."""
+        if self.kind == "sqlite":
+            db = sqlite3.connect(self.location)
+            try:
+                return db.execute(sql).fetchall()
+            finally:
+                db.close()
+        with psycopg.connect(self.location) as conn:
+            rows = conn.execute(sql).fetchall()  # type: ignore[arg-type]
+        return [tuple(int(v) if isinstance(v, bool) else v for v in r) for r in rows]
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreBackend]:
+    if request.param == "sqlite":
+        backend = StoreBackend("sqlite", str(tmp_path / "t.db"))
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres")
+        backend = StoreBackend("postgres", server.new_database())
+    yield backend
+    for store in backend.opened:  # what a test left open (closing twice is harmless)
+        _close_quietly(store.close)
+
+
+def _close_quietly(close: Callable[[], None]) -> None:
+    try:
+        close()
+    except Exception:  # already closed
+        return
