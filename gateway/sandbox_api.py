@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -36,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from core.errors import InvalidRequest, SandboxesDisabled
+from core.errors import InvalidRequest, SandboxError, SandboxesDisabled
 from engine_pool.pool import EnginePool
 from gateway.bodies import read_json, validate
 from gateway.config import SandboxConfig
@@ -45,6 +46,8 @@ from gateway.sandboxes.manager import SandboxManager
 from gateway.sandboxes.verify import VerifyPlan
 from gateway.store import TrajectoryStore
 from sandbox.backend import SandboxBackend, SandboxSpec
+
+log = logging.getLogger("belayer.sandbox")
 
 
 @contextlib.asynccontextmanager
@@ -71,9 +74,16 @@ async def open_sandboxes(
 
     manager = SandboxManager(backend, store, config, engine_load)
     try:
+        try:  # the sandboxes a gateway before this one left (killed, or shut down)
+            await manager.adopt()
+        except SandboxError as exc:
+            log.error("could not take back the sandboxes of the open sessions at start-up: %s", exc)
         yield manager
     finally:
-        await manager.close()
+        if config.keep_on_shutdown:
+            await manager.detach()  # the next gateway on this store adopts them
+        else:
+            await manager.close()
         if owned:
             backend.close()
 

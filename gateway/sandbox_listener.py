@@ -82,6 +82,28 @@ class SandboxFacing:
         return None
 
 
+def _bind(host: str, port: int, earlier: int | None) -> socket.socket:
+    """The listener's socket on `port`; with any port (0), first on the `earlier` one that the sandboxes a
+    restarted gateway took back were given (their harnesses call it again)."""
+    if earlier:
+        try:
+            return _socket(host, earlier)
+        except OSError as exc:
+            log.warning("sandbox listener: port %d of the adopted sandboxes is taken (%s)", earlier, exc)
+    return _socket(host, port)
+
+
+def _socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 @contextlib.asynccontextmanager
 async def serve_sandboxes(
     app: ASGIApp, manager: SandboxManager, network: SandboxNetwork | None, port: int
@@ -93,9 +115,7 @@ async def serve_sandboxes(
         return
     try:
         host = await asyncio.to_thread(network.gateway_address)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock = _bind(host, port, manager.listener_port() if port == 0 else None)
         port = sock.getsockname()[1]
         await asyncio.to_thread(network.open_gateway, port)
     except (SandboxError, OSError) as exc:

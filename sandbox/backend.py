@@ -25,7 +25,8 @@ from __future__ import annotations
 import abc
 import posixpath
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -221,6 +222,16 @@ class SandboxBackend(abc.ABC):
     def status(self, sandbox_id: str) -> SandboxStatus:
         """Whether the sandbox runs; raises `SandboxNotFound` when it is gone altogether."""
 
+    def list_sandboxes(self, labels: Mapping[str, str]) -> list[Sandbox]:
+        """The sandboxes (running or stopped) whose spec carries every one of `labels`: after a restart,
+        a gateway finds its own this way (`gateway.sandboxes.adoption`); [] when the backend cannot
+        tell."""
+        return []
+
+    def has_checkpoint(self, checkpoint: Checkpoint) -> bool:
+        """Whether `checkpoint`'s storage is still there to restore (e.g. after a restart)."""
+        return True
+
     def changed_paths(self, sandbox_id: str) -> list[tuple[str, str]]:
         """What changed in the sandbox's filesystem since its image, as ``(kind, path)`` with kind
         ``added``, ``modified`` or ``deleted``, read from outside the sandbox; [] when the backend
@@ -252,6 +263,23 @@ class SandboxBackend(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def checkpoint_record(ckpt: Checkpoint) -> dict[str, Any]:
+    """A checkpoint as JSON-able values (the inverse of `checkpoint_from_record`), to keep it where it
+    outlives the process that took it."""
+    record = asdict(ckpt)
+    record["spec"] = ckpt.spec.model_dump(mode="json")
+    record["env"] = list(ckpt.env)
+    return record
+
+
+def checkpoint_from_record(record: dict[str, Any]) -> Checkpoint:
+    """Rebuild a checkpoint from `checkpoint_record`'s values."""
+    values = dict(record)
+    values["spec"] = SandboxSpec.model_validate(values["spec"])
+    values["env"] = tuple(values.get("env") or ())
+    return Checkpoint(**values)
 
 
 def check_env_name(name: str) -> str:

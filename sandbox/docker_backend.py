@@ -35,8 +35,7 @@ import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import asdict
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +65,8 @@ from sandbox.backend import (
     SandboxStatus,
     check_env_name,
     check_exec_args,
+    checkpoint_from_record,
+    checkpoint_record,
     resolve_in_root,
 )
 from sandbox.docker_network import GatewayNetwork
@@ -194,6 +195,11 @@ class DockerSandboxBackend(SandboxBackend):
     def close(self) -> None:
         self._client.close()
 
+    def kill(self, sandbox_id: str) -> None:
+        """Stop the sandbox now (SIGKILL), as a crash would; it stays until `destroy` (tests, benchmarks)."""
+        with docker_errors():
+            self._api.kill(sandbox_id)
+
     def status(self, sandbox_id: str) -> SandboxStatus:
         with docker_errors():
             state = self._api.inspect_container(sandbox_id)["State"]
@@ -212,6 +218,31 @@ class DockerSandboxBackend(SandboxBackend):
     @property
     def network(self) -> DockerNetwork:
         return self._network
+
+    def list_sandboxes(self, labels: Mapping[str, str]) -> list[Sandbox]:
+        """Belayer's containers (they carry the spec label) with every one of `labels`, running or not;
+        each one's id is its name, as `create` and `restore` gave it."""
+        filters = {"label": [_SPEC_LABEL, *(f"{k}={v}" for k, v in labels.items())]}
+        with docker_errors():
+            found = self._api.containers(all=True, filters=filters)
+        boxes = []
+        for container in found:
+            names = [str(n).lstrip("/") for n in container.get("Names") or []]
+            own = (container.get("Labels") or {}).get(_SPEC_LABEL)
+            if not names or own is None:
+                continue
+            spec = SandboxSpec.model_validate_json(own)
+            if any(spec.labels.get(k) != v for k, v in labels.items()):
+                continue  # the filter matched a label set outside the spec: not one of ours
+            self._specs.setdefault(names[0], spec)
+            boxes.append(Sandbox(id=names[0], spec=spec))
+        return boxes
+
+    def has_checkpoint(self, checkpoint: Checkpoint) -> bool:
+        """Its process dump is on disk and its snapshot image in the engine."""
+        if not (Path(checkpoint.location) / _CRIU_NAME).is_dir():
+            return False
+        return self.has_image(checkpoint.image)
 
     # ------------------------------------------------------------------ exec
     def exec(
@@ -708,14 +739,9 @@ def _single_file(raw: bytes, target: str) -> bytes:
 
 def checkpoint_to_json(ckpt: Checkpoint) -> str:
     """Serialise a checkpoint record (the inverse of `checkpoint_from_json`)."""
-    record = asdict(ckpt)
-    record["spec"] = ckpt.spec.model_dump(mode="json")
-    return json.dumps(record, indent=1)
+    return json.dumps(checkpoint_record(ckpt), indent=1)
 
 
 def checkpoint_from_json(text: str) -> Checkpoint:
     """Parse a record written by `checkpoint_to_json`."""
-    record = json.loads(text)
-    record["spec"] = SandboxSpec.model_validate(record["spec"])
-    record["env"] = tuple(record["env"])
-    return Checkpoint(**record)
+    return checkpoint_from_record(json.loads(text))

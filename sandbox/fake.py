@@ -47,6 +47,7 @@ import tarfile
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -196,6 +197,19 @@ class FakeSandboxBackend(SandboxBackend):
         box.destroyed = True
         box.ended.set()  # ends a call in progress, as removing a container ends its exec
         self._network.detach(sandbox_id)
+
+    def list_sandboxes(self, labels: Mapping[str, str]) -> list[Sandbox]:
+        with self._guard:
+            boxes = list(self._boxes.values())
+        return [
+            Sandbox(box.id, box.spec)
+            for box in boxes
+            if all(box.spec.labels.get(k) == v for k, v in labels.items())
+        ]
+
+    def has_checkpoint(self, checkpoint: Checkpoint) -> bool:
+        with self._guard:
+            return checkpoint.id in self._snapshots
 
     def status(self, sandbox_id: str) -> SandboxStatus:
         box = self._box(sandbox_id)

@@ -23,6 +23,7 @@ from gateway.sandboxes.policy import AdaptivePolicy
 from gateway.sandboxes.records import CheckpointInfo, EventLog
 from gateway.sandboxes.state import Slot
 from gateway.store import TurnRecord
+from sandbox.backend import checkpoint_record
 
 log = logging.getLogger("belayer.sandbox")
 
@@ -57,7 +58,8 @@ class Checkpointer:
         slot.journal.clear()
         self.taken += 1
         self.policy.observe_checkpoint(seconds=seconds, dump_bytes=ckpt.dump_bytes)
-        self.events.add(slot.session_id, bubble.id if bubble else None, "sandbox_checkpoint", info.as_json())
+        data = {**info.as_json(), "record": checkpoint_record(ckpt)}  # the whole record: `adoption`
+        self.events.add(slot.session_id, bubble.id if bubble else None, "sandbox_checkpoint", data)
         for old in slot.history.evict(self.keep):
             await self.delete(slot.session_id, old)
         return info

@@ -16,12 +16,13 @@ Example::
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandbox.backend import ExecResult
+from sandbox.backend import ExecResult, SandboxBackend
 
 
 @dataclass(slots=True)
@@ -39,6 +40,9 @@ class Call:
     turn: int = -1
     """The session's newest turn when the call ran: a harness outside runs turn k's tool calls after
     turn k's answer, so a fork at turn k replays the calls of the turns before k (`fork`)."""
+    args: dict[str, Any] | None = None
+    """A journaled call's arguments as JSON values: recorded in the store (``sandbox_call``), so that a
+    restarted gateway rebuilds the journal (`bind_call`)."""
 
     def take(self) -> Any:
         """The result, handed to the caller once (the journal keeps only the fingerprint)."""
@@ -50,6 +54,52 @@ class Call:
     def diverged(self, again: Any) -> bool:
         """Whether a replay's result differs from the first run's (only execs can tell)."""
         return isinstance(again, ExecResult) and self.fingerprint != fingerprint(again)
+
+
+def exec_call(
+    backend: SandboxBackend,
+    command: str,
+    *,
+    timeout_s: float,
+    cwd: str | None,
+    env: dict[str, str] | None,
+    session: str,
+    max_output_bytes: int,
+) -> Call:
+    """A journaled exec (see `SandboxBackend.exec`)."""
+    args = {
+        "command": command, "timeout_s": timeout_s, "cwd": cwd, "env": env, "session": session,
+        "max_output_bytes": max_output_bytes,
+    }  # fmt: skip
+    return bind_call(backend, "exec", args)
+
+
+def write_call(backend: SandboxBackend, path: str, data: bytes, mode: int) -> Call:
+    """A journaled file write (see `SandboxBackend.write_file`)."""
+    return bind_call(
+        backend, "write_file", {"path": path, "data": base64.b64encode(data).decode(), "mode": mode}
+    )
+
+
+def bind_call(backend: SandboxBackend, op: str, args: dict[str, Any]) -> Call:
+    """The journaled call `op` with recorded `args` (`Call.args`), to run on `backend`'s sandboxes."""
+    if op == "exec":
+
+        def run_exec(box: str) -> ExecResult:
+            return backend.exec(
+                box, args["command"], timeout_s=args["timeout_s"], cwd=args["cwd"], env=args["env"],
+                session=args["session"], max_output_bytes=args["max_output_bytes"],
+            )  # fmt: skip
+
+        return Call("exec", run_exec, journaled=True, long=True, args=args)
+    if op == "write_file":
+        data = base64.b64decode(args["data"])
+
+        def run_write(box: str) -> None:
+            backend.write_file(box, args["path"], data, mode=args["mode"])
+
+        return Call("write_file", run_write, journaled=True, args=args)
+    raise ValueError(f"not a journaled call: {op!r}")
 
 
 def fingerprint(result: ExecResult) -> tuple[int, str]:

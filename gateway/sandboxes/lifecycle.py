@@ -9,6 +9,7 @@ by the sandbox's address on the network, looked up here whenever the sandbox cha
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from core.errors import ImageNotFound, SandboxError, SandboxNotFound
 from gateway.sandboxes.io import SandboxIO
@@ -17,13 +18,17 @@ from gateway.sandboxes.state import RecoveryMode, Slot
 from sandbox.backend import Sandbox, SandboxSpec
 
 log = logging.getLogger("belayer.sandbox")
+SESSION_LABEL = "belayer.session"
+"""The label naming a sandbox's session."""
 
 
 class Lifecycle:
     """Creates a slot's sandbox, replaces it (from a checkpoint or afresh) and drops it."""
 
-    def __init__(self, io: SandboxIO) -> None:
+    def __init__(self, io: SandboxIO, owner_labels: dict[str, str] | None = None) -> None:
         self.io = io
+        self.owner_labels = owner_labels or {}
+        """Labels of every sandbox this gateway makes (its store's identity: `adoption`)."""
 
     async def start(
         self,
@@ -36,7 +41,7 @@ class Lifecycle:
     ) -> Slot:
         """Create the session's sandbox; return its new slot. A harness inside is always truncated:
         its memory comes back with the checkpoint."""
-        labels = {**spec.labels, "belayer.session": session_id}
+        labels = {**spec.labels, **self.owner_labels, SESSION_LABEL: session_id}
         env = gateway_env(session_id, spec, gateway_url)
         spec = spec.model_copy(update={"labels": labels, "env": env})
         box = await self._create(spec)
@@ -50,8 +55,9 @@ class Lifecycle:
         try:
             if chosen is None:
                 box = await self.io.op(self.io.backend.create, slot.spec)
-            else:
-                box = await self.io.op(self.io.backend.restore, chosen.checkpoint)
+            else:  # with the slot's own labels: a fork child's checkpoint may be its parent's
+                spec = chosen.checkpoint.spec.model_copy(update={"labels": slot.spec.labels})
+                box = await self.io.op(self.io.backend.restore, replace(chosen.checkpoint, spec=spec))
         except SandboxError as exc:
             what = f"restore of checkpoint {chosen.checkpoint.id}" if chosen else "a fresh sandbox"
             slot.failure = f"{what} failed: {exc}"

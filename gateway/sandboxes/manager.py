@@ -12,6 +12,8 @@ each:
 - `fork`: a session's sandbox copied into fork children, from its checkpoint at a turn (`recovery`);
 - `journal` and `recovery`: tool calls under the slot's lock, replay or truncation after a failure;
 - `watcher`: restores a sandbox that stopped while idle;
+- `adoption`: at start-up, takes back the sandboxes a gateway on the same store left running (killed
+  or shut down), restores those that died meanwhile, removes leaked ones (`adopt`);
 - `bubbles`: the checkpoint decisions in inference bubbles;
 - `verify`: the verify stage, in a new sandbox from a copy of the agent's working directory;
 - `io`: the executors.
@@ -30,17 +32,20 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from core.errors import SandboxArgumentError, SandboxExists
 from core.tasks import TaskOwner
 from gateway.config import SandboxConfig
+from gateway.sandboxes.adoption import STORE_LABEL, Adoption, AdoptionReport
 from gateway.sandboxes.bubbles import BubbleObserver
 from gateway.sandboxes.checkpoints import Checkpointer
 from gateway.sandboxes.io import SandboxIO
-from gateway.sandboxes.journal import Call
-from gateway.sandboxes.lifecycle import Lifecycle
+from gateway.sandboxes.journal import Call, exec_call, write_call
+from gateway.sandboxes.lifecycle import SESSION_LABEL, Lifecycle
 from gateway.sandboxes.policy import AdaptivePolicy
 from gateway.sandboxes.records import CheckpointInfo, EventLog, RestoreInfo
 from gateway.sandboxes.recovery import Recovery
@@ -74,7 +79,8 @@ class SandboxManager:
         self._slots = Slots()
         events = EventLog(store)
         self._events = events
-        self._lifecycle = Lifecycle(self.io)
+        owner = {STORE_LABEL: store.store_id()}  # at start-up, `adopt` finds this store's sandboxes by it
+        self._lifecycle = Lifecycle(self.io, owner)
         self._checkpointer = Checkpointer(self.io, events, self.policy, self.settings.keep_checkpoints)
         self._recovery = Recovery(self.io, self._lifecycle, self._checkpointer, events, self.settings)
         self._checkpoint_tasks = TaskOwner("sandbox-checkpoints")
@@ -83,8 +89,14 @@ class SandboxManager:
             engine_load or (lambda: 1.0),
         )  # fmt: skip
         self.watcher = Watcher(self._slots, self.io, self._recovery)
-        self._verify = VerifyStage(self.io, events)
+        self._verify = VerifyStage(self.io, events, owner)
         self._watch_task = TaskOwner("sandbox-watcher")
+        self._adoption = Adoption(
+            self._slots, self.io, self._lifecycle, self._checkpointer, self._recovery, events,
+            self.settings.keep_checkpoints,
+        )  # fmt: skip
+        self.adoption: AdoptionReport | None = None
+        """What `adopt` did at start-up."""
 
     @property
     def network(self) -> SandboxNetwork | None:
@@ -104,12 +116,32 @@ class SandboxManager:
             session_id, spec, harness_inside=harness_inside, recovery=mode, gateway_url=self.gateway_url
         )
         self._slots.add(slot)
-        self._events.add(
-            session_id, None, "sandbox_created",
-            {"sandbox_id": slot.sandbox_id, "image": spec.image, "network": spec.network, "address": slot.address},
-        )  # fmt: skip
+        data = {
+            "sandbox_id": slot.sandbox_id, "image": spec.image, "network": spec.network, "address": slot.address,
+            **_restorable(slot),
+        }  # fmt: skip
+        self._events.add(session_id, None, "sandbox_created", data)
         self._ensure_watcher()
         return slot.live()
+
+    async def adopt(self) -> AdoptionReport:
+        """At start-up, before any other call: take back the sandboxes of the open sessions that a gateway
+        on this store left (killed, or shut down), restore those that died meanwhile, and remove the
+        ones no open session holds (`gateway.sandboxes.adoption`)."""
+        self.adoption = await self._adoption.run()
+        if len(self._slots):
+            self._ensure_watcher()
+        return self.adoption
+
+    def listener_port(self) -> int | None:
+        """The port of the sandbox listener that the gateway-network sandboxes were given (in their
+        environment), None when no such sandbox is here: a restarted gateway listens there again."""
+        for slot in self._slots:
+            url = slot.spec.env.get("BELAYER_SESSION_URL") if slot.spec.network == "gateway" else None
+            if url:
+                with contextlib.suppress(ValueError):
+                    return urlsplit(url).port
+        return None
 
     async def fork(self, session_id: str, children: list[str], at_turn: int) -> None:
         """Give each child session a sandbox restored from this session's state at turn `at_turn`: its
@@ -141,13 +173,13 @@ class SandboxManager:
             data = {
                 "sandbox_id": child.sandbox_id, "parent_session": session_id, "fork_turn": at_turn,
                 "checkpoint_id": chosen.checkpoint.id if chosen else None, "replayed": len(calls),
-                "address": child.address,
+                "address": child.address, "lineage": list(child.lineage), **_restorable(child),
             }  # fmt: skip
             self._events.add(child.session_id, None, "sandbox_forked", data)
         self._ensure_watcher()
 
     def _fork_slot(self, slot: Slot, child_id: str) -> Slot:
-        labels = {**slot.spec.labels, "belayer.session": child_id}
+        labels = {**slot.spec.labels, SESSION_LABEL: child_id}
         return Slot(
             child_id, slot.spec.model_copy(update={"labels": labels}), slot.harness_inside, slot.recovery,
             None, lineage=(slot.session_id, *slot.lineage),
@@ -182,6 +214,17 @@ class SandboxManager:
         for session_id in self._slots.sessions():
             await self.destroy(session_id)
         await self._checkpoint_tasks.close()  # any started meanwhile found no sandbox
+        self.io.close()
+
+    async def detach(self) -> None:
+        """Wait for the checkpoints in progress, stop the watcher and the pools, and leave every sandbox
+        and checkpoint as it is (``keep_on_shutdown``, or a crash in tests): the next gateway on this
+        store adopts them (`adopt`)."""
+        await self._watch_task.close()
+        await self._checkpoint_tasks.join()  # a dump finishes, and its checkpoint is recorded
+        await self._checkpoint_tasks.close()
+        for slot in self._slots:  # a later `close` has nothing left to destroy
+            self._slots.remove(slot)
         self.io.close()
 
     def has_sandbox(self, session_id: str) -> bool:
@@ -275,13 +318,10 @@ class SandboxManager:
         replays (the call just answers), or raises `SandboxRestored` (or `SandboxFailed` when there is
         no checkpoint)."""
 
-        def run(box: str) -> ExecResult:
-            return self.backend.exec(
-                box, command, timeout_s=timeout_s, cwd=cwd, env=env, session=shell_session,
-                max_output_bytes=max_output_bytes,
-            )  # fmt: skip
-
-        call = Call("exec", run, journaled=True, long=True)
+        call = exec_call(
+            self.backend, command, timeout_s=timeout_s, cwd=cwd, env=env, session=shell_session,
+            max_output_bytes=max_output_bytes,
+        )  # fmt: skip
         result: ExecResult = await self._run(session_id, call, timeout_s + self.settings.exec_grace_s)
         return result
 
@@ -291,10 +331,7 @@ class SandboxManager:
         return data
 
     async def write_file(self, session_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
-        def run(box: str) -> None:
-            self.backend.write_file(box, path, data, mode=mode)
-
-        await self._run(session_id, Call("write_file", run, journaled=True), None)
+        await self._run(session_id, write_call(self.backend, path, data, mode), None)
         self._slots.require(session_id).history.bytes_since += len(data)
 
     async def _run(self, session_id: str, call: Call, deadline: float | None) -> Any:
@@ -355,6 +392,13 @@ class SandboxManager:
     def _ensure_watcher(self) -> None:
         if self._watch_task.running == 0:
             self._watch_task.spawn(self.watcher.run(self.settings.watch_interval_s), "watcher")
+
+
+def _restorable(slot: Slot) -> dict[str, Any]:
+    """What a ``sandbox_created`` or ``sandbox_forked`` event keeps so that a restarted gateway can
+    rebuild the slot (`gateway.sandboxes.adoption`)."""
+    spec = slot.spec.model_dump(mode="json")
+    return {"spec": spec, "harness_inside": slot.harness_inside, "recovery": slot.recovery}
 
 
 def _recovery_mode(recovery: str) -> RecoveryMode:

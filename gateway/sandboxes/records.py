@@ -35,6 +35,14 @@ class CheckpointInfo:
     dump_bytes: int
     trigger: str
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any], checkpoint: Checkpoint) -> CheckpointInfo:
+        """Rebuild one from its `as_json` values (a ``sandbox_checkpoint`` event) and its checkpoint."""
+        return cls(
+            checkpoint, data["session_id"], data["turn_index"], data["in_bubble"], data["keep_through"],
+            data["seconds"], data["dump_bytes"], data["trigger"],
+        )  # fmt: skip
+
     def as_json(self) -> dict[str, Any]:
         c = self.checkpoint
         return {
@@ -62,6 +70,15 @@ class RestoreInfo:
     """Journaled tool calls run again after the restore (replay mode)."""
     diverged: int = 0
     """Of those, how many gave another exit code or output than the first time."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RestoreInfo:
+        """Rebuild one from its `as_json` values (a ``sandbox_restored`` event)."""
+        return cls(
+            data["checkpoint_id"], data["turn_index"], data["keep_through"], list(data["discarded_turns"]),
+            data["sandbox_id"], data["seconds"], data["reason"], data.get("mode", "truncate"),
+            data.get("replayed", 0), data.get("diverged", 0),
+        )  # fmt: skip
 
     @property
     def resume_hint(self) -> str:

@@ -37,10 +37,11 @@ from core.errors import (
 from gateway.config import SandboxConfig
 from gateway.sandboxes.checkpoints import Checkpointer
 from gateway.sandboxes.io import SandboxIO
-from gateway.sandboxes.journal import Call
+from gateway.sandboxes.journal import Call, fingerprint
 from gateway.sandboxes.lifecycle import Lifecycle
 from gateway.sandboxes.records import CheckpointInfo, EventLog, RestoreInfo
 from gateway.sandboxes.state import Slot
+from sandbox.backend import ExecResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +117,7 @@ class Recovery:
         try:
             call.result = await self.io.call(call.run, box, long=call.long, deadline=deadline)
         except SandboxTimeout:
-            call.turn = slot.turns.last
-            slot.journal.record(call)  # it ran, and what it did until the kill is part of the state
+            self._journal(slot, call)  # it ran, and what it did until the kill is part of the state
             raise
         except (SandboxArgumentError, SandboxFileNotFound, SandboxUnavailable):
             raise  # the caller's problem, or the engine's: the sandbox is fine
@@ -128,9 +128,19 @@ class Recovery:
             if status is not None and not status.running:
                 return Failure(status.failure_kind, f"{call.op} failed: {status.detail}")
             return Failure("sandbox_error", f"{call.op} failed: {exc}")
+        self._journal(slot, call)
+        return None
+
+    def _journal(self, slot: Slot, call: Call) -> None:
+        """Journal a call that ran, in memory and in the store (``sandbox_call``: a restarted gateway
+        rebuilds the journal from these, `adoption`)."""
         call.turn = slot.turns.last
         slot.journal.record(call)
-        return None
+        if call.journaled and call.args is not None:
+            data: dict[str, Any] = {"op": call.op, "args": call.args, "turn": call.turn}
+            if isinstance(call.result, ExecResult):
+                data["exit_code"], data["digest"] = fingerprint(call.result)
+            self.events.add(slot.session_id, None, "sandbox_call", data)
 
     # ------------------------------------------------------------------ recovery
     async def recover(self, slot: Slot, failure: Failure) -> RestoreInfo:

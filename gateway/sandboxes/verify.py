@@ -282,9 +282,11 @@ def _diff_lines(before: bytes, after: bytes) -> int:
 class VerifyStage:
     """Runs `VerifyPlan`s for the sandbox manager (it holds the session's slot lock meanwhile)."""
 
-    def __init__(self, io: SandboxIO, events: EventLog) -> None:
+    def __init__(self, io: SandboxIO, events: EventLog, labels: dict[str, str] | None = None) -> None:
         self.io = io
         self.events = events
+        self.labels = labels or {}
+        """Labels of the verify sandboxes too (the store's identity: one leaked by a crash is removed)."""
 
     async def copy_out(self, session_id: str, agent_box: str, workdir: str) -> bytes:
         """The agent's working directory, copied with its processes frozen. What the agent left
@@ -329,7 +331,7 @@ class VerifyStage:
         spec = SandboxSpec(
             image=plan.image or agent_spec.image, workdir=agent_spec.workdir, network="none",
             memory_bytes=agent_spec.memory_bytes, pids_limit=agent_spec.pids_limit, cpus=agent_spec.cpus,
-            labels={"belayer.stage": "verify"},
+            labels={**self.labels, "belayer.stage": "verify"},
         )  # fmt: skip
         box = await self.io.op(backend.create, spec)
         try:

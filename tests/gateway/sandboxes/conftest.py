@@ -60,8 +60,16 @@ class Env:
     def turn_statuses(self, sid: str = "s1") -> list[str]:
         return [t.status for t in self.store.get_turns(sid)]
 
-    def events(self, sid: str = "s1", prefix: str = "sandbox_") -> list[tuple[str, dict[str, Any]]]:
-        return [(e.kind, e.data) for e in self.store.get_events(sid) if e.kind.startswith(prefix)]
+    def events(
+        self, sid: str = "s1", prefix: str = "sandbox_", calls: bool = False
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """The session's events whose kind starts with `prefix`; the journal's (``sandbox_call``) only
+        with `calls`."""
+        return [
+            (e.kind, e.data)
+            for e in self.store.get_events(sid)
+            if e.kind.startswith(prefix) and (calls or e.kind != "sandbox_call")
+        ]
 
     def kinds(self, sid: str = "s1") -> list[str]:
         return [kind for kind, _ in self.events(sid, "")]

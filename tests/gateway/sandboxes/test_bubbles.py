@@ -41,7 +41,12 @@ async def test_always_checkpoints_in_the_bubble(make_env: EnvFactory) -> None:
         "checkpoint",
     )
     assert taken["dump_bytes"] == 5
-    assert [e.turn_id for e in env.store.get_events(sid)][1:] == [turn.id, turn.id]
+    kinds_turns = [(e.kind, e.turn_id) for e in env.store.get_events(sid)][1:]
+    assert kinds_turns == [
+        ("sandbox_call", None),
+        ("sandbox_checkpoint_decision", turn.id),
+        ("sandbox_checkpoint", turn.id),
+    ]
 
 
 async def test_never_decides_off_and_takes_none(env: Env) -> None:

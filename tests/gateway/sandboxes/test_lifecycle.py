@@ -22,9 +22,17 @@ from tests.gateway.sandboxes.conftest import SPEC, Env, EnvFactory, eventually
 async def test_create_labels_the_sandbox_and_refuses_a_second_one(env: Env) -> None:
     sid = await env.session()
     box = env.manager.sandbox_id(sid)
+    store_id = env.store.store_id()
+    spec = SPEC.model_copy(update={"labels": {"belayer.store": store_id, "belayer.session": sid}})
     assert env.events() == [
-        ("sandbox_created", {"sandbox_id": box, "image": SPEC.image, "network": "none", "address": None}),
-    ]
+        (
+            "sandbox_created",
+            {
+                "sandbox_id": box, "image": SPEC.image, "network": "none", "address": None,
+                "spec": spec.model_dump(mode="json"), "harness_inside": False, "recovery": "replay",
+            },
+        ),
+    ]  # fmt: skip
     with pytest.raises(SandboxExists):
         await env.manager.create(sid, SPEC)
     with pytest.raises(SandboxArgumentError, match="recovery must be"):
