@@ -272,9 +272,11 @@ def check_target(out_dir: str | Path) -> None:
         )
 
 
-def build_tiny(out_dir: str | Path) -> dict[str, int]:
+def build_tiny(out_dir: str | Path, seed: int = 0) -> dict[str, int]:
     """Write the tiny model and tokenizer to ``out_dir``; returns a summary (vocab, params). Refuses
-    (`ConfigError`) a directory that holds anything else, before writing anything."""
+    (`ConfigError`) a directory that holds anything else, before writing anything. Another `seed`
+    gives other weights with the same tokenizer and shapes (a second policy version, for weight
+    updates)."""
     check_target(out_dir)
     import importlib
 
@@ -310,7 +312,7 @@ def build_tiny(out_dir: str | Path) -> dict[str, int]:
     hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(str(out))
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     eos_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
     cfg = hf.LlamaConfig(
         vocab_size=len(hf_tok),

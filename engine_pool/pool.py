@@ -22,6 +22,18 @@ then the one with the fewest outstanding requests. The affinity map holds named 
 bounded (least recently used first out). ``acquire`` waits, up to a deadline, for a worker when none is
 ready (during a promotion or a restart); every state change wakes every waiter.
 
+Weight versions (``POST /api/weights``, `update_weights`): every worker holds a version (``weight_version``),
+and only workers on the pool's current version are routed to or promoted. An update pauses new
+generation (new requests wait, as for a promotion), lets the requests in flight finish for up to
+``drain_s`` seconds, then cuts those still running (`Preemption`: the turn runner resubmits them after
+the update, on the new version, and records the switch), loads the new weights on every active worker
+and shadow (an active one first: if it cannot load them, nothing else is touched and the pool stays on
+its version), then resumes. A worker that missed an update (unreachable, starting, a failed load) keeps
+its old version: it is not routed to nor promoted until the pool has brought it up to the version (each
+probe round tries, with backoff); a replacement worker is brought up before it takes traffic. A request
+that must stay on one version (a failover, after some tokens) is routed only to workers on it, and waits
+while none is ready; once the pool has moved past that version it takes the current one.
+
 Example::
 
     pool = EnginePool(http, spec_factory=lambda: WorkerSpec(model="./m", port=free_port()), active=2, shadows=1)
@@ -44,7 +56,15 @@ from pathlib import Path
 import httpx
 import tenacity
 
-from core.errors import Conflict, EngineError, EngineUnavailable, InvalidRequest, NotFound
+from core.errors import (
+    Conflict,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    InvalidRequest,
+    NotFound,
+)
 from core.tasks import TaskOwner
 from core.telemetry import Telemetry
 from engine_pool.client import EngineClient, ModelInfo
@@ -77,6 +97,9 @@ class PoolMember:
     standby: bool = False
     """Given as a shadow (``--shadow-url``): it starts as one, and does not count toward the pool's
     target of active workers."""
+    weight_version: str = "base"
+    """The weight version it holds: the pool's when it was added (a launched worker: the launch
+    weights' version, `EnginePool.base_version`), then each update it loaded."""
 
     def view(self, start_timeout: float) -> dict[str, object]:
         """The member as ``GET /api/engines`` and the dashboard show it."""
@@ -99,7 +122,53 @@ class PoolMember:
             "last_transition": self.last_transition,
             "starting_elapsed_s": round(now - launched_at, 3) if self.state == STARTING else None,
             "start_timeout_s": start_timeout,
+            "weight_version": self.weight_version,
         }
+
+
+class Preemption:
+    """The signal that cuts the requests still running when a weight update's drain time is over.
+    A stream's reader `watch` es it with the event it waits on, so it wakes at once; `triggered` is
+    checked between chunks (no cost per token)."""
+
+    def __init__(self) -> None:
+        self.triggered = False
+        self._watchers: set[asyncio.Event] = set()
+
+    def watch(self, wake: asyncio.Event) -> None:
+        self._watchers.add(wake)
+
+    def unwatch(self, wake: asyncio.Event) -> None:
+        self._watchers.discard(wake)
+
+    def trigger(self) -> None:
+        self.triggered = True
+        for wake in self._watchers:
+            wake.set()
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdate:
+    """What `EnginePool.update_weights` did."""
+
+    version: str
+    previous: str
+    path: str
+    updated: tuple[str, ...]
+    """Workers now on `version`."""
+    stale: tuple[str, ...]
+    """Workers that missed it (unreachable, starting, or a failed load): brought up later."""
+    preempted: int
+    """Requests cut when the drain time ran out (resubmitted on the new version)."""
+    drain_s: float
+    seconds: float
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "version": self.version, "previous": self.previous, "path": self.path,
+            "updated": list(self.updated), "stale": list(self.stale), "preempted": self.preempted,
+            "drain_s": round(self.drain_s, 3), "seconds": round(self.seconds, 3),
+        }  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -130,6 +199,22 @@ class EnginePool:
     _closing: bool = False
     telemetry: Telemetry = field(default_factory=Telemetry)
     """Where state changes, promotions, replacements and cold starts are published."""
+    weight_version: str = "base"
+    """The version the pool serves: routed workers hold it (see the module docstring)."""
+    weights_path: str | None = None
+    """Where the current version's weights are; None: the launch weights (`base_version`)."""
+    base_version: str = "base"
+    """The version of the weights launched workers start from (the model directory's)."""
+    preemption: Preemption = field(default_factory=Preemption)
+    """Triggered when an update's drain time is over; a new one for each update."""
+    catch_up_backoff: float = 0.5
+    """Seconds before a failed catch-up (a worker brought up to the version) is tried again; doubles
+    after each failure, up to 30 s."""
+    _updating: bool = False
+    _switching: bool = False
+    _update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _catching_up: set[str] = field(default_factory=set)
+    _catch_up_after: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -141,8 +226,9 @@ class EnginePool:
         if same is not None:
             raise Conflict(f"engine {url} is in the pool already, as {same.name} ({same.state})", "url")
         member = PoolMember(
-            f"remote-{self._remotes}", EngineClient(url, model or "", self.http), standby=shadow
-        )
+            f"remote-{self._remotes}", EngineClient(url, model or "", self.http), standby=shadow,
+            weight_version=self.weight_version,
+        )  # fmt: skip
         self._remotes += 1
         self.members.append(member)
         return member
@@ -182,7 +268,10 @@ class EnginePool:
         name = f"worker-{self._launched}"
         self._launched += 1
         worker = VllmWorker(spec, Path(self.log_dir), name)
-        member = PoolMember(name, EngineClient(spec.url, spec.served_name, self.http), process=worker)
+        member = PoolMember(
+            name, EngineClient(spec.url, spec.served_name, self.http), process=worker,
+            weight_version=self.base_version,
+        )  # fmt: skip
         self.members.append(member)
         return member
 
@@ -218,6 +307,7 @@ class EnginePool:
             assert m.process is not None
             await m.process.wait_ready(self.start_timeout)
             self._cold_start(m, time.monotonic() - started)
+            await self._sync(m)  # a restarted gateway whose version is not the launch weights'
         for m in sorted(self.members, key=lambda m: m.standby):  # shadows take what actives leave
             if m.process is None and not await self._admit(m):
                 self._set(m, STARTING, "not answering yet")
@@ -295,10 +385,12 @@ class EnginePool:
                         m.client.model = m.client.model or m.info.name
                     if m.info is None:
                         continue
+                await self._observe_version(m)  # it may have restarted, with other weights
                 self._set(m, self._role(), "health probe passed")
             elif exited or (m.probe_failures >= self.probe_failures and m.state != UNHEALTHY):
                 why = "process exited" if exited else f"{m.probe_failures} health probes failed"
                 self.report_failure(m, EngineUnavailable(why))
+        self._start_catch_ups()
 
     async def _healthy(self, m: PoolMember) -> bool:
         if m.process is not None and not m.process.alive():
@@ -336,10 +428,17 @@ class EnginePool:
             self._tasks.spawn(self._launch_replacement(), "replace-worker")
 
     def _promote(self) -> None:
-        shadow = next((m for m in self.members if m.state == SHADOW), None)
+        """A shadow on the pool's version takes an active worker's place (one that missed an update
+        is promoted once it is brought up to the version: `_catch_up`)."""
+        shadow = next((m for m in self.members if m.state == SHADOW and self._current(m)), None)
         if shadow is not None:
             self._set(shadow, READY, "promoted from shadow")
             self.telemetry.publish("shadow_promoted", {"worker": shadow.name})
+        elif any(m.state == SHADOW for m in self.members):
+            log.warning(
+                "no shadow holds weight version %r: one is promoted once it is brought up to it",
+                self.weight_version,
+            )
 
     async def _launch_replacement(self) -> None:
         member = self._new_launched()
@@ -349,13 +448,178 @@ class EnginePool:
         await member.process.start(self.start_timeout)
         member.info = await member.client.model_info()
         self._cold_start(member, time.monotonic() - started)
+        await self._sync(member)  # the launch weights may be older than the pool's version
         self._set(member, self._role(), "replacement ready")
+
+    # -- weight versions ----------------------------------------------------------------------------
+
+    async def update_weights(
+        self, version: str, path: str, drain_s: float = 30.0, timeout: float = 600.0
+    ) -> WeightUpdate:
+        """Move every worker to the weights at `path`, named `version` (module docstring). Raises
+        `Conflict` while another update runs or when `version` is the current one, and
+        `InvalidRequest` (param ``path``) when the first worker cannot load them: then no other
+        worker was touched and the pool stays on its version."""
+        if self._update_lock.locked():
+            raise Conflict("a weight update is running; send the next one when it has ended",
+                           "version", "weight_update_in_progress")  # fmt: skip
+        async with self._update_lock:
+            if version == self.weight_version:
+                raise Conflict(f"the pool serves weight version {version!r} already; name each update "
+                               "a new version", "version", "weight_version_exists")  # fmt: skip
+            started, previous = time.monotonic(), self.weight_version
+            self._updating = True
+            self._wake_waiters()  # routing now holds new requests back
+            try:
+                await self._drain(started + drain_s)
+                drained = time.monotonic() - started
+                preempted = sum(m.outstanding for m in self.members)
+                self._switching = True
+                self.preemption.trigger()
+                await self._drain(time.monotonic() + timeout)  # cut streams end their leases at once
+                updated, stale = await self._load_everywhere(version, path, timeout)
+                self.weight_version, self.weights_path = version, path
+            finally:
+                self._updating = self._switching = False
+                self.preemption = Preemption()
+                self._wake_waiters()
+        result = WeightUpdate(
+            version, previous, path, updated, stale, preempted, drained, time.monotonic() - started
+        )
+        log.info("weights: version %r -> %r from %s (%s)", previous, version, path, result.as_json())
+        return result
+
+    def adopt_version(self, version: str, path: str) -> None:
+        """Before `start`: the pool serves `version` (weights at `path`), as a restarted gateway recorded
+        it. Engines given by URL are taken to hold it; launched workers are brought up to it."""
+        self.weight_version, self.weights_path = version, path
+        for m in self.members:
+            if m.process is None:
+                m.weight_version = version
+
+    async def _drain(self, deadline: float) -> None:
+        """Until no request holds a worker, or `deadline` (``time.monotonic()``) passes."""
+        while any(m.outstanding for m in self.members) and (left := deadline - time.monotonic()) > 0:
+            await self._wait_change(left)
+
+    async def _load_everywhere(
+        self, version: str, path: str, timeout: float
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Load the weights on every active worker and shadow: one first (an active one), alone, so
+        that weights it cannot load reach no other worker; then the rest at once. (updated, stale)."""
+        targets = sorted(
+            (m for m in self.members if m.state in (READY, SHADOW)), key=lambda m: m.state != READY
+        )
+        if not targets:
+            raise EngineUnavailable("no worker is up to load the weights; try again once one is ready")
+        stale = [m.name for m in self.members if m.state in (STARTING, UNHEALTHY)]
+        first = None
+        while first is None and targets:
+            m = targets.pop(0)
+            try:
+                await m.client.update_weights(path, version, timeout)
+            except EngineRejected as e:
+                raise Conflict(
+                    f"worker {m.name} has no weight-update endpoints ({e}); run vLLM with "
+                    "VLLM_SERVER_DEV_MODE=1 (launched workers have it)", "path", "weight_update_unsupported",
+                ) from e  # fmt: skip
+            except (EngineUnavailable, EngineTimeout) as e:  # the worker is lost, not the weights: next one
+                self.report_failure(m, e)
+                stale.append(m.name)
+            except EngineError as e:  # a failed load may leave vLLM's engine dead (measured on 0.32)
+                self.report_failure(m, e)
+                raise InvalidRequest(
+                    f"worker {m.name} could not load the weights at {path!r} ({e}); no other worker was "
+                    f"changed and the pool stays on version {self.weight_version!r}", "path", "weights_not_loadable",
+                ) from e  # fmt: skip
+            else:
+                first = m
+        if first is None:
+            raise EngineUnavailable(f"no worker answered to load the weights (lost: {', '.join(stale)})")
+        first.weight_version = version
+        updated = [first.name]
+        results = await asyncio.gather(
+            *(m.client.update_weights(path, version, timeout) for m in targets), return_exceptions=True
+        )
+        for m, outcome in zip(targets, results, strict=True):
+            if isinstance(outcome, BaseException):
+                log.warning("worker %s missed weight version %r: %r", m.name, version, outcome)
+                stale.append(m.name)
+                if m.state == READY and isinstance(outcome, Exception):
+                    self.report_failure(m, outcome)
+            else:
+                m.weight_version = version
+                updated.append(m.name)
+        return tuple(updated), tuple(stale)
+
+    async def _sync(self, m: PoolMember) -> bool:
+        """Bring a worker that missed an update up to the pool's version; True when it holds it."""
+        async with self._update_lock:
+            if self._current(m):
+                return True
+            path = self.weights_path or (m.process.spec.model if m.process is not None else None)
+            if path is None:  # a registered engine, and the version is the launch weights: unknown path
+                return False
+            try:
+                await m.client.update_weights(path, self.weight_version)
+            except EngineError as e:
+                log.warning("worker %s: bringing it up to weight version %r failed: %s", m.name,
+                            self.weight_version, e)  # fmt: skip
+                return False
+            m.weight_version = self.weight_version
+            self.telemetry.publish("worker_weights", {"worker": m.name, "version": self.weight_version})
+            return True
+
+    async def _catch_up(self, m: PoolMember) -> None:
+        """`_sync`, then route to it: a shadow is promoted while fewer than the target are active."""
+        try:
+            ok = await self._sync(m)
+        finally:
+            self._catching_up.discard(m.name)
+        if not ok:
+            _, failures = self._catch_up_after.get(m.name, (0.0, 0))
+            wait = min(30.0, self.catch_up_backoff * 2**failures)
+            self._catch_up_after[m.name] = (time.monotonic() + wait, failures + 1)
+            return
+        self._catch_up_after.pop(m.name, None)
+        if m.state == SHADOW and len(self.routable()) < self._target():
+            self._set(m, READY, f"promoted from shadow, once on weight version {self.weight_version!r}")
+            self.telemetry.publish("shadow_promoted", {"worker": m.name})
+        else:
+            self._wake_waiters()
+
+    def _start_catch_ups(self) -> None:
+        """Each probe round: a catch-up for every up worker on an old version (with backoff)."""
+        if self._updating or self._closing:
+            return
+        now = time.monotonic()
+        for m in self.members:
+            due = self._catch_up_after.get(m.name, (0.0, 0))[0] <= now
+            if (
+                m.state in (READY, SHADOW)
+                and not self._current(m)
+                and m.name not in self._catching_up
+                and due
+            ):
+                self._catching_up.add(m.name)
+                self._tasks.spawn(self._catch_up(m), f"catch-up-{m.name}")
+
+    async def _observe_version(self, m: PoolMember) -> None:
+        """A worker back from a failure says which version it holds, where it can: a restarted vLLM
+        says ``default`` (its launch weights) and must be brought up to the version again."""
+        seen = await m.client.weight_version()
+        if seen is not None and seen != m.weight_version:
+            m.weight_version = self.base_version if seen == "default" else seen
 
     def _role(self) -> str:
         """What a worker that comes (back) up becomes: active while fewer than the target are."""
+        return READY if len(self.routable()) < self._target() else SHADOW
+
+    def _target(self) -> int:
+        """Active workers wanted: the launched ones asked for, plus registered engines not given as shadows."""
         launched = self.active if self.spec_factory is not None else 0
         registered = sum(1 for m in self.members if m.process is None and not m.standby and m.state != DEAD)
-        return READY if len(self.ready()) < launched + registered else SHADOW
+        return launched + registered
 
     def _cold_start(self, m: PoolMember, seconds: float) -> None:
         self.telemetry.publish("worker_cold_start", {"worker": m.name, "seconds": round(seconds, 3)})
@@ -402,8 +666,25 @@ class EnginePool:
     def ready(self) -> list[PoolMember]:
         return [m for m in self.members if m.state == READY]
 
-    def pick(self, session_id: str | None = None, exclude: frozenset[str] = frozenset()) -> PoolMember | None:
-        ready = [m for m in self.ready() if m.name not in exclude]
+    def routable(self) -> list[PoolMember]:
+        """The ready workers on the pool's weight version."""
+        return [m for m in self.members if m.state == READY and self._current(m)]
+
+    def _current(self, m: PoolMember) -> bool:
+        return m.weight_version == self.weight_version
+
+    def pick(
+        self,
+        session_id: str | None = None,
+        exclude: frozenset[str] = frozenset(),
+        version: str | None = None,
+    ) -> PoolMember | None:
+        """The worker for a request, or None. `version`: the request has tokens from that version (a
+        failover): during an update's drain it may still run on that version; without one it waits for
+        the update, like every request while the update loads the weights."""
+        if self._updating and (self._switching or version != self.weight_version):
+            return None
+        ready = [m for m in self.routable() if m.name not in exclude]
         if not ready:
             return None
         preferred = self._affinity.get(session_id) if session_id is not None else None
@@ -413,15 +694,24 @@ class EnginePool:
         return min(ready, key=lambda m: m.outstanding)
 
     async def acquire(
-        self, session_id: str | None = None, wait: float = 0.0, exclude: frozenset[str] = frozenset()
+        self,
+        session_id: str | None = None,
+        wait: float = 0.0,
+        exclude: frozenset[str] = frozenset(),
+        version: str | None = None,
     ) -> PoolMember:
-        """A ready worker (not one named in `exclude`), waiting up to ``wait`` seconds for one (a
-        promotion or a restart)."""
+        """A ready worker on the pool's weight version (not one named in `exclude`), waiting up to
+        ``wait`` seconds for one (a promotion, a restart, a weight update); `version` as in `pick`."""
         deadline = time.monotonic() + wait
-        while (member := self.pick(session_id, exclude)) is None:
+        while (member := self.pick(session_id, exclude, version)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                states = ", ".join(f"{m.name}={m.state}" for m in self.members) or "none"
+                states = ", ".join(
+                    f"{m.name}={m.state}" + ("" if self._current(m) else f" (weights {m.weight_version})")
+                    for m in self.members
+                ) or "none"  # fmt: skip
+                if self._updating:
+                    states += f"; a weight update to {self.weight_version!r} is running"
                 raise EngineUnavailable(
                     f"no healthy inference worker became available within {wait:.0f}s (workers: {states}); "
                     "check the workers' logs in the gateway's --log-dir"
@@ -458,17 +748,21 @@ class EnginePool:
 
     @contextlib.asynccontextmanager
     async def lease(
-        self, session_id: str | None = None, wait: float = 0.0, exclude: frozenset[str] = frozenset()
+        self,
+        session_id: str | None = None,
+        wait: float = 0.0,
+        exclude: frozenset[str] = frozenset(),
+        version: str | None = None,
     ) -> AsyncIterator[PoolMember]:
-        member = await self.acquire(session_id, wait, exclude)
+        member = await self.acquire(session_id, wait, exclude, version)
         member.outstanding += 1
         try:
             yield member
         finally:
             member.outstanding -= 1
             member.served += 1
-            if member.state == DRAINING and not member.outstanding:
-                self._wake_waiters()  # a removal waits for this
+            if (member.state == DRAINING and not member.outstanding) or self._updating:
+                self._wake_waiters()  # a removal, or a weight update's drain, waits for this
 
 
 def check_engine_url(url: str) -> str:

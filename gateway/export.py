@@ -7,7 +7,9 @@ tool and user tokens between turns. Aligned with ``response_ids``: ``response_ma
 policy generated the token), ``response_logprobs`` (the sampled logprobs; the engine's recomputed
 ones on a rewritten assistant span; 0.0 on context tokens, which have mask 0) and ``recomputed_mask``.
 ``turn_spans`` locates each turn's generated tokens in ``response_ids``, so that turn ``k``'s prompt is
-``prompt_ids + response_ids[:turn_spans[k]["start"]]``. The columns, and how they map to verl's,
+``prompt_ids + response_ids[:turn_spans[k]["start"]]``; ``weight_segments`` says which weight version
+generated each run of them (a failover or a weight update splits a turn), and ``weight_versions`` lists
+those versions in order (slime's ``Sample.weight_versions``). The columns, and how they map to verl's,
 SkyRL's and slime's fields, are in ``docs/export.md``. JSONL and Parquet carry the same columns: both
 are written from one Arrow table (`row_schema`).
 
@@ -121,6 +123,24 @@ def metadata_text(metadata: dict[str, Any]) -> dict[str, str | None]:
     }
 
 
+def weight_segments(turns: list[Span], split: int) -> list[dict[str, Any]]:
+    """Where each turn's weight segments sit in ``response_ids`` (the sequence cut at `split`): a turn
+    whose output is the span (start, end) of the sequence has its output positions shifted by start;
+    a span that keeps only part of its turn's output keeps the segments' part in it.
+
+    >>> t = TurnRecord("s", [], [], None, None, {}, 0.0, weight_segments=[(0, 2, "v1"), (2, 5, "v2")])
+    >>> weight_segments([(10, 14, t)], 8)
+    [{'start': 2, 'end': 4, 'version': 'v1'}, {'start': 4, 'end': 6, 'version': 'v2'}]
+    """
+    out = []
+    for start, end, turn in turns:
+        for a, b, version in turn.weight_segments if turn is not None else []:
+            a, b = start + a, min(start + b, end)
+            if a < b:
+                out.append({"start": a - split, "end": b - split, "version": version})
+    return out
+
+
 def branch_row(
     session: SessionRecord, leaf: TurnRecord, by_id: dict[int, TurnRecord], runs: Runs
 ) -> dict[str, Any]:
@@ -132,6 +152,7 @@ def branch_row(
     # recomputed span is never hidden in the prompt, and in the usual case it is the first turn's prompt.
     split = min([prompt_len] + [start for start, _, _ in turns] + [start for start, vs in runs if vs])
     logprobs = aligned_logprobs(leaf, by_id, runs)[split:]
+    segments = weight_segments(turns, split)
     return {
         "session_id": session.id,
         "branch": leaf.branch,
@@ -144,7 +165,8 @@ def branch_row(
         "turn_spans": [{"start": a - split, "end": b - split} for a, b, _ in turns],
         "turn_indices": [t.index if t is not None else None for _, _, t in turns],
         "turn_workers": [t.worker if t is not None else None for _, _, t in turns],
-        "weight_versions": None,  # per turn, once the gateway records weight versions
+        "weight_segments": segments,
+        "weight_versions": [s["version"] for s in segments],
         "finish_reason": leaf.finish_reason,
         "reward": session.reward,
         "status": session.status,
@@ -242,6 +264,10 @@ def row_schema(metadata_keys: list[str]) -> pa.Schema:
             ("turn_spans", pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32())]))),
             ("turn_indices", pa.list_(pa.int32())),
             ("turn_workers", pa.list_(pa.string())),
+            (
+                "weight_segments",
+                pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()), ("version", pa.string())])),
+            ),
             ("weight_versions", pa.list_(pa.string())),
             ("finish_reason", pa.string()),
             ("reward", pa.float64()),

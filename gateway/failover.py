@@ -7,6 +7,12 @@ itself. Either way the turn runner resubmits the prompt plus every token generat
 worker; the ``Failure`` it keeps meanwhile becomes the turn's ``failover`` event once the new worker
 sends its first token (then the time lost is known).
 
+A weight update cuts the streams still running when its drain time is over (`Preempted`, from the
+pool's `Preemption`); the runner resubmits them the same way once the update is done, and records a
+``weight_switch`` event instead of a ``failover``. A turn's tokens are kept in segments, one per
+submission that produced tokens, each with the weight version of the worker that generated it
+(`TurnRecord.weight_segments`).
+
 Example::
 
     failure = Failure(token_index=12, from_worker="worker-0", error="reset", at=now, last_token_at=t)
@@ -24,6 +30,7 @@ from typing import Any
 
 from core.errors import EngineTimeout
 from engine_pool.client import TokenChunk, merge_chunks
+from engine_pool.pool import Preemption
 
 GREEDY = "greedy: bit-identical"
 SAMPLED = "sampled: prefix kept exactly, continuation re-sampled (seeded RNG restarts on the new worker)"
@@ -46,7 +53,10 @@ class Failure:
     last_token_at: float | None
     """When the turn's last token arrived (None: before its first)."""
     cause: str = "dead"
-    """``dead`` (connection lost), ``stall`` (no token within the stall timeout) or ``error``."""
+    """``dead`` (connection lost), ``stall`` (no token within the stall timeout), ``error``, or
+    ``weights`` (cut by a weight update: `Preempted`)."""
+    version: str | None = None
+    """The weight version of the turn's tokens so far (None: it had none)."""
 
     def event(self, *, to_worker: str | None, now: float, greedy: bool) -> dict[str, Any]:
         """The ``failover`` event's data, once the turn resumed on `to_worker` (None: it did not)."""
@@ -61,6 +71,32 @@ class Failure:
             "lost_ms": round((now - since) * 1000, 3),
             "sampling": GREEDY if greedy else SAMPLED,
         }
+
+
+Segment = tuple[int, int, str]
+"""(start, end, version): output tokens ``start..end-1`` of a turn, generated on weight `version`."""
+
+
+def add_tokens(segments: list[Segment], start: int, end: int, version: str, first: bool) -> None:
+    """Output tokens ``start..end-1`` came from one submission on weight `version`: its `first` tokens
+    open a segment, later ones grow it. A failover or a weight switch is a new submission, so a new
+    segment, even on the same version: segments show where each submission took over.
+
+    >>> segs: list[Segment] = []
+    >>> add_tokens(segs, 0, 3, "v1", True); add_tokens(segs, 3, 5, "v1", False)   # two chunks
+    >>> add_tokens(segs, 5, 6, "v1", True)                                           # a failover
+    >>> add_tokens(segs, 6, 9, "v2", True)                                           # a weight switch
+    >>> segs
+    [(0, 5, 'v1'), (5, 6, 'v1'), (6, 9, 'v2')]
+    """
+    if first or not segments:
+        segments.append((start, end, version))
+    else:
+        segments[-1] = (segments[-1][0], end, segments[-1][2])
+
+
+class Preempted(Exception):
+    """A weight update cut this stream (its drain time was over); the turn resumes after it."""
 
 
 @dataclass(slots=True)
@@ -90,15 +126,23 @@ async def stall_guarded(
     worker: str,
     stall_timeout: float,
     confirm_failure: Callable[[], Awaitable[bool]],
+    preemption: Preemption | None = None,
 ) -> AsyncGenerator[TokenChunk, None]:
     """The engine's chunks, read by a pump task while this side waits with a deadline: no token within
     `stall_timeout` and a failed health probe (`confirm_failure`) raise ``EngineTimeout``. Chunks that
     piled up while the client was being served are merged, so the hand-off costs one wake-up per
-    batch, not per token."""
+    batch, not per token. A triggered `preemption` raises `Preempted` (the chunks read are kept)."""
     pipe = _Pipe()
     pump = asyncio.create_task(pipe.fill(chunks), name=f"engine-pump/{worker}")
+    if preemption is not None:
+        preemption.watch(pipe.wake)
     try:
         while True:
+            if preemption is not None and preemption.triggered and not pipe.done:
+                if pipe.items:  # what arrived before the cut is the turn's; what comes after is dropped
+                    batch, pipe.items = pipe.items, []
+                    yield merge_chunks(batch) or batch[0]
+                raise Preempted(f"a weight update cut the stream from {worker}")
             if not pipe.items and not pipe.done:
                 pipe.wake.clear()
                 try:
@@ -120,6 +164,8 @@ async def stall_guarded(
             elif pipe.done:
                 return
     finally:
+        if preemption is not None:
+            preemption.unwatch(pipe.wake)
         pump.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pump

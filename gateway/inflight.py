@@ -98,7 +98,7 @@ class InflightWriter:
             start, end = self._flushed[turn_id], len(turn.output_ids)
             if end > start:  # slices are copies: the turn goes on growing meanwhile
                 ids, lps = turn.output_ids[start:end], turn.output_logprobs[start:end]
-                parts.append(OutputPart(turn_id, start, ids, lps))
+                parts.append(OutputPart(turn_id, start, ids, lps, list(turn.weight_segments)))
                 ends[turn_id] = end
         if not parts:
             return

@@ -90,6 +90,17 @@ class _States(Collector):
             "belayer_affinity_sessions", "Sessions whose last worker the pool remembers.",
             value=self.pool.remembered_sessions,
         )  # fmt: skip
+        version = GaugeMetricFamily(
+            "belayer_weight_version_info", "The policy weight version the pool serves (one series: the current one).",
+            labels=["version"],
+        )  # fmt: skip
+        version.add_metric([self.pool.weight_version], 1)
+        yield version
+        live = [m for m in self.pool.members if m.state not in (DEAD, DRAINING)]
+        yield GaugeMetricFamily(
+            "belayer_workers_stale_weights", "Live workers not on the served weight version (not routed to).",
+            value=sum(1 for m in live if m.weight_version != self.pool.weight_version),
+        )  # fmt: skip
 
 
 class GatewayMetrics:
@@ -183,6 +194,15 @@ class GatewayMetrics:
             "belayer_logprob_recomputations", "Logprob recomputations by result.", ["result"], registry=r
         )
         self.exports = Counter("belayer_exports", "Trajectory exports by format.", ["format"], registry=r)
+        self.weight_updates = Counter(
+            "belayer_weight_updates", "Weight updates (POST /api/weights) by result: ok, failed.", ["result"],
+            registry=r,
+        )  # fmt: skip
+        self.weight_switches = Counter(
+            "belayer_weight_switches",
+            "Turns cut by a weight update and resumed on the new weights.",
+            registry=r,
+        )
         Gauge("belayer_build_info", "The gateway's version.", ["version"], registry=r).labels(version).set(1)
         Gauge("belayer_start_time_seconds", "When the gateway started (unix time).", registry=r).set(
             telemetry.started_at
@@ -207,6 +227,9 @@ class GatewayMetrics:
             "recomputed_logprobs": lambda e: self.recomputations.labels("ok").inc(),
             "recompute_failed": lambda e: self.recomputations.labels("failed").inc(),
             "export": lambda e: self.exports.labels(e.data["format"]).inc(),
+            "weights_updated": lambda e: self.weight_updates.labels("ok").inc(),
+            "weights_update_failed": lambda e: self.weight_updates.labels("failed").inc(),
+            "weight_switch": lambda e: self.weight_switches.inc(),
         }
         telemetry.listen(self.on_event)
 

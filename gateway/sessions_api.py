@@ -115,6 +115,7 @@ def _turn_json(
         "timings": t.timings,
         "received_at": t.received_at,
         "error": t.error,
+        "weight_versions": [{"start": a, "end": b, "version": v} for a, b, v in t.weight_segments],
         "events": [e for e in events if e["turn_index"] == t.index],
         **extra,
     }

@@ -27,13 +27,14 @@ SERVER = [PY, "-m", "vllm.entrypoints.openai.api_server"]
 CPU_ENV = {
     "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TORCH_COMPILE_DISABLE": "1",
+    "TORCH_COMPILE_DISABLE": "1", "VLLM_SERVER_DEV_MODE": "1",
 }  # fmt: skip
 GPU_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_SERVER_DEV_MODE": "1",
 }
 
 

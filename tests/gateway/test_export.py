@@ -82,17 +82,20 @@ def check_row(row: dict[str, Any], turns: dict[int, TurnRecord], traj: dict[int,
     n = len(response)
     assert len(row["response_mask"]) == len(row["response_logprobs"]) == len(row["recomputed_mask"]) == n
     assert row["num_turns"] == len(row["turn_spans"]) == len(row["turn_indices"]) == len(row["turn_workers"])
-    assert row["weight_versions"] is None
+    assert row["weight_versions"] == [s["version"] for s in row["weight_segments"]]
+    segments = []
     generated = [0] * n
     for span, index, worker in zip(row["turn_spans"], row["turn_indices"], row["turn_workers"], strict=True):
         turn = turns[index]
         start, end = span["start"], span["end"]
+        segments += [{"start": start + a, "end": start + b, "version": v} for a, b, v in turn.weight_segments]
         assert prompt + response[:start] == turn.prompt_ids  # the exact prompt this turn was sampled from
         assert response[start:end] == turn.output_ids
         assert row["response_logprobs"][start:end] == turn.output_logprobs
         assert worker == turn.worker and worker is not None
         generated[start:end] = [1] * (end - start)
     assert row["response_mask"] == generated  # 1 exactly on the turns' outputs: tool and user tokens are 0
+    assert row["weight_segments"] == segments and segments  # each turn's tokens, with their weight version
     leaf = turns[row["turn_indices"][-1]]
     assert prompt + response == leaf.prompt_ids + leaf.output_ids
     split = len(prompt)
@@ -168,7 +171,8 @@ def test_metadata_is_null_when_no_session_has_any() -> None:
         "turn_spans": [{"start": 0, "end": 1}],
         "turn_indices": [0],
         "turn_workers": [None],
-        "weight_versions": None,
+        "weight_segments": [],
+        "weight_versions": [],
         "finish_reason": "stop",
         "reward": None,
         "status": "open",

