@@ -79,7 +79,7 @@ async def forward(
     store: TrajectoryStore,
     route: AuxRoute,
     raw: dict[str, Any],
-    endpoint: Literal["chat/completions", "completions", "messages"],
+    endpoint: Literal["chat/completions", "completions", "messages", "responses"],
     request: Request,
 ) -> Response:
     """Pass `raw` through to the route's provider; return its answer as it is."""
