@@ -11,6 +11,7 @@ belayer store prune --store DB --older-than 7d    delete closed sessions (--expo
 belayer fake-engine --port P                       a scripted fake engine (benchmarks)
 belayer bench gateway                              gateway overhead vs direct vs LiteLLM
 belayer bench gateway-crash                        kill -9 the gateway under streaming sessions, restart, retry
+belayer bench sandbox-restart                      a restarted gateway re-adopting its sandboxes vs restoring them
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo [--worker-kind fake]                  2 workers + 1 shadow, an SDK episode, a worker killed mid-stream
 belayer run-episode --harness NAME --task DIR      one real harness episode on a task, with its verifier
@@ -86,6 +87,7 @@ SERVE_FLAGS = (
     Flag("--checkpoint-dir", "sandbox.checkpoint_dir"),
     Flag("--checkpoint-policy", "sandbox.policy.mode"),
     Flag("--sandbox-port", "sandbox.sandbox_port"),
+    Flag("--keep-sandboxes", "sandbox.keep_on_shutdown", const=True),
     Flag("--admin-token", "admin_token"),
     Flag("--api-token", "api_token"),
     Flag("--plain-v1", "plain_v1"),
@@ -240,9 +242,10 @@ def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from gateway.export import export
-    from gateway.store import SessionQuery, SqliteStore
+    from gateway.store import SessionQuery
+    from gateway.store.factory import is_url, open_store
 
-    if not Path(args.store).is_file():  # opening it would create an empty store
+    if not is_url(args.store) and not Path(args.store).is_file():  # opening it would create an empty store
         raise ConfigError(f"--store {args.store}: no such file; give the store `belayer serve --store` wrote")
     if Path(args.out).is_dir():
         example = Path(args.out) / f"rollouts.{args.format}"
@@ -253,7 +256,7 @@ def _export(args: argparse.Namespace) -> int:
         query = SessionQuery(
             status=args.status, has_reward=True if args.rewarded_only else None, created_after=since
         )
-    store = SqliteStore(args.store)
+    store = open_store(args.store)
     try:
         n = export(store, args.out, args.format, args.session or None, query)
     except NotFound as exc:
@@ -281,12 +284,12 @@ def _store_prune(args: argparse.Namespace) -> int:
     from datetime import datetime
     from pathlib import Path
 
-    from gateway.store import SqliteStore
+    from gateway.store.factory import is_url, open_store
 
-    if not Path(args.store).is_file():  # opening it would create an empty store
+    if not is_url(args.store) and not Path(args.store).is_file():  # opening it would create an empty store
         raise ConfigError(f"--store {args.store}: no such file; give the store `belayer serve --store` wrote")
     cutoff = time.time() - _older_than(args.older_than)
-    store = SqliteStore(args.store, recover=False)  # a gateway may be running on it: leave its turns be
+    store = open_store(args.store, recover=False)  # a gateway may be running on it: leave its turns be
     try:
         before = store.size_bytes()
         pruned = store.prune(cutoff, exported_only=args.exported_only)
@@ -317,6 +320,7 @@ BENCHES = {
     "fork": "belayer.bench.fork",
     "store": "belayer.bench.store",
     "task-start": "belayer.bench.task_start",
+    "sandbox-restart": "belayer.bench.sandbox_restart",
 }
 
 
@@ -483,7 +487,7 @@ def parser() -> argparse.ArgumentParser:
     task_cli.add_arguments(sub, _leaf, _older_than)
 
     r = sub.add_parser("run-episode", help="run one harness episode on a task directory, then its verifier")
-    r.add_argument("--harness", required=True, help="claude-code | mini-swe-agent | opencode")
+    r.add_argument("--harness", required=True, help="claude-code | mini-swe-agent | opencode | openhands")
     r.add_argument(
         "--task", required=True, help="directory with instruction.md, repo/, verify.sh (+ tests/, task.json)"
     )

