@@ -23,9 +23,11 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
+import pkgutil
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,19 @@ from tests.gateway import fuzzing
 from tests.gateway.fuzzing import ROUTES, SANDBOX_ROUTES, Plan, check_answer, is_json_media
 from tests.support import asgi_gateway
 
+
+def load_every_local_module() -> None:
+    """Hypothesis draws a few values from the constants of the project's modules loaded so far, so the
+    same seed gave other requests after other tests had imported more of them (the whole suite, or the
+    PostgreSQL tests first). All of them loaded here: a seed gives the same requests however it is run."""
+    for package in ("core", "gateway", "engine_pool", "sandbox", "harness_adapters", "belayer"):
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, f"{package}."):
+            if ".plugins." not in info.name:  # run by the harnesses' own interpreters, with their packages
+                importlib.import_module(info.name)
+
+
+load_every_local_module()
 EXAMPLES = int(os.environ.get("BELAYER_FUZZ_EXAMPLES", "3000"))
 SEED = os.environ.get("BELAYER_FUZZ_SEED")  # another seed than the fixed one: new ground for a long run
 CHECK_EVERY = 100
@@ -113,6 +128,11 @@ def check_turn(turn: dict[str, Any], where: str) -> None:
             if m and lp is None
         ]
         assert not missing, f"{where}: generated tokens without a logprob at {missing[:10]}"
+        # every generated token has its weight version: segments that cover the output, in order
+        bounds = [(s["start"], s["end"]) for s in turn["weight_versions"]]
+        edges = [0, *(e for _, e in bounds)]
+        assert all(a == edges[i] and a < e for i, (a, e) in enumerate(bounds)), f"{where}: {bounds}"
+        assert edges[-1] == len(turn["output_ids"]), f"{where}: {bounds} for {len(turn['output_ids'])} tokens"
 
 
 class Logged(logging.Handler):
@@ -216,6 +236,7 @@ class FuzzGateway:
         self.closed: set[str] = set()
         self.deleted: set[str] = set()
         self.engines: list[str] = []  # registered by the fuzzer (removable)
+        self.responses: list[str] = []  # ids of the responses the Responses routes answered
         self.last: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = {}
         self.statuses: collections.Counter[tuple[str, int]] = collections.Counter()
         self.sent = 0
@@ -284,6 +305,13 @@ class FuzzGateway:
             return going_on[-1 - plan.session % len(going_on)], True
         return self.sessions[-1 - plan.session % len(self.sessions)], True
 
+    def response_id(self, plan: Plan) -> str:
+        """A response id the gateway gave (any session's: under another session it is not found), or an
+        unknown one."""
+        if isinstance(plan.session, str) or not self.responses:
+            return f"resp_{plan.session}"
+        return self.responses[-1 - plan.session % len(self.responses)]
+
     def engine_name(self, plan: Plan) -> str:
         if isinstance(plan.session, str) or not self.engines:
             return f"no-such-{plan.session}"
@@ -296,6 +324,8 @@ class FuzzGateway:
         if prev is None or not isinstance(body, dict):
             return body
         sent, answer = prev
+        if plan.route == "s-responses":
+            return self.next_response(sent, answer, body)
         if plan.route == "s-chat":
             msg = answer["choices"][0]["message"]
             reply: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
@@ -315,6 +345,21 @@ class FuzzGateway:
             ]
         return {**sent, "messages": messages, "stream": bool(body.get("stream"))}
 
+    @staticmethod
+    def next_response(sent: dict[str, Any], answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+        """The next request of a Responses conversation: chained by ``previous_response_id``, or, for a
+        response not stored, the whole conversation again with its output items."""
+        calls = [item for item in answer["output"] if item.get("type") == "function_call"]
+        results = [{"type": "function_call_output", "call_id": c["call_id"], "output": "done"} for c in calls]
+        new = [*results, {"role": "user", "content": "go on"}]
+        stream = bool(body.get("stream"))
+        if sent.get("store") is not False:
+            return {**sent, "previous_response_id": answer["id"], "input": new, "stream": stream}
+        before = (
+            sent["input"] if isinstance(sent["input"], list) else [{"role": "user", "content": sent["input"]}]
+        )
+        return {**sent, "input": [*before, *answer["output"], *new], "stream": stream}
+
     # --- one example ---
 
     def prepare(self, plan: Plan) -> Sent:
@@ -322,6 +367,7 @@ class FuzzGateway:
         spec = ROUTES[plan.route]
         sid, known = self.session_id(plan)
         path = spec.path.replace("{sid}", sid).replace("{name}", self.engine_name(plan))
+        path = path.replace("{rid}", self.response_id(plan))
         headers: dict[str, str] = {}
         auth = plan.auth.replace("{admin}", ADMIN) if plan.auth is not None else None
         if auth is not None:
@@ -402,27 +448,45 @@ class FuzzGateway:
         self.keep_sessions_open()
 
     def record(self, plan: Plan, sid: str, content: bytes | None, r: httpx.Response, answer: Any) -> None:
-        if plan.method is not None or r.status_code >= 300:
+        if r.status_code >= 300:
             return
-        if plan.route == "create-session":
+        route = plan.route
+        if plan.method is not None:  # a "wrong" method can be another route's own: DELETE on a session
+            path = ROUTES[plan.route].path
+            same = [n for n, spec in ROUTES.items() if (spec.method, spec.path) == (plan.method, path)]
+            if not same:
+                return
+            route = same[0]
+        if route == "create-session":
             self.sessions.append(answer["id"])
-        elif plan.route == "fork":
+        elif route == "fork":
             self.sessions += [child["id"] for child in answer["data"]]
-        elif plan.route == "close":
+        elif route == "close":
             self.closed.add(sid)
-        elif plan.route == "delete-session":
+        elif route == "delete-session":
             self.sessions.remove(sid)
             self.closed.discard(sid)
             self.deleted.add(sid)
             for key in [k for k in self.last if k[0] == sid]:
                 del self.last[key]
-        elif plan.route == "register-engine":
+        elif route == "register-engine":
             self.engines.append(answer["name"])
-        elif plan.route == "remove-engine":
+        elif route == "remove-engine":
             self.engines.remove(answer["name"])
-        elif plan.route in ("s-chat", "s-messages") and isinstance(answer, dict) and content:
-            self.last.pop((sid, plan.route), None)  # the newest conversation last
-            self.last[(sid, plan.route)] = (json.loads(content.decode("utf-8-sig")), answer)
+        elif route in ("s-chat", "s-messages") and isinstance(answer, dict) and content:
+            self.last.pop((sid, route), None)  # the newest conversation last
+            self.last[(sid, route)] = (json.loads(content.decode("utf-8-sig")), answer)
+        if plan.route in ("responses", "s-responses") and content:
+            final = answer if isinstance(answer, dict) else next(
+                (e["response"] for e in reversed(answer) if e.get("type") in ("response.completed", "response.incomplete")),
+                None,
+            )  # fmt: skip
+            if final is None:
+                return
+            self.responses.append(final["id"])
+            if plan.route == "s-responses" and final["status"] == "completed":
+                self.last.pop((sid, plan.route), None)
+                self.last[(sid, plan.route)] = (json.loads(content.decode("utf-8-sig")), final)
 
     # --- invariants ---
 
@@ -471,7 +535,16 @@ class FuzzGateway:
 
 ENGINE_5XX = frozenset({502, 503, 504})
 """The documented answers when every worker failed the request: engine error, unavailable, timeout."""
-STREAMED = ["chat", "s-chat", "completions", "s-completions", "messages", "s-messages"]
+STREAMED = [
+    "chat",
+    "s-chat",
+    "completions",
+    "s-completions",
+    "messages",
+    "s-messages",
+    "responses",
+    "s-responses",
+]
 fault_queues = st.lists(
     st.builds(Fault, kind=st.sampled_from(["drop_after", "refuse"]), after=st.integers(0, 6)), max_size=2
 )
@@ -546,7 +619,8 @@ def run_fuzzer(fuzz: FuzzGateway, routes: list[str], share: float) -> None:
 
 OPENAI = ["chat", "s-chat", "completions", "s-completions", "models", "s-models"]
 ANTHROPIC = ["messages", "s-messages", "count", "s-count"]
-API = [name for name in ROUTES if name not in OPENAI + ANTHROPIC]
+RESPONSES = ["responses", "s-responses", "get-response", "s-get-response"]
+API = [name for name in ROUTES if name not in OPENAI + ANTHROPIC + RESPONSES]
 
 
 def test_openai_routes_survive_mutated_requests(fuzz: FuzzGateway) -> None:
@@ -557,6 +631,10 @@ def test_anthropic_routes_survive_mutated_requests(fuzz: FuzzGateway) -> None:
     run_fuzzer(fuzz, ANTHROPIC, 0.3)
 
 
+def test_responses_routes_survive_mutated_requests(fuzz: FuzzGateway) -> None:
+    run_fuzzer(fuzz, RESPONSES, 0.2)
+
+
 def test_sessions_and_engines_apis_survive_mutated_requests(fuzz: FuzzGateway) -> None:
     run_fuzzer(fuzz, API, 0.25)
 
@@ -564,6 +642,7 @@ def test_sessions_and_engines_apis_survive_mutated_requests(fuzz: FuzzGateway) -
 CROWD = [
     "s-chat",
     "s-messages",
+    "s-responses",
     "s-completions",
     "s-count",
     "chat",
