@@ -180,7 +180,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--at-turn", type=int, default=10, help="k: the turn to fork at (>= 3)")
     p.add_argument("--siblings", type=int, default=4, help="N")
-    p.add_argument("--llm-latency", type=float, default=0.2, help="seconds each LLM call takes")
+    p.add_argument(
+        "--llm-latency",
+        type=float,
+        default=2.0,
+        help="seconds each LLM call takes (as in `belayer bench env-recovery`; an agent's calls take seconds)",
+    )
     p.add_argument("--tool-s", type=float, default=0.3, help="seconds each tool call takes")
     p.add_argument(
         "--backend",
