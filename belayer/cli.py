@@ -97,6 +97,8 @@ SERVE_FLAGS = (
     Flag("--no-worker-wait", "failover.no_worker_wait"),
     Flag("--served-model-name", "served_model_names", metavar="NAME"),
     Flag("--max-model-len", "max_model_len"),
+    Flag("--tool-call-parser", "tool_call_parser"),
+    Flag("--reasoning-parser", "reasoning_parser"),
     Flag("--store", "store_path"),
     Flag("--host", "host"),
     Flag("--port", "port"),
@@ -201,7 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _build_tiny(args: argparse.Namespace) -> int:
     from belayer.tiny_model import build_tiny
 
-    summary = build_tiny(args.dir)  # refuses a directory that holds anything but a tiny model
+    summary = build_tiny(args.dir, template=args.template)  # refuses a directory holding anything else
     print(f"tiny model written to {args.dir}: {json.dumps(summary)}")
     return 0
 
@@ -428,6 +430,13 @@ def parser() -> argparse.ArgumentParser:
     msub = m.add_subparsers(dest="model_command", required=True)
     bt = msub.add_parser("build-tiny", help="write the deterministic tiny Llama model + tokenizer")
     bt.add_argument("dir")
+    bt.add_argument(
+        "--template",
+        choices=["hermes", "qwen3_coder"],
+        default="hermes",
+        help="chat template: Hermes JSON tool calls, or Qwen3-Coder XML ones with <think> reasoning "
+        "(serve it with --tool-call-parser qwen3_coder --reasoning-parser qwen3)",
+    )
     _leaf(bt, _build_tiny)
 
     sb = sub.add_parser("sandbox", help="sandbox utilities")
@@ -487,7 +496,9 @@ def parser() -> argparse.ArgumentParser:
     task_cli.add_arguments(sub, _leaf, _older_than)
 
     r = sub.add_parser("run-episode", help="run one harness episode on a task directory, then its verifier")
-    r.add_argument("--harness", required=True, help="claude-code | mini-swe-agent | opencode | openhands")
+    r.add_argument(
+        "--harness", required=True, help="claude-code | codex | mini-swe-agent | opencode | openhands"
+    )
     r.add_argument(
         "--task", required=True, help="directory with instruction.md, repo/, verify.sh (+ tests/, task.json)"
     )

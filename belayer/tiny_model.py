@@ -64,6 +64,49 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
+# The Qwen3-Coder-style variant (``--template qwen3_coder``): tools and calls in XML
+# (``<function=NAME><parameter=ARG>value</parameter></function>``, what ``--tool-call-parser qwen3_coder``
+# reads), tool results in ``<tool_response>`` user turns, and reasoning kept in the assistant's content as
+# ``<think>…</think>`` (the form the gateway renders reasoning sent back in). Same tokens, same prefix rule.
+QWEN3_CODER_TEMPLATE = (
+    "{%- set ns = namespace(first=0) -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] + '\n\n' -}}{%- set ns.first = 1 -%}"
+    "{%- endif -%}"
+    "{{- '# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\n</tools>\n\nThink in <think></think> first. To call a function, reply in this format:\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter>\nvalue\n</parameter>\n"
+    "</function>\n</tool_call><|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages[ns.first:] -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') -}}"
+    "{%- for tc in message.get('tool_calls') or [] -%}"
+    "{%- if message['content'] or not loop.first -%}{{- '\n' -}}{%- endif -%}"
+    "{%- set fn = tc['function'] if tc.get('function') else tc -%}"
+    "{{- '<tool_call>\n<function=' + fn['name'] + '>\n' -}}"
+    "{%- if fn['arguments'] is mapping -%}"
+    "{%- for key, value in fn['arguments'].items() -%}"
+    "{{- '<parameter=' + key + '>\n' + (value if value is string else value | tojson) + '\n</parameter>\n' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '</function>\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + (message['content'] or '') + '\n</tool_response><|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+TEMPLATES = {"hermes": CHAT_TEMPLATE, "qwen3_coder": QWEN3_CODER_TEMPLATE}
+"""The chat templates a tiny model can be built with, by the tool-call parser that reads its calls."""
+
 _WORDS = [
     "the",
     "a",
@@ -272,12 +315,14 @@ def check_target(out_dir: str | Path) -> None:
         )
 
 
-def build_tiny(out_dir: str | Path, seed: int = 0) -> dict[str, int]:
+def build_tiny(out_dir: str | Path, seed: int = 0, template: str = "hermes") -> dict[str, int]:
     """Write the tiny model and tokenizer to ``out_dir``; returns a summary (vocab, params). Refuses
     (`ConfigError`) a directory that holds anything else, before writing anything. Another `seed`
     gives other weights with the same tokenizer and shapes (a second policy version, for weight
-    updates)."""
+    updates); `template` picks the chat template (`TEMPLATES`: Hermes JSON calls or Qwen3-Coder XML)."""
     check_target(out_dir)
+    if template not in TEMPLATES:
+        raise ConfigError(f"no tiny-model template {template!r}; one of: {', '.join(TEMPLATES)}")
     import importlib
 
     import torch
@@ -309,7 +354,7 @@ def build_tiny(out_dir: str | Path, seed: int = 0) -> dict[str, int]:
         unk_token=None,
         model_max_length=CONTEXT_WINDOW,
     )
-    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.chat_template = TEMPLATES[template]
     hf_tok.save_pretrained(str(out))
 
     torch.manual_seed(seed)

@@ -148,7 +148,7 @@ async def open_gateway(
         metrics = GatewayMetrics(telemetry, the_pool, store, views, __version__)
     runner = TurnRunner(
         store, the_pool, tok, config.default_max_tokens, watchers, config.failover, config.max_tokens_cap,
-        telemetry, metrics, config.inflight,
+        telemetry, metrics, config.inflight, config.tool_call_parser, config.reasoning_parser,
     )  # fmt: skip
     stack.push_async_callback(runner.close)
     runner.recomputer.resume()  # what a gateway before this one left pending (it died, or shut down)

@@ -39,6 +39,7 @@ from pydantic_settings import (
 from core.errors import ConfigError
 from core.logs import LogFormat
 from engine_pool.launch import Profile, check_device_count, device_groups, vllm_args
+from gateway.parsers import ReasoningParserName, ToolParserName
 from gateway.sandboxes.policy import PolicySettings
 from gateway.tokenization import ChatTokenizer
 
@@ -325,6 +326,17 @@ class GatewayConfig(BaseSettings):
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    tool_call_parser: ToolParserName = Field(
+        default="hermes",
+        description="the model's tool-call format, by vLLM's name (as 'vllm serve --tool-call-parser')",
+    )
+    reasoning_parser: ReasoningParserName | None = Field(
+        default=None,
+        description=(
+            "the model's reasoning format, by vLLM's name: <think> text goes to reasoning_content, thinking "
+            "blocks and reasoning items (unset: it stays in the content)"
+        ),
+    )
     max_model_len: int | None = Field(
         default=None,
         gt=0,

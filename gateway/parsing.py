@@ -1,4 +1,5 @@
-"""Streaming output parsers: stop strings and Hermes/Qwen ``<tool_call>{json}</tool_call>`` tool calls.
+"""Streaming output: stop strings, and the tool-call parsers' names (the parsers themselves, one module
+per model family, are in ``gateway.parsers``; the Hermes names stay importable from here).
 
 Streamed and non-streamed responses run through the same code, so both give the same content and
 tool calls by construction: a non-streamed response is the join of the deltas a stream would send.
@@ -13,45 +14,23 @@ tool calls by construction: a non-streamed response is the join of the deltas a 
 from __future__ import annotations
 
 import json
-import secrets
-from dataclasses import dataclass, field
 
 from core.errors import InvalidRequest
+from gateway.parsers.base import ContentDelta, MalformedToolCall, ParseEvent, ToolCall
+from gateway.parsers.base import partial_suffix as _partial_suffix
+from gateway.parsers.hermes import TOOL_CLOSE, TOOL_OPEN, HermesToolParser
 
-TOOL_OPEN = "<tool_call>"
-TOOL_CLOSE = "</tool_call>"
-
-
-@dataclass(frozen=True, slots=True)
-class ContentDelta:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    index: int
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-@dataclass(frozen=True, slots=True)
-class MalformedToolCall:
-    """A ``<tool_call>`` block whose JSON did not parse; its raw text went out as content."""
-
-    raw: str
-    reason: str
-
-
-ParseEvent = ContentDelta | ToolCall | MalformedToolCall
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+__all__ = [
+    "TOOL_CLOSE",
+    "TOOL_OPEN",
+    "ContentDelta",
+    "HermesToolParser",
+    "MalformedToolCall",
+    "ParseEvent",
+    "StopTrimmer",
+    "ToolCall",
+    "tool_choice_prefix",
+]
 
 
 class StopTrimmer:
@@ -108,84 +87,3 @@ def tool_choice_prefix(names: list[str], choice: str | None, name: str | None = 
             f"tool_choice names '{name}', which is not in 'tools' ({', '.join(names)})", "tool_choice"
         )
     return TOOL_OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments": ', True
-
-
-def _parse_call(raw: str) -> tuple[str, str] | str:
-    """(name, arguments JSON) for a valid call body, else the reason it is not one."""
-    try:
-        obj = json.loads(raw)
-    except ValueError as e:
-        return f"invalid JSON in tool call: {e}"
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return 'tool call must be an object with a string "name"'
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        return obj["name"], args
-    return obj["name"], json.dumps(args, ensure_ascii=False)
-
-
-@dataclass(slots=True)
-class HermesToolParser:
-    """Splits generated text into content and tool calls, incrementally."""
-
-    enabled: bool = True
-    calls: list[ToolCall] = field(default_factory=list)
-    _buf: str = ""
-    _in_call: bool = False
-    _ws: str = ""  # whitespace after a tool call, held until real content follows
-
-    def feed(self, text: str) -> list[ParseEvent]:
-        if not self.enabled:
-            return [ContentDelta(text)] if text else []
-        self._buf += text
-        events: list[ParseEvent] = []
-        while True:
-            if self._in_call:
-                end = self._buf.find(TOOL_CLOSE)
-                if end < 0:
-                    return events
-                self._close_call(self._buf[:end], TOOL_CLOSE, events)
-                self._buf = self._buf[end + len(TOOL_CLOSE) :]
-                self._in_call = False
-                continue
-            start = self._buf.find(TOOL_OPEN)
-            if start >= 0:
-                self._content(self._buf[:start], events)
-                self._buf = self._buf[start + len(TOOL_OPEN) :]
-                self._in_call = True
-                continue
-            keep = _partial_suffix(self._buf, TOOL_OPEN)
-            self._content(self._buf[: len(self._buf) - keep], events)
-            self._buf = self._buf[len(self._buf) - keep :]
-            return events
-
-    def finish(self) -> list[ParseEvent]:
-        events: list[ParseEvent] = []
-        if self._in_call:
-            # An unterminated call (e.g. the model stopped right after the JSON): accept it if it parses.
-            self._close_call(self._buf, "", events)
-        else:
-            self._content(self._buf, events)
-        self._buf = ""
-        self._in_call = False
-        return events
-
-    def _content(self, text: str, events: list[ParseEvent]) -> None:
-        if not text:
-            return
-        if self.calls and not (self._ws + text).strip():
-            self._ws += text
-            return
-        events.append(ContentDelta(self._ws + text))
-        self._ws = ""
-
-    def _close_call(self, body: str, close: str, events: list[ParseEvent]) -> None:
-        parsed = _parse_call(body.strip())
-        if isinstance(parsed, str):
-            raw = TOOL_OPEN + body + close
-            self._content(raw, events)
-            events.append(MalformedToolCall(raw, parsed))
-            return
-        call = ToolCall(len(self.calls), f"call_{secrets.token_hex(12)}", parsed[0], parsed[1])
-        self.calls.append(call)
-        events.append(call)

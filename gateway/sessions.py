@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from core.errors import Conflict, NotFound
+from gateway.parsers import think_text
 from gateway.store import SessionRecord, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_COMPLETE
 from gateway.tokenization import ChatTokenizer
@@ -29,7 +30,10 @@ from gateway.tokenization import ChatTokenizer
 
 def canonical_message(message: dict[str, Any]) -> str:
     calls = [[tc["function"]["name"], tc["function"]["arguments"]] for tc in message.get("tool_calls") or []]
-    body = {"role": message["role"], "content": message.get("content") or "", "tool_calls": calls}
+    content = message.get("content") or ""
+    if message.get("reasoning_content"):  # a turn's response: as reasoning sent back renders (<think>)
+        content = think_text(message["reasoning_content"], content)
+    body = {"role": message["role"], "content": content, "tool_calls": calls}
     return json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 

@@ -78,11 +78,15 @@ def compile_template(source: str) -> Template:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas; joined deltas equal ``decode(all ids)``."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, hidden: frozenset[int] | None = None) -> None:
         self._tok = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=hidden is None)
+        self._hidden = hidden or frozenset()
+        """With special tokens shown: the ones still hidden (the EOS tokens)."""
 
     def step(self, token_id: int) -> str:
+        if token_id in self._hidden:
+            return ""
         return self._stream.step(self._tok, token_id) or ""
 
 
@@ -150,8 +154,10 @@ class ChatTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer)
+    def detokenizer(self, special: bool = False) -> IncrementalDetokenizer:
+        """``special``: special tokens are text too (but EOS), as vLLM decodes for parsers whose tags
+        are special tokens (Mistral's ``[TOOL_CALLS]``)."""
+        return IncrementalDetokenizer(self.tokenizer, self.eos_ids if special else None)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes of one token (a byte-level token may hold part of a UTF-8 character)."""

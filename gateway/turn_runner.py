@@ -39,7 +39,19 @@ from gateway.failover import Failure, Preempted, add_tokens, stall_guarded
 from gateway.inflight import InflightWriter
 from gateway.metrics import REQUEST_CLOCK, GatewayMetrics
 from gateway.observers import TurnObserver
-from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
+from gateway.parsers import (
+    SPECIAL_TAGS,
+    ContentDelta,
+    MalformedToolCall,
+    ReasoningDelta,
+    ReasoningParser,
+    ToolCall,
+    ToolParser,
+    forced_call_prefix,
+    make_reasoning_parser,
+    make_tool_parser,
+)
+from gateway.parsing import StopTrimmer
 from gateway.recompute import LogprobRecomputer
 from gateway.sessions import PromptPlan, chain_keys
 from gateway.store import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
@@ -80,12 +92,15 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class _OutputState:
-    """Per-turn output pipeline (detokenizer → stop strings → tool parser) and failover bookkeeping."""
+    """Per-turn output pipeline (detokenizer → stop strings → reasoning parser → tool parser) and
+    failover bookkeeping."""
 
     detok: IncrementalDetokenizer
     trimmer: StopTrimmer
-    parser: HermesToolParser
+    parser: ToolParser
+    reasoner: ReasoningParser | None = None
     content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     finish: str = "stop"
     failovers: int = 0
     last_token_at: float | None = None
@@ -95,6 +110,15 @@ class _OutputState:
     """Healthy workers that answered this turn with an error (a second one makes it the request's)."""
     version: str | None = None
     """The weight version of the turn's latest tokens: a failover stays on it (None: no tokens yet)."""
+
+    def parse(self, text: str, final: bool = False) -> list[Any]:
+        """The parsers' events for the next visible text (``final``: and what they held back)."""
+        if self.reasoner is None:
+            return self.parser.feed(text) + (self.parser.finish() if final else [])
+        events: list[Any] = []
+        for ev in self.reasoner.feed(text) + (self.reasoner.finish() if final else []):
+            events += [ev] if isinstance(ev, ReasoningDelta) else self.parser.feed(ev.text)
+        return events + (self.parser.finish() if final else [])
 
 
 @dataclass(slots=True)
@@ -106,6 +130,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+    reasoning: str = ""  # text a reasoning parser split off (``reasoning_content``, thinking blocks)
 
 
 @dataclass(slots=True)
@@ -117,6 +142,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that ended the turn, if one did
+    reasoning: str = ""
 
 
 class TurnRunner:
@@ -134,7 +160,12 @@ class TurnRunner:
         telemetry: Telemetry | None = None,
         metrics: GatewayMetrics | None = None,
         inflight: InflightConfig | None = None,
+        tool_call_parser: str = "hermes",
+        reasoning_parser: str | None = None,
     ) -> None:
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        """vLLM's names of the model family's formats (``gateway.parsers``)."""
         self.max_tokens_cap = max_tokens_cap
         self.telemetry = telemetry or Telemetry()
         """Where each turn's start and end are published (``turn_started``, ``turn_finished``)."""
@@ -169,6 +200,7 @@ class TurnRunner:
 
     def prepare(self, req: GenerationRequest) -> tuple[list[int], SamplingParams]:
         """Final prompt ids and sampling parameters; raises the 4xx errors before anything is stored."""
+        req.forced_prefix = forced_call_prefix(self.tool_call_parser, req.forced_prefix)  # the family's own
         prompt_ids = req.plan.prompt_ids + (self.tok.encode(req.forced_prefix) if req.forced_prefix else [])
         budget = self._budget(len(prompt_ids), req.max_tokens)  # first: it is cheap for any length
         # Client-supplied token ids (raw completions) may be anything; templated prompts are ours.
@@ -224,7 +256,13 @@ class TurnRunner:
             obs.turn_started(turn)
         self.inflight.track(turn)
         st = _OutputState(
-            self.tok.detokenizer(), StopTrimmer(params.stop), HermesToolParser(enabled=req.parse_tools)
+            self.tok.detokenizer(special=self.tool_call_parser in SPECIAL_TAGS and req.messages is not None),
+            StopTrimmer(params.stop),
+            make_tool_parser(self.tool_call_parser, req.tools, req.parse_tools),
+            # chat turns only (raw completions are raw text); a forced tool call starts with no reasoning
+            make_reasoning_parser(self.reasoning_parser if req.messages is not None else None)
+            if not req.forced_prefix
+            else None,
         )
         st.parser.feed(req.forced_prefix)
         try:
@@ -245,7 +283,9 @@ class TurnRunner:
         finish = "stop" if st.trimmer.stopped else st.finish
         finish = "tool_calls" if st.parser.calls and finish == "stop" else finish
         try:
-            done = self._complete(req, turn, finish, "".join(st.content), st.parser.calls, t0)
+            done = self._complete(
+                req, turn, finish, "".join(st.content), st.parser.calls, t0, "".join(st.reasoning)
+            )
         finally:
             self._published(turn, req, st)
         done.stop_sequence = st.trimmer.matched
@@ -270,8 +310,8 @@ class TurnRunner:
                 break
         if failure is not None:  # the output was complete when the worker was lost
             self._record_failover(turn, failure, None)
-        tail = self._delta(turn, st.parser.feed(st.trimmer.finish()) + st.parser.finish(), st.content)
-        if tail.content or tail.tool_calls:
+        tail = self._delta(turn, st.parse(st.trimmer.finish(), final=True), st)
+        if tail.content or tail.tool_calls or tail.reasoning:
             yield tail
 
     async def _submit(
@@ -413,7 +453,7 @@ class TurnRunner:
             st.gaps += [(now - st.last_token_at) / n] * n
         st.last_token_at = now
         st.finish = chunk.finish_reason or st.finish
-        delta = self._delta(turn, st.parser.feed("".join(pieces)), st.content)
+        delta = self._delta(turn, st.parse("".join(pieces)), st)
         delta.token_ids, delta.logprobs, delta.top_logprobs = ids, lps, chunk.top_logprobs[:n]
         return delta
 
@@ -426,16 +466,19 @@ class TurnRunner:
         data |= {"from_version": failure.version, "to_version": to_version}
         self._event(turn, "weight_switch" if failure.cause == "weights" else "failover", data)
 
-    def _delta(self, turn: TurnRecord, events: list[Any], content: list[str]) -> Delta:
+    def _delta(self, turn: TurnRecord, events: list[Any], st: _OutputState) -> Delta:
         delta = Delta("", [], [], [], [])
         for ev in events:
             if isinstance(ev, ContentDelta):
                 delta.content += ev.text
+            elif isinstance(ev, ReasoningDelta):
+                delta.reasoning += ev.text
             elif isinstance(ev, ToolCall):
                 delta.tool_calls.append(ev)
             elif isinstance(ev, MalformedToolCall):
                 self._event(turn, "tool_call_parse_error", {"raw": ev.raw, "reason": ev.reason})
-        content.append(delta.content)
+        st.content.append(delta.content)
+        st.reasoning.append(delta.reasoning)
         return delta
 
     async def idle(self) -> None:
@@ -489,8 +532,11 @@ class TurnRunner:
         content: str,
         calls: list[ToolCall],
         t0: float,
+        reasoning: str = "",
     ) -> Done:
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -512,4 +558,6 @@ class TurnRunner:
             self._notify_finished(turn)
         if req.plan.rewritten:
             self.recomputer.schedule(turn, req.plan.rewritten)
-        return Done(turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids))
+        return Done(
+            turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids), reasoning=reasoning
+        )

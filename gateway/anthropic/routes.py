@@ -20,6 +20,7 @@ from gateway.anthropic.serving import (
     reject_unsupported,
 )
 from gateway.bodies import read_json, validate
+from gateway.parsers import forced_call_prefix
 from gateway.responding import respond, session_for
 from gateway.runtime import gateway_of
 
@@ -35,6 +36,7 @@ async def messages(request: Request) -> Response:
     gw.bound_prompt(raw.get("system"), raw.get("messages"))
     session = await session_for(gw, request, auxiliary_model=req.model if route else None)
     gen = await gw.offload(message_request, req, raw, session, gw.sessions)
+    gen.forced_prefix = forced_call_prefix(gw.config.tool_call_parser, gen.forced_prefix)  # counted below
     fmt = MessageFormatter(req.model, prompt_tokens(gen.plan.prompt_ids, gen.forced_prefix, gw.tokenizer))
     return await respond(gw, gen, fmt)
 

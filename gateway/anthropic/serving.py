@@ -12,10 +12,10 @@ arguments, ``tool`` messages). So they share the chat template, prefix reuse and
 - An assistant message's ``text`` and ``thinking`` blocks are concatenated with nothing in between,
   thinking as ``<think>…</think>`` (the Qwen/Hermes family's tags; the tiny template has no thinking
   field). This is the exact inverse of how a response's text is split into blocks, so a harness that
-  sends a response back unchanged matches the turn that produced it and prefix reuse applies. (Responses
-  carry no thinking blocks yet: generated ``<think>`` text stays in the text block. A reasoning parser
-  must split so that ``<think>{thinking}</think>{text}`` is the generated text.) ``tool_use`` blocks
-  become tool calls.
+  sends a response back unchanged matches the turn that produced it and prefix reuse applies. (Without
+  ``--reasoning-parser``, generated ``<think>`` text stays in the text block; with one, it is a thinking
+  block, and the turn is matched in the ``<think>{thinking}</think>{text}`` form, see
+  ``gateway.parsers.think``.) ``tool_use`` blocks become tool calls.
 - A ``system`` message inside ``messages`` (Claude Code sends them, beta
   ``mid-conversation-system-2026-04-07``) stays a ``system`` message in place, its text blocks joined
   with ``"\n"``; the chat template decides how it renders (a template that allows a system message
@@ -56,6 +56,7 @@ from gateway.tokenization import ChatTokenizer
 from gateway.turn_runner import Delta, Done, GenerationRequest, parse_arguments
 
 BILLING_HEADER = "x-anthropic-billing-header"
+THINKING_SIGNATURE = "belayer"  # a thinking block's signature: clients keep it and send it back; unchecked
 TOOL_ERROR_PREFIX = "Error: "
 ALLOWED = {
     "a user message": "text and tool_result",
@@ -298,6 +299,7 @@ class MessageFormatter:
         self.input_tokens = input_tokens
         self.blocks: list[dict[str, Any]] = []
         self._text_open = False
+        self._thinking_open = False
 
     def _message(self, content: list[dict[str, Any]], done: Done | None) -> dict[str, Any]:
         return {
@@ -321,10 +323,26 @@ class MessageFormatter:
         ]
 
     def _close(self) -> list[Event]:
-        if not self._text_open:
+        events = []
+        if self._thinking_open:  # a thinking block ends with its signature, as Anthropic's do
+            events.append(self._delta({"type": "signature_delta", "signature": THINKING_SIGNATURE}))
+        elif not self._text_open:
             return []
-        self._text_open = False
-        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
+        self._text_open = self._thinking_open = False
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1}))
+        return events
+
+    def _thinking(self, text: str) -> list[Event]:
+        """Reasoning (``--reasoning-parser``) goes into a thinking block, before the text it precedes."""
+        delta = {"type": "thinking_delta", "thinking": text}
+        if self._thinking_open:
+            self.blocks[-1]["thinking"] += text
+            return [self._delta(delta)]
+        events = self._close()
+        complete = {"type": "thinking", "thinking": text, "signature": THINKING_SIGNATURE}
+        events += self._open({"type": "thinking", "thinking": "", "signature": ""}, complete, delta)
+        self._thinking_open = True
+        return events
 
     def _delta(self, delta: dict[str, Any]) -> Event:
         return "content_block_delta", {
@@ -342,12 +360,15 @@ class MessageFormatter:
     def feed(self, delta: Delta) -> list[Event]:
         """The stream events for one ``Delta``; also grows ``blocks``."""
         events: list[Event] = []
+        if delta.reasoning:
+            events += self._thinking(delta.reasoning)
         if delta.content:
             text = {"type": "text_delta", "text": delta.content}
             if self._text_open:
                 self.blocks[-1]["text"] += delta.content
                 events.append(self._delta(text))
             else:
+                events += self._close()
                 events += self._open(
                     {"type": "text", "text": ""}, {"type": "text", "text": delta.content}, text
                 )

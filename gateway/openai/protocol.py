@@ -34,6 +34,8 @@ class Message(_Wire):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant's reasoning, as this gateway (and vLLM) sends it
+    reasoning: str | None = None  # the same, by vLLM's newer name
 
 
 class FunctionDef(_Wire):

@@ -51,6 +51,7 @@ from gateway.openai.responses_protocol import (
     ResponsesRequest,
 )
 from gateway.openai.serving import sampling
+from gateway.parsers import think_text
 from gateway.parsing import tool_choice_prefix
 from gateway.sessions import SessionManager
 from gateway.store import SessionRecord, TrajectoryStore, TurnRecord
@@ -359,6 +360,8 @@ def output_message(turn: TurnRecord, rid: str) -> dict[str, Any]:
         )
     message = turn.response["message"]
     out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("reasoning_content"):  # as a reasoning item sent back renders
+        out["content"] = think_text(message["reasoning_content"], out["content"])
     calls = message.get("tool_calls") or []
     if calls:
         out["tool_calls"] = [
@@ -436,6 +439,11 @@ def message_item(item_id: str, text: str, status: str, logprobs: list[Any] | Non
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "reasoning_text", "text": text}
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": [part]}
+
+
 def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {
         "id": "fc_" + call_id.removeprefix("call_"),
@@ -503,6 +511,8 @@ def stored_response(turn: TurnRecord) -> dict[str, Any]:
     status = "incomplete" if turn.finish_reason == "length" else "completed"
     message = turn.response["message"]
     output = [message_item(f"msg_{core}", message["content"], status)] if message.get("content") else []
+    if message.get("reasoning_content"):
+        output.insert(0, reasoning_item(f"rs_{core}", message["reasoning_content"], status))
     output += [
         call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status)
         for c in message.get("tool_calls") or []

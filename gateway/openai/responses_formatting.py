@@ -2,8 +2,9 @@
 
 Output items follow the generated text: text goes into the open ``message`` item; each tool call closes
 it and is a ``function_call`` item of its own (added, one arguments delta, arguments done, done); text
-after a call opens a new message item. Streamed and non-streamed responses build ``items`` the same way.
-A stream is::
+after a call opens a new message item. Reasoning that a ``--reasoning-parser`` split off comes first, as
+a ``reasoning`` item (added, ``response.reasoning_text.delta`` …, ``response.reasoning_text.done``,
+done). Streamed and non-streamed responses build ``items`` the same way. A stream is::
 
     response.created, response.in_progress,
     response.output_item.added (message), response.content_part.added,
@@ -29,6 +30,7 @@ from gateway.openai.responses import (
     finished_at,
     item_ids,
     message_item,
+    reasoning_item,
     response_body,
     response_id,
     reused_tokens,
@@ -59,6 +61,7 @@ class ResponseFormatter:
         self.top = top_logprobs
         self.items: list[dict[str, Any]] = []
         self._open: int | None = None  # index of the message item text goes to
+        self._thinking: int | None = None  # index of the open reasoning item (``--reasoning-parser``)
         self._messages = 0
         self._seq = 0
         self._pending: list[dict[str, Any]] = []  # logprobs of tokens not shown as text yet
@@ -148,6 +151,34 @@ class ResponseFormatter:
             self._event("response.output_item.done", output_index=index, item=item),
         ]  # fmt: skip
 
+    # --- reasoning ---
+
+    def _reason(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if self._thinking is None:
+            item = reasoning_item(f"rs_{item_ids(self.turn)}", "", "in_progress")
+            self.items.append(item)
+            self._thinking = len(self.items) - 1
+            added = {**item, "content": []}
+            events.append(self._event("response.output_item.added", output_index=self._thinking, item=added))
+        item = self.items[self._thinking]
+        item["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                  output_index=self._thinking, content_index=0, delta=text))  # fmt: skip
+        return events
+
+    def _close_reasoning(self, status: str) -> list[Event]:
+        if self._thinking is None:
+            return []
+        index, self._thinking = self._thinking, None
+        item = self.items[index]
+        item["status"] = status
+        return [
+            self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=item["content"][0]["text"]),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]  # fmt: skip
+
     # --- tool calls ---
 
     def _call(self, call: ToolCall) -> list[Event]:
@@ -171,10 +202,15 @@ class ResponseFormatter:
         events: list[Event] = []
         # a token that shows no text yet (part of a UTF-8 character) counts with the text that follows
         self._pending += self._logprobs(delta)
+        if delta.reasoning:
+            events += self._reason(delta.reasoning)
+            self._pending = []  # the reasoning's own tokens
         if delta.content:
+            events += self._close_reasoning("completed")
             events += self._text(delta.content, self._pending)
             self._pending = []
         for call in delta.tool_calls:
+            events += self._close_reasoning("completed")
             events += self._close("completed")
             events += self._call(call)
             self._pending = []  # the call's own tokens
@@ -185,7 +221,7 @@ class ResponseFormatter:
 
     def finish(self, done: Done) -> list[Event]:
         status = self._status(done)
-        events = self._close(status)
+        events = self._close_reasoning(status) + self._close(status)
         if status == "incomplete":
             for item in self.items:
                 item["status"] = "incomplete"

@@ -18,6 +18,7 @@ from gateway.openai.protocol import (
     Message,
     NamedToolChoice,
 )
+from gateway.parsers import think_text
 from gateway.parsing import ToolCall, tool_choice_prefix
 from gateway.sessions import PromptPlan, SessionManager
 from gateway.store import SessionRecord
@@ -62,6 +63,9 @@ def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         msg: dict[str, Any] = {"role": role, "content": _text(m.content, f"messages[{i}]")}
+        reasoning = m.reasoning_content or m.reasoning
+        if m.role == "assistant" and reasoning:  # rendered as generated (see ``gateway.parsers.think``)
+            msg["content"] = think_text(reasoning, msg["content"])
         if m.role == "assistant" and m.tool_calls:
             msg["tool_calls"] = [
                 {
@@ -248,6 +252,8 @@ class ChatFormatter(_OpenAIFormatter):
 
     def response(self, done: Done) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": done.content or None}
+        if done.reasoning:  # vLLM's older name, which most clients read, and its newer one
+            message["reasoning_content"] = message["reasoning"] = done.reasoning
         if done.tool_calls:
             message["tool_calls"] = self._calls(done.tool_calls, stream=False)
         turn = done.turn
@@ -286,6 +292,8 @@ class ChatFormatter(_OpenAIFormatter):
                     yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
                 continue
             delta: dict[str, Any] = {}
+            if ev.reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = ev.reasoning
             if ev.content:
                 delta["content"] = ev.content
             if ev.tool_calls:

@@ -200,6 +200,7 @@ FIELD_NAMES = [
     "best_of", "mcp_servers", "container", "output_format", "include_usage", "is_error", "signature",
     "parallel_tool_calls", "user", "__proto__", "", "\ud800", "é", "instructions", "previous_response_id",
     "max_output_tokens", "include", "store", "call_id", "arguments", "output", "summary", "background",
+    "reasoning_content", "reasoning",
 ]  # fmt: skip
 
 # Strings that mean something somewhere: a role, a block or tool-choice type, a tool name.
@@ -313,7 +314,10 @@ def openai_messages(draw: st.DrawFn) -> list[dict[str, Any]]:
         out.append({"role": "user", "content": draw(texts)})
         if draw(st.booleans()):
             calls = draw(openai_tool_calls())
-            out.append({"role": "assistant", "content": draw(st.none() | texts), "tool_calls": calls})
+            reply = {"role": "assistant", "content": draw(st.none() | texts), "tool_calls": calls}
+            if draw(st.booleans()):  # reasoning sent back (rendered as <think>…</think>)
+                reply[draw(st.sampled_from(["reasoning_content", "reasoning"]))] = draw(st.none() | texts)
+            out.append(reply)
             out += [{"role": "tool", "tool_call_id": c["id"], "content": draw(texts)} for c in calls]
         else:
             out.append({"role": "assistant", "content": draw(texts)})
