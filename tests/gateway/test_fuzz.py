@@ -76,6 +76,8 @@ REPLY_TEXTS = [
     "<tool_call>\n{not json}\n</tool_call>",
     '<tool_call>\n{"name": "f", "arguments": "x"}',
     "<think>hmm</think>The answer.",
+    "<think>x</think>On it.<tool_call>\n<function=lookup>\n<parameter=q>\n1\n</parameter>\n</function>\n</tool_call>",
+    "<think>cut short",
     "<|im_start|>user\na turn of its own",
     "é🦀\u202e",
 ]  # fmt: skip
@@ -236,7 +238,7 @@ class FuzzGateway:
         self.closed: set[str] = set()
         self.deleted: set[str] = set()
         self.engines: list[str] = []  # registered by the fuzzer (removable)
-        self.responses: list[str] = []  # ids of the responses the Responses routes answered
+        self.responses: list[tuple[str | None, str]] = []  # (session, id) the Responses routes answered
         self.last: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = {}
         self.statuses: collections.Counter[tuple[str, int]] = collections.Counter()
         self.sent = 0
@@ -305,12 +307,15 @@ class FuzzGateway:
             return going_on[-1 - plan.session % len(going_on)], True
         return self.sessions[-1 - plan.session % len(self.sessions)], True
 
-    def response_id(self, plan: Plan) -> str:
-        """A response id the gateway gave (any session's: under another session it is not found), or an
-        unknown one."""
+    def response_id(self, plan: Plan, sid: str) -> str:
+        """A response id the gateway gave, or an unknown one. Under ``/s/{sid}/`` mostly one of that
+        session's own (another session's is not found there: it is asked for now and then too)."""
         if isinstance(plan.session, str) or not self.responses:
             return f"resp_{plan.session}"
-        return self.responses[-1 - plan.session % len(self.responses)]
+        own = [rid for s, rid in self.responses if s == sid]
+        pool = own if own and plan.route == "s-get-response" and plan.session % 4 else []
+        pool = pool or [rid for _, rid in self.responses]
+        return pool[-1 - plan.session % len(pool)]
 
     def engine_name(self, plan: Plan) -> str:
         if isinstance(plan.session, str) or not self.engines:
@@ -367,7 +372,7 @@ class FuzzGateway:
         spec = ROUTES[plan.route]
         sid, known = self.session_id(plan)
         path = spec.path.replace("{sid}", sid).replace("{name}", self.engine_name(plan))
-        path = path.replace("{rid}", self.response_id(plan))
+        path = path.replace("{rid}", self.response_id(plan, sid))
         headers: dict[str, str] = {}
         auth = plan.auth.replace("{admin}", ADMIN) if plan.auth is not None else None
         if auth is not None:
@@ -483,7 +488,8 @@ class FuzzGateway:
             )  # fmt: skip
             if final is None:
                 return
-            self.responses.append(final["id"])
+            owner = sid if plan.route == "s-responses" else r.headers.get("x-belayer-session")
+            self.responses.append((owner, final["id"]))
             if plan.route == "s-responses" and final["status"] == "completed":
                 self.last.pop((sid, plan.route), None)
                 self.last[(sid, plan.route)] = (json.loads(content.decode("utf-8-sig")), final)
@@ -527,8 +533,10 @@ class FuzzGateway:
         """The valid requests got through on every route: the mutations are around working requests."""
         for route in routes:
             seen = {code: n for (name, code), n in self.statuses.items() if name == route}
-            # a fork needs a complete turn, which API-only runs never make (tests/gateway/test_fork.py)
-            if route not in ("remove-engine", "fork") and sum(seen.values()) >= 30:
+            # a fork needs a complete turn, which API-only runs never make (tests/gateway/test_fork.py);
+            # a weight update needs a new version, a loadable path, the admin token and no mutation at
+            # once, a few percent of the draws (tests/gateway/test_weights.py has the ones that succeed)
+            if route not in ("remove-engine", "fork", "update-weights") and sum(seen.values()) >= 30:
                 ok = sum(n for code, n in seen.items() if code < 300)
                 assert ok, f"{route}: no request succeeded: {seen}"
 
@@ -596,9 +604,16 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[FaultyGateway]:
-    """Two workers behind a `FaultInjector`, one failover per request: streams that break for good."""
+    """Two workers behind a `FaultInjector`, one failover per request: streams that break for good.
+    Its replies are read as a Qwen3-Coder model's (XML tool calls, ``<think>`` reasoning)."""
     failover = FailoverConfig(no_worker_wait=0.2, stall_timeout=5.0, max_failovers=1)
-    config = fuzz_config(tmp_path_factory, tiny_model_dir, failover=failover)
+    config = fuzz_config(
+        tmp_path_factory,
+        tiny_model_dir,
+        failover=failover,
+        tool_call_parser="qwen3_coder",
+        reasoning_parser="qwen3",
+    )
     engine = FakeEngine(max_model_len=4096, script=reply_script(ChatTokenizer.load(tiny_model_dir)))
     faults = FaultInjector(httpx.ASGITransport(engine.app()))
     gw = FaultyGateway(config, faults, hosts=("http://e0", "http://e1"), allow_5xx=ENGINE_5XX)
