@@ -11,10 +11,9 @@
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass, field
 
-from gateway.parsers.base import ContentDelta, MalformedToolCall, ParseEvent, ToolCall
+from gateway.parsers.base import CallSink, ContentDelta, ParseEvent, ToolCall
 from gateway.parsers.base import partial_suffix as _partial_suffix
 
 TOOL_OPEN = "<tool_call>"
@@ -40,10 +39,13 @@ class HermesToolParser:
     """Splits generated text into content and tool calls, incrementally."""
 
     enabled: bool = True
-    calls: list[ToolCall] = field(default_factory=list)
+    out: CallSink = field(default_factory=CallSink)
     _buf: str = ""
     _in_call: bool = False
-    _ws: str = ""  # whitespace after a tool call, held until real content follows
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.out.calls
 
     def feed(self, text: str) -> list[ParseEvent]:
         if not self.enabled:
@@ -61,12 +63,12 @@ class HermesToolParser:
                 continue
             start = self._buf.find(TOOL_OPEN)
             if start >= 0:
-                self._content(self._buf[:start], events)
+                self.out.content(self._buf[:start], events)
                 self._buf = self._buf[start + len(TOOL_OPEN) :]
                 self._in_call = True
                 continue
             keep = _partial_suffix(self._buf, TOOL_OPEN)
-            self._content(self._buf[: len(self._buf) - keep], events)
+            self.out.content(self._buf[: len(self._buf) - keep], events)
             self._buf = self._buf[len(self._buf) - keep :]
             return events
 
@@ -76,32 +78,14 @@ class HermesToolParser:
             # An unterminated call (e.g. the model stopped right after the JSON): accept it if it parses.
             self._close_call(self._buf, "", events)
         else:
-            self._content(self._buf, events)
+            self.out.content(self._buf, events)
         self._buf = ""
         self._in_call = False
         return events
 
-    def _content(self, text: str, events: list[ParseEvent]) -> None:
-        if not text:
-            return
-        if self.calls:  # whitespace after a call is held until text follows (dropped at the end)
-            body = text.rstrip()
-            if not body:
-                self._ws += text
-                return
-            text, self._ws = self._ws + body, text[len(body) :]
-            events.append(ContentDelta(text))
-            return
-        events.append(ContentDelta(self._ws + text))
-        self._ws = ""
-
     def _close_call(self, body: str, close: str, events: list[ParseEvent]) -> None:
         parsed = _parse_call(body.strip())
         if isinstance(parsed, str):
-            raw = TOOL_OPEN + body + close
-            self._content(raw, events)
-            events.append(MalformedToolCall(raw, parsed))
+            self.out.malformed(TOOL_OPEN + body + close, parsed, events)
             return
-        call = ToolCall(len(self.calls), f"call_{secrets.token_hex(12)}", parsed[0], parsed[1])
-        self.calls.append(call)
-        events.append(call)
+        self.out.call(parsed[0], parsed[1], events)
