@@ -93,10 +93,9 @@ def prepare(db: sqlite3.Connection, path: str) -> None:
         _check_version(db, path)
         if not {"sessions", "turns", "events", "meta", "exported"} <= tables:
             _create(db)
-        if version(db) < 3:
-            migrate_v3(db, path)
-        if version(db) < 4:
-            migrate_v4(db, path)
+        for to in sorted(_COLUMN_MIGRATIONS):
+            if version(db) < to:
+                migrate_columns(db, path, to)
         db.execute(_RECOMPUTATIONS)  # not a new version: code that does not know it ignores it
     elif "turns" not in tables:
         db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # in WAL mode, takes with a VACUUM (of nothing)
@@ -191,21 +190,6 @@ def _add_v3(db: sqlite3.Connection) -> None:
     db.execute(_V3_INDEX)
 
 
-def migrate_v3(db: sqlite3.Connection, path: str) -> None:
-    """Version 2 -> 3, in place and in one transaction: the fork columns of ``sessions``."""
-    try:
-        with _immediate(db):
-            if version(db) < 3:  # else another process migrated it while this one waited
-                _add_v3(db)
-                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', '3')")
-    except sqlite3.Error as e:
-        raise StoreError(
-            f"cannot migrate trajectory store {path} from schema version 2 to 3: {e}; the "
-            "store is unchanged (it needs write access)"
-        ) from e
-    log.info("trajectory store %s migrated from schema version 2 to 3", path)
-
-
 def _add_v4(db: sqlite3.Connection) -> None:
     """In a transaction: the version 4 turn column (when missing)."""
     columns = {r[1] for r in db.execute("PRAGMA table_info(turns)")}
@@ -213,19 +197,24 @@ def _add_v4(db: sqlite3.Connection) -> None:
         db.execute(f"ALTER TABLE turns ADD COLUMN {_V4_TURN_COLUMN}")
 
 
-def migrate_v4(db: sqlite3.Connection, path: str) -> None:
-    """Version 3 -> 4, in place and in one transaction: the ``weight_segments`` column of ``turns``."""
+_COLUMN_MIGRATIONS = {3: _add_v3, 4: _add_v4}
+"""Each version that only adds columns (and indices): what brings a store at the version before to it."""
+
+
+def migrate_columns(db: sqlite3.Connection, path: str, to: int) -> None:
+    """Version ``to - 1`` -> ``to``, in place and in one transaction (`_COLUMN_MIGRATIONS`): 3 adds the
+    fork columns of ``sessions``, 4 the ``weight_segments`` column of ``turns``."""
     try:
         with _immediate(db):
-            if version(db) < 4:  # else another process migrated it while this one waited
-                _add_v4(db)
-                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', '4')")
+            if version(db) < to:  # else another process migrated it while this one waited
+                _COLUMN_MIGRATIONS[to](db)
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(to),))
     except sqlite3.Error as e:
         raise StoreError(
-            f"cannot migrate trajectory store {path} from schema version 3 to 4: {e}; the store is "
-            "unchanged (it needs write access)"
+            f"cannot migrate trajectory store {path} from schema version {to - 1} to {to}: {e}; the "
+            "store is unchanged (it needs write access)"
         ) from e
-    log.info("trajectory store %s migrated from schema version 3 to 4", path)
+    log.info("trajectory store %s migrated from schema version %d to %d", path, to - 1, to)
 
 
 def _check_v1(db: sqlite3.Connection, path: str) -> None:
