@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +32,8 @@ from typing import Any
 
 import httpx
 
+from belayer.bench import emit
+from belayer.services import progress
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
@@ -84,14 +85,6 @@ def tool_calls(n: int, work: int) -> list[str]:
     for i in range(1, n):
         calls.append(expensive.get(i, cheap[i % len(cheap)].replace("{i}", str(i))))
     return calls
-
-
-def progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def emit(name: str, value: float | int | str) -> None:
-    print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}", flush=True)
 
 
 class Episode:

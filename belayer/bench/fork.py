@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from belayer.bench import emit
+from belayer.services import progress
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
@@ -41,14 +42,6 @@ from gateway.sandboxes.policy import PolicySettings
 from sandbox.backend import SandboxBackend
 from sandbox.fake import FakeSandboxBackend
 from sandbox.images import PYTHON_IMAGE
-
-
-def progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def emit(name: str, value: float | int | str) -> None:
-    print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}", flush=True)
 
 
 class Episode:

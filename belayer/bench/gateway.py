@@ -44,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from belayer.bench import emit
 from belayer.services import (
     DEFAULT_LITELLM_SPEC,
     DEFAULT_LITELLM_VENV,
@@ -66,11 +67,6 @@ METRICS_OFF = "gateway_metrics_off"
 """The same gateway with its Prometheus metrics off: what metrics cost is the difference."""
 METRICS_BUDGET = 0.03
 """Metrics may add at most 3% to a request's latency through the gateway."""
-
-
-def emit(name: str, value: float | int | str) -> None:
-    text = f"{value:.3f}" if isinstance(value, float) else str(value)
-    print(f"{name}: {text}", flush=True)
 
 
 # --- the load ----------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 
-from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, emit, ensure_model, throughput
+from belayer.bench import emit
+from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, ensure_model, throughput
 from belayer.services import Service, base_url, fake_engine_service, free_port, progress, running
 
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from belayer.bench import emit as _emit
+from belayer.services import progress
 from gateway.config import SandboxConfig
 from gateway.sandboxes.manager import SandboxManager
 from gateway.sandboxes.policy import PolicySettings
@@ -35,12 +36,8 @@ from sandbox.workloads import PYTHON_COUNTER_QUERY as QUERY
 from sandbox.workloads import PYTHON_COUNTER_SERVER as SERVER
 
 
-def progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
 def emit(name: str, value: float | int | str) -> None:
-    print(f"{name}: {value:.4f}" if isinstance(value, float) else f"{name}: {value}", flush=True)
+    _emit(name, value, digits=4)
 
 
 async def counter(manager: SandboxManager, sid: str) -> str:

@@ -38,6 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from belayer.bench import emit
 from gateway.store import SessionRecord, SqliteStore, TrajectoryStore, TurnRecord
 from gateway.store.base import TURN_COMPLETE
 
@@ -251,11 +252,6 @@ def _same(read: list[TurnRecord], written: list[TurnRecord]) -> bool:
         all(getattr(a, f) == getattr(b, f) for f in fields) and json.dumps(a.request) == json.dumps(b.request)
         for a, b in zip(read, written, strict=True)
     )
-
-
-def emit(name: str, value: float | int | str) -> None:
-    text = f"{value:.3f}" if isinstance(value, float) else str(value)
-    print(f"{name}: {text}", flush=True)
 
 
 def run(opts: argparse.Namespace, workdir: Path) -> bool:
