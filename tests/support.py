@@ -23,13 +23,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from importlib.util import find_spec
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from starlette.applications import Starlette
@@ -216,3 +216,17 @@ def belayer_server(
         yield server
     finally:
         server.stop()
+
+
+T = TypeVar("T")
+
+
+def poll(read: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
+    """`read()` until it gives a value, with a deadline (for another process's progress)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if value is not None:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.02)

@@ -12,10 +12,9 @@ import contextlib
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
@@ -24,23 +23,11 @@ import pytest
 from engine_pool.fake import FakeEngine, autoregressive, fake_logprob
 from engine_pool.worker import free_port
 from gateway.store import SqliteStore
-from tests.support import belayer_server, spawn, stop, wait_healthy
+from tests.support import belayer_server, poll, spawn, stop, wait_healthy
 
 pytestmark = pytest.mark.chaos
 
-T = TypeVar("T")
 REPLY_TOKENS = 400
-
-
-def _poll(read: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
-    """`read()` until it gives a value, with a deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = read()
-        if value is not None:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
-        time.sleep(0.02)  # polling another process's progress
 
 
 @pytest.fixture
@@ -116,7 +103,7 @@ def test_kill_9_mid_stream_keeps_the_tokens_resumes_recomputation_and_the_retry_
             out: list[int] = turns[2]["output_ids"] if len(turns) == 3 else []
             return out if turns[2]["status"] == "running" and len(out) >= received else None
 
-        seen = _poll(on_disk, f"the running turn's first {received} tokens in the store")
+        seen = poll(on_disk, f"the running turn's first {received} tokens in the store")
         events = [e["kind"] for e in _trajectory(url, sid)["events"]]
         assert "recomputed_logprobs" not in events  # still pending, held by the engine
         os.kill(gw.proc.pid, signal.SIGKILL)  # the gateway process itself, by its PID
@@ -146,7 +133,7 @@ def test_kill_9_mid_stream_keeps_the_tokens_resumes_recomputation_and_the_retry_
             kinds = [e["kind"] for e in t["events"]]
             return t if "recomputed_logprobs" in kinds else None
 
-        traj = _poll(recomputed, "the pending recomputation redone after the restart")
+        traj = poll(recomputed, "the pending recomputation redone after the restart")
     turns = traj["turns"]
     assert [t["status"] for t in turns] == ["complete", "complete", "interrupted", "complete"]
     t1, t2, t3 = turns[1], turns[2], turns[3]

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
@@ -28,11 +28,10 @@ from engine_pool.fake import FakeEngine, autoregressive
 from engine_pool.worker import free_port
 from gateway.tokenization import ChatTokenizer
 from tests.postgres_server import PostgresServer
-from tests.support import belayer_server, spawn, stop, wait_healthy
+from tests.support import belayer_server, poll, spawn, stop, wait_healthy
 
 pytestmark = pytest.mark.postgres
 
-T = TypeVar("T")
 HAPROXY = os.environ.get("BELAYER_HAPROXY", "/usr/sbin/haproxy")
 REPLY_TOKENS = 300
 
@@ -55,16 +54,6 @@ def _engine(tmp_path: Path, token_delay: float) -> Iterator[str]:
 def engine(tmp_path: Path) -> Iterator[str]:
     with _engine(tmp_path, 0.001) as url:
         yield url
-
-
-def _poll(read: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = read()
-        if value is not None:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
-        time.sleep(0.02)  # polling other processes' progress
 
 
 def _trajectory(url: str, sid: str) -> dict[str, Any]:
@@ -228,13 +217,13 @@ def test_kill_9_of_a_mid_stream_behind_haproxy_the_retry_continues_on_b(
                 out: list[int] = turns[1]["output_ids"] if len(turns) == 2 else []
                 return out if turns[1]["status"] == "running" and len(out) >= received else None
 
-            seen = _poll(on_disk, f"the running turn's first {received} tokens in the store")
+            seen = poll(on_disk, f"the running turn's first {received} tokens in the store")
             os.kill(a.proc.pid, signal.SIGKILL)  # gateway A itself, by its PID, mid-stream
             a.proc.wait(timeout=30)
             with pytest.raises((openai.APIError, httpx.HTTPError)):
                 for _ in stream:
                     pass
-            _poll(lambda: _connections(store, "gw-a") == 0 or None, "A's database connections closed")
+            poll(lambda: _connections(store, "gw-a") == 0 or None, "A's database connections closed")
 
             retry = sdk.chat.completions.create(**request)  # the harness retries, through the balancer
             assert sum(_tokens(chunk) for chunk in retry) == REPLY_TOKENS
