@@ -40,6 +40,8 @@ from typing import Any
 
 import httpx
 
+from core.errors import BelayerError
+
 DEFAULT_TIMEOUT = 30.0
 FEED_READ_TIMEOUT = 60.0
 """The feed sends a comment every 15 s: a connection silent for this long is dead, and is reopened."""
@@ -49,7 +51,7 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 """Answers of a proxy (or a gateway starting) in front of the feed: reconnect, as for a dropped one."""
 
 
-class ClientError(Exception):
+class ClientError(BelayerError):
     """An error answer from the gateway: its HTTP ``status`` and its error JSON's fields."""
 
     def __init__(

@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from core.errors import BelayerError
 from engine_pool.worker import free_port
 
 Json = dict[str, Any]
@@ -265,7 +266,7 @@ class GatewayRun:
         return left
 
 
-class DemoFailed(Exception):
+class DemoFailed(BelayerError):
     """The demo could not show what it shows (the gateway did not start, the kill came too late)."""
 
 

@@ -42,7 +42,13 @@
     │   │   └── RestoreError                         restore from a checkpoint failed
     │   └── ImageBuildError                          building a sandbox image failed
     ├── HarnessError                   a harness could not be installed or run
-    └── TaskError (ValueError)         a task directory is not usable
+    ├── TaskError (ValueError)         a task directory is not usable
+    │
+    │   raised outside this module, by the layer that owns them:
+    ├── Preempted                      gateway.failover: a weight update cut a stream; the turn resumes
+    ├── ClientError                    belayer.client: the gateway answered the trainer's client with an error
+    │   └── GatewayUnreachable (ConnectionError)     no answer, or the connection broke
+    └── DemoFailed                     belayer.demo: the demo could not show what it shows
 
 Foreign errors are translated at one boundary each: httpx in ``engine_pool.client`` (and, for
 auxiliary providers, ``gateway.auxiliary``), Docker in ``sandbox.docker_backend.docker_errors``. The

@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.errors import EngineTimeout
+from core.errors import BelayerError, EngineTimeout
 from engine_pool.client import TokenChunk, merge_chunks
 from engine_pool.pool import Preemption
 
@@ -95,7 +95,7 @@ def add_tokens(segments: list[Segment], start: int, end: int, version: str, firs
         segments[-1] = (segments[-1][0], end, segments[-1][2])
 
 
-class Preempted(Exception):
+class Preempted(BelayerError):
     """A weight update cut this stream (its drain time was over); the turn resumes after it."""
 
 

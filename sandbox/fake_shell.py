@@ -150,7 +150,7 @@ class _Command:
 
 
 class _Exit(Exception):
-    pass
+    """The `exit` builtin: control flow that `run_script` always catches, so never an error of Belayer's."""
 
 
 def run_script(shell: Shell, script: str, commands: dict[str, CommandHandler]) -> None:
