@@ -1,101 +1,107 @@
 """A very large request cannot freeze the gateway: it is refused by a cheap bound before templating and
-tokenization, and its parsing runs off the event loop, so /health and other sessions' streams go on."""
+tokenization, and its parsing runs off the event loop, so /health and other sessions' streams go on.
+
+The gateway is a real ``belayer serve`` process (so the client's own work does not share its GIL), and
+the delay is measured against the same probes in the seconds before the large requests, in the same
+run: a noisy machine raises both.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
-from engine_pool.fake import FakeEngine
-from engine_pool.pool import EnginePool
-from engine_pool.worker import free_port
-from gateway.app import build_app
-from gateway.config import GatewayConfig
+from tests.support import belayer_server
 
 MB = 1 << 20
+ALLOWED_DELAY_S = 0.1  # the issue's bound: /health and another session's stream
 
 
-async def test_a_12_mb_request_delays_health_and_streams_by_under_half_a_second(
+def worst(samples: list[tuple[float, float]], start: float, end: float) -> float:
+    """The longest wait among the samples taken between `start` and `end`."""
+    return max(d for t, d in samples if start <= t <= end)
+
+
+def test_three_12_mb_requests_delay_health_and_streams_by_under_100_ms(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    engine = FakeEngine(
-        max_model_len=4096, token_delay=0.01, script=lambda p: [(p[-1] + i) % 500 + 10 for i in range(400)]
-    )
-    engine_http = httpx.AsyncClient(transport=httpx.ASGITransport(engine.app()))
-    pool = EnginePool(engine_http)
-    pool.add_remote("http://fake-engine")
-    config = GatewayConfig(
-        model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"), max_body_bytes=16 * MB
-    )
-    app = build_app(config, pool=pool)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    serving = asyncio.create_task(server.serve())
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            big = json.dumps(
-                {
-                    "model": "policy",
-                    "messages": [{"role": "user", "content": "lorem ipsum " * (MB // 12 * 12)}],
-                }
-            ).encode()
-            assert len(big) > 12 * MB
-            gaps: list[float] = []
-            health: list[float] = []
-            stop = asyncio.Event()
+    engine_argv = ["fake-engine", "--tokens", "3000", "--token-delay", "0.01"]
+    with belayer_server(engine_argv, tmp_path / "engine.log") as engine:
+        serve = ["serve", "--model", str(tiny_model_dir), "--engine-url", engine.url]
+        serve += ["--store", str(tmp_path / "t.db"), "--max-body-bytes", str(16 * MB)]
+        with belayer_server(serve, tmp_path / "gw.log") as gw:
+            health: list[tuple[float, float]] = []  # (sent at, took)
+            gaps: list[tuple[float, float]] = []  # (arrived at, since the previous line)
+            streaming = threading.Event()
+            stop = threading.Event()
 
-            async def stream() -> None:
-                body = {
-                    "model": "policy",
-                    "messages": [{"role": "user", "content": "hi"}],
-                    "stream": True,
-                    "max_tokens": 300,
-                }
-                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            def probe() -> None:
+                with httpx.Client(base_url=gw.url, timeout=30) as c:
+                    while not stop.is_set():
+                        t = time.monotonic()
+                        assert c.get("/health").status_code == 200
+                        health.append((t, time.monotonic() - t))
+                        stop.wait(0.01)
+
+            def stream() -> None:
+                # Text completions: a chat stream's tool-call parser may hold text back while it could
+                # still start a call, which is a gap of its own.
+                body = {"model": "policy", "prompt": "hi", "stream": True, "max_tokens": 2500}
+                with (
+                    httpx.Client(base_url=gw.url, timeout=30) as c,
+                    c.stream("POST", "/v1/completions", json=body) as r,
+                ):
                     last = time.monotonic()
-                    async for _ in r.aiter_lines():
+                    for _ in r.iter_lines():
                         now = time.monotonic()
-                        gaps.append(now - last)
+                        gaps.append((now, now - last))
                         last = now
+                        streaming.set()
                         if stop.is_set():
                             break
 
-            async def probe() -> None:
-                while not stop.is_set():
-                    t = time.monotonic()
-                    assert (await client.get("/health")).status_code == 200
-                    health.append(time.monotonic() - t)
-                    await asyncio.sleep(0.01)
-
-            streaming = asyncio.create_task(stream())
-            probing = asyncio.create_task(probe())
-            await asyncio.sleep(0.3)  # both are under way
-            gaps.clear(), health.clear()
-            started = time.monotonic()
-            async with httpx.AsyncClient(base_url=base, timeout=60) as other:
-                r = await other.post(
-                    "/v1/chat/completions", content=big, headers={"content-type": "application/json"}
-                )
-            took = time.monotonic() - started
-            await asyncio.sleep(0.1)
-            stop.set()
-            await asyncio.gather(streaming, probing)
+            # Built before the probes start: building it holds this process's GIL for a while.
+            big = {
+                "model": "policy",
+                "messages": [{"role": "user", "content": "lorem ipsum " * (MB // 12 * 12)}],
+            }
+            payload = json.dumps(big).encode()
+            assert len(payload) > 12 * MB
+            threads = [threading.Thread(target=probe), threading.Thread(target=stream)]
+            for t in threads:
+                t.start()
+            try:
+                assert streaming.wait(30)
+                base_start = time.monotonic()
+                while time.monotonic() - base_start < 2.0 or len(health) < 20:  # the baseline
+                    stop.wait(0.05)
+                started = time.monotonic()
+                answers = [
+                    httpx.post(
+                        f"{gw.url}/v1/chat/completions",
+                        content=payload,
+                        headers={"content-type": "application/json"},
+                        timeout=60,
+                    )
+                    for _ in range(3)
+                ]
+                ended = time.monotonic()
+                while not gaps or gaps[-1][0] < ended + 0.3:  # a line after the last request
+                    stop.wait(0.05)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(30)
+    for r in answers:
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
-        assert took < 5.0
-        # Before the body was parsed off the loop, this request froze everything for 11-30 s. The
-        # bound leaves room for a noisy 2-core CI machine (one 140 ms probe was seen there): the
-        # client shares this process, and the off-loop parse still holds the GIL while it runs.
-        assert health and max(health) < 0.5, f"/health took up to {max(health):.3f}s"
-        assert gaps and max(gaps) < 0.5, f"a stream stalled for {max(gaps):.3f}s"
-    finally:
-        server.should_exit = True
-        await serving
-        await engine_http.aclose()
+    # Before the body was parsed off the loop and bounded before tokenization, one such request froze
+    # everything for 11-30 s.
+    health_delay = worst(health, started, ended) - worst(health, base_start, started)
+    stream_delay = worst(gaps, started, ended + 0.3) - worst(gaps, base_start, started)
+    print(f"health_delay_ms: {health_delay * 1000:.1f}\nstream_delay_ms: {stream_delay * 1000:.1f}")
+    assert health_delay < ALLOWED_DELAY_S, f"/health was delayed by {health_delay:.3f}s"
+    assert stream_delay < ALLOWED_DELAY_S, f"a stream was delayed by {stream_delay:.3f}s"
