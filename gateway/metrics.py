@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from core.telemetry import Event, Telemetry
@@ -86,6 +86,10 @@ class _States(Collector):
         yield GaugeMetricFamily(
             "belayer_store_size_bytes", "The trajectory store's size on disk.", value=self.store.size_bytes()
         )
+        yield CounterMetricFamily(
+            "belayer_store_failures", "Store operations that failed (disk full, read-only, ...).",
+            value=self.store.failures,
+        )  # fmt: skip
         yield GaugeMetricFamily(
             "belayer_affinity_sessions", "Sessions whose last worker the pool remembers.",
             value=self.pool.remembered_sessions,

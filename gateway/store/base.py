@@ -132,6 +132,10 @@ class EventRecord:
 class TrajectoryStore(abc.ABC):
     """Where sessions, turns and events live. Every method commits before it returns."""
 
+    failures: int = 0
+    """Operations that failed in the database (disk full, read-only, corrupt, connection lost); each
+    is also logged with its cause. Exported as ``belayer_store_failures_total``."""
+
     @abc.abstractmethod
     def create_session(self, session: SessionRecord) -> SessionRecord: ...
 

@@ -60,6 +60,10 @@ async def test_a_full_disk_says_so_and_no_turn_stays_running(
             assert again.status_code == 500
             assert "database or disk is full" in again.json()["error"]["message"]
         assert sum("database or disk is full" in rec.getMessage() for rec in caplog.records) >= 2
+        failures = store.failures
+        assert failures >= 2
+        metrics = (await client.get("/metrics")).text
+        assert f"belayer_store_failures_total {float(failures)}" in metrics, metrics[:2000]
         [turn] = (await client.get(f"/api/sessions/{sid}/trajectory")).json()["turns"]
         assert turn["status"] == "complete" and len(turn["output_ids"]) == 2000  # kept, shown finished
         on_disk = sqlite3.connect(tmp_path / "t.db").execute("SELECT status FROM turns").fetchall()
