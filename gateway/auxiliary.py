@@ -31,6 +31,9 @@ from gateway.store import EventRecord, SessionRecord, TrajectoryStore
 
 API_KEY_ENV = "BELAYER_AUX_API_KEY"
 
+Endpoint = Literal["chat/completions", "completions", "messages", "responses"]
+"""The provider endpoints a request is forwarded to."""
+
 
 @dataclass(frozen=True, slots=True)
 class AuxRoute:
@@ -79,7 +82,7 @@ async def forward(
     store: TrajectoryStore,
     route: AuxRoute,
     raw: dict[str, Any],
-    endpoint: Literal["chat/completions", "completions", "messages", "responses"],
+    endpoint: Endpoint,
     request: Request,
 ) -> Response:
     """Pass `raw` through to the route's provider; return its answer as it is."""

@@ -6,11 +6,13 @@ output for ``/v1/messages…`` paths, and errors raised mid-stream become an ``e
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import auxiliary
+from gateway.admission import admit
 from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.anthropic.serving import (
     MessageFormatter,
@@ -21,21 +23,20 @@ from gateway.anthropic.serving import (
 )
 from gateway.bodies import read_json, validate
 from gateway.parsers import forced_call_prefix
-from gateway.responding import respond, session_for
+from gateway.responding import respond
 from gateway.runtime import gateway_of
 
 
+def _messages(raw: dict[str, Any]) -> MessagesRequest:
+    return validate(MessagesRequest, raw)
+
+
 async def messages(request: Request) -> Response:
-    gw = gateway_of(request)
-    raw = await read_json(request, gw.config.max_body_bytes)
-    reject_unsupported(raw)
-    req = validate(MessagesRequest, raw)
-    route = gw.route_model(req.model)
-    if route is not None and route.kind == "external":
-        return await auxiliary.forward(gw.aux_http_client(), gw.store, route, raw, "messages", request)
-    gw.bound_prompt(raw.get("system"), raw.get("messages"))
-    session = await session_for(gw, request, auxiliary_model=req.model if route else None)
-    gen = await gw.offload(message_request, req, raw, session, gw.sessions)
+    a = await admit(request, _messages, reject_unsupported, "messages", "system", "messages")
+    if isinstance(a, Response):
+        return a
+    gw, req = a.gw, a.req
+    gen = await gw.offload(message_request, req, a.raw, a.session, gw.sessions)
     gen.forced_prefix = forced_call_prefix(gw.config.tool_call_parser, gen.forced_prefix)  # counted below
     fmt = MessageFormatter(req.model, prompt_tokens(gen.plan.prompt_ids, gen.forced_prefix, gw.tokenizer))
     return await respond(gw, gen, fmt)

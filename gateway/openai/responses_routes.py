@@ -12,8 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.errors import InvalidRequest
-from gateway import auxiliary
-from gateway.bodies import read_json
+from gateway.admission import admit
 from gateway.openai.responses import (
     find_response,
     logprob_count,
@@ -23,22 +22,17 @@ from gateway.openai.responses import (
     validate_request,
 )
 from gateway.openai.responses_formatting import ResponseFormatter
-from gateway.responding import respond, session_for
+from gateway.responding import respond
 from gateway.runtime import gateway_of
 
 
 async def create_response(request: Request) -> Response:
-    gw = gateway_of(request)
-    raw = await read_json(request, gw.config.max_body_bytes)
-    reject_unsupported(raw)
-    req = validate_request(raw)
-    route = gw.route_model(req.model)
-    if route is not None and route.kind == "external":
-        return await auxiliary.forward(gw.aux_http_client(), gw.store, route, raw, "responses", request)
-    gw.bound_prompt(raw.get("instructions"), raw.get("input"))
-    session = await session_for(gw, request, auxiliary_model=req.model if route else None)
-    gen = await gw.offload(response_request, req, raw, session, gw.sessions, gw.store)
-    return await respond(gw, gen, ResponseFormatter(gen, raw, gw.tokenizer, logprob_count(req)))
+    a = await admit(request, validate_request, reject_unsupported, "responses", "instructions", "input")
+    if isinstance(a, Response):
+        return a
+    gw, req = a.gw, a.req
+    gen = await gw.offload(response_request, req, a.raw, a.session, gw.sessions, gw.store)
+    return await respond(gw, gen, ResponseFormatter(gen, a.raw, gw.tokenizer, logprob_count(req)))
 
 
 async def get_response(request: Request) -> Response:

@@ -8,8 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import auxiliary
-from gateway.bodies import read_json, validate
+from gateway.admission import admit
+from gateway.bodies import validate
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving import (
     ChatFormatter,
@@ -18,39 +18,35 @@ from gateway.openai.serving import (
     completion_request,
     reject_unsupported,
 )
-from gateway.responding import respond, session_for
+from gateway.responding import respond
 from gateway.runtime import gateway_of
 
 
+def _chat(raw: dict[str, Any]) -> ChatCompletionRequest:
+    return validate(ChatCompletionRequest, raw)
+
+
+def _completion(raw: dict[str, Any]) -> CompletionRequest:
+    return validate(CompletionRequest, raw)
+
+
 async def chat_completions(request: Request) -> Response:
-    gw = gateway_of(request)
-    raw = await read_json(request, gw.config.max_body_bytes)
-    reject_unsupported(raw)
-    req = validate(ChatCompletionRequest, raw)
-    route = gw.route_model(req.model)
-    if route is not None and route.kind == "external":
-        return await auxiliary.forward(
-            gw.aux_http_client(), gw.store, route, raw, "chat/completions", request
-        )
-    gw.bound_prompt(raw.get("messages"))
-    session = await session_for(gw, request, auxiliary_model=req.model if route else None)
-    gen, top = await gw.offload(chat_request, req, raw, session, gw.sessions)
+    a = await admit(request, _chat, reject_unsupported, "chat/completions", "messages")
+    if isinstance(a, Response):
+        return a
+    gw, req = a.gw, a.req
+    gen, top = await gw.offload(chat_request, req, a.raw, a.session, gw.sessions)
     gen.stream = bool(req.stream)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(gw, gen, ChatFormatter(req.model, gw.tokenizer, top, usage))
 
 
 async def completions(request: Request) -> Response:
-    gw = gateway_of(request)
-    raw = await read_json(request, gw.config.max_body_bytes)
-    reject_unsupported(raw)
-    req = validate(CompletionRequest, raw)
-    route = gw.route_model(req.model)
-    if route is not None and route.kind == "external":
-        return await auxiliary.forward(gw.aux_http_client(), gw.store, route, raw, "completions", request)
-    gw.bound_prompt(raw.get("prompt"))
-    session = await session_for(gw, request, auxiliary_model=req.model if route else None)
-    gen = await gw.offload(completion_request, req, raw, session, gw.tokenizer)
+    a = await admit(request, _completion, reject_unsupported, "completions", "prompt")
+    if isinstance(a, Response):
+        return a
+    gw, req = a.gw, a.req
+    gen = await gw.offload(completion_request, req, a.raw, a.session, gw.tokenizer)
     gen.stream = bool(req.stream)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(gw, gen, CompletionFormatter(req.model, gw.tokenizer, req.logprobs, usage))
