@@ -100,6 +100,7 @@ SERVE_FLAGS = (
     Flag("--tool-call-parser", "tool_call_parser"),
     Flag("--reasoning-parser", "reasoning_parser"),
     Flag("--store", "store_path"),
+    Flag("--gateway-id", "gateway_id"),
     Flag("--host", "host"),
     Flag("--port", "port"),
     Flag("--public-url", "public_url"),

@@ -41,7 +41,7 @@ from gateway import (
 )
 from gateway.access import Access
 from gateway.anthropic import routes as anthropic_routes
-from gateway.config import GatewayConfig, launch_devices
+from gateway.config import GatewayConfig, gateway_identity, launch_devices
 from gateway.dashboard import routes as dashboard_routes
 from gateway.errors import UnexpectedErrors, handlers
 from gateway.event_log import log_event
@@ -49,6 +49,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.observers import TurnObserver
 from gateway.openai import responses_routes
 from gateway.openai import routes as openai_routes
+from gateway.orphan_sweep import OrphanSweeper
 from gateway.recorder import Recorder
 from gateway.request_log import RequestObserver
 from gateway.runtime import Gateway, gateway_of
@@ -134,7 +135,7 @@ async def open_gateway(
     stack.push_async_callback(the_pool.stop)  # also when start fails half-way: launched workers stop
     await the_pool.start()
     sandboxes = await stack.enter_async_context(
-        sandbox_api.open_sandboxes(config.sandbox, store, the_pool, sandbox_backend)
+        sandbox_api.open_sandboxes(config.sandbox, store, the_pool, sandbox_backend, gateway_identity(config))
     )
     if sandboxes is not None and config.sandbox.sandbox_port is not None:
         await stack.enter_async_context(
@@ -152,6 +153,9 @@ async def open_gateway(
     )  # fmt: skip
     stack.push_async_callback(runner.close)
     runner.recomputer.resume()  # what a gateway before this one left pending (it died, or shut down)
+    sweeper = OrphanSweeper(store, config.inflight.sweep_interval_s)  # a dead replica's running turns
+    sweeper.start()
+    stack.push_async_callback(sweeper.close)
     recorder.start()
     stack.push_async_callback(recorder.close)
     sessions = SessionManager(store, tok)

@@ -81,6 +81,14 @@ class InflightConfig(BaseModel):
     flush_tokens: int = Field(
         default=256, ge=1, description="new tokens of one turn that make a write due before the interval"
     )
+    sweep_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "seconds between sweeps that mark interrupted the running turns of a replica that died "
+            "(replicated gateways on PostgreSQL: gateway.orphan_sweep)"
+        ),
+    )
 
 
 class SandboxConfig(BaseModel):
@@ -347,6 +355,16 @@ class GatewayConfig(BaseSettings):
         description="trajectory store: a SQLite file, or a postgresql:// URL shared by replicated gateways",
     )
     store_synchronous: str = Field(default="NORMAL", description="the store's SQLite synchronous mode")
+    gateway_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description=(
+            "this gateway's id among replicas on one store: its sandboxes carry it, and a restarted "
+            "gateway takes back only its own (unset: HOSTNAME:PORT, stable while the replica keeps its "
+            "host and port)"
+        ),
+    )
     host: str = Field(default="127.0.0.1", description="address the gateway listens on")
     port: int = Field(default=8000, ge=0, le=65535, description="port the gateway listens on")
     public_url: str | None = Field(
@@ -542,6 +560,12 @@ def launch_devices(config: GatewayConfig) -> tuple[tuple[int, ...], ...]:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return groups
+
+
+def gateway_identity(config: GatewayConfig) -> str:
+    """The gateway's id among replicas (`GatewayConfig.gateway_id`): given, or this host's name and the
+    port, so that a replica restarted where it ran finds its own sandboxes (`gateway.sandboxes.adoption`)."""
+    return config.gateway_id or f"{socket.gethostname()}:{config.port}"
 
 
 def _env_name(path: str) -> str:

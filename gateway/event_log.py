@@ -1,5 +1,6 @@
-"""Log lines for recoveries, from the live feed: one per failover, sandbox failure, sandbox restore and
-discard of turns, naming what happened in words (``belayer.recovery`` logger).
+"""Log lines for recoveries, from the live feed: one per failover, sandbox failure, sandbox restore,
+discard of turns, and interruption of a gone gateway's running turns, naming what happened in words
+(``belayer.recovery`` logger).
 
 `log_event` is a `Telemetry` listener; every other kind of event it ignores. The event's session,
 turn and data go with the line as structured fields (``event``, ``session_id``, ``turn_id``, ``data``)
@@ -57,6 +58,14 @@ def _sandbox_restored(e: Event, d: dict[str, Any]) -> Line:
     return logging.INFO, f"{message} ({d.get('reason')})"
 
 
+def _turns_interrupted(e: Event, d: dict[str, Any]) -> Line:
+    return (
+        logging.WARNING,
+        f"session {e.session_id}: turns {d.get('turn_indices')} interrupted ({d.get('reason')}), "
+        f"keeping {d.get('output_tokens')} generated tokens",
+    )
+
+
 def _turns_discarded(e: Event, d: dict[str, Any]) -> Line:
     after = f" after turn {d['after_turn']}" if d.get("after_turn") is not None else ""
     return (
@@ -70,6 +79,7 @@ _DESCRIBE: dict[str, Callable[[Event, dict[str, Any]], Line]] = {
     "sandbox_failure": _sandbox_failure,
     "sandbox_restored": _sandbox_restored,
     "turns_discarded": _turns_discarded,
+    "turns_interrupted": _turns_interrupted,
 }
 
 

@@ -194,6 +194,11 @@ class GatewayMetrics:
             "belayer_tool_calls_replayed", "Tool calls run again after a replay restore.", registry=r
         )
         self.discarded = Counter("belayer_turns_discarded", "Turns discarded by restores.", registry=r)
+        self.interrupted = Counter(
+            "belayer_turns_interrupted",
+            "Running turns of a gone gateway (a dead replica) marked interrupted by this one.",
+            registry=r,
+        )
         self.recomputations = Counter(
             "belayer_logprob_recomputations", "Logprob recomputations by result.", ["result"], registry=r
         )
@@ -228,6 +233,7 @@ class GatewayMetrics:
             "sandbox_checkpoint_failed": lambda e: self.checkpoints.labels("failed").inc(),
             "sandbox_restored": self._restored,
             "turns_discarded": lambda e: self.discarded.inc(len(e.data["turn_indices"])),
+            "turns_interrupted": lambda e: self.interrupted.inc(len(e.data["turn_indices"])),
             "recomputed_logprobs": lambda e: self.recomputations.labels("ok").inc(),
             "recompute_failed": lambda e: self.recomputations.labels("failed").inc(),
             "export": lambda e: self.exports.labels(e.data["format"]).inc(),

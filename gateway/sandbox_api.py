@@ -52,9 +52,14 @@ log = logging.getLogger("belayer.sandbox")
 
 @contextlib.asynccontextmanager
 async def open_sandboxes(
-    config: SandboxConfig, store: TrajectoryStore, pool: EnginePool, backend: SandboxBackend | None = None
+    config: SandboxConfig,
+    store: TrajectoryStore,
+    pool: EnginePool,
+    backend: SandboxBackend | None = None,
+    gateway_id: str | None = None,
 ) -> AsyncIterator[SandboxManager | None]:
-    """The app's sandbox manager (None when disabled), over `backend` or the local Docker engine."""
+    """The app's sandbox manager (None when disabled), over `backend` or the local Docker engine;
+    `gateway_id` labels its sandboxes, among replicas on `store` (`gateway.sandboxes.adoption`)."""
     if not config.enabled:
         yield None
         return
@@ -72,7 +77,7 @@ async def open_sandboxes(
     def engine_load() -> float:  # requests sharing a worker with a new one
         return 1.0 + sum(m.outstanding for m in pool.members) / max(1, len(pool.ready()))
 
-    manager = SandboxManager(backend, store, config, engine_load)
+    manager = SandboxManager(backend, store, config, engine_load, gateway_id=gateway_id)
     try:
         try:  # the sandboxes a gateway before this one left (killed, or shut down)
             await manager.adopt()

@@ -1,4 +1,5 @@
-"""``belayer bench gateway-crash``: a gateway killed with SIGKILL under streaming sessions, restarted.
+"""``belayer bench gateway-crash``: a gateway killed with SIGKILL under streaming sessions, restarted
+(or, with ``--replicas 2``, left dead behind a load balancer while another replica takes over).
 
 In one run:
 
@@ -16,6 +17,14 @@ In one run:
   - ``tokens_kept_pct``: of the tokens the clients had received at the kill, the share the store kept;
   - ``first_token_after_crash_s``: the kill → each client's first token of its retry (median; max too),
     gateway restart included.
+* with ``--replicas 2`` (and ``--store postgresql://...``, or ``--postgres auto``: a throwaway local
+  server, `belayer.postgres_local`), the same again behind a load balancer, in the same run: two
+  ``belayer serve`` replicas share the PostgreSQL store behind Debian's HAProxy (everything to replica A
+  while it is up), A is killed with ``kill -9`` under the same streams and is *not* restarted, and the
+  clients' retries go through the balancer to B, which finds each session in the store and marks A's
+  running turns interrupted (at the retry's turn, or at its periodic sweep). The same four figures,
+  prefixed ``replicas_`` (``replicas_sessions_continued_pct``, ``replicas_turns_lost``,
+  ``replicas_tokens_kept_pct``, ``replicas_first_token_after_crash_s``), next to the restart's.
 
 Figures are printed as ``name: value`` lines; progress goes to stderr.
 """
@@ -24,13 +33,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,14 +51,70 @@ import httpx
 
 from belayer.bench import emit
 from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, ensure_model, throughput
-from belayer.services import Service, base_url, fake_engine_service, free_port, progress, running
+from belayer.services import (
+    BenchError,
+    Service,
+    base_url,
+    fake_engine_service,
+    free_port,
+    progress,
+    running,
+)
 
 
-def _gateway(workdir: Path, name: str, model: str, engine: str, port: int, inflight: bool = True) -> Service:
+def _gateway(
+    workdir: Path,
+    name: str,
+    model: str,
+    engine: str,
+    port: int,
+    inflight: bool = True,
+    store: str | None = None,
+) -> Service:
+    """A ``belayer serve`` on `port`: its own SQLite file, or the PostgreSQL `store` replicas share."""
     argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model, "--engine-url", engine]
-    argv += ["--port", str(port), "--store", str(workdir / f"{name}.db"), "--log-level", "WARNING"]
+    argv += ["--port", str(port), "--store", store or str(workdir / f"{name}.db"), "--log-level", "WARNING"]
     env: dict[str, str | None] = {"BELAYER_INFLIGHT__ENABLED": "true" if inflight else "false"}
     return Service(name, argv, f"http://127.0.0.1:{port}/health", workdir / f"{name}.log", env)
+
+
+HAPROXY_CFG = """
+global
+    maxconn 1024
+defaults
+    mode http
+    timeout connect 100ms
+    timeout client 300s
+    timeout server 300s
+    retries 3
+    option redispatch 1
+    retry-on conn-failure
+frontend gateways
+    bind 127.0.0.1:{port}
+    default_backend replicas
+backend replicas
+    balance first
+    option httpchk GET /health
+{servers}
+"""
+"""Everything to the first replica while it is up (``balance first``: the kill hits every session); a
+request whose connection a dead replica refuses is redispatched to the next (after HAProxy's turn-around
+of min(``timeout connect``, 1 s): hence 100 ms, ample on one host), and a replica that fails its health
+check (every 200 ms) leaves the rotation."""
+
+
+def _balancer(workdir: Path, replicas: list[Service]) -> Service:
+    """Debian's HAProxy in front of `replicas` (``BELAYER_HAPROXY``: another binary)."""
+    port = free_port()
+    servers = "\n".join(
+        f"    server {g.name} {base_url(g).removeprefix('http://')} check inter 200ms fall 1 rise 1"
+        for g in replicas
+    )
+    cfg = workdir / "haproxy.cfg"
+    cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
+    binary = os.environ.get("BELAYER_HAPROXY") or shutil.which("haproxy") or "/usr/sbin/haproxy"
+    argv = [binary, "-f", str(cfg), "-db"]
+    return Service("haproxy", argv, f"http://127.0.0.1:{port}/health", workdir / "haproxy.log")
 
 
 def overhead(workdir: Path, opts: argparse.Namespace) -> None:
@@ -160,13 +228,47 @@ def _continued(traj: dict[str, Any]) -> tuple[bool, int]:
     return ok, len(kept)
 
 
-async def _crash_run(workdir: Path, opts: argparse.Namespace, engine: str, services: list[Service]) -> None:
-    port = free_port()
-    gw = _gateway(workdir, "crash", opts.model, engine, port)
-    services.append(gw)
-    gw.start()
-    await asyncio.to_thread(gw.wait_ready, 120)
-    url = base_url(gw)
+async def _start(
+    workdir: Path, opts: argparse.Namespace, engine: str, services: list[Service], store: str | None
+) -> tuple[str, Service, list[Service]]:
+    """The URL the clients use, the gateway to kill, and (replicated) the others: one gateway on its
+    SQLite file, or ``--replicas`` gateways on the PostgreSQL `store` behind HAProxy."""
+    count = 1 if store is None else opts.replicas
+    names = ["crash"] if store is None else [f"replica-{chr(ord('a') + i)}" for i in range(count)]
+    gws = [_gateway(workdir, n, opts.model, engine, free_port(), store=store) for n in names]
+    for g in gws:
+        services.append(g)
+        g.start()
+    for g in gws:
+        await asyncio.to_thread(g.wait_ready, 120)
+    if store is None:
+        return base_url(gws[0]), gws[0], []
+    lb = _balancer(workdir, gws)
+    services.append(lb)
+    lb.start()
+    await asyncio.to_thread(lb.wait_ready, 30)
+    return base_url(lb), gws[0], gws[1:]
+
+
+async def _settled(http: httpx.AsyncClient, url: str, sid: str, timeout: float) -> dict[str, Any]:
+    """The session's trajectory once its interrupted turn reads as such: a replica marks a dead one's
+    running turns when the retry begins its turn, or at its next sweep (`gateway.orphan_sweep`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        traj: dict[str, Any] = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()
+        turns = traj["turns"]
+        if len(turns) < 2 or turns[1]["status"] != "running" or time.monotonic() > deadline:
+            return traj
+        await asyncio.sleep(0.1)  # polling another process's progress, with a deadline
+
+
+async def _crash_run(
+    workdir: Path, opts: argparse.Namespace, engine: str, services: list[Service], store: str | None = None
+) -> None:
+    """Kill the (first) gateway under ``--sessions`` streams: restart it on its port and store (`store`
+    None), or leave it dead and let the balancer send the retries to the other replicas; the figures,
+    prefixed ``replicas_`` for the latter."""
+    url, victim, others = await _start(workdir, opts, engine, services, store)
     sessions = [_Session() for _ in range(opts.sessions)]
     killed = asyncio.Event()
     limits = httpx.Limits(max_connections=opts.sessions * 2, max_keepalive_connections=opts.sessions * 2)
@@ -174,19 +276,28 @@ async def _crash_run(workdir: Path, opts: argparse.Namespace, engine: str, servi
         tasks = [asyncio.create_task(_session(http, url, s, killed, opts)) for s in sessions]
         waits = [asyncio.create_task(s.reached.wait()) for s in sessions]
         await asyncio.wait_for(asyncio.gather(*waits), 300)
-        assert gw.proc is not None
-        proc = gw.proc
+        assert victim.proc is not None
+        proc = victim.proc
         killed.set()
         t_kill = time.monotonic()
         os.kill(proc.pid, signal.SIGKILL)  # the gateway process itself, by its PID
         await asyncio.to_thread(proc.wait)
-        progress(f"gateway killed with {sum(s.received for s in sessions)} tokens streamed; restarting it")
-        again = _gateway(workdir, "crash", opts.model, engine, port)  # the same port and store
-        services.append(again)
-        again.start()
-        await asyncio.to_thread(again.wait_ready, 120)
+        streamed = sum(s.received for s in sessions)
+        if store is None:
+            progress(f"gateway killed with {streamed} tokens streamed; restarting it")
+            again = _gateway(
+                workdir, "crash", opts.model, engine, int(url.rsplit(":", 1)[1])
+            )  # same port, store
+            services.append(again)
+            again.start()
+            await asyncio.to_thread(again.wait_ready, 120)
+        else:
+            progress(f"{victim.name} killed with {streamed} tokens streamed; retries go to the others")
         await asyncio.gather(*tasks)
-        trajs = [(await http.get(f"{url}/api/sessions/{s.sid}/trajectory")).json() for s in sessions]
+        trajs = [await _settled(http, url, s.sid, opts.settle_deadline) for s in sessions]
+        for g in others:
+            if g.proc is None or g.proc.poll() is not None:
+                raise BenchError(f"{g.name} died during the run:\n{g.tail()}")
     results = [_continued(t) for t in trajs]
     lost = sum(
         2 - sum(t["status"] in ("complete", "interrupted") for t in traj["turns"][:2]) for traj in trajs
@@ -194,13 +305,16 @@ async def _crash_run(workdir: Path, opts: argparse.Namespace, engine: str, servi
     received = sum(s.received for s in sessions)
     kept = sum(min(k, s.received) for (_, k), s in zip(results, sessions, strict=True))
     firsts = [s.first_after_crash - t_kill for s in sessions if s.first_after_crash is not None]
-    emit("sessions", len(sessions))
-    emit("sessions_continued_pct", 100.0 * sum(ok for ok, _ in results) / len(sessions))
-    emit("turns_lost", lost)
-    emit("tokens_kept_pct", 100.0 * kept / received if received else 0.0)
-    emit("first_token_after_crash_s", statistics.median(firsts))
-    emit("first_token_after_crash_max_s", max(firsts))
-    emit("retries_per_session", statistics.mean(s.retries for s in sessions))
+    pre = "" if store is None else "replicas_"
+    if store is not None:
+        emit("replicas", 1 + len(others))
+    emit(f"{pre}sessions", len(sessions))
+    emit(f"{pre}sessions_continued_pct", 100.0 * sum(ok for ok, _ in results) / len(sessions))
+    emit(f"{pre}turns_lost", lost)
+    emit(f"{pre}tokens_kept_pct", 100.0 * kept / received if received else 0.0)
+    emit(f"{pre}first_token_after_crash_s", statistics.median(firsts))
+    emit(f"{pre}first_token_after_crash_max_s", max(firsts))
+    emit(f"{pre}retries_per_session", statistics.mean(s.retries for s in sessions))
 
 
 def crash(workdir: Path, opts: argparse.Namespace) -> None:
@@ -221,6 +335,21 @@ def crash(workdir: Path, opts: argparse.Namespace) -> None:
         engine.start()
         engine.wait_ready(60)
         asyncio.run(_crash_run(workdir, opts, base_url(engine), services))
+        if opts.replicas > 1:
+            with _postgres(opts.store) as store:
+                asyncio.run(_crash_run(workdir, opts, base_url(engine), services, store))
+
+
+@contextlib.contextmanager
+def _postgres(url: str) -> Iterator[str]:
+    """`url`, or (``auto``) a new database on a throwaway local server (`belayer.postgres_local`)."""
+    if url != "auto":
+        yield url
+        return
+    from belayer.postgres_local import postgres_server
+
+    with postgres_server(durable=True) as server:
+        yield server.new_database()
 
 
 def main(argv: list[str]) -> int:
@@ -235,7 +364,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stream-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="alternating throughput rounds per gateway")
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="2 or more: also kill the first of this many replicas on PostgreSQL behind HAProxy, not restarted",
+    )
+    p.add_argument("--store", metavar="URL", help="the replicas' PostgreSQL (postgresql://...)")
+    p.add_argument("--postgres", metavar="URL", help="as --store; auto: a throwaway local server")
+    p.add_argument(
+        "--settle-deadline",
+        type=float,
+        default=30.0,
+        help="seconds to wait for a dead replica's turns to read interrupted (its sweep)",
+    )
     opts = p.parse_args(argv[1:] if argv[:1] == ["gateway-crash"] else argv)
+    opts.store = opts.store or opts.postgres
+    if opts.replicas > 1 and not opts.store:
+        p.error("--replicas needs --store postgresql://... or --postgres auto")
+    if opts.replicas < 1:
+        p.error("--replicas must be at least 1")
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM, like Ctrl-C, stops the servers on the way out
     ensure_model(opts.model)
     t0 = time.monotonic()

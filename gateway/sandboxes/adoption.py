@@ -1,7 +1,10 @@
 """Sandboxes outlive their gateway: at start-up, the manager takes back the containers of its open sessions.
 
-Every sandbox carries its store's identity as a label (`STORE_LABEL`, `TrajectoryStore.store_id`), and
-everything its slot holds is in the store, as the session's sandbox events in order (`fold`):
+Every sandbox carries its store's identity as a label (`STORE_LABEL`, `TrajectoryStore.store_id`) and
+its gateway's id (`GATEWAY_LABEL`, ``--gateway-id``: replicas share a store), and everything its slot
+holds is in the store, as the session's sandbox events in order (`fold`; the spec in
+``sandbox_created`` and ``sandbox_forked`` carries the labels, so the store knows which gateway holds
+each session's sandbox):
 
 ======================= ================================================================================
 ``sandbox_created``     a new slot: spec, harness_inside, recovery mode, sandbox id
@@ -28,6 +31,19 @@ At start-up (`Adoption.run`), before the gateway serves:
 - a container of this store that no open session's slot holds was leaked (a gateway killed between
   closing a session and removing its sandbox, or in the middle of a restore): it is removed, and a closed
   session's checkpoints with it. Containers without this store's label are never touched.
+
+**Replicas.** Gateways on one PostgreSQL store share its identity, so the store label alone cannot tell
+one replica's containers from another's. A gateway with an id (the app always has one: ``--gateway-id``,
+by default ``HOSTNAME:PORT``) lists only containers with both labels, and rebuilds only the slots of
+sessions whose recorded sandbox carries its id: another replica's sandboxes, live or not, are never
+adopted, restored or removed (`AdoptionReport.others`). A dead replica's sandboxes are left for their
+owner: the replica restarted with the same id (on the same host and port, or the same ``--gateway-id``)
+adopts them, its journal and checkpoints intact. Taking them over from another replica would need to
+know that their gateway is dead *for good* (a replica that restarts would find its sessions' sandboxes
+driven by someone else, two gateways exec-ing, checkpointing and restoring one container), and a
+session's sandbox calls go to the gateway holding its slot anyway. A replica that will never come back
+is taken over by starting a gateway with its id. Sandboxes made before gateways had ids carry no
+gateway label; a gateway adopts those as before.
 
 Example::
 
@@ -60,6 +76,8 @@ log = logging.getLogger("belayer.sandbox")
 
 STORE_LABEL = "belayer.store"
 """The label with the identity of the store whose gateway made the sandbox."""
+GATEWAY_LABEL = "belayer.gateway"
+"""The label with the id of the gateway (replica) that made the sandbox (``--gateway-id``)."""
 
 
 @dataclass(slots=True)
@@ -82,6 +100,12 @@ class Recorded:
     calls: list[dict[str, Any]] = field(default_factory=list)
     """The journal since the newest checkpoint: ``sandbox_call`` events' data."""
     last_restore: RestoreInfo | None = None
+
+    @property
+    def gateway(self) -> str | None:
+        """The gateway that holds the sandbox (its spec's `GATEWAY_LABEL`); None: made by a gateway
+        without an id (the only one on its store)."""
+        return self.spec.labels.get(GATEWAY_LABEL) if self.spec is not None else None
 
 
 def fold(session_id: str, events: Iterable[EventRecord], keep: int) -> Recorded:
@@ -138,6 +162,8 @@ class AdoptionReport:
     restored: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    others: list[str] = field(default_factory=list)
+    """Sessions whose sandbox another gateway (replica) holds: left to it."""
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds each session's sandbox took to adopt or restore."""
@@ -169,6 +195,8 @@ class Adoption:
         owned = await self.io.op(self.io.backend.list_sandboxes, self.lifecycle.owner_labels)
         containers = {box.id: box for box in owned}
         records = [rec for rec in map(self._recorded, self._open_sessions()) if rec.live]
+        report.others = [rec.session_id for rec in records if not self._ours(rec)]
+        records = [rec for rec in records if self._ours(rec)]
         slots = [await self._slot(rec, containers.get(rec.sandbox_id or "")) for rec in records]
         held = {slot.sandbox_id for slot in slots}
         await asyncio.gather(*(self._take_over(slot, report) for slot in slots))
@@ -176,13 +204,20 @@ class Adoption:
             if box.id not in held:
                 await self._remove_leaked(box, report)
         report.seconds = time.monotonic() - started
-        if owned or records:
+        if owned or records or report.others:
             log.info(
-                "sandboxes at start-up: %d adopted, %d restored, %d failed, %d leaked removed (%.2fs)",
+                "sandboxes at start-up: %d adopted, %d restored, %d failed, %d leaked removed, %d left to "
+                "other gateways (%.2fs)",
                 len(report.adopted), len(report.restored), len(report.failed), len(report.removed),
-                report.seconds,
+                len(report.others), report.seconds,
             )  # fmt: skip
         return report
+
+    def _ours(self, rec: Recorded) -> bool:
+        """Whether this gateway holds the session's sandbox: the same gateway id, or either has none
+        (a store of one gateway, or a sandbox made before gateways had ids)."""
+        mine = self.lifecycle.owner_labels.get(GATEWAY_LABEL)
+        return mine is None or rec.gateway is None or rec.gateway == mine
 
     def _open_sessions(self) -> list[str]:
         ids: list[str] = []

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 from core.errors import SandboxArgumentError, SandboxExists
 from core.tasks import TaskOwner
 from gateway.config import SandboxConfig
-from gateway.sandboxes.adoption import STORE_LABEL, Adoption, AdoptionReport
+from gateway.sandboxes.adoption import GATEWAY_LABEL, STORE_LABEL, Adoption, AdoptionReport
 from gateway.sandboxes.bubbles import BubbleObserver
 from gateway.sandboxes.checkpoints import Checkpointer
 from gateway.sandboxes.io import SandboxIO
@@ -68,7 +68,11 @@ class SandboxManager:
         store: TrajectoryStore,
         settings: SandboxConfig | None = None,
         engine_load: Callable[[], float] | None = None,
+        *,
+        gateway_id: str | None = None,
     ) -> None:
+        """`gateway_id`: this gateway among replicas on `store` (a label of its sandboxes: `adopt` takes
+        back only its own); None: the only gateway on `store`."""
         self.backend = backend
         self.store = store
         self.settings = settings or SandboxConfig()
@@ -79,7 +83,8 @@ class SandboxManager:
         self._slots = Slots()
         events = EventLog(store)
         self._events = events
-        owner = {STORE_LABEL: store.store_id()}  # at start-up, `adopt` finds this store's sandboxes by it
+        # at start-up, `adopt` finds this store's sandboxes by these, and of them this gateway's own
+        owner = {STORE_LABEL: store.store_id(), **({GATEWAY_LABEL: gateway_id} if gateway_id else {})}
         self._lifecycle = Lifecycle(self.io, owner)
         self._checkpointer = Checkpointer(self.io, events, self.policy, self.settings.keep_checkpoints)
         self._recovery = Recovery(self.io, self._lifecycle, self._checkpointer, events, self.settings)

@@ -281,6 +281,13 @@ class TrajectoryStore(abc.ABC):
         its own containers, and no one else's (`gateway.sandboxes.adoption`)."""
         raise NotImplementedError(f"{type(self).__name__} has no store_id()")
 
+    def sweep_orphans(self) -> int:
+        """Mark ``interrupted`` (with the tokens they had, and a ``turns_interrupted`` event per
+        session) the running turns of gateways that are gone while this one runs; how many. Only a
+        store that several gateways share has any (`gateway.orphan_sweep` calls it periodically): a
+        store of one gateway marks what a crash left running when it opens, so this default finds none."""
+        return 0
+
     @abc.abstractmethod
     def last_event_id(self) -> int:
         """The largest event id this store ever gave (0 for none): a feed cursor above it comes from

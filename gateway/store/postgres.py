@@ -39,10 +39,13 @@ replica's close, which wakes ``GET /api/finished?follow=true`` followers on ever
 advisory lock on its owner number, on a connection of its own, for as long as it is open, and marks
 the turns it starts with that number. PostgreSQL drops the lock when the owner's connection dies (its
 process crashed or was killed). Opening a store, starting a turn in a session (the retry that
-lands on another replica), and ``prune`` mark as ``interrupted`` the running turns whose owner's lock
-can be taken: their gateway is gone; ``delete_session`` does not wait for them. A live replica's
-running turns are left alone. Until then, a dead gateway's turn reads as ``running``. Pending logprob recomputations carry their owner too, and
-`pending_recomputations` claims only those of dead owners. (If the owner's connection itself breaks
+lands on another replica), ``prune``, and every live replica's periodic sweep (`sweep_orphans`, run by
+`gateway.orphan_sweep`) mark as ``interrupted`` the running turns whose owner's lock can be taken, with
+a ``turns_interrupted`` event per session: their gateway is gone; ``delete_session`` does not wait for
+them. A live replica's running turns are left alone. Two replicas sweeping at once do not both mark a
+turn: the owner's lock is held to the commit by whichever took it. Until then (at most one sweep
+period), a dead gateway's turn reads as ``running``. Pending logprob recomputations carry their owner
+too, and `pending_recomputations` claims only those of dead owners. (If the owner's connection itself breaks
 while its process lives, its turns may be marked interrupted by another replica.)
 
 ``vacuum`` runs a plain ``VACUUM`` (deleted rows' space is reused; the files shrink only at their end):
@@ -399,27 +402,38 @@ class PostgresStore(TrajectoryStore):
 
     # --- dead gateways' running turns ---------------------------------------------------------------
 
-    def _recover(self) -> None:
-        """Mark interrupted the running turns of every owner that is gone."""
+    def _recover(self) -> int:
+        """Mark interrupted the running turns of every owner that is gone; how many."""
         rows = self._rows(
             "SELECT DISTINCT owner FROM turns WHERE status = %s AND owner <> %s", (TURN_RUNNING, self.owner)
         )
+        marked = 0
         for (owner,) in rows:
             with self._transaction() as tx:
                 if _owner_gone(tx, owner):
-                    tx.execute(
-                        "UPDATE turns SET status = %s WHERE status = %s AND owner = %s",
-                        (TURN_INTERRUPTED, TURN_RUNNING, owner),
-                    )
+                    marked += self._interrupt(tx, "owner = %s", (owner,))
+        return marked
+
+    def sweep_orphans(self) -> int:
+        return self._recover()
 
     def _sweep_session(self, tx: _Tx, session_id: str, owners: list[int]) -> None:
         """In a transaction: the running turns of this session whose owner is gone become interrupted."""
         gone = [o for o in owners if _owner_gone(tx, o)]
         if gone:
-            tx.execute(
-                "UPDATE turns SET status = %s WHERE session_id = %s AND status = %s AND owner = ANY(%s)",
-                (TURN_INTERRUPTED, session_id, TURN_RUNNING, gone),
-            )
+            self._interrupt(tx, "session_id = %s AND owner = ANY(%s)", (session_id, gone))
+
+    def _interrupt(self, tx: _Tx, where: str, args: tuple[Any, ...]) -> int:
+        """In a transaction: the running turns that match become interrupted, with the tokens they had,
+        and each session gets a ``turns_interrupted`` event; how many."""
+        rows = tx.execute(
+            f"UPDATE turns SET status = %s WHERE status = %s AND {where} "
+            "RETURNING session_id, idx, length(output_ids) / 4",
+            (TURN_INTERRUPTED, TURN_RUNNING, *args),
+        ).fetchall()
+        for event in schema.interrupted_events(rows):
+            self._insert_event(tx, event)
+        return len(rows)
 
     # --- sessions -----------------------------------------------------------------------------------
 

@@ -29,11 +29,12 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from core.errors import StoreError
 from gateway.store import layout
+from gateway.store.base import EventRecord
 
 log = logging.getLogger("belayer.store")
 
@@ -278,6 +279,22 @@ def load_json(text: str) -> Any:
 def dump_json(value: object) -> str:
     """JSON that any reader can parse back: a non-finite number is an error here, never stored."""
     return json.dumps(value, allow_nan=False)
+
+
+def interrupted_events(rows: Iterable[tuple[Any, ...]]) -> list[EventRecord]:
+    """One ``turns_interrupted`` event per session, from the ``(session id, turn index, output tokens)``
+    of the running turns a gateway that is gone left, just marked interrupted."""
+    by_session: dict[str, list[tuple[int, int]]] = {}
+    for sid, idx, kept in rows:
+        by_session.setdefault(str(sid), []).append((int(idx), int(kept)))
+    events = []
+    for sid, turns in by_session.items():
+        turns.sort()
+        data = {"turn_indices": [i for i, _ in turns], "output_tokens": [k for _, k in turns]}
+        events.append(
+            EventRecord(sid, None, time.time(), "turns_interrupted", {**data, "reason": "gateway_gone"})
+        )
+    return events
 
 
 def load_spans(text: str) -> list[layout.Span]:

@@ -185,8 +185,15 @@ class SqliteStore(TrajectoryStore):
 
     def _mark_interrupted(self) -> None:
         """Turns left running by a crashed gateway keep their prompt, and the output written while
-        they streamed (`append_outputs`), and are marked interrupted."""
-        self._exec("UPDATE turns SET status = ? WHERE status = ?", (TURN_INTERRUPTED, TURN_RUNNING))
+        they streamed (`append_outputs`), and are marked interrupted, with a ``turns_interrupted``
+        event per session (as the PostgreSQL store does for a gone replica's)."""
+        with self._transaction():
+            rows = self._db.execute(
+                "UPDATE turns SET status = ? WHERE status = ? RETURNING session_id, idx, length(output_ids) / 4",
+                (TURN_INTERRUPTED, TURN_RUNNING),
+            ).fetchall()
+            for event in schema.interrupted_events(rows):
+                self._insert_event(event)
 
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
         try:

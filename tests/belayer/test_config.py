@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import ConfigError
-from gateway.config import ConfigLoader, FailoverConfig, GatewayConfig
+from gateway.config import ConfigLoader, FailoverConfig, GatewayConfig, InflightConfig
 from gateway.sandboxes.policy import PolicySettings
 
 NAMES = {"port": "--port", "workers": "--workers", "model": "--model", "config_file": "--config"}
@@ -119,3 +119,23 @@ def test_a_missing_or_broken_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         ConfigLoader({"config_file": path}, NAMES).load()
     assert str(info.value) == f"config file {path}: not valid TOML (Invalid value (at line 1, column 8))"
+
+
+def test_the_gateway_id_is_given_or_this_host_and_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from gateway.config import gateway_identity
+
+    assert gateway_identity(GatewayConfig(model="m", port=8123)) == f"{socket.gethostname()}:8123"
+    assert (
+        gateway_identity(ConfigLoader({"model": "m", "gateway_id": "replica-a"}, NAMES).load()) == "replica-a"
+    )
+    monkeypatch.setenv("BELAYER_GATEWAY_ID", "replica-b")
+    assert gateway_identity(ConfigLoader({"model": "m"}, NAMES).load()) == "replica-b"
+    with pytest.raises(ConfigError, match="gateway_id"):
+        ConfigLoader({"model": "m", "gateway_id": ""}, NAMES).load()
+    assert InflightConfig().sweep_interval_s == 5.0
+    path = _file(tmp_path, 'model = "m"\n[inflight]\nsweep_interval_s = 0.5\n')
+    assert ConfigLoader({"config_file": path}, NAMES).load().inflight.sweep_interval_s == 0.5

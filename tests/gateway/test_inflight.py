@@ -88,11 +88,11 @@ def test_recomputation_marks_last_until_their_outcome_and_go_with_their_session(
     store, turn = _begin(store_backend.open())
     store.schedule_recomputation(turn, [(0, 2)])
     store.close()
-    store = store_backend.open()  # a restart: still pending
+    store = store_backend.open()  # a restart: still pending (its turn, left running, interrupted)
     assert store.pending_recomputations() == [(turn.id, [(0, 2)])]
     store.end_recomputation(turn.id, EventRecord("s", turn.id, 1.0, "recomputed_logprobs", {"runs": []}))
     assert store.pending_recomputations() == []
-    assert [e.kind for e in store.get_events("s")] == ["recomputed_logprobs"]
+    assert [e.kind for e in store.get_events("s")] == ["turns_interrupted", "recomputed_logprobs"]
     store.schedule_recomputation(turn, [(1, 3)])
     turn.status = TURN_COMPLETE
     store.finish_turn(turn)

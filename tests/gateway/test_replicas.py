@@ -240,3 +240,111 @@ def test_kill_9_of_a_mid_stream_behind_haproxy_the_retry_continues_on_b(
     assert t3["prompt_ids"][:reused] == t1["prompt_ids"] + t1["output_ids"]
     assert t3["events"][0]["data"]["reused_tokens"] == reused
     assert t3["parent_index"] == t2["parent_index"] == 0 and t3["branch"] != t2["branch"]
+
+
+SWEEP_S = 1.0
+
+
+def _stored(store: str, sid: str) -> list[tuple[int, str, int]]:
+    """The session's turns as the database holds them: (index, status, output tokens)."""
+    with psycopg.connect(store) as conn:
+        rows = conn.execute(
+            "SELECT idx, status, length(output_ids) / 4 FROM turns WHERE session_id = %s ORDER BY idx", (sid,)
+        ).fetchall()
+    return [(int(i), str(s), int(n)) for i, s, n in rows]
+
+
+def test_kill_9_of_a_mid_stream_b_sweeps_its_turn_interrupted_with_no_request_to_the_session(
+    postgres: PostgresServer, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    store = postgres.new_database()
+    config = tmp_path / "belayer.toml"
+    config.write_text(
+        f"[inflight]\nflush_interval_s = 0.05\nflush_tokens = 8\nsweep_interval_s = {SWEEP_S}\n"
+    )
+    with _engine(tmp_path, 0.01) as engine:
+
+        def serve(name: str) -> list[str]:
+            return ["serve", "--model", str(tiny_model_dir), "--engine-url", engine, "--config", str(config),
+                    "--store", f"{store}?application_name={name}"]  # fmt: skip
+
+        with (
+            belayer_server(serve("gw-a"), tmp_path / "a.log") as a,
+            belayer_server(serve("gw-b"), tmp_path / "b.log") as b,
+        ):
+            sid = httpx.post(f"{a.url}/api/sessions", json={}).json()["id"]
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
+            answer = _chat(f"{a.url}/s/{sid}/v1", messages, 12)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "go on"}]
+            sdk = openai.OpenAI(base_url=f"{a.url}/s/{sid}/v1", api_key="none", max_retries=0, timeout=60)
+            stream = sdk.chat.completions.create(
+                model="policy", messages=messages, max_tokens=REPLY_TOKENS, temperature=0,  # type: ignore[arg-type]
+                logprobs=True, stream=True,
+            )  # fmt: skip
+            received = 0
+            for chunk in stream:
+                received += _tokens(chunk)
+                if received >= 40:
+                    break
+
+            def on_disk() -> int | None:  # read from the database: no request touches the session
+                turns = _stored(store, sid)
+                running = len(turns) == 2 and turns[1][1] == "running" and turns[1][2] >= received
+                return turns[1][2] if running else None
+
+            poll(on_disk, f"the running turn's first {received} tokens in the store")
+            os.kill(a.proc.pid, signal.SIGKILL)  # gateway A itself, by its PID, mid-stream
+            a.proc.wait(timeout=30)
+            poll(lambda: _connections(store, "gw-a") == 0 or None, "A's database connections closed")
+            gone = time.monotonic()
+
+            def interrupted() -> list[tuple[int, str, int]] | None:
+                turns = _stored(store, sid)
+                return turns if turns[1][1] != "running" else None
+
+            # B's next sweep (at most one period away), scheduling on a loaded machine aside
+            after = poll(interrupted, "B's sweep marking A's turn interrupted", timeout=SWEEP_S + 5.0)
+            waited = time.monotonic() - gone
+            traj = _trajectory(b.url, sid)
+            metrics = httpx.get(f"{b.url}/metrics").text
+            assert b.proc.poll() is None
+
+    assert waited < SWEEP_S + 5.0
+    (_, s1, _), (_, s2, kept) = after
+    assert (s1, s2) == ("complete", "interrupted") and kept >= received >= 40
+    t2 = traj["turns"][1]
+    expected = FakeEngine(step=autoregressive).greedy(t2["prompt_ids"], REPLY_TOKENS)
+    assert t2["status"] == "interrupted" and t2["output_ids"] == expected[:kept]  # what A streamed, kept
+    assert len(t2["output_logprobs"]) == kept
+    events = [e["data"] for e in traj["events"] if e["kind"] == "turns_interrupted"]
+    assert events == [{"turn_indices": [1], "output_tokens": [kept], "reason": "gateway_gone"}]
+    assert "belayer_turns_interrupted_total 1.0" in metrics  # counted by B, whose sweep did it
+
+
+def test_bench_gateway_crash_behind_haproxy_next_to_the_restart(
+    postgres: PostgresServer,
+    tiny_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from belayer.bench.gateway_crash import main
+
+    monkeypatch.setenv("BELAYER_INFLIGHT__FLUSH_INTERVAL_S", "0.05")  # the bench's gateways inherit it
+    args = ["--model", str(tiny_model_dir), "--sessions", "3", "--kill-after", "30", "--reply-tokens", "400"]
+    args += [
+        "--token-delay",
+        "0.01",
+        "--skip-overhead",
+        "--replicas",
+        "2",
+        "--store",
+        postgres.new_database(),
+    ]
+    assert main(args) == 0
+    figures = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert figures["replicas"] == "2" and figures["replicas_sessions"] == figures["sessions"] == "3"
+    for pre in ("", "replicas_"):  # the restart, and the kill of replica A behind the balancer
+        assert figures[f"{pre}sessions_continued_pct"] == "100.000"
+        assert figures[f"{pre}turns_lost"] == "0"
+        assert float(figures[f"{pre}tokens_kept_pct"]) > 0
+        assert float(figures[f"{pre}first_token_after_crash_s"]) > 0

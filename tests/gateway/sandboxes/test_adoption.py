@@ -215,3 +215,47 @@ async def test_keep_on_shutdown_leaves_the_sandboxes_to_the_next_gateway(tmp_pat
             assert (await manager.exec("s1", "cat f")).stdout == "kept\n"
         assert backend.sandboxes == []  # keep_on_shutdown off: removed
     store.close()
+
+
+async def test_replicas_on_one_store_adopt_only_their_own_sandboxes(gws: Gateways) -> None:
+    """Two replicas share a store (and so its identity) and a Docker engine: at its restart, replica A
+    takes back its own sessions' sandboxes, removes only its own leaked ones, and never touches B's, which
+    B (restarted with its id) adopts in turn."""
+    a = SandboxManager(gws.backend, gws.store, settings(), gateway_id="host:8001")
+    b = SandboxManager(gws.backend, gws.store, settings(), gateway_id="host:8002")
+    gws.managers += [a, b]
+    for sid, manager in (("on-a", a), ("on-b", b), ("a-closed", a), ("b-closed", b)):
+        gws.store.create_session(SessionRecord(sid, time.time(), {}))
+        await manager.create(sid, SPEC)
+        await manager.exec(sid, f"echo {sid} > f")
+    boxes = {sid: (a if sid.startswith(("on-a", "a-")) else b).sandbox_id(sid) for sid in
+             ("on-a", "on-b", "a-closed", "b-closed")}  # fmt: skip
+    labelled = gws.backend.list_sandboxes({"belayer.gateway": "host:8002"})
+    assert sorted(box.id for box in labelled) == sorted([boxes["on-b"], boxes["b-closed"]])
+    for sid in ("a-closed", "b-closed"):  # closed; both gateways die before removing their sandboxes
+        session = gws.store.get_session(sid)
+        assert session is not None
+        session.status, session.closed_at = "closed", time.time()
+        gws.store.mark_closed(session)
+    await a.detach()  # A is killed; B lives on
+
+    again = SandboxManager(gws.backend, gws.store, settings(), gateway_id="host:8001")
+    gws.managers.append(again)
+    report = await again.adopt()
+
+    assert (report.adopted, report.restored, report.failed) == (["on-a"], [], [])
+    assert report.removed == [boxes["a-closed"]]  # its own leaked one; B's closed session's box stays
+    assert report.others == ["on-b"]
+    assert sorted(gws.backend.sandboxes) == sorted([boxes["on-a"], boxes["on-b"], boxes["b-closed"]])
+    assert again.sandbox_id("on-a") == boxes["on-a"] and not again.has_sandbox("on-b")
+    assert (await again.exec("on-a", "cat f")).stdout == "on-a\n"
+    assert (await b.exec("on-b", "cat f")).stdout == "on-b\n"  # B's sandbox, untouched, still B's
+    assert "sandbox_adopted" not in gws.kinds("on-b")
+
+    await b.detach()  # now B dies too, and comes back with its id: it adopts its own
+    b_again = SandboxManager(gws.backend, gws.store, settings(), gateway_id="host:8002")
+    gws.managers.append(b_again)
+    report = await b_again.adopt()
+    assert (report.adopted, report.removed, report.others) == (["on-b"], [boxes["b-closed"]], ["on-a"])
+    assert (await b_again.exec("on-b", "cat f")).stdout == "on-b\n"
+    assert again.sandbox_id("on-a") == boxes["on-a"]  # A's, untouched by B's start-up

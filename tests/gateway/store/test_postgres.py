@@ -19,9 +19,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from gateway.store import SessionQuery, SessionRecord, SqliteStore, TurnRecord
+from core.telemetry import Event, Telemetry
+from gateway.store import OutputPart, SessionQuery, SessionRecord, SqliteStore, TurnRecord
 from gateway.store.base import TURN_COMPLETE, TURN_INTERRUPTED, TURN_RUNNING
-from gateway.store.postgres import _FEED_LOCK, PostgresStore
+from gateway.store.postgres import _FEED_LOCK, _OWNER_CLASS, PostgresStore
 from tests.postgres_server import PostgresServer
 from tests.support import REPO
 
@@ -218,8 +219,50 @@ def test_a_dead_gateways_running_turns_are_interrupted_a_live_ones_are_not(url: 
     other.close()
     live.close()  # now every running turn's gateway is gone: nothing keeps the session
     last = PostgresStore(url, recover=False)
-    assert last.delete_session("s") == (3, 0) and last.get_session("s") is None
+    # 3 turns, and the one event: the holder's turn interrupted (when `live` began its turn)
+    assert last.delete_session("s") == (3, 1) and last.get_session("s") is None
     last.close()
+
+
+def test_a_sweep_interrupts_a_gone_gateways_running_turns_with_their_tokens(url: str) -> None:
+    telemetry = Telemetry()
+    seen: list[Event] = []
+    telemetry.listen(seen.append)
+    live = PostgresStore(url, telemetry)
+    gone = PostgresStore(url)
+    gone.create_session(SessionRecord("s", time.time(), {}))
+    orphan = gone.begin_turn(_turn("s", [1, 2, 3]))
+    assert gone.append_outputs([OutputPart(orphan.id, 0, [7, 8, 9], [-0.5, -0.25, -0.125])]) == 1
+    kept = live.begin_turn(_turn("s", [1, 2, 4]))
+    assert live.sweep_orphans() == 0  # both gateways are alive: nothing is swept
+    assert _owner_locked(url, gone.owner)
+    gone.close()  # its owner lock is released, as when its process dies
+    _until(lambda: not _owner_locked(url, gone.owner), "the closed store's owner lock released")
+    assert live.sweep_orphans() == 1
+    assert live.sweep_orphans() == 0  # once
+    turns = {t.id: t for t in live.get_turns("s")}
+    assert turns[orphan.id].status == TURN_INTERRUPTED and turns[kept.id].status == TURN_RUNNING
+    assert turns[orphan.id].output_ids == [7, 8, 9]
+    assert turns[orphan.id].output_logprobs == [-0.5, -0.25, -0.125]
+    data = {"turn_indices": [0], "output_tokens": [3], "reason": "gateway_gone"}
+    assert [(e.kind, e.data) for e in live.get_events("s")] == [("turns_interrupted", data)]
+    assert [(e.kind, e.session_id, e.data) for e in seen if e.kind == "turns_interrupted"] == [
+        ("turns_interrupted", "s", data)
+    ]
+    live.close()
+    assert SqliteStore(":memory:").sweep_orphans() == 0  # one gateway per file: nothing to sweep
+
+
+def _owner_locked(url: str, owner: int) -> bool:
+    """Whether a store holds owner lock `owner` (the server releases it once it sees the close)."""
+    rows = _rows(
+        url,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objid = %s "
+        "AND objsubid = 2 AND granted",
+        _OWNER_CLASS,
+        owner,
+    )
+    return bool(rows[0][0])
 
 
 def _holder_connections(url: str) -> int:
@@ -328,7 +371,7 @@ def test_bench_store_writes_through_postgres_in_the_same_run(
 
 def test_a_close_on_one_replica_wakes_the_feed_of_another(url: str) -> None:
     """Replica B's telemetry hub hears of A's closes (NOTIFY at commit), not of its own twice."""
-    from core.telemetry import Event, Telemetry
+    from core.telemetry import Telemetry
 
     hub = Telemetry()
     heard: list[Event] = []

@@ -147,7 +147,10 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path: Path, caplog: pytest.L
     assert [t.index for t in store.get_turns("s1")] == list(range(34))
     found = store.find_turn_by_ext_keys("s1", ["k29"])
     assert found is not None and found.prompt_ids == old.expected[main[-1]]["prompt_ids"]
-    assert len(store.get_events("s1")) == 1 and store.get_session("s2") is not None
+    # its one event, and the one that says the running turn was interrupted (with no tokens written)
+    interrupted = {"turn_indices": [33], "output_tokens": [0], "reason": "gateway_gone"}
+    assert [e.kind for e in store.get_events("s1")] == ["note", "turns_interrupted"]
+    assert store.get_events("s1")[1].data == interrupted and store.get_session("s2") is not None
     store.close()
     assert _version(path) == 4 and path.stat().st_size < before / 3  # compacted and vacuumed
 
