@@ -103,6 +103,7 @@ SERVE_FLAGS = (
     Flag("--gateway-id", "gateway_id"),
     Flag("--host", "host"),
     Flag("--port", "port"),
+    Flag("--processes", "processes", metavar="N"),
     Flag("--public-url", "public_url"),
     Flag("--max-body-bytes", "max_body_bytes"),
     Flag("--max-header-bytes", "server.max_header_bytes", metavar="BYTES"),
@@ -193,7 +194,17 @@ def _serve(args: argparse.Namespace) -> int:
     loader = ConfigLoader(given, {flag.path: flag.name for flag in SERVE_FLAGS})
     config = loader.load()
     setup_logging(config.log_level, config.log_format)
+    if config.processes > 1:
+        from gateway.processes import check_processes
+
+        check_processes(config, loader.name)
     loader.preflight(config)
+    if config.processes > 1:
+        import functools
+
+        from gateway.processes import serve_processes
+
+        return serve_processes(config, functools.partial(setup_logging, config.log_level, config.log_format))
     from gateway.app import build_app
     from gateway.server import serve
 

@@ -63,6 +63,7 @@ class Service:
     log_path: Path
     env: dict[str, str | None] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    cwd: Path | None = None
 
     def start(self) -> None:
         progress(f"starting {self.name}: {' '.join(self.argv)}")
@@ -73,6 +74,7 @@ class Service:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self._environ(),
+                cwd=self.cwd,
                 start_new_session=True,  # its own process group: a Ctrl-C here does not reach it
             )
 
@@ -138,16 +140,33 @@ def fake_engine_service(workdir: Path, tokens: int) -> Service:
 
 
 def gateway_service(
-    workdir: Path, model_dir: str, engine: str, log_level: str, *, name: str = "gateway", metrics: bool = True
+    workdir: Path,
+    model_dir: str,
+    engine: str,
+    log_level: str,
+    *,
+    name: str = "gateway",
+    metrics: bool = True,
+    store: str | None = None,
+    processes: int = 1,
+    source: Path | None = None,
 ) -> Service:
     """``belayer serve`` in front of `engine`; `name` names its store and log; ``metrics=False`` runs it
-    without Prometheus metrics (``BELAYER_METRICS=false``)."""
+    without Prometheus metrics (``BELAYER_METRICS=false``). `store` (a ``postgresql://`` URL) replaces
+    the SQLite file, `processes` > 1 runs ``--processes``, and `source` runs the gateway from another
+    source tree (its working directory and ``PYTHONPATH``: e.g. an older commit, as a baseline)."""
     port = free_port()
-    argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model_dir, "--engine-url", engine]
-    argv += ["--port", str(port), "--store", str(workdir / f"{name}.db"), "--log-dir", str(workdir)]
+    model = str(Path(model_dir).resolve()) if source is not None else model_dir
+    argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model, "--engine-url", engine]
+    argv += ["--port", str(port), "--store", store or str(workdir / f"{name}.db"), "--log-dir", str(workdir)]
     argv += ["--log-level", log_level]
+    if processes != 1:
+        argv += ["--processes", str(processes)]
     env: dict[str, str | None] = {"BELAYER_METRICS": "true" if metrics else "false"}
-    return Service(name, argv, f"http://127.0.0.1:{port}/health", workdir / f"{name}.log", env)
+    if source is not None:
+        env["PYTHONPATH"] = str(source)  # ``-m`` puts the working directory first on sys.path: both
+    health = f"http://127.0.0.1:{port}/health"
+    return Service(name, argv, health, workdir / f"{name}.log", env, cwd=source)
 
 
 def litellm_config(engine: str, provider: str = "openai") -> str:

@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from core import fastjson
 from core.errors import (
     EngineProtocolError,
     EngineRejected,
@@ -217,7 +218,7 @@ async def _sse_batches(resp: httpx.Response) -> AsyncIterator[list[dict[str, Any
 
 def _json(raw: bytes, what: str) -> Any:
     try:
-        return json.loads(raw)
+        return fastjson.loads(raw)  # engine output: token ids and logprobs (orjson)
     except ValueError as e:
         raise EngineProtocolError(f"engine sent a {what} that is not JSON ({e}): {raw[:200]!r}") from e
 
@@ -283,9 +284,11 @@ class EngineClient:
         tops = params.top_logprobs > 0
         url = f"{self.base_url}/v1/completions"
         with transport_errors(self.base_url):
-            headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+            headers = {"content-type": "application/json"}
+            if request_id:
+                headers[REQUEST_ID_HEADER] = request_id
             async with self._http.stream(
-                "POST", url, json=body, headers=headers, timeout=self._timeout
+                "POST", url, content=fastjson.dumps(body), headers=headers, timeout=self._timeout
             ) as resp:
                 if resp.status_code >= 400:
                     _check_status(self.base_url, resp.status_code, await resp.aread())

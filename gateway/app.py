@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 
 import httpx
@@ -27,6 +28,7 @@ from core import __version__
 from core.telemetry import Telemetry
 from engine_pool.launch import model_context_length
 from engine_pool.pool import STARTING, EnginePool
+from engine_pool.transport import engine_transport
 from engine_pool.worker import WorkerSpec, free_port
 from gateway import (
     engine_metrics,
@@ -106,6 +108,7 @@ async def health(request: Request) -> Response:
         "ready_workers": ready,
         "starting_workers": starting,
         "store_bytes": gw.store.size_bytes(),
+        "pid": os.getpid(),  # which process answered (belayer serve --processes N)
     }
     return JSONResponse(body, status_code=200 if ready else 503)
 
@@ -122,7 +125,10 @@ async def open_gateway(
     """Open the long-lived objects in order; `stack` closes them in reverse: the turn runner first (its
     recomputations need pool and store), then the sandboxes, the pool, and the store last."""
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    http = await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=None))
+    # httpx's transport on asyncio streams: the engine leg's CPU per chunk (engine_pool.transport)
+    http = await stack.enter_async_context(
+        httpx.AsyncClient(transport=engine_transport(limits), timeout=None)
+    )
     telemetry = Telemetry()
     telemetry.listen(log_event)
     recorder = Recorder(telemetry)

@@ -367,6 +367,15 @@ class GatewayConfig(BaseSettings):
     )
     host: str = Field(default="127.0.0.1", description="address the gateway listens on")
     port: int = Field(default=8000, ge=0, le=65535, description="port the gateway listens on")
+    processes: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description=(
+            "gateway processes sharing the port (SO_REUSEPORT), each its own event loop; more than one "
+            "needs a postgresql:// store and --engine-url engines (gateway.processes)"
+        ),
+    )
     public_url: str | None = Field(
         default=None, description="the URL clients reach the gateway at (for session base_urls)"
     )

@@ -3,6 +3,7 @@ an HTTP response (JSON, or SSE with errors reported in the stream once the heade
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -56,7 +57,7 @@ async def session_for(gw: Gateway, request: Request, auxiliary_model: str | None
 
 async def respond(gw: Gateway, gen: GenerationRequest, fmt: Formatter) -> Response:
     events = gw.runner.run(gen)
-    headers = {"x-belayer-session": gen.session.id}
+    headers = {"x-belayer-session": gen.session.id, "x-belayer-pid": str(os.getpid())}
     if not gen.stream:
         async for ev in events:
             if isinstance(ev, Done):

@@ -11,7 +11,14 @@ proxy in front of the same engine. The load generator runs here (asyncio + httpx
   path of its own, so ``added_p50_ms_metrics_on``/``_off`` come from the same alternating run, and
   ``metrics_overhead_ratio`` is how much longer a request's p50 through the gateway is with them (at
   most 3%);
-* streamed throughput: generated tokens per second at a fixed concurrency, in alternating rounds.
+* streamed throughput: generated tokens per second at a fixed concurrency, in alternating rounds;
+* the gateway's CPU: its own CPU time (``/proc``: user + system, with every process of
+  ``--processes``) over the latency phase, per request (``gateway_cpu_us_per_request``), and over the
+  throughput windows, per streamed token (``gateway_cpu_us_per_token``);
+* with ``--baseline-src DIR`` (a source tree of another commit, e.g. ``git archive HEAD | tar -x -C DIR``),
+  a gateway run from it is one more path (``gateway_before``): before and after a change, in one run;
+* with ``--processes-compare`` (needs PostgreSQL's binaries, `belayer.postgres_local`), streamed
+  throughput through one and two gateway processes (``--processes 2``) on one PostgreSQL store.
 
 Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
 LiteLLM is installed on first use into its own virtual environment (``--litellm-venv``), so that it
@@ -21,14 +28,17 @@ Example::
 
     belayer bench gateway                     # all three paths
     belayer bench gateway --no-litellm        # direct and gateway only
+    belayer bench gateway --no-litellm --baseline-src /tmp/head --processes-compare
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import os
 import secrets
 import shutil
 import signal
@@ -36,11 +46,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -61,12 +71,44 @@ from belayer.services import (
     running,
 )
 
+if TYPE_CHECKING:
+    from belayer.postgres_local import PostgresServer
+
 DEFAULT_MODEL_DIR = ".cache/tiny-model"
 RUN_BUDGET_S = 60.0
 METRICS_OFF = "gateway_metrics_off"
 """The same gateway with its Prometheus metrics off: what metrics cost is the difference."""
 METRICS_BUDGET = 0.03
 """Metrics may add at most 3% to a request's latency through the gateway."""
+BEFORE = "gateway_before"
+"""The gateway run from ``--baseline-src``: the same figures before a change."""
+ONE_PROCESS, TWO_PROCESSES = "gateway_pg_1proc", "gateway_pg_2proc"
+"""Gateways on one PostgreSQL store with one and two processes (``--processes-compare``)."""
+CPU_US_PER_TOKEN_TARGET = 40.0
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) used so far by process `root` and its live descendants, from
+    ``/proc`` (the children of ``--processes`` run in sessions of their own; one that died and was
+    restarted loses its share)."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)  # fields after the command: state ppid ... utime (11) stime (12)
+        parent[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+    seen, frontier = {root}, {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - seen
+        seen |= frontier
+    return sum(ticks.get(p, 0) for p in seen) * _TICK_S
 
 
 # --- the load ----------------------------------------------------------------------------------------
@@ -80,6 +122,11 @@ class Target:
     url: str
     model: str
     api_key: str | None = None
+    pid: int | None = None
+    """The server process behind it (a gateway's), whose CPU time (with its children's) is measured."""
+
+    def cpu_s(self) -> float:
+        return tree_cpu_s(self.pid) if self.pid is not None else 0.0
 
     @property
     def headers(self) -> dict[str, str]:
@@ -147,6 +194,7 @@ class StreamTally:
     received: int = 0
     window_chunks: int = 0
     seconds: float = 0.0
+    cpu_s: float = 0.0  # the server's CPU time in the windows
     tokens: int = 0  # of finished streams, from their usage
     chunks: int = 0  # of finished streams
     requests: int = 0
@@ -199,10 +247,11 @@ async def stream_load(
     tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
     try:
         failed, _ = await asyncio.wait(tasks, timeout=ramp, return_when=asyncio.FIRST_EXCEPTION)
-        t0, before = time.monotonic(), tally.received
+        t0, before, cpu0 = time.monotonic(), tally.received, target.cpu_s()
         if not failed:
             failed, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
         tally.seconds += time.monotonic() - t0
+        tally.cpu_s += target.cpu_s() - cpu0
         tally.window_chunks += tally.received - before
     finally:
         for t in tasks:
@@ -226,21 +275,24 @@ async def throughput(
     return tallies
 
 
-async def measure(targets: list[Target], opts: argparse.Namespace) -> None:
+async def measure(targets: list[Target], extra: list[Target], opts: argparse.Namespace) -> None:
+    """Latency over `targets`; throughput over them and the `extra` ones (the process comparison)."""
     conns = opts.concurrency * 2
     limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
     async with httpx.AsyncClient(limits=limits, timeout=30.0, trust_env=False) as http:
         for t in targets:
             await check_reply(http, t, opts.latency_tokens)
         progress(f"latency: {opts.requests} sequential requests per path after {opts.warmup} warm-up")
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), {t.name: t.cpu_s() for t in targets}
         lat = await latencies(http, targets, opts.requests, opts.warmup, opts.latency_tokens)
+        cpu = {t.name: t.cpu_s() - cpu0[t.name] for t in targets if t.pid is not None}
         progress(f"latency done in {time.monotonic() - t0:.1f} s")
         report_latency(lat)
+        report_request_cpu(cpu, opts.requests + opts.warmup)
         rounds = f"{opts.stream_rounds} rounds of {opts.stream_seconds} s after {opts.stream_ramp} s ramp-up"
         progress(f"throughput: concurrency {opts.concurrency}, {rounds} per path")
         t0 = time.monotonic()
-        tallies = await throughput(http, targets, opts)
+        tallies = await throughput(http, targets + extra, opts)
         progress(f"throughput done in {time.monotonic() - t0:.1f} s")
         report_throughput(tallies, opts.concurrency)
 
@@ -267,6 +319,13 @@ def report_latency(lat: dict[str, list[float]]) -> None:
         emit("target_gateway_added_latency_le_fifth_of_litellm", "pass" if gw <= ll / 5 else "fail")
 
 
+def report_request_cpu(cpu: dict[str, float], requests: int) -> None:
+    """A gateway's CPU time per short non-streamed request, over the whole latency phase."""
+    for name, seconds in cpu.items():
+        emit(f"{name}_cpu_us_per_request", seconds / requests * 1e6, 1)
+        emit(f"{name}_cpu_ms_per_request", seconds / requests * 1e3)
+
+
 def report_metrics_cost(lat: dict[str, list[float]]) -> None:
     """The gateway's added latency with metrics on and off, measured in the same alternating run."""
     direct = lat["direct"]
@@ -290,12 +349,25 @@ def report_throughput(tallies: dict[str, StreamTally], concurrency: int) -> None
         if t.requests:
             emit(f"stream_chunks_per_request_{name}", t.chunks / t.requests)
     emit("stream_concurrency", concurrency)
+    for name, t in tallies.items():
+        if t.cpu_s and t.token_estimate:
+            per_token = t.cpu_s / t.token_estimate * 1e6
+            emit(f"{name}_cpu_us_per_token", per_token, 1)
+            emit(f"{name}_cpu_us_per_streamed_token", per_token, 1)
+            emit(f"{name}_cpu_cores_busy", t.cpu_s / t.seconds)
+    per_token = tallies["gateway"].cpu_s / tallies["gateway"].token_estimate * 1e6
+    emit("target_gateway_cpu_le_40us_per_token", "pass" if per_token <= CPU_US_PER_TOKEN_TARGET else "fail")
+    if BEFORE in rate:
+        emit("stream_gateway_vs_before_ratio", rate["gateway"] / rate[BEFORE])
+    if TWO_PROCESSES in rate:
+        emit("stream_2proc_vs_1proc_ratio", rate[TWO_PROCESSES] / rate[ONE_PROCESS])
     ratio = rate["gateway"] / rate["direct"]
     emit("stream_gateway_vs_direct_ratio", ratio)
     emit("stream_metrics_on_vs_off_ratio", rate["gateway"] / rate[METRICS_OFF])
     if "litellm" in rate:
         emit("stream_litellm_vs_direct_ratio", rate["litellm"] / rate["direct"])
     emit("target_stream_gateway_ge_70pct_of_direct", "pass" if ratio >= 0.7 else "fail")
+    emit("target_stream_gateway_ge_80pct_of_direct", "pass" if ratio >= 0.8 else "fail")
 
 
 # --- the command -------------------------------------------------------------------------------------
@@ -322,6 +394,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--gateway-log-level", default="INFO", help="the gateway's --log-level (its default: INFO)"
     )
     p.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM path")
+    p.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="a source tree (e.g. `git archive HEAD | tar -x -C DIR`) whose gateway is one more path",
+    )
+    p.add_argument(
+        "--processes-compare",
+        action="store_true",
+        help="also stream through 1 and 2 gateway processes on a throwaway PostgreSQL (needs its binaries)",
+    )
     p.add_argument("--litellm-venv", default=DEFAULT_LITELLM_VENV, help="LiteLLM's own virtual environment")
     p.add_argument("--litellm-spec", default=DEFAULT_LITELLM_SPEC, help="pip requirement installed there")
     p.add_argument("--startup-timeout", type=float, default=60.0, help="seconds a server may take to start")
@@ -340,8 +422,16 @@ def ensure_model(model_dir: str) -> None:
         subprocess.run(build, check=True, stdout=sys.stderr)
 
 
-def start_servers(workdir: Path, opts: argparse.Namespace, services: list[Service]) -> list[Target]:
-    """Start the engine (and LiteLLM alongside), then the gateway, which probes the engine as it starts."""
+def _pid(service: Service) -> int:
+    assert service.proc is not None
+    return service.proc.pid
+
+
+def start_servers(
+    workdir: Path, opts: argparse.Namespace, services: list[Service], postgres: PostgresServer | None
+) -> tuple[list[Target], list[Target]]:
+    """Start the engine (and LiteLLM alongside), then the gateways, which probe the engine as they start;
+    the latency and throughput paths, and those of the throughput comparison of processes."""
     engine = fake_engine_service(workdir, max(opts.stream_tokens, opts.latency_tokens))
     services.append(engine)
     engine.start()
@@ -355,30 +445,63 @@ def start_servers(workdir: Path, opts: argparse.Namespace, services: list[Servic
     bare = gateway_service(
         workdir, opts.model, base_url(engine), opts.gateway_log_level, name=METRICS_OFF, metrics=False
     )
-    services += [gateway, bare]
-    gateway.start()
-    bare.start()
-    gateway.wait_ready(opts.startup_timeout)
-    bare.wait_ready(opts.startup_timeout)
-    targets = [
-        Target("direct", f"{base_url(engine)}/v1/chat/completions", FAKE_MODEL),
-        Target("gateway", f"{base_url(gateway)}/v1/chat/completions", SERVED_MODEL),
-        Target(METRICS_OFF, f"{base_url(bare)}/v1/chat/completions", SERVED_MODEL),
-    ]
+    gateways = [gateway, bare]
+    if opts.baseline_src is not None:
+        src = opts.baseline_src.resolve()
+        gateways.append(
+            gateway_service(
+                workdir, opts.model, base_url(engine), opts.gateway_log_level, name=BEFORE, source=src
+            )
+        )
+    if postgres is not None:
+        for name, n in ((ONE_PROCESS, 1), (TWO_PROCESSES, 2)):
+            store = postgres.new_database()
+            gw = gateway_service(
+                workdir,
+                opts.model,
+                base_url(engine),
+                opts.gateway_log_level,
+                name=name,
+                store=store,
+                processes=n,
+            )
+            gateways.append(gw)
+    services += gateways
+    for gw in gateways:
+        gw.start()
+    for gw in gateways:
+        gw.wait_ready(opts.startup_timeout)
+    targets = [Target("direct", f"{base_url(engine)}/v1/chat/completions", FAKE_MODEL)]
+    extra: list[Target] = []
+    for gw in gateways:
+        target = Target(gw.name, f"{base_url(gw)}/v1/chat/completions", SERVED_MODEL, pid=_pid(gw))
+        (extra if gw.name in (ONE_PROCESS, TWO_PROCESSES) else targets).append(target)
     if litellm is not None:
         litellm.wait_ready(opts.startup_timeout)
         targets.append(Target("litellm", f"{base_url(litellm)}/v1/chat/completions", SERVED_MODEL, key))
-    return targets
+    return targets, extra
+
+
+@contextlib.contextmanager
+def _postgres(wanted: bool) -> Iterator[PostgresServer | None]:
+    """A throwaway PostgreSQL server when `wanted`, else None."""
+    if not wanted:
+        yield None
+        return
+    from belayer.postgres_local import postgres_server
+
+    with postgres_server() as server:
+        yield server
 
 
 def run(opts: argparse.Namespace, workdir: Path) -> float:
     """Start the servers, measure, stop them; the seconds it took."""
     t0 = time.monotonic()
     services: list[Service] = []
-    with running(services):
-        targets = start_servers(workdir, opts, services)
+    with _postgres(opts.processes_compare) as postgres, running(services):
+        targets, extra = start_servers(workdir, opts, services, postgres)
         emit("startup_s", time.monotonic() - t0)
-        asyncio.run(measure(targets, opts))
+        asyncio.run(measure(targets, extra, opts))
     return time.monotonic() - t0
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.errors import InvalidRequest
+from core.fastjson import dumps_str
 from engine_pool.client import SamplingParams
 from gateway.anthropic.protocol import (
     UNSUPPORTED,
@@ -280,7 +281,7 @@ def stop_reason(done: Done) -> str:
 
 
 def sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"event: {event}\ndata: {dumps_str(data)}\n\n"
 
 
 Event = tuple[str, dict[str, Any]]

@@ -20,10 +20,10 @@ event followed by ``response.failed``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from core.fastjson import dumps_str
 from gateway.errors import for_exception
 from gateway.openai.responses import (
     call_item,
@@ -45,8 +45,7 @@ Event = dict[str, Any]
 
 
 def sse(event: Event) -> str:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n"
+    return f"event: {event['type']}\ndata: {dumps_str(event)}\n\n"
 
 
 class ResponseFormatter:

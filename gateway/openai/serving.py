@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from core.errors import InvalidRequest
+from core.fastjson import sse_data
 from engine_pool.client import SamplingParams
 from gateway.errors import for_exception
 from gateway.openai.protocol import (
@@ -279,7 +280,7 @@ class ChatFormatter(_OpenAIFormatter):
             "model": self.model,
             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         }
-        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return sse_data(body)
 
     async def stream(self, events: AsyncIterator[Delta | Done]) -> AsyncIterator[str]:
         yield self._chunk({"role": "assistant", "content": ""})
@@ -289,7 +290,7 @@ class ChatFormatter(_OpenAIFormatter):
                 if self.include_usage:
                     body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                             "model": self.model, "choices": [], "usage": self.usage(ev)}  # fmt: skip
-                    yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+                    yield sse_data(body)
                 continue
             delta: dict[str, Any] = {}
             if ev.reasoning:
@@ -351,5 +352,5 @@ class CompletionFormatter(_OpenAIFormatter):
                 if not ev.content and not lp:
                     continue
                 body = self._body(ev.content, None, lp)
-            yield f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+            yield sse_data(body)
         yield "data: [DONE]\n\n"

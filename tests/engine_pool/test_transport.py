@@ -1,0 +1,86 @@
+"""The gateway's engine transport (`engine_pool.transport`: httpx over asyncio streams and a linear-time
+pool) against a real engine process over TCP: the same tokens as httpx's own transport, connections
+reused, and the same errors where the engine fails (what failover relies on)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from core.errors import EngineTimeout, EngineUnavailable
+from engine_pool.client import EngineClient, SamplingParams
+from engine_pool.fake import FakeEngine, autoregressive
+from engine_pool.transport import engine_transport
+from engine_pool.worker import free_port
+from tests.support import spawn, stop, wait_healthy
+
+LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=8)
+PROMPT = [5, 6, 7]
+
+
+@contextlib.contextmanager
+def _engine(tmp_path: Path, token_delay: float) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.gateway.held_engine", "--port", str(port)]
+    argv += ["--hold", str(tmp_path / "no-hold"), "--token-delay", str(token_delay)]
+    proc = spawn(argv, tmp_path / "engine.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 60, tmp_path / "engine.log")
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        stop(proc, require_exit=False)
+
+
+async def _tokens(engine: EngineClient, max_tokens: int, stream: bool = True) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [t async for c in engine.generate(PROMPT, params, stream=stream) for t in c.token_ids]
+
+
+def test_streams_the_same_tokens_as_httpx_and_reuses_connections(tmp_path: Path) -> None:
+    expected = FakeEngine(step=autoregressive).greedy(PROMPT, 40)
+
+    async def run(url: str) -> None:
+        transport = engine_transport(LIMITS)
+        async with httpx.AsyncClient(transport=transport, timeout=None) as http:
+            engine = EngineClient(url, "fake", http)
+            results = await asyncio.gather(*(_tokens(engine, 40) for _ in range(16)))
+            assert results == [expected] * 16
+            assert await _tokens(engine, 40, stream=False) == expected
+            for _ in range(5):  # one after another: one connection, kept alive
+                assert await _tokens(engine, 3) == expected[:3]
+            pool = transport._pool  # type: ignore[attr-defined]
+            assert 1 <= len(pool.connections) <= 8  # LIMITS.max_keepalive_connections
+        async with httpx.AsyncClient(limits=LIMITS, timeout=None) as http:  # httpx's own, for reference
+            assert await _tokens(EngineClient(url, "fake", http), 40) == expected
+
+    with _engine(tmp_path, 0.0) as (url, _):
+        asyncio.run(run(url))
+
+
+def test_engine_errors_are_translated_as_with_httpx(tmp_path: Path) -> None:
+    async def run(url: str, pid: int) -> None:
+        async with httpx.AsyncClient(transport=engine_transport(LIMITS), timeout=None) as http:
+            slow = EngineClient(url, "fake", http, read_timeout=0.05)
+            with pytest.raises(EngineTimeout):  # 0.2 s between tokens: a stall
+                await _tokens(slow, 5)
+            engine = EngineClient(url, "fake", http)
+            got: list[int] = []
+            with pytest.raises(EngineUnavailable):  # kill -9 mid-stream
+                async for chunk in engine.generate(PROMPT, SamplingParams(max_tokens=50)):
+                    got += chunk.token_ids
+                    os.kill(pid, signal.SIGKILL)
+            assert got == FakeEngine(step=autoregressive).greedy(PROMPT, 1)
+            with pytest.raises(EngineUnavailable):  # nothing listens any more
+                await _tokens(engine, 5)
+            assert not await engine.health()
+
+    with _engine(tmp_path, 0.2) as (url, pid):
+        asyncio.run(run(url, pid))
