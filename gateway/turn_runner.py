@@ -13,6 +13,7 @@ keeps them: the turn reads as ``interrupted`` with them after a restart.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -31,6 +32,7 @@ from core.errors import (
     InvalidRequest,
     StoreError,
 )
+from core.tasks import TaskOwner
 from core.telemetry import Telemetry
 from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
 from engine_pool.pool import EnginePool, PoolMember
@@ -178,6 +180,8 @@ class TurnRunner:
         self.observers = observers if observers is not None else []
         self.recomputer = LogprobRecomputer(store, pool, self.failover.no_worker_wait)
         self.inflight = InflightWriter(store, inflight or InflightConfig())
+        self._orphans = TaskOwner("orphaned-turns")
+        """Ends turns whose request was cancelled while the turn's first write ran (`_begun`)."""
         self.interrupting = False
         """Set by the server (``gateway.server``) when its shutdown deadline passes, just before it
         cancels the requests still running: a turn cancelled then is recorded ``interrupted`` (with its
@@ -241,10 +245,32 @@ class TurnRunner:
     def _event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
         self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
 
+    async def _begun(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
+        """`_begin` in a worker thread: a commit is milliseconds on PostgreSQL, and every stream of this
+        gateway would wait for it on the event loop. A request cancelled while the write runs (its
+        client went away) still has its turn ended, ``aborted``, once it is written: none stays running."""
+        written = asyncio.get_running_loop().run_in_executor(None, self._begin, req, prompt_ids)
+        try:
+            return await asyncio.shield(written)
+        except asyncio.CancelledError:
+            self._orphans.spawn(self._abort_when_written(written), "abort-orphaned-turn")
+            raise
+
+    async def _abort_when_written(self, written: asyncio.Future[TurnRecord]) -> None:
+        with contextlib.suppress(
+            Exception
+        ):  # the write failed: there is no turn to end (the store logged it)
+            turn = await written
+            turn.status, turn.error = (
+                TURN_ABORTED,
+                "the request was cancelled while its turn was being stored",
+            )
+            await asyncio.to_thread(self.store.finish_turn, turn)
+
     async def run(self, req: GenerationRequest) -> AsyncGenerator[Delta | Done, None]:
         prompt_ids, params = self.prepare(req)
         t0 = time.monotonic()
-        turn = self._begin(req, prompt_ids)
+        turn = await self._begun(req, prompt_ids)
         req.turn = turn
         self.telemetry.publish(
             "turn_started",
@@ -286,8 +312,13 @@ class TurnRunner:
             done = self._complete(
                 req, turn, finish, "".join(st.content), st.parser.calls, t0, "".join(st.reasoning)
             )
+            # The final write, off the loop (as the first); a cancellation meanwhile does not stop it.
+            await asyncio.shield(asyncio.to_thread(self.store.finish_turn, turn))
         finally:
+            self._notify_finished(turn)
             self._published(turn, req, st)
+        if req.plan.rewritten:
+            self.recomputer.schedule(turn, req.plan.rewritten)
         done.stop_sequence = st.trimmer.matched
         yield done
 
@@ -488,6 +519,8 @@ class TurnRunner:
     async def close(self, grace: float = 5.0) -> None:
         """At shutdown, before the pool and the store close: recomputations get `grace` seconds."""
         await self.recomputer.close(grace)
+        await self._orphans.join()  # a few writes: they end before the store closes
+        await self._orphans.close()
         await self.inflight.close()
 
     def _fail(self, turn: TurnRecord, status: str, error: str, t0: float) -> None:
@@ -552,12 +585,6 @@ class TurnRunner:
         turn.finish_reason = finish
         turn.status = TURN_COMPLETE
         turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
-        try:
-            self.store.finish_turn(turn)  # a StoreError goes to the client: the turn is not on disk
-        finally:
-            self._notify_finished(turn)
-        if req.plan.rewritten:
-            self.recomputer.schedule(turn, req.plan.rewritten)
         return Done(
             turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids), reasoning=reasoning
         )
