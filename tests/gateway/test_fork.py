@@ -406,7 +406,7 @@ def test_store_sharing_and_migration_from_version_2(tmp_path: Path) -> None:
         store.finish_turn(turn)
         parent_id = turn.id
     store.fork("p", 2, [SessionRecord("c", time.time(), {})])
-    rows = store._exec("SELECT COUNT(*) FROM turns WHERE session_id = 'c'").fetchone()[0]
+    rows = store._db.execute("SELECT COUNT(*) FROM turns WHERE session_id = 'c'").fetchone()[0]
     assert rows == 0 and [t.index for t in store.get_turns("c")] == [0, 1, 2]
     assert store.turn_counts("c") == {"c": (3, 1)}
     store.close()
