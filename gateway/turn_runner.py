@@ -246,9 +246,12 @@ class TurnRunner:
         self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
 
     async def _begun(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
-        """`_begin` in a worker thread: a commit is milliseconds on PostgreSQL, and every stream of this
-        gateway would wait for it on the event loop. A request cancelled while the write runs (its
-        client went away) still has its turn ended, ``aborted``, once it is written: none stays running."""
+        """`_begin`, in a worker thread for a remote store (`TrajectoryStore.remote`): a commit is
+        milliseconds on PostgreSQL, and every stream of this gateway would wait for it on the event loop.
+        A request cancelled while the write runs (its client went away) still has its turn ended,
+        ``aborted``, once it is written: none stays running."""
+        if not self.store.remote:
+            return self._begin(req, prompt_ids)
         written = asyncio.get_running_loop().run_in_executor(None, self._begin, req, prompt_ids)
         try:
             return await asyncio.shield(written)
@@ -312,8 +315,10 @@ class TurnRunner:
             done = self._complete(
                 req, turn, finish, "".join(st.content), st.parser.calls, t0, "".join(st.reasoning)
             )
-            # The final write, off the loop (as the first); a cancellation meanwhile does not stop it.
-            await asyncio.shield(asyncio.to_thread(self.store.finish_turn, turn))
+            if self.store.remote:  # off the loop, as the first; a cancellation meanwhile does not stop it
+                await asyncio.shield(asyncio.to_thread(self.store.finish_turn, turn))
+            else:
+                self.store.finish_turn(turn)  # a StoreError goes to the client: the turn is not on disk
         finally:
             self._notify_finished(turn)
             self._published(turn, req, st)

@@ -136,6 +136,11 @@ class TrajectoryStore(abc.ABC):
     """Operations that failed in the database (disk full, read-only, corrupt, connection lost); each
     is also logged with its cause. Exported as ``belayer_store_failures_total``."""
 
+    remote: bool = False
+    """Reached over the network (PostgreSQL): the turn runner writes a turn's start and end from a
+    worker thread, as a commit there takes milliseconds. A local SQLite commit (WAL, ~0.2 ms) costs
+    less on the event loop than the hand-off (measured: streamed tokens/s 8-19% lower off the loop)."""
+
     @abc.abstractmethod
     def create_session(self, session: SessionRecord) -> SessionRecord: ...
 

@@ -137,6 +137,8 @@ _META_TEXT = (
 class PostgresStore(SqlStore):
     """The store of replicated gateways. Safe to share between threads (a connection pool)."""
 
+    remote = True
+
     dialect = Dialect(
         marker="%s",
         arrays=True,

@@ -1,0 +1,94 @@
+"""A remote store's writes (PostgreSQL: `TrajectoryStore.remote`) run in worker threads, never on the event
+loop, and a request cancelled while its turn is being written leaves no turn ``running``.
+
+The store here is SQLite marked remote, with its first write of a turn held on a gate, so that the test
+decides when the write ends; the real PostgreSQL path runs in the replica tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_pool.fake import FakeEngine
+from gateway.config import GatewayConfig
+from gateway.store import SqliteStore, TurnRecord
+from tests.support import asgi_gateway
+
+BODY = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+
+class GatedBegin:
+    """Wraps a store's begin_turn: each call waits for `release`, and records that it is waiting."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self.inner = store.begin_turn
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.threads: list[str] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> TurnRecord:
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        assert self.release.wait(30)
+        return self.inner(*args, **kwargs)
+
+
+def turns_of_the_only_session(store: SqliteStore) -> list[TurnRecord]:
+    """The turns of the one session (none yet: the session is written with its first turn)."""
+    sessions = store.list_sessions()
+    assert len(sessions) <= 1
+    return store.get_turns(sessions[0].id) if sessions else []
+
+
+async def test_a_remote_stores_turn_writes_leave_the_event_loop_free(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    engine = FakeEngine(max_model_len=4096, script=lambda p: [11, 12, 13, 14, 15])
+    config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"))
+    async with asgi_gateway(config, httpx.ASGITransport(engine.app())) as (app, client):
+        store: SqliteStore = app.state.gateway.store
+        store.remote = True
+        gate = GatedBegin(store)
+        store.begin_turn = gate  # type: ignore[method-assign]
+        request = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
+        assert await asyncio.to_thread(gate.entered.wait, 30)
+        assert (await client.get("/health")).status_code == 200  # the loop serves while the write is held
+        assert turns_of_the_only_session(store) == []
+        gate.release.set()
+        r = await request
+        assert r.status_code == 200, r.text
+        assert gate.threads and gate.threads[0] != threading.main_thread().name
+        [turn] = turns_of_the_only_session(store)
+        assert (turn.status, turn.output_ids) == ("complete", [11, 12, 13, 14, 15])
+
+
+async def test_a_request_cancelled_while_its_turn_is_written_leaves_no_turn_running(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    engine = FakeEngine(max_model_len=4096, script=lambda p: [11, 12, 13, 14, 15])
+    config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"))
+    async with asgi_gateway(config, httpx.ASGITransport(engine.app())) as (app, client):
+        store: SqliteStore = app.state.gateway.store
+        store.remote = True
+        gate = GatedBegin(store)
+        store.begin_turn = gate  # type: ignore[method-assign]
+        request = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
+        assert await asyncio.to_thread(gate.entered.wait, 30)
+        request.cancel()  # the client goes away while the turn's first write runs
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        gate.release.set()  # the write ends after its request did
+        deadline = time.monotonic() + 30
+        while not (turns := turns_of_the_only_session(store)) or turns[0].status == "running":
+            assert time.monotonic() < deadline, "the orphaned turn stayed running"
+            await asyncio.sleep(0.01)
+        [turn] = turns
+        assert turn.status == "aborted" and turn.output_ids == []
+        assert turn.error is not None and "cancelled while its turn was being stored" in turn.error
