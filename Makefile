@@ -50,9 +50,9 @@ lint: $(STAMP)
 test: setup sandbox-host browser-host postgres-host lint
 	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
 
-# Fast: nothing beyond the venv (no vLLM worker, Docker, harness program, browser, PostgreSQL or third-party service).
+# Fast: nothing beyond the venv (no vLLM worker, Docker, harness program, browser, PostgreSQL, Ray cluster or third-party service).
 unit: setup
-	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos and not external and not browser and not postgres"
+	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos and not external and not browser and not postgres and not ray"
 
 bench: setup
 	$(VENV)/bin/belayer bench gateway

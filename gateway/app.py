@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 from starlette.applications import Starlette
@@ -27,8 +28,9 @@ from starlette.routing import Route
 from core import __version__
 from core.telemetry import Telemetry
 from engine_pool.launch import model_context_length
-from engine_pool.pool import STARTING, EnginePool
+from engine_pool.pool import STARTING, EnginePool, WorkerLauncher
 from engine_pool.transport import engine_transport
+from engine_pool.weight_owner import WeightOwner, loader_args
 from engine_pool.worker import WorkerSpec, free_port
 from gateway import (
     engine_metrics,
@@ -77,10 +79,13 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         return WorkerSpec(
             model=config.model, port=free_port(), max_model_len=max_model_len, kind=config.worker_kind,
             profile=launch.profile, tensor_parallel_size=launch.tensor_parallel_size,
-            extra_args=() if fake else tuple(launch.vllm_args),
+            extra_args=() if fake else (*launch.vllm_args, *owner_args),
         )  # fmt: skip
 
+    owned = launch.weight_owner and not fake and not config.engine_urls and not config.ray.address
+    owner_args = loader_args(launch.weight_owner_dir, launch.weight_owner_linear) if owned else ()
     launching = not config.engine_urls
+    launcher = ray_launcher(config) if launching and config.ray.address else None
     pool = EnginePool(
         http,
         log_dir=config.log_dir,
@@ -88,13 +93,35 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         active=config.workers if launching else len(config.engine_urls),
         shadows=config.shadows if launching else 0,
         start_timeout=config.worker_start_timeout,
-        device_groups=launch_devices(config),
+        device_groups=() if launcher else launch_devices(config),
+        launcher=launcher,
     )
+    if owned:  # one owner for the host's workers and shadows (engine_pool.weight_owner)
+        pool.weight_owner = WeightOwner(spec(), launch.weight_owner_dir, Path(config.log_dir))
     for url in config.engine_urls:
         pool.add_remote(url)
     for url in config.shadow_urls:
         pool.add_remote(url, shadow=True)
     return pool
+
+
+def ray_launcher(config: GatewayConfig) -> WorkerLauncher:
+    """Workers as Ray actors (``--ray``); Ray itself is imported only once the pool connects."""
+    from engine_pool.ray_workers import RayLauncher, RaySettings
+
+    ray, launch = config.ray, config.launch
+    assert ray.address is not None
+    gpus = (
+        float(launch.tensor_parallel_size)
+        if launch.profile == "gpu" and config.worker_kind == "vllm"
+        else 0.0
+    )
+    return RayLauncher(
+        RaySettings(
+            address=ray.address, node_ip=ray.node_ip, namespace=ray.namespace,
+            cpus_per_worker=ray.cpus_per_worker, gpus_per_worker=gpus, resources=dict(ray.resources),
+        )
+    )  # fmt: skip
 
 
 async def health(request: Request) -> Response:

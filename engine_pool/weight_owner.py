@@ -1,0 +1,193 @@
+"""The weight owner: one process per host (per device) that holds the model's weights apart from any
+worker, in shared memory, so that workers and shadows map one copy (``belayer serve --weight-owner``).
+
+The owner process (``python -m engine_pool.weight_owner``) takes the owner's lock (``core.shm_weights``),
+has ``belayer_vllm.export`` lay the weights out in ``/dev/shm`` in vLLM's parameter layout (with the
+workers' own vLLM arguments; a complete layout a killed owner left is kept), says it is ready, and then
+only holds the lock until it is stopped, when it removes the files. Workers launched with
+``--load-format belayer_shm`` map the layout while the owner lives, and load from disk otherwise.
+
+The pool drives it through `WeightOwner`: started before the workers, checked (`healthy`: the process,
+its lock and its ready mark) whenever a worker fails and on every probe round, and restarted when it
+died (workers launched meanwhile load from disk). A shadow promoted meanwhile keeps working: its mappings
+outlive the owner.
+
+Example::
+
+    owner = WeightOwner(spec, base="/dev/shm/belayer-weights", log_dir=Path("logs"))
+    await owner.start()           # returns once the weights are in shared memory
+    ...
+    await owner.stop()            # the shared-memory files are removed
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from core import shm_weights
+from core.errors import ConfigError, EngineUnavailable
+from engine_pool.worker import WorkerSpec, _group_alive, _signal_group
+
+LOAD_FORMAT = "belayer_shm"
+
+
+def loader_args(base: str, linear: str = "shared") -> tuple[str, ...]:
+    """The vLLM arguments that make a worker map the owner's weights (``belayer_vllm.loader``).
+
+    >>> loader_args("/dev/shm/w")
+    ('--load-format', 'belayer_shm', '--model-loader-extra-config', '{"dir": "/dev/shm/w", "linear": "shared"}')
+    """
+    extra = json.dumps({"dir": base, "linear": linear})
+    return ("--load-format", LOAD_FORMAT, "--model-loader-extra-config", extra)
+
+
+class WeightOwner:
+    """The pool's handle on the owner process (launched in its own process group, via the reaper)."""
+
+    def __init__(self, spec: WorkerSpec, base: str, log_dir: Path, name: str = "weight-owner") -> None:
+        self.spec = spec
+        self.base = base
+        try:
+            self.dir = shm_weights.owner_dir(base, shm_weights.checkpoint_hash(spec.model))
+        except FileNotFoundError as e:
+            raise ConfigError(f"the weight owner shares safetensors weights: {e}") from None
+        self.log_path = log_dir / f"{name}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.ready_s: float | None = None
+        """Seconds the latest start took (to the weights in shared memory)."""
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def argv(self) -> list[str]:
+        vllm_argv = self.spec.argv()[3:]  # the worker's own vLLM arguments (after python -m MODULE)
+        return [self.spec.python, "-m", "engine_pool.weight_owner", "--dir", self.base,
+                "--model", self.spec.model, "--", *vllm_argv]  # fmt: skip
+
+    def launch(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [self.spec.python, "-m", "engine_pool.reaper", *self.argv()],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.spec.env()},
+                start_new_session=True,
+            )  # fmt: skip
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def healthy(self) -> bool:
+        """The process lives, holds the owner's lock, and has its weights in place."""
+        return self.alive() and shm_weights.owner_ready(self.dir)
+
+    async def wait_ready(self, timeout: float) -> None:
+        assert self._proc is not None, "launch() first"
+        started, deadline = time.monotonic(), time.monotonic() + timeout
+        while not shm_weights.owner_ready(self.dir):
+            if self._proc.poll() is not None:
+                raise EngineUnavailable(
+                    f"the weight owner exited with {self._proc.returncode} during start-up; see {self.log_path}"
+                )
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(
+                    f"the weight owner was not ready within {timeout:.0f}s; see {self.log_path}"
+                )
+            await asyncio.sleep(0.1)
+        self.ready_s = time.monotonic() - started
+
+    async def start(self, timeout: float = 600.0) -> None:
+        self.launch()
+        await self.wait_ready(timeout)
+
+    async def restart(self, timeout: float = 600.0) -> None:
+        """Stop what is left of the old process group (its files are kept: the new owner reuses a
+        complete layout) and start a new owner."""
+        await self._stop_group(remove=False)
+        self.restarts += 1
+        await self.start(timeout)
+
+    async def stop(self) -> None:
+        await self._stop_group(remove=True)
+
+    async def _stop_group(self, remove: bool, grace: float = 10.0) -> None:
+        if self._proc is not None:
+            pgid = self._proc.pid
+            _signal_group(pgid, signal.SIGTERM if remove else signal.SIGKILL)
+            deadline = time.monotonic() + grace
+            while _group_alive(pgid):
+                self._proc.poll()
+                if time.monotonic() > deadline:
+                    _signal_group(pgid, signal.SIGKILL)
+                await asyncio.sleep(0.05)
+            self._proc.wait()
+        if remove and not shm_weights.owner_alive(self.dir):  # a SIGKILLed owner could not clean up
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# -- the owner process ------------------------------------------------------------------------------
+
+
+def serve(base: str, model: str, vllm_argv: list[str]) -> int:
+    """Take the lock, lay the weights out, say ready, hold until SIGTERM, then remove the files."""
+    directory = shm_weights.owner_dir(base, shm_weights.checkpoint_hash(model))
+    try:
+        lock = shm_weights.hold_lock(directory)
+    except BlockingIOError:
+        sys.stderr.write(f"weight owner: another live owner holds {directory}\n")
+        return 3
+    stopping = False
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(directory / shm_weights.OWNER)
+    export = subprocess.run(
+        [sys.executable, "-m", "belayer_vllm.export", "--dir", base, "--", *vllm_argv],
+        stdout=subprocess.PIPE, check=False,
+    )  # fmt: skip
+    if stopping:  # stopped while laying out: nothing half-written is left behind
+        shutil.rmtree(directory, ignore_errors=True)
+        return 0
+    if export.returncode != 0:
+        sys.stderr.write(f"weight owner: laying the weights out failed ({export.returncode})\n")
+        return 1
+    result = json.loads(export.stdout.decode().strip().splitlines()[-1])
+    shm_weights.write_json(directory / shm_weights.OWNER, {"pid": os.getpid(), "ready": True, **result})
+    sys.stderr.write(f"weight owner: ready, {json.dumps(result)}\n")
+    while not stopping:  # a short sleep, not signal.pause(): a signal just before the pause is not lost
+        time.sleep(0.2)
+    shutil.rmtree(directory, ignore_errors=True)  # still holding the lock: no new owner is writing here
+    os.close(lock)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if "--" not in argv:
+        sys.stderr.write("usage: python -m engine_pool.weight_owner --dir BASE --model DIR -- VLLM_ARGS...\n")
+        return 2
+    split = argv.index("--")
+    p = argparse.ArgumentParser(prog="python -m engine_pool.weight_owner")
+    p.add_argument("--dir", default=shm_weights.DEFAULT_BASE)
+    p.add_argument("--model", required=True)
+    opts = p.parse_args(argv[:split])
+    return serve(opts.dir, opts.model, argv[split + 1 :])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
