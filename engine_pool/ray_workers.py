@@ -62,8 +62,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
-
 from core.errors import EngineUnavailable
 from engine_pool.pool import READY, SHADOW, STARTING, PoolMember
 from engine_pool.worker import VllmWorker, WorkerSpec, _group_alive, _signal_group
@@ -217,24 +215,18 @@ class RayWorker(VllmWorker):
             self.launch()
         assert self._placing is not None
         await self._placing
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(trust_env=False) as http:
-            while time.monotonic() < deadline:
-                if not self.alive():
-                    raise EngineUnavailable(
-                        f"worker {self.name} on Ray node {self.node_ip} exited during start-up; see its "
-                        f"log {self.log_path} on that node:\n{self.log_tail()}"
-                    )
-                try:
-                    if (await http.get(f"{self.url}/health", timeout=2.0)).status_code == 200:
-                        self.ready_at = time.time()
-                        return
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.25)
-        raise EngineUnavailable(
-            f"worker {self.name} on Ray node {self.node_ip} not healthy after {timeout:.0f}s"
+        await self._poll_health(timeout)
+
+    def _start_failure(self) -> str | None:
+        if self.alive():
+            return None
+        return (
+            f"{self._where()} exited during start-up; see its log {self.log_path} on that node:\n"
+            f"{self.log_tail()}"
         )
+
+    def _where(self) -> str:
+        return f"worker {self.name} on Ray node {self.node_ip}"
 
     def alive(self) -> bool:
         """Placed, and neither the engine nor its actor has ended (a local check: no call to the head)."""

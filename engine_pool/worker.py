@@ -153,14 +153,28 @@ class VllmWorker:
     async def wait_ready(self, timeout: float = 300.0) -> None:
         """Poll ``/health`` until it answers 200, the process exits, or ``timeout`` passes."""
         assert self._proc is not None, "launch() first"
+        await self._poll_health(timeout)
+
+    def _start_failure(self) -> str | None:
+        """Why the worker cannot become ready any more (it exited), or None while it may."""
+        assert self._proc is not None
+        if self._proc.poll() is None:
+            return None
+        return (
+            f"vLLM worker {self.name} exited with {self._proc.returncode} during start-up; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def _where(self) -> str:
+        """Where the worker runs, for its errors (a Ray worker names its node)."""
+        return f"vLLM worker {self.name}"
+
+    async def _poll_health(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(trust_env=False) as http:  # loopback or the pool's own network
             while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    raise EngineUnavailable(
-                        f"vLLM worker {self.name} exited with {self._proc.returncode} during start-up; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
+                if (failure := self._start_failure()) is not None:
+                    raise EngineUnavailable(failure)
                 try:
                     if (await http.get(f"{self.url}/health", timeout=2.0)).status_code == 200:
                         self.ready_at = time.time()
@@ -168,9 +182,7 @@ class VllmWorker:
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.25)
-        raise EngineUnavailable(
-            f"vLLM worker {self.name} not healthy after {timeout:.0f}s; see {self.log_path}"
-        )
+        raise EngineUnavailable(f"{self._where()} not healthy after {timeout:.0f}s; see {self.log_path}")
 
     async def start(self, timeout: float = 300.0) -> None:
         self.launch()

@@ -230,3 +230,19 @@ def poll(read: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
             return value
         assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def held_engine(tmp_path: Path, token_delay: float, require_exit: bool = True) -> Iterator[tuple[str, int]]:
+    """One fake engine process (``tests.gateway.held_engine``, holding no request) that streams a token
+    every `token_delay` seconds: its URL and pid. The pool of every gateway a test starts on it.
+    ``require_exit=False`` for a test that may kill it itself."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.gateway.held_engine", "--port", str(port)]
+    argv += ["--hold", str(tmp_path / "no-hold"), "--token-delay", str(token_delay)]
+    proc = spawn(argv, tmp_path / "engine.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 60, tmp_path / "engine.log")
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        stop(proc, require_exit=require_exit)

@@ -5,11 +5,8 @@ reused, and the same errors where the engine fails (what failover relies on)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,24 +16,10 @@ from core.errors import EngineTimeout, EngineUnavailable
 from engine_pool.client import EngineClient, SamplingParams
 from engine_pool.fake import FakeEngine, autoregressive
 from engine_pool.transport import engine_transport
-from engine_pool.worker import free_port
-from tests.support import spawn, stop, wait_healthy
+from tests.support import held_engine
 
 LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=8)
 PROMPT = [5, 6, 7]
-
-
-@contextlib.contextmanager
-def _engine(tmp_path: Path, token_delay: float) -> Iterator[tuple[str, int]]:
-    port = free_port()
-    argv = [sys.executable, "-m", "tests.gateway.held_engine", "--port", str(port)]
-    argv += ["--hold", str(tmp_path / "no-hold"), "--token-delay", str(token_delay)]
-    proc = spawn(argv, tmp_path / "engine.log")
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 60, tmp_path / "engine.log")
-        yield f"http://127.0.0.1:{port}", proc.pid
-    finally:
-        stop(proc, require_exit=False)
 
 
 async def _tokens(engine: EngineClient, max_tokens: int, stream: bool = True) -> list[int]:
@@ -61,7 +44,7 @@ def test_streams_the_same_tokens_as_httpx_and_reuses_connections(tmp_path: Path)
         async with httpx.AsyncClient(limits=LIMITS, timeout=None) as http:  # httpx's own, for reference
             assert await _tokens(EngineClient(url, "fake", http), 40) == expected
 
-    with _engine(tmp_path, 0.0) as (url, _):
+    with held_engine(tmp_path, 0.0, require_exit=False) as (url, _):
         asyncio.run(run(url))
 
 
@@ -82,5 +65,5 @@ def test_engine_errors_are_translated_as_with_httpx(tmp_path: Path) -> None:
                 await _tokens(engine, 5)
             assert not await engine.health()
 
-    with _engine(tmp_path, 0.2) as (url, pid):
+    with held_engine(tmp_path, 0.2, require_exit=False) as (url, pid):
         asyncio.run(run(url, pid))

@@ -14,8 +14,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +24,9 @@ from engine_pool.fake import FakeEngine, autoregressive
 from engine_pool.worker import free_port
 from gateway.tokenization import ChatTokenizer
 from tests.postgres_server import PostgresServer
-from tests.support import belayer_argv, belayer_server, poll, spawn, stop, wait_healthy
+from tests.support import belayer_argv, belayer_server, held_engine, poll
 
 FIRST = [{"role": "user", "content": "list the files"}]
-
-
-@contextlib.contextmanager
-def _engine(tmp_path: Path, token_delay: float) -> Iterator[str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "tests.gateway.held_engine", "--port", str(port)]
-    argv += ["--hold", str(tmp_path / "no-hold"), "--token-delay", str(token_delay)]
-    proc = spawn(argv, tmp_path / "engine.log")
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 60, tmp_path / "engine.log")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
 
 
 def _pinned(
@@ -130,7 +115,7 @@ def test_two_processes_share_sessions_and_survive_a_kill_9_of_one(
 ) -> None:
     args = ["serve", "--model", str(tiny_model_dir), "--store", postgres.new_database(), "--processes", "2"]
     with (
-        _engine(tmp_path, 0.02) as engine,
+        held_engine(tmp_path, 0.02) as (engine, _),
         belayer_server([*args, "--engine-url", engine], tmp_path / "gw.log") as gw,
     ):
         a_pid, a = _pinned(gw.url)

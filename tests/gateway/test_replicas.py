@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from engine_pool.fake import FakeEngine, autoregressive
 from engine_pool.worker import free_port
 from gateway.tokenization import ChatTokenizer
 from tests.postgres_server import PostgresServer
-from tests.support import belayer_server, poll, spawn, stop, wait_healthy
+from tests.support import belayer_server, held_engine, poll, spawn, stop, wait_healthy
 
 pytestmark = pytest.mark.postgres
 
@@ -36,23 +35,9 @@ HAPROXY = os.environ.get("BELAYER_HAPROXY", "/usr/sbin/haproxy")
 REPLY_TOKENS = 300
 
 
-@contextlib.contextmanager
-def _engine(tmp_path: Path, token_delay: float) -> Iterator[str]:
-    """One fake engine process, the pool of every gateway."""
-    port = free_port()
-    argv = [sys.executable, "-m", "tests.gateway.held_engine", "--port", str(port)]
-    argv += ["--hold", str(tmp_path / "no-hold"), "--token-delay", str(token_delay)]
-    proc = spawn(argv, tmp_path / "engine.log")
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 60, tmp_path / "engine.log")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
-
-
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[str]:
-    with _engine(tmp_path, 0.001) as url:
+    with held_engine(tmp_path, 0.001) as (url, _):
         yield url
 
 
@@ -187,7 +172,7 @@ def test_kill_9_of_a_mid_stream_behind_haproxy_the_retry_continues_on_b(
     store = postgres.new_database()
     config = tmp_path / "belayer.toml"
     config.write_text("[inflight]\nflush_interval_s = 0.05\nflush_tokens = 8\n")
-    with _engine(tmp_path, 0.01) as engine:
+    with held_engine(tmp_path, 0.01) as (engine, _):
 
         def serve(name: str) -> list[str]:
             return ["serve", "--model", str(tiny_model_dir), "--engine-url", engine, "--config", str(config),
@@ -262,7 +247,7 @@ def test_kill_9_of_a_mid_stream_b_sweeps_its_turn_interrupted_with_no_request_to
     config.write_text(
         f"[inflight]\nflush_interval_s = 0.05\nflush_tokens = 8\nsweep_interval_s = {SWEEP_S}\n"
     )
-    with _engine(tmp_path, 0.01) as engine:
+    with held_engine(tmp_path, 0.01) as (engine, _):
 
         def serve(name: str) -> list[str]:
             return ["serve", "--model", str(tiny_model_dir), "--engine-url", engine, "--config", str(config),
