@@ -1,9 +1,11 @@
-"""``python -m belayer_vllm.export --dir BASE -- VLLM_ARGS...``: lay a model's weights out in the store.
+"""``python -m belayer_vllm.export --dir BASE [--checkpoint NAME] -- VLLM_ARGS...``: lay a model's weights out in the store.
 
 The weight owner (``engine_pool.weight_owner``) runs this once, with the same vLLM arguments as its
 workers: it builds vLLM's model for that configuration (as ``vllm preload`` does for a GPU), loads the
 checkpoint into it with vLLM's default loader, and writes every parameter and buffer, in vLLM's layout
-and before any post-processing, to ``BASE/<checkpoint>/<layout>/`` (``belayer_vllm.layout``). A layout
+and before any post-processing, to ``BASE/<checkpoint>/<layout>/`` (``belayer_vllm.layout``; NAME:
+the owner's directory, by default the model's ``checkpoint_hash``; an owner for an update's weights names
+its own, ``shm_weights.weights_id``). A layout
 already complete there (from an owner before this one) is kept. Prints the layout's directory and size
 as one JSON line, and exits.
 """
@@ -32,7 +34,7 @@ def _engine_config(vllm_argv: list[str]) -> Any:
     return engine_args.create_engine_config()
 
 
-def export(base: str, vllm_argv: list[str]) -> dict[str, object]:
+def export(base: str, vllm_argv: list[str], checkpoint: str | None = None) -> dict[str, object]:
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -48,7 +50,7 @@ def export(base: str, vllm_argv: list[str]) -> dict[str, object]:
     parallel = cfg.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise SystemExit("the CPU weight owner lays out one rank: a tensor/pipeline-parallel size of 1")
-    key = layout.layout_key(model_config, (1, 0), (1, 0))
+    key = layout.layout_key(model_config, (1, 0), (1, 0), checkpoint)
     directory = layout.layout_dir(base, key)
     done = shm_weights.read_json(directory / shm_weights.MANIFEST)
     if done is not None and done.get("key") == key and (directory / shm_weights.WEIGHTS).is_file():
@@ -71,13 +73,16 @@ def export(base: str, vllm_argv: list[str]) -> dict[str, object]:
 
 def main(argv: list[str]) -> int:
     if "--" not in argv:
-        sys.stderr.write("usage: python -m belayer_vllm.export --dir BASE -- VLLM_ARGS...\n")
+        sys.stderr.write(
+            "usage: python -m belayer_vllm.export --dir BASE [--checkpoint NAME] -- VLLM_ARGS...\n"
+        )
         return 2
     split = argv.index("--")
     p = argparse.ArgumentParser(prog="python -m belayer_vllm.export")
     p.add_argument("--dir", default=shm_weights.DEFAULT_BASE)
+    p.add_argument("--checkpoint", default=None)
     opts = p.parse_args(argv[:split])
-    sys.stdout.write(json.dumps(export(opts.dir, argv[split + 1 :])) + "\n")
+    sys.stdout.write(json.dumps(export(opts.dir, argv[split + 1 :], opts.checkpoint)) + "\n")
     return 0
 
 

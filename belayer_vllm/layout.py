@@ -32,13 +32,16 @@ class LayoutUnavailable(Exception):
     """The owner's layout cannot be used (no live owner, not written yet, another model or config)."""
 
 
-def layout_key(model_config: Any, tp: tuple[int, int], pp: tuple[int, int]) -> dict[str, Any]:
-    """What must match for a worker to map a layout: the checkpoint's content, architecture, dtype,
-    parallel ranks, quantization, context length (rotary caches) and the vLLM version."""
+def layout_key(
+    model_config: Any, tp: tuple[int, int], pp: tuple[int, int], checkpoint: str | None = None
+) -> dict[str, Any]:
+    """What must match for a worker to map a layout: the checkpoint (its owner directory's name:
+    `checkpoint`, else the model's `checkpoint_hash`), architecture, dtype, parallel ranks,
+    quantization, context length (rotary caches) and the vLLM version."""
     hf = model_config.hf_config
     return {
         "format": FORMAT,
-        "checkpoint": shm_weights.checkpoint_hash(model_config.model),
+        "checkpoint": checkpoint or shm_weights.checkpoint_hash(model_config.model),
         "arch": ",".join(getattr(hf, "architectures", None) or []),
         "dtype": str(model_config.dtype),
         "tp": list(tp),

@@ -69,24 +69,40 @@ class SharedMemoryLoader(BaseModelLoader):
     def download_model(self, model_config: Any) -> None:
         self._disk().download_model(model_config)
 
+    def get_all_weights(self, model_config: Any, model: nn.Module) -> Any:
+        """The checkpoint's tensors, as vLLM's default loader reads them: what vLLM's in-place reload
+        (``reload_weights``, a weight update) loads; without this method it refuses the load format, and
+        the engine dies (vLLM 0.32, measured)."""
+        return self._disk().get_all_weights(model_config, model)
+
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         """In-place reload (a weight update): from the checkpoint, as vLLM's default loader. Mapped pages
         a reload writes become this worker's own (copy-on-write); its neighbours keep the owner's."""
         self._disk().load_weights(model, model_config)
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+        """Map the current owner's layout (the pool's pointer, ``shm_weights.current``: the weights of
+        its latest update), else the owner of this worker's own checkpoint, else load from disk."""
         started = time.perf_counter()
-        key = _key(model_config)
-        try:
-            directory, manifest = layout.open_layout(self.base, key)
-        except (layout.LayoutUnavailable, OSError) as e:
+        report: dict[str, Any] = {"source": "disk", "version": None}
+        model, report_dir = None, None
+        for checkpoint, version in _candidates(self.base, model_config):
+            key = _key(model_config, checkpoint)
+            report_dir = report_dir or layout.layout_dir(self.base, key)  # a disk load: the first tried
+            try:
+                directory, manifest = layout.open_layout(self.base, key)
+                model, mapped = self._map(vllm_config, model_config, prefix, directory, manifest)
+            except (layout.LayoutUnavailable, OSError) as e:  # OSError: the owner went as it was mapped
+                report.setdefault("why", str(e))
+                continue
+            report = {"source": "owner", "version": version, "checkpoint": key["checkpoint"],
+                      "tensors": len(manifest["tensors"]), "mapped_bytes": mapped}  # fmt: skip
+            report_dir = directory
+            break
+        if model is None:
             model = self._load_from_disk(vllm_config, model_config, prefix)
-            report: dict[str, Any] = {"source": "disk", "why": str(e)}
-        else:
-            model, mapped = self._map(vllm_config, model_config, prefix, directory, manifest)
-            report = {"source": "owner", "tensors": len(manifest["tensors"]), "mapped_bytes": mapped}
         report.update(seconds=round(time.perf_counter() - started, 3), linear=self.linear, pid=os.getpid())
-        _record(layout.layout_dir(self.base, key), report)
+        _record(report_dir, report)
         return model
 
     def _load_from_disk(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
@@ -120,13 +136,28 @@ class SharedMemoryLoader(BaseModelLoader):
         process_weights_after_loading(model, model_config, target)
 
 
-def _key(model_config: Any) -> dict[str, Any]:
+def _candidates(base: str, model_config: Any) -> list[tuple[str, str | None]]:
+    """The owner directories to try, in order, with the version each holds (None: this worker's own
+    launch weights): the pool's current owner, then the owner of the worker's own checkpoint."""
+    own = shm_weights.checkpoint_hash(model_config.model)
+    pointer = shm_weights.current(base, own)
+    if pointer is None:
+        return [(own, None)]
+    if pointer["checkpoint"] == own:
+        return [(own, pointer["version"])]
+    return [(pointer["checkpoint"], pointer["version"]), (own, None)]
+
+
+def _key(model_config: Any, checkpoint: str) -> dict[str, Any]:
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
     from vllm.distributed import get_tensor_model_parallel_world_size as tp_size
 
     pp = get_pp_group()
     return layout.layout_key(
-        model_config, (tp_size(), get_tensor_model_parallel_rank()), (pp.world_size, pp.rank_in_group)
+        model_config,
+        (tp_size(), get_tensor_model_parallel_rank()),
+        (pp.world_size, pp.rank_in_group),
+        checkpoint,
     )
 
 

@@ -6,6 +6,8 @@ loader in ``belayer_vllm``) maps those files instead of reading the checkpoint, 
 shadow shares one copy. This module is the contract between the two sides, in plain Python (no torch,
 no vLLM), so the engine pool can check an owner's health without importing either::
 
+    <base>/current.<launch hash>.json    which owner holds the pool's current weights (`publish`):
+                                         {"checkpoint", "version", "path"}; one per launch checkpoint
     <base>/<checkpoint hash>/            one owner's directory (`owner_dir`)
         owner.lock                       flock'ed (exclusive) by the live owner, for its lifetime
         owner.json                       {"pid", "ready", "layouts"}: written when the weights are in place
@@ -13,6 +15,11 @@ no vLLM), so the engine pool can check an owner's health without importing eithe
             weights.bin                  every tensor, each at a page-aligned offset
             manifest.json                written last: {"key", "tensors": {name: {dtype, shape, offset, nbytes}}}
             loads/<pid>.json             what each worker's loader did (source owner|disk, seconds)
+
+After a weight update the pool starts an owner for the new checkpoint (its directory named by
+`weights_id`: the update's files, not just their headers, which an RL step leaves unchanged), and once it
+is ready points ``current.<launch hash>.json`` at it; a worker launched after that maps the new weights
+and says which version it mapped in its load report.
 
 A worker maps ``weights.bin`` only while the owner holds its lock (`owner_alive`) and the manifest is
 complete; otherwise it loads from disk as vLLM normally does. The files are written before the manifest,
@@ -46,6 +53,7 @@ OWNER = "owner.json"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
 LOADS = "loads"
+POINTER = "current.{}.json"
 ALIGN = 4096
 """Each tensor starts at a multiple of the page size: a worker maps each one on its own."""
 
@@ -66,6 +74,17 @@ def checkpoint_hash(model_dir: str | os.PathLike[str]) -> str:
             h.update(size + f.read(length))
             h.update(str(os.fstat(f.fileno()).st_size).encode())
     return h.hexdigest()[:24]
+
+
+def weights_id(model_dir: str | os.PathLike[str]) -> str:
+    """The owner directory's name for weights an update brought (`checkpoint_hash` and, because every
+    step of a training run has the same headers, the files themselves: their real path, size, inode and
+    modification time). Raises `FileNotFoundError` when the directory has no safetensors files."""
+    h = hashlib.sha256(checkpoint_hash(model_dir).encode())
+    for path in sorted(glob.glob(os.path.join(os.fspath(model_dir), "*.safetensors"))):
+        st = os.stat(path)
+        h.update(f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_ino}\0{st.st_mtime_ns}\0".encode())
+    return "w" + h.hexdigest()[:23]
 
 
 def owner_dir(base: str | os.PathLike[str], checkpoint: str) -> Path:
@@ -132,6 +151,52 @@ def owner_ready(directory: str | os.PathLike[str], pid: int | None = None) -> bo
     if not info or not info.get("ready") or (pid is not None and info.get("pid") != pid):
         return False
     return owner_alive(directory)
+
+
+def publish(base: str | os.PathLike[str], launch: str, checkpoint: str, version: str, path: str) -> None:
+    """Point the workers launched from the checkpoint whose `checkpoint_hash` is `launch` at the owner
+    directory `checkpoint`, which holds the weights of `version` (read from `path`). Atomic: a loader
+    sees the old pointer or the new one."""
+    os.makedirs(base, exist_ok=True)
+    pointer = {"checkpoint": checkpoint, "version": version, "path": path}
+    write_json(Path(base) / POINTER.format(launch), pointer)
+
+
+def current(base: str | os.PathLike[str], launch: str) -> dict[str, str] | None:
+    """The pointer `publish` wrote for `launch` (``checkpoint``, ``version``, ``path``), or None when
+    there is none or it is not whole. It says where the weights are, not that their owner lives.
+
+    >>> import tempfile
+    >>> base = tempfile.mkdtemp()
+    >>> publish(base, "abc", "wdef", "step-1", "/ckpt/1")
+    >>> current(base, "abc")["version"], current(base, "other")
+    ('step-1', None)
+    """
+    value = read_json(Path(base) / POINTER.format(launch))
+    fields = ("checkpoint", "version", "path")
+    if value is None or not all(isinstance(value.get(f), str) and value[f] for f in fields):
+        return None
+    if "/" in value["checkpoint"] or value["checkpoint"] in (".", ".."):
+        return None  # a directory name under `base`, nothing else
+    return {f: str(value[f]) for f in fields}
+
+
+def unpublish(base: str | os.PathLike[str], launch: str) -> None:
+    """Remove `launch`'s pointer, and `base` itself when nothing else is left in it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(Path(base) / POINTER.format(launch))
+    with contextlib.suppress(OSError):
+        os.rmdir(base)
+
+
+def find_load_report(base: str | os.PathLike[str], pids: list[int]) -> dict[str, Any] | None:
+    """The load report of whichever of `pids` (a worker's processes) loaded a model, under any owner
+    directory of `base`; None when none has one (a report goes with its owner's directory)."""
+    for pid in pids:
+        for path in glob.glob(os.path.join(os.fspath(base), "*", "*", LOADS, f"{pid}.json")):
+            if (report := read_json(path)) is not None:
+                return report
+    return None
 
 
 def mapped_memory(pid: int, prefix: str | os.PathLike[str]) -> dict[str, int]:

@@ -333,6 +333,11 @@ class EngineClient:
         finally:
             await self._post("/resume", None, timeout)
 
+    async def name_weight_version(self, version: str, timeout: float = 10.0) -> None:
+        """Name the version of the weights the engine holds, without loading any (``POST
+        /update_weight_version``): a worker that mapped a weight owner's weights of `version`."""
+        await self._post("/update_weight_version", {"new_version": version}, timeout)
+
     async def weight_version(self, timeout: float = 5.0) -> str | None:
         """The version the engine says it holds (``GET /weight_info``; vLLM's is ``default`` until one
         is set); None when it does not say (no development endpoints, or not answering)."""

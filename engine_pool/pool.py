@@ -57,7 +57,9 @@ from typing import Protocol
 import httpx
 import tenacity
 
+from core import shm_weights
 from core.errors import (
+    ConfigError,
     Conflict,
     EngineError,
     EngineRejected,
@@ -101,7 +103,10 @@ class PoolMember:
     target of active workers."""
     weight_version: str = "base"
     """The weight version it holds: the pool's when it was added (a launched worker: the launch
-    weights' version, `EnginePool.base_version`), then each update it loaded."""
+    weights' version, `EnginePool.base_version`, or the version it mapped from the weight owner), then
+    each update it loaded."""
+    synced: int = 0
+    """Times the pool brought it up to a version by loading weights from disk (`EnginePool._sync`)."""
 
     def view(self, start_timeout: float) -> dict[str, object]:
         """The member as ``GET /api/engines`` and the dashboard show it."""
@@ -165,12 +170,15 @@ class WeightUpdate:
     """Requests cut when the drain time ran out (resubmitted on the new version)."""
     drain_s: float
     seconds: float
+    owner: str | None = None
+    """The weight owner: ``following`` (an owner for these weights is being started in the background,
+    made current once ready: ``weight_owner`` events say how it went); None: the pool has none."""
 
     def as_json(self) -> dict[str, object]:
         return {
             "version": self.version, "previous": self.previous, "path": self.path,
             "updated": list(self.updated), "stale": list(self.stale), "preempted": self.preempted,
-            "drain_s": round(self.drain_s, 3), "seconds": round(self.seconds, 3),
+            "drain_s": round(self.drain_s, 3), "seconds": round(self.seconds, 3), "owner": self.owner,
         }  # fmt: skip
 
 
@@ -239,12 +247,14 @@ class EnginePool:
     weight_owner: WeightOwner | None = None
     """Holds the weights apart from the workers, in shared memory (``belayer serve --weight-owner``):
     started before the workers, checked when a worker fails and each probe round, restarted when it died
-    (workers launched meanwhile load from disk)."""
+    (workers launched meanwhile load from disk), replaced by one for the new weights after an update
+    (`_keep_owner`). The current one: it changes with updates."""
     owner_restart_delay: float = 0.0
     """Seconds a dead weight owner stays down before it is restarted (workers load from disk meanwhile)."""
     _owner_busy: bool = False
     _owner_retry_at: float = 0.0
     _owner_down_since: float | None = None
+    _owners: int = 0
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -343,6 +353,7 @@ class EnginePool:
             await m.process.wait_ready(self.start_timeout)
             m.client.base_url = m.process.url  # a worker placed elsewhere has its address once placed
             self._cold_start(m, time.monotonic() - started)
+            await self._owner_version(m)
             await self._sync(m)  # a restarted gateway whose version is not the launch weights'
         for m in sorted(self.members, key=lambda m: m.standby):  # shadows take what actives leave
             if m.process is None and not await self._admit(m):
@@ -399,6 +410,7 @@ class EnginePool:
         await asyncio.gather(*(m.process.stop() for m in self.members if m.process is not None))
         if self.weight_owner is not None:
             await self.weight_owner.stop()
+            self.weight_owner.unpublish()
         for m in self.members:
             self._set(m, DEAD, "pool stopped")
         if self.launcher is not None:
@@ -453,14 +465,26 @@ class EnginePool:
         the workers load from disk and the probe rounds try again."""
         if self.weight_owner is None:
             return
+        self.weight_owner.unpublish()  # a pointer a killed gateway left
+        if self.weights_path is not None and self.weight_version != self.base_version:  # `adopt_version`
+            try:
+                self.weight_owner = self.weight_owner.successor(
+                    self.weights_path, self.weight_version, "weight-owner"
+                )
+            except ConfigError as e:
+                log.error("weight owner: %s; it holds the launch weights", e)
+        owner = self.weight_owner
         self._owner_busy = True
         try:
-            await self.weight_owner.start(self.start_timeout)
+            await owner.start(self.start_timeout)
+            owner.publish(owner.version or self.base_version)
         except EngineUnavailable as e:
             log.error("weight owner: %s; workers load their weights from disk until it is up", e)
             self._owner_retry_at = time.monotonic() + 5.0
         else:
-            self.telemetry.publish("weight_owner", {"state": "ready", "seconds": self.weight_owner.ready_s})
+            self.telemetry.publish(
+                "weight_owner", {"state": "ready", "seconds": owner.ready_s, "version": owner.version}
+            )
         finally:
             self._owner_busy = False
 
@@ -479,24 +503,111 @@ class EnginePool:
             self.telemetry.publish("weight_owner", {"state": "down", "why": why})
         if now >= max(self._owner_retry_at, self._owner_down_since + self.owner_restart_delay):
             self._owner_busy = True
-            self._tasks.spawn(self._restart_owner(), "restart-weight-owner")
+            self._tasks.spawn(self._keep_owner(), "restart-weight-owner")
         return False
 
-    async def _restart_owner(self) -> None:
-        assert self.weight_owner is not None
+    def _follow_weights(self) -> str | None:
+        """After an update: the owner is brought to the new weights in the background (`_keep_owner`;
+        one already running picks the new version up when it is done)."""
+        if self.weight_owner is None or self._closing:
+            return None
+        if not self._owner_busy:
+            self._owner_busy = True
+            self._tasks.spawn(self._keep_owner(), "follow-weight-owner")
+        return "following"
+
+    async def _keep_owner(self) -> None:
+        """The weight owner's one background job (while `_owner_busy`): until the owner holds the pool's
+        current weights and is up. An owner on older weights (an update, or a restart after one) is
+        replaced: a `WeightOwner.successor` for the current checkpoint, made current once it is ready,
+        then the old one stopped (workers that mapped it keep their pages). If that one cannot start,
+        the old one stays (restarted if it died) and workers launched meanwhile catch up from disk."""
+        tried: set[str] = set()
         try:
-            await self.weight_owner.restart(self.start_timeout)
-        except EngineUnavailable as e:
+            while not self._closing:
+                owner, version, path = self.weight_owner, self.weight_version, self.weights_path
+                assert owner is not None
+                held = owner.version or self.base_version
+                if held != version and path is not None and path not in tried:
+                    tried.add(path)
+                    if await self._replace_owner(owner, path, version):
+                        continue
+                if owner.healthy():
+                    return
+                await owner.restart(self.start_timeout)
+                owner.publish(held)
+                self._owner_down_since = None
+                log.info("weight owner: restarted in %.1f s (version %r)", owner.ready_s or 0.0, held)
+                self.telemetry.publish(
+                    "weight_owner", {"state": "restarted", "seconds": owner.ready_s, "version": held}
+                )
+        except (EngineUnavailable, OSError) as e:
             log.error("weight owner: restart failed: %s; trying again in 30 s", e)
             self._owner_retry_at = time.monotonic() + 30.0
-        else:
-            self._owner_down_since = None
-            log.info("weight owner: restarted in %.1f s", self.weight_owner.ready_s or 0.0)
-            self.telemetry.publish(
-                "weight_owner", {"state": "restarted", "seconds": self.weight_owner.ready_s}
-            )
         finally:
             self._owner_busy = False
+
+    async def _replace_owner(self, old: WeightOwner, path: str, version: str) -> bool:
+        """Start an owner for the weights at `path` (`version`), make it the current one once ready,
+        and stop `old`; False (logged, `old` untouched) when it cannot start."""
+        self._owners += 1
+        try:
+            new = old.successor(path, version, f"weight-owner-{self._owners}")
+        except ConfigError as e:
+            log.error("weight owner: cannot hold version %r (%s); the owner of %r stays", version, e,
+                      old.version or self.base_version)  # fmt: skip
+            self.telemetry.publish(
+                "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
+            )
+            return False
+        if new.checkpoint == old.checkpoint and old.healthy():  # the same files, named anew
+            old.publish(version)
+            return True
+        current = False
+        try:
+            await new.start(self.start_timeout)
+            new.publish(version)
+            self.weight_owner, current = new, True
+        except (EngineUnavailable, OSError) as e:
+            log.error("weight owner: the owner for version %r did not start (%s); the owner of %r stays, "
+                      "and workers launched meanwhile catch up from disk", version, e,
+                      old.version or self.base_version)  # fmt: skip
+            self.telemetry.publish(
+                "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
+            )
+            return False
+        finally:
+            if not current:  # failed, or the pool is stopping: nothing of it is left
+                await new.stop()
+        self._owner_down_since = None
+        log.info("weight owner: version %r in shared memory in %.1f s; the old owner is stopped",
+                 version, new.ready_s or 0.0)  # fmt: skip
+        self.telemetry.publish(
+            "weight_owner", {"state": "updated", "version": version, "seconds": new.ready_s}
+        )
+        await old.stop()
+        return True
+
+    async def _owner_version(self, m: PoolMember) -> None:
+        """A launched worker that mapped the weight owner's weights holds the version the owner held
+        (its loader's report, ``shm_weights.find_load_report``): recorded, and named in vLLM too
+        (``/weight_info``, which `_observe_version` reads), so that `_sync` does not load it from disk."""
+        owner, p = self.weight_owner, m.process
+        if owner is None or p is None or p.pid is None:
+            return
+        report = shm_weights.find_load_report(owner.base, shm_weights.group_pids(p.pid))
+        version = report.get("version") if report is not None and report.get("source") == "owner" else None
+        if not isinstance(version, str) or version == m.weight_version:
+            return
+        try:
+            await m.client.name_weight_version(version)
+        except EngineError as e:
+            log.warning(
+                "worker %s mapped weight version %r but could not be told so (%s)", m.name, version, e
+            )
+            return
+        m.weight_version = version
+        self.telemetry.publish("worker_weights", {"worker": m.name, "version": version, "source": "owner"})
 
     def report_failure(self, m: PoolMember, error: Exception) -> None:
         """``m`` failed a request or a probe: fence it (out of routing until a probe passes, for a
@@ -544,7 +655,8 @@ class EnginePool:
         member.client.base_url = member.process.url
         member.info = await member.client.model_info()
         self._cold_start(member, time.monotonic() - started)
-        await self._sync(member)  # the launch weights may be older than the pool's version
+        await self._owner_version(member)  # mapped from the owner: the version it held
+        await self._sync(member)  # the launch weights (or the owner's) may be older than the pool's version
         self._set(member, self._role(), "replacement ready")
         return member
 
@@ -609,12 +721,13 @@ class EnginePool:
                 await self._drain(time.monotonic() + timeout)  # cut streams end their leases at once
                 updated, stale = await self._load_everywhere(version, path, timeout)
                 self.weight_version, self.weights_path = version, path
+                owner = self._follow_weights()
             finally:
                 self._updating = self._switching = False
                 self.preemption = Preemption()
                 self._wake_waiters()
         result = WeightUpdate(
-            version, previous, path, updated, stale, preempted, drained, time.monotonic() - started
+            version, previous, path, updated, stale, preempted, drained, time.monotonic() - started, owner
         )
         log.info("weights: version %r -> %r from %s (%s)", previous, version, path, result.as_json())
         return result
@@ -697,7 +810,10 @@ class EnginePool:
                             self.weight_version, e)  # fmt: skip
                 return False
             m.weight_version = self.weight_version
-            self.telemetry.publish("worker_weights", {"worker": m.name, "version": self.weight_version})
+            m.synced += 1
+            self.telemetry.publish(
+                "worker_weights", {"worker": m.name, "version": self.weight_version, "source": "disk"}
+            )
             return True
 
     async def _catch_up(self, m: PoolMember) -> None:

@@ -10,7 +10,9 @@ only holds the lock until it is stopped, when it removes the files. Workers laun
 The pool drives it through `WeightOwner`: started before the workers, checked (`healthy`: the process,
 its lock and its ready mark) whenever a worker fails and on every probe round, and restarted when it
 died (workers launched meanwhile load from disk). A shadow promoted meanwhile keeps working: its mappings
-outlive the owner.
+outlive the owner. After a weight update the pool starts a `successor` for the update's checkpoint (the
+same vLLM arguments, that checkpoint's weights), `publish` es it once it is ready (the pointer workers'
+loaders follow, ``shm_weights.current``), and stops the old owner.
 
 Example::
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -55,13 +58,30 @@ def loader_args(base: str, linear: str = "shared") -> tuple[str, ...]:
 class WeightOwner:
     """The pool's handle on the owner process (launched in its own process group, via the reaper)."""
 
-    def __init__(self, spec: WorkerSpec, base: str, log_dir: Path, name: str = "weight-owner") -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        base: str,
+        log_dir: Path,
+        name: str = "weight-owner",
+        weights: str | None = None,
+        version: str | None = None,
+    ) -> None:
         self.spec = spec
         self.base = base
+        self.weights = weights or spec.model
+        """The checkpoint it lays out: the workers' own (`spec.model`), or an update's."""
+        self.version = version
+        """The weight version it holds, once the pool has said (`publish`)."""
         try:
-            self.dir = shm_weights.owner_dir(base, shm_weights.checkpoint_hash(spec.model))
+            self.launch_checkpoint = shm_weights.checkpoint_hash(spec.model)
+            checkpoint = self.launch_checkpoint if weights is None else shm_weights.weights_id(weights)
         except FileNotFoundError as e:
             raise ConfigError(f"the weight owner shares safetensors weights: {e}") from None
+        self.checkpoint = checkpoint
+        """Its directory's name under `base`."""
+        self.dir = shm_weights.owner_dir(base, checkpoint)
+        self.log_dir = log_dir
         self.log_path = log_dir / f"{name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
@@ -72,10 +92,28 @@ class WeightOwner:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    def successor(self, weights: str, version: str, name: str) -> WeightOwner:
+        """An owner for the same workers holding the weights at `weights` (an update's checkpoint)."""
+        return WeightOwner(self.spec, self.base, self.log_dir, name, weights, version)
+
+    def publish(self, version: str) -> None:
+        """Make it the current owner: workers launched from now on map its weights, named `version`."""
+        self.version = version
+        shm_weights.publish(self.base, self.launch_checkpoint, self.checkpoint, version, self.weights)
+
+    def unpublish(self) -> None:
+        """No current owner any more (the pool stopped): the pointer goes, and the base if empty."""
+        shm_weights.unpublish(self.base, self.launch_checkpoint)
+
     def argv(self) -> list[str]:
-        vllm_argv = self.spec.argv()[3:]  # the worker's own vLLM arguments (after python -m MODULE)
+        # the worker's own vLLM arguments (after python -m MODULE), for this owner's weights: an
+        # update's directory may lack a tokenizer, so the workers' own is named (vLLM reads only its
+        # config here); arguments given by the user come later and win
+        vllm_argv = dataclasses.replace(self.spec, model=self.weights).argv()[3:]
+        if self.weights != self.spec.model:
+            vllm_argv[2:2] = ["--tokenizer", self.spec.model]
         return [self.spec.python, "-m", "engine_pool.weight_owner", "--dir", self.base,
-                "--model", self.spec.model, "--", *vllm_argv]  # fmt: skip
+                "--model", self.weights, "--checkpoint", self.checkpoint, "--", *vllm_argv]  # fmt: skip
 
     def launch(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,9 +178,10 @@ class WeightOwner:
 # -- the owner process ------------------------------------------------------------------------------
 
 
-def serve(base: str, model: str, vllm_argv: list[str]) -> int:
-    """Take the lock, lay the weights out, say ready, hold until SIGTERM, then remove the files."""
-    directory = shm_weights.owner_dir(base, shm_weights.checkpoint_hash(model))
+def serve(base: str, model: str, vllm_argv: list[str], checkpoint: str | None = None) -> int:
+    """Take the lock, lay the weights out, say ready, hold until SIGTERM, then remove the files.
+    `checkpoint`: the directory's name (default: the model's ``checkpoint_hash``)."""
+    directory = shm_weights.owner_dir(base, checkpoint or shm_weights.checkpoint_hash(model))
     try:
         lock = shm_weights.hold_lock(directory)
     except BlockingIOError:
@@ -158,7 +197,8 @@ def serve(base: str, model: str, vllm_argv: list[str]) -> int:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(directory / shm_weights.OWNER)
     export = subprocess.run(
-        [sys.executable, "-m", "belayer_vllm.export", "--dir", base, "--", *vllm_argv],
+        [sys.executable, "-m", "belayer_vllm.export", "--dir", base, "--checkpoint", directory.name,
+         "--", *vllm_argv],
         stdout=subprocess.PIPE, check=False,
     )  # fmt: skip
     if stopping:  # stopped while laying out: nothing half-written is left behind
@@ -179,14 +219,17 @@ def serve(base: str, model: str, vllm_argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if "--" not in argv:
-        sys.stderr.write("usage: python -m engine_pool.weight_owner --dir BASE --model DIR -- VLLM_ARGS...\n")
+        sys.stderr.write(
+            "usage: python -m engine_pool.weight_owner --dir BASE --model DIR [--checkpoint NAME] -- VLLM_ARGS...\n"
+        )
         return 2
     split = argv.index("--")
     p = argparse.ArgumentParser(prog="python -m engine_pool.weight_owner")
     p.add_argument("--dir", default=shm_weights.DEFAULT_BASE)
     p.add_argument("--model", required=True)
+    p.add_argument("--checkpoint", default=None)
     opts = p.parse_args(argv[:split])
-    return serve(opts.dir, opts.model, argv[split + 1 :])
+    return serve(opts.dir, opts.model, argv[split + 1 :], opts.checkpoint)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from core import shm_weights
+from core.errors import ConfigError
 from engine_pool.weight_owner import LOAD_FORMAT, WeightOwner
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
@@ -144,3 +145,100 @@ async def test_a_pool_with_an_owner_launches_workers_that_map_its_weights(
             model=str(tiny_model_dir), worker_kind="fake", launch=LaunchConfig(weight_owner=True)
         )
         assert build_pool(fake, http).weight_owner is None  # fake engines load no weights
+
+
+def test_an_updates_weights_get_an_owner_directory_of_their_own(tmp_path: Path) -> None:
+    # every step of a training run has the same headers: the content hash alone cannot tell them apart
+    a, b = tmp_path / "step-1", tmp_path / "step-2"
+    for d in (a, b):
+        d.mkdir()
+        safetensors(d / "model.safetensors", ["x", "y"])
+    assert shm_weights.checkpoint_hash(a) == shm_weights.checkpoint_hash(b)
+    first = shm_weights.weights_id(a)
+    assert first == shm_weights.weights_id(a)  # the same files, the same directory
+    assert first != shm_weights.weights_id(b) and first != shm_weights.checkpoint_hash(a)
+    st = os.stat(a / "model.safetensors")
+    os.utime(a / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # rewritten in place
+    assert shm_weights.weights_id(a) != first
+    with pytest.raises(FileNotFoundError):
+        shm_weights.weights_id(tmp_path)
+
+
+def test_the_pointer_names_the_current_owner_per_launch_checkpoint(shm: Path) -> None:
+    assert shm_weights.current(shm, "launch") is None  # no base yet
+    shm_weights.publish(shm, "launch", "wabc", "step-1", "/ckpt/1")
+    shm_weights.publish(shm, "other", "wdef", "step-9", "/ckpt/9")  # another model's pool, same base
+    assert shm_weights.current(shm, "launch") == {
+        "checkpoint": "wabc",
+        "version": "step-1",
+        "path": "/ckpt/1",
+    }
+    shm_weights.publish(shm, "launch", "wxyz", "step-2", "/ckpt/2")  # replaced whole
+    assert shm_weights.current(shm, "launch") == {
+        "checkpoint": "wxyz",
+        "version": "step-2",
+        "path": "/ckpt/2",
+    }
+    assert sorted(p.name for p in shm.iterdir()) == ["current.launch.json", "current.other.json"]
+    for bad in ({"checkpoint": "../etc", "version": "v", "path": "/p"}, {"checkpoint": "w", "version": 3},
+                {"checkpoint": "", "version": "v", "path": "/p"}):  # fmt: skip
+        shm_weights.write_json(shm / "current.bad.json", bad)
+        assert shm_weights.current(shm, "bad") is None
+    (shm / "current.bad.json").write_text('{"checkpoint": "w')  # torn: never seen, but not trusted
+    assert shm_weights.current(shm, "bad") is None
+    shm_weights.unpublish(shm, "bad")
+    shm_weights.unpublish(shm, "launch")
+    assert shm_weights.current(shm, "launch") is None and shm.is_dir()  # the other pool's pointer stays
+    shm_weights.unpublish(shm, "other")
+    assert not shm.exists()  # nothing left: the base goes too
+    shm_weights.unpublish(shm, "other")  # twice is harmless
+
+
+def test_a_workers_load_report_is_found_under_any_owner_by_its_processes(shm: Path) -> None:
+    old, new = shm / "h0" / "layout" / shm_weights.LOADS, shm / "wabc" / "layout" / shm_weights.LOADS
+    old.mkdir(parents=True)
+    new.mkdir(parents=True)
+    shm_weights.write_json(old / "100.json", {"source": "disk", "version": None})
+    shm_weights.write_json(new / "200.json", {"source": "owner", "version": "step-1"})
+    assert shm_weights.find_load_report(shm, [99, 200]) == {"source": "owner", "version": "step-1"}
+    assert shm_weights.find_load_report(shm, [100]) == {"source": "disk", "version": None}
+    assert shm_weights.find_load_report(shm, [99, 101]) is None
+
+
+def test_an_owner_for_an_updates_weights_keeps_the_workers_arguments_and_tokenizer(
+    tiny_model_dir: Path, tmp_path: Path, shm: Path
+) -> None:
+    update = tmp_path / "step-1"
+    update.mkdir()
+    for f in tiny_model_dir.glob("*.safetensors"):
+        shutil.copy(f, update / f.name)
+    shutil.copy(tiny_model_dir / "config.json", update / "config.json")  # no tokenizer
+    config = GatewayConfig(model=str(tiny_model_dir), log_dir=str(tmp_path),
+                           launch=LaunchConfig(weight_owner=True, weight_owner_dir=str(shm)))  # fmt: skip
+    pool = build_pool(config, httpx.AsyncClient())
+    launch = pool.weight_owner
+    assert launch is not None and launch.version is None and launch.weights == str(tiny_model_dir)
+    assert launch.checkpoint == shm_weights.checkpoint_hash(tiny_model_dir)
+    new = launch.successor(str(update), "step-1", "weight-owner-1")
+    assert (new.version, new.weights, new.base) == ("step-1", str(update), str(shm))
+    assert new.dir == shm / shm_weights.weights_id(update) != launch.dir
+    assert new.launch_checkpoint == launch.checkpoint  # the pointer is the launch model's workers'
+    assert new.log_path == tmp_path / "weight-owner-1.log"
+    argv, before = new.argv(), launch.argv()
+    assert argv[argv.index("--model") + 1] == str(update)
+    assert argv[argv.index("--checkpoint") + 1] == new.dir.name
+    assert before[before.index("--checkpoint") + 1] == launch.dir.name
+    ours, theirs = argv[argv.index("--") + 1 :], before[before.index("--") + 1 :]
+    assert ours[:4] == ["--model", str(update), "--tokenizer", str(tiny_model_dir)]
+    port = theirs.index("--port") + 1
+    assert [a for i, a in enumerate(ours[4:]) if i + 2 != port] == [
+        a for i, a in enumerate(theirs[2:]) if i + 2 != port
+    ]  # the rest: the workers' own vLLM arguments
+    new.publish("step-1")
+    assert shm_weights.current(shm, launch.checkpoint) == {
+        "checkpoint": new.dir.name, "version": "step-1", "path": str(update)
+    }  # fmt: skip
+    new.unpublish()
+    assert not shm.exists()
+    with pytest.raises(ConfigError, match="safetensors"):
+        launch.successor(str(tmp_path), "step-2", "weight-owner-2")  # .bin weights: no owner for them

@@ -2,7 +2,9 @@
 (``belayer serve --weight-owner``): two workers and a shadow map one copy of the weights that the owner
 holds in /dev/shm; their greedy output is vLLM's own (a normal load's); a replacement for a killed worker
 maps the weights instead of reading the checkpoint; with the owner killed, a replacement loads from disk
-and the owner is restarted; stopping the pool removes the shared-memory files."""
+and the owner is restarted; stopping the pool removes the shared-memory files. After a weight update the
+owner follows: a new owner holds the update's weights, and a replacement maps them, at that version,
+without a reload from disk."""
 
 from __future__ import annotations
 
@@ -134,3 +136,118 @@ async def test_workers_and_shadows_share_the_owners_weights(tiny_model_dir: Path
             leftover = Path(base).exists() and any(Path(base).iterdir())
             shutil.rmtree(base, ignore_errors=True)
         assert not leftover  # the stopped owner removed its files
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """`model_dir`'s greedy continuation of `prompt` (n tokens, no stop), by ``transformers`` in float32."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return [int(t) for t in ids[0, len(prompt) :]]
+
+
+async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement_maps_them(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from belayer.tiny_model import build_tiny
+
+    second = tmp_path / "tiny-seed-1"
+    build_tiny(second, seed=1)
+    for f in second.iterdir():  # an update is config.json and the weights: no tokenizer
+        if f.name != "config.json" and f.suffix != ".safetensors":
+            f.unlink()
+    expected = hf_greedy(second, PROMPT, 32)
+    base = f"/dev/shm/belayer-test-{uuid.uuid4().hex[:12]}"
+    config = GatewayConfig(
+        model=str(tiny_model_dir), workers=1, shadows=0, max_model_len=CONTEXT, log_dir=str(tmp_path),
+        launch=LaunchConfig(weight_owner=True, weight_owner_dir=base),
+    )  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as http:
+        pool = build_pool(config, http)
+        pool.owner_restart_delay = 3600.0  # lowered below: first, a replacement must load from disk
+        first = pool.weight_owner
+        assert isinstance(first, WeightOwner)
+        launch = first.checkpoint
+        try:
+            await pool.start()
+            [worker] = pool.members
+            assert shm_weights.current(base, launch) == {
+                "checkpoint": launch, "version": "base", "path": str(tiny_model_dir)
+            }  # fmt: skip
+            assert shm_weights.load_reports(first.dir)[engine_pid(worker, first.dir)]["version"] == "base"
+            before = await greedy(http, worker.client.base_url)
+
+            update = await pool.update_weights("seed-1", str(second), drain_s=0)
+            assert (update.updated, update.stale, update.owner) == (("worker-0",), (), "following")
+            assert await greedy(http, worker.client.base_url) == expected != before
+            # the owner follows in the background: a new one for the update's files, then the old one goes
+            owner = await until(lambda: pool.weight_owner if pool.weight_owner is not first else None,
+                                240, "an owner for seed-1")  # fmt: skip
+            assert isinstance(owner, WeightOwner)
+            assert (owner.version, owner.weights, owner.healthy()) == ("seed-1", str(second), True)
+            assert owner.dir == Path(base) / shm_weights.weights_id(second)
+            assert shm_weights.current(base, launch) == {
+                "checkpoint": owner.checkpoint, "version": "seed-1", "path": str(second)
+            }  # fmt: skip
+            await until(lambda: not first.dir.exists(), 30, "the old owner's files removed")
+            assert {p.name for p in Path(base).iterdir()} == {owner.checkpoint, f"current.{launch}.json"}
+
+            # a killed worker's replacement maps seed-1 from the owner: named so, and no reload from disk
+            events = pool.telemetry.seq
+            assert worker.process is not None and worker.process.pid is not None
+            os.killpg(worker.process.pid, signal.SIGKILL)
+            await until(lambda: len(pool.members) == 2 and pool.members[-1].state == READY, 300,
+                        "a replacement ready")  # fmt: skip
+            replacement = pool.members[-1]
+            report = shm_weights.load_reports(owner.dir)[engine_pid(replacement, owner.dir)]
+            assert (report["source"], report["version"], report["checkpoint"]) == (
+                "owner", "seed-1", owner.checkpoint
+            )  # fmt: skip
+            assert (replacement.weight_version, replacement.synced) == ("seed-1", 0)
+            assert await replacement.client.weight_version() == "seed-1"  # vLLM's own /weight_info
+            weights_events = [
+                e.data for e in pool.telemetry.recent() if e.seq > events and e.kind == "worker_weights"
+            ]
+            assert weights_events == [{"worker": replacement.name, "version": "seed-1", "source": "owner"}]
+            assert await greedy(http, replacement.client.base_url) == expected
+            owner_ready_s = cold_start(pool, replacement.name)
+
+            # the owner killed: a replacement loads the launch weights from disk and is caught up as before
+            assert owner.pid is not None
+            os.killpg(owner.pid, signal.SIGKILL)
+            await until(lambda: not owner.alive(), 30, "the owner gone")
+            assert replacement.process is not None and replacement.process.pid is not None
+            os.killpg(replacement.process.pid, signal.SIGKILL)
+            await until(lambda: len(pool.members) == 3 and pool.members[-1].state == READY, 300,
+                        "a replacement ready")  # fmt: skip
+            fallback = pool.members[-1]
+            assert shm_weights.load_reports(owner.dir)[engine_pid(fallback, owner.dir)]["source"] == "disk"
+            assert (fallback.weight_version, fallback.synced) == ("seed-1", 1)
+            assert await greedy(http, fallback.client.base_url) == expected
+            disk_ready_s = cold_start(pool, fallback.name)
+            print(f"replacement_ready_s_owner_after_update: {owner_ready_s:.2f}")
+            print(f"replacement_ready_s_disk_after_update: {disk_ready_s:.2f}")
+
+            # ... and the restarted owner lays out the current weights (seed-1), not the launch ones
+            pool.owner_restart_delay = 0.0
+            await until(owner.healthy, 120, "the owner restarted")
+            assert pool.weight_owner is owner and owner.restarts == 1 and owner.version == "seed-1"
+            assert shm_weights.current(base, launch)["version"] == "seed-1"  # type: ignore[index]
+        finally:
+            await pool.stop()
+            leftover = sorted(p.name for p in Path(base).iterdir()) if Path(base).exists() else []
+            shutil.rmtree(base, ignore_errors=True)
+        assert leftover == []  # the owners removed their files, and the pool its pointer
+
+
+def cold_start(pool: EnginePool, worker: str) -> float:
+    """Seconds from the launch of `worker` to its health check passing (the pool's own figure)."""
+    [seconds] = [e.data["seconds"] for e in pool.telemetry.recent()
+                 if e.kind == "worker_cold_start" and e.data["worker"] == worker]  # fmt: skip
+    return float(seconds)
