@@ -64,7 +64,7 @@ export class HealthView {
       "tr",
       { dataset: { worker: w.name }, class: `worker-row state-${w.state}` },
       h("td", { class: "name" }, w.name, w.launched === false ? h("span", { class: "tag" }, "remote") : null,
-        w.node ? h("span", { class: "tag node", title: `Ray node ${w.node}` }, `node ${w.node.slice(0, 8)}`) : null),
+        w.node ? h("span", { class: "tag ray-node", title: `Ray node ${w.node}` }, `node ${w.node.slice(0, 8)}`) : null),
       h("td", { class: "state", "data-state": w.state },
         badge(w.state), w.state === "starting" ? this.progress(w) : null),
       h("td", { class: "mono pid" }, w.pid ?? "—"),
