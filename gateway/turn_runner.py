@@ -298,6 +298,8 @@ class TurnRunner:
             async with contextlib.aclosing(self._generate(req, turn, params, st, t0)) as deltas:
                 async for delta in deltas:
                     yield delta
+            for obs in self.observers:  # the output is complete; its end may wait (gateway.observers)
+                await obs.turn_ending(turn)
         except EngineError as e:  # EngineRejected among them: answered as the client's error (400)
             self._fail(turn, TURN_ERROR, str(e), t0)
             self._published(turn, req, st)

@@ -5,9 +5,10 @@ While a session's LLM call runs, its harness waits and its sandbox is idle. When
 the decision is a ``sandbox_checkpoint_decision`` event (``busy`` when a checkpoint or a call is
 already in progress). Mode ``always`` takes every bubble it can, so that each turn of a harness inside
 its sandbox has a checkpoint to fork at: its checkpoint waits for a call in progress (the runner's own
-commands, say), and a bubble that found a checkpoint running gets its own when that one ends, if the
-bubble is still open. The checkpoint runs in the background and is skipped if the bubble is
-over before it can start (the harness may act again). When the call ends (`turn_finished`), its timings
+commands, say), a bubble that found a checkpoint running gets its own when that one ends, and the
+turn's response ends only once its checkpoint has (`hold`, up to `HOLD_S`): the bubble stays open for
+it. In the other modes the checkpoint runs in the background and is skipped if the bubble is over
+before it can start (the harness may act again). When the call ends (`turn_finished`), its timings
 teach the policy, and a turn that a restore discarded while it ran is discarded again.
 
 Example::
@@ -18,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +33,9 @@ from gateway.sandboxes.state import Slot, Slots
 from gateway.store import TurnRecord
 
 log = logging.getLogger("belayer.sandbox")
+
+HOLD_S = 120.0
+"""The longest a turn's response waits for its checkpoint in mode ``always`` (`BubbleObserver.hold`)."""
 
 
 class BubbleObserver:
@@ -51,6 +56,8 @@ class BubbleObserver:
         self.events = events
         self.tasks = tasks
         self.engine_load = engine_load
+        self._taking: dict[int, asyncio.Event] = {}
+        """Turn id -> set once the checkpoint scheduled or queued in its bubble has ended (mode always)."""
 
     def turn_started(self, turn: TurnRecord) -> None:
         slot = self.slots.get(turn.session_id)
@@ -68,11 +75,35 @@ class BubbleObserver:
         if decision.checkpoint and not busy:
             self._spawn(slot, turn, decision)
         elif decision.checkpoint and always:
+            if slot.history.queued is not None:  # replaced: its bubble is not held for it any more
+                self._release(slot.history.queued)
             slot.history.queued = turn
+            self._taking.setdefault(turn.id, asyncio.Event())
 
     def _spawn(self, slot: Slot, turn: TurnRecord, decision: Decision) -> None:
         slot.history.pending, slot.history.queued = True, None
+        self._taking.setdefault(turn.id, asyncio.Event())
         self.tasks.spawn(self._checkpoint(slot, turn, decision), f"checkpoint/{turn.session_id}")
+
+    def _release(self, turn: TurnRecord) -> None:
+        taking = self._taking.pop(turn.id, None)
+        if taking is not None:
+            taking.set()
+
+    async def hold(self, turn: TurnRecord) -> None:
+        """In mode ``always``, keep the bubble open (the client waits for the end of its response) until
+        the checkpoint scheduled in it has ended, so that every turn gets one to fork at even when a
+        call held the sandbox (the harness's runner polling it, say) while the turn streamed. Bounded
+        by `HOLD_S`: a long call holding the sandbox delays a response that long at most."""
+        taking = self._taking.get(turn.id)
+        if taking is None or self.policy.settings.mode != "always":
+            return
+        try:
+            async with asyncio.timeout(HOLD_S):
+                await taking.wait()
+        except TimeoutError:
+            log.warning("session %s: turn %d's checkpoint did not end within %.0f s; the response goes on",
+                        turn.session_id, turn.index, HOLD_S)  # fmt: skip
 
     def turn_finished(self, turn: TurnRecord) -> None:
         slot = self.slots.get(turn.session_id)
@@ -114,9 +145,13 @@ class BubbleObserver:
             self.events.add(slot.session_id, turn.id, "sandbox_checkpoint_failed", {"error": str(exc)})
         finally:
             slot.history.pending = False
+            self._release(turn)
             queued = slot.history.queued
             if queued is not None and queued.id in slot.turns.running and self.slots.current(slot):
                 self._spawn(slot, queued, self._decide(slot, queued))  # its bubble is still open
+            elif queued is not None:
+                slot.history.queued = None
+                self._release(queued)
 
 
 def _decision_json(d: Decision, action: str, slot: Slot) -> dict[str, Any]:

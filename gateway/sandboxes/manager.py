@@ -386,6 +386,9 @@ class SandboxManager:
     def turn_started(self, turn: TurnRecord) -> None:
         self._bubbles.turn_started(turn)
 
+    async def turn_ending(self, turn: TurnRecord) -> None:
+        await self._bubbles.hold(turn)
+
     def turn_finished(self, turn: TurnRecord) -> None:
         self._bubbles.turn_finished(turn)
 

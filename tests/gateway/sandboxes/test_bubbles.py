@@ -206,3 +206,48 @@ async def test_always_waits_for_a_call_holding_the_sandbox_then_takes_the_bubble
     outcomes = [k for k, _ in env.events() if k in ("sandbox_checkpoint", "sandbox_checkpoint_skipped")]
     assert outcomes == ["sandbox_checkpoint_skipped", "sandbox_checkpoint"]
     assert len(env.backend.ops("checkpoint")) == 1
+
+
+async def test_always_holds_the_end_of_a_turn_until_its_checkpoint_is_taken(make_env: EnvFactory) -> None:
+    """A call holds the sandbox for the whole turn (the harness's runner polling it): the turn's output
+    is complete, but its end waits (`turn_ending`) until the call is over and the checkpoint taken, so
+    the bubble is still open for it and the turn has a checkpoint to fork at."""
+    env = await make_env(policy=PolicySettings(mode="always"))
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(shell: Shell, argv: list[str]) -> int:
+        entered.set()
+        shell.wait(go)
+        return 0
+
+    env.backend.commands["hold"] = hold
+    sid = await env.session()
+    call = asyncio.create_task(env.manager.exec(sid, "hold"))
+    await eventually(entered.is_set)
+    turn = env.start_turn(sid)
+    ending = asyncio.create_task(env.manager.turn_ending(turn))
+    done, _ = await asyncio.wait({ending}, timeout=0.3)
+    assert not done and env.backend.ops("checkpoint") == []  # held: the call still has the sandbox
+    go.set()
+    await call
+    await asyncio.wait_for(ending, 30)
+    assert len(env.backend.ops("checkpoint")) == 1  # taken before the end was let go
+    env.finish_turn(turn)
+    await env.manager.idle()
+
+    taken = [(d["turn_index"], d["in_bubble"]) for k, d in env.events() if k == "sandbox_checkpoint"]
+    assert taken == [(turn.index, True)]
+
+
+async def test_adaptive_never_holds_the_end_of_a_turn(make_env: EnvFactory) -> None:
+    env = await make_env(policy=PolicySettings(mode="adaptive", max_deferred_turns=0))  # forced each turn
+    release = threading.Event()
+    env.backend.inject(Fault("checkpoint", "block", release=release))
+    sid = await env.session()
+    turn = env.start_turn(sid)
+    await eventually(lambda: bool(env.backend.ops("checkpoint")))  # its dump is under way
+    await asyncio.wait_for(env.manager.turn_ending(turn), 5)  # not held for it
+    release.set()
+    env.finish_turn(turn)
+    await env.manager.idle()
+    assert actions(env) == ["checkpoint"]
