@@ -35,6 +35,8 @@ from engine_pool.worker import free_port
 
 # Ray's GCS marks a node dead after health_check_failure_threshold missed checks, one every
 # health_check_period_ms (3 s x 5 by default): shorter here, so a lost node is noticed in ~3 s.
+QUERY_MARK = "belayer-ray-query: "
+"""Marks the answer line of a `LocalRayCluster.query` among what Ray prints."""
 NODE_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_health_check_period_ms": "1000",
@@ -135,7 +137,7 @@ class LocalRayCluster:
             "import json, ray, ray._private.state as state;"
             f"ray.init(address={self.address!r}, _node_ip_address={self.head.ip!r}, "
             "log_to_driver=False, configure_logging=False);"
-            f"print(json.dumps({expression}))"
+            f"print({QUERY_MARK!r} + json.dumps({expression}), flush=True)"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, timeout=60,
@@ -143,7 +145,12 @@ class LocalRayCluster:
         )  # fmt: skip
         if out.returncode != 0:
             raise RuntimeError(f"query {expression!r} failed: {out.stderr.decode(errors='replace')[-2000:]}")
-        return json.loads(out.stdout.decode().strip().splitlines()[-1])
+        # Ray writes warnings of its own to stdout too ("raylet has lagging heartbeats ..."), before or
+        # after the answer: the answer is the marked line.
+        answers = [line for line in out.stdout.decode().splitlines() if line.startswith(QUERY_MARK)]
+        if not answers:
+            raise RuntimeError(f"query {expression!r} printed no answer: {out.stdout.decode()[-2000:]!r}")
+        return json.loads(answers[-1].removeprefix(QUERY_MARK))
 
     def alive_node_ips(self) -> set[str]:
         """The addresses of the nodes the GCS lists alive."""

@@ -20,7 +20,8 @@ import os
 import random
 import signal
 import socket
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -134,11 +135,33 @@ def engine_processes(cluster: LocalRayCluster) -> list[int]:
     return found
 
 
-def assert_nothing_left(cluster: LocalRayCluster, engine_pids: set[int]) -> None:
-    """After the gateway stopped: no actor alive in the cluster, no engine process anywhere."""
-    poll(lambda: True if not cluster.live_actors() else None, "every actor gone with the gateway", 60.0)
+def identity(pid: int) -> tuple[int, int] | None:
+    """A process as (pid, start time in clock ticks), or None if it is gone: pids are reused (the
+    machine's pid_max is 32768, and vLLM's and Ray's threads take ids from the same space)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return pid, int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after the command's parentheses
+
+
+def identities(pids: Iterable[int]) -> set[tuple[int, int]]:
+    return {i for i in map(identity, pids) if i is not None}
+
+
+def assert_nothing_left(cluster: LocalRayCluster, engines: set[tuple[int, int]]) -> None:
+    """After the gateway stopped: no actor alive in the cluster, no engine process anywhere (`engines`:
+    the `identity` of each engine process the test saw)."""
+
+    def no_actor() -> bool | None:
+        try:
+            return True if not cluster.live_actors() else None
+        except (RuntimeError, subprocess.TimeoutExpired):  # the query's driver failed this time (load)
+            return None
+
+    poll(no_actor, "every actor gone with the gateway", 60.0)
     assert engine_processes(cluster) == []
-    assert [p for p in engine_pids if Path(f"/proc/{p}").exists()] == []
+    assert [e for e in engines if identity(e[0]) == e] == []
 
 
 async def test_a_lost_node_fails_over_invisibly_and_the_pool_recovers_then_rebalances(
@@ -146,11 +169,11 @@ async def test_a_lost_node_fails_over_invisibly_and_the_pool_recovers_then_rebal
 ) -> None:
     cluster = whole_cluster
     args = serve_args(cluster, tmp_path, tiny_model_dir, workers=2, shadows=1, kind="fake")
-    seen_pids: set[int] = set()
+    seen_pids: set[tuple[int, int]] = set()
     with belayer_server(args, tmp_path / "gateway.log", port=quiet_port(), timeout=180) as gw:
         async with httpx.AsyncClient(base_url=gw.url, timeout=120, trust_env=False) as http:
             engines = await wait_pool(http, 2, 1, lambda e: True, "2 ready + 1 shadow")
-            seen_pids |= {e["pid"] for e in engines}
+            seen_pids |= identities(e["pid"] for e in engines)
             [shadow] = by_state(engines, "shadow")
             assert shadow["node"] not in {e["node"] for e in by_state(engines, "ready")}
             assert len({e["node"] for e in engines}) == 3  # one worker a node
@@ -202,7 +225,7 @@ async def test_a_lost_node_fails_over_invisibly_and_the_pool_recovers_then_rebal
                 lambda es: {host(e) for e in es} <= surviving,
                 "full strength on the surviving nodes",
             )
-            seen_pids |= {e["pid"] for e in engines}
+            seen_pids |= identities(e["pid"] for e in engines)
 
             cluster.restart_node(victim.name)  # the node returns: the shadow moves onto it
 
@@ -215,7 +238,7 @@ async def test_a_lost_node_fails_over_invisibly_and_the_pool_recovers_then_rebal
                 )
 
             engines = await wait_pool(http, 2, 1, rebalanced, "the shadow back on the returned node")
-            seen_pids |= {e["pid"] for e in engines}
+            seen_pids |= identities(e["pid"] for e in engines)
             await stream_turn(http, await new_session(http), 0, 10)  # still serving
     assert_nothing_left(cluster, seen_pids)
 
@@ -238,7 +261,7 @@ async def test_shadows_are_placed_off_the_active_workers_node_while_there_is_roo
                 n.ip for n in whole_cluster.nodes if n.ip != host(active)
             }
             assert host(active) != whole_cluster.head.ip  # the head comes last when others have room
-            pids = {e["pid"] for e in engines}
+            pids = identities(e["pid"] for e in engines)
     assert_nothing_left(whole_cluster, pids)
 
 
@@ -254,7 +277,7 @@ async def test_vllm_workers_on_ray_survive_the_loss_of_the_active_workers_node(
             engines = await wait_pool(http, 1, 1, lambda e: True, "1 ready + 1 shadow", timeout=400)
             [active], [shadow] = by_state(engines, "ready"), by_state(engines, "shadow")
             assert active["node"] != shadow["node"] and cluster.head.ip not in (host(active), host(shadow))
-            pids = {active["pid"], shadow["pid"]}
+            pids = identities([active["pid"], shadow["pid"]])
             reference = await new_session(http)
             await stream_turn(http, reference, 0, 60)
             victim = next(n for n in cluster.nodes if n.ip == host(active))
@@ -284,6 +307,7 @@ async def test_serving_goes_on_while_the_ray_head_is_away_and_a_launch_waits_for
         async with httpx.AsyncClient(base_url=gw.url, timeout=120, trust_env=False) as http:
             engines = await wait_pool(http, 1, 1, lambda e: True, "1 ready + 1 shadow")
             [active] = by_state(engines, "ready")
+            seen = identities(e["pid"] for e in engines)  # the active one's too, before it is killed
             reference = await new_session(http)
             await stream_turn(http, reference, 3, 40)
             os.kill(gcs, signal.SIGSTOP)  # the head stops answering
@@ -300,5 +324,5 @@ async def test_serving_goes_on_while_the_ray_head_is_away_and_a_launch_waits_for
             await wait_pool(
                 http, 1, 1, lambda e: active["name"] not in {x["name"] for x in e}, "full strength again"
             )
-            pids = {e["pid"] for e in await live_engines(http)} | {active["pid"]}
-    assert_nothing_left(cluster, pids)
+            seen |= identities(e["pid"] for e in await live_engines(http))
+    assert_nothing_left(cluster, seen)
