@@ -8,8 +8,10 @@ decides when the write ends; the real PostgreSQL path runs in the replica tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +49,28 @@ def turns_of_the_only_session(store: SqliteStore) -> list[TurnRecord]:
     return store.get_turns(sessions[0].id) if sessions else []
 
 
-async def test_a_remote_stores_turn_writes_leave_the_event_loop_free(
+@contextlib.asynccontextmanager
+async def gated_gateway(
     tmp_path: Path, tiny_model_dir: Path
-) -> None:
+) -> AsyncIterator[tuple[httpx.AsyncClient, SqliteStore, GatedBegin, asyncio.Task[httpx.Response]]]:
+    """A gateway on a store marked remote whose turn writes wait on a gate, and a chat request that has
+    reached the gate (its turn's first write is running, held)."""
     engine = FakeEngine(max_model_len=4096, script=lambda p: [11, 12, 13, 14, 15])
     config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"))
     async with asgi_gateway(config, httpx.ASGITransport(engine.app())) as (app, client):
         store: SqliteStore = app.state.gateway.store
-        store.remote = True
+        store.remote = True  # as PostgreSQL: a turn's writes run in a worker thread
         gate = GatedBegin(store)
         store.begin_turn = gate  # type: ignore[method-assign]
         request = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
         assert await asyncio.to_thread(gate.entered.wait, 30)
+        yield client, store, gate, request
+
+
+async def test_a_remote_stores_turn_writes_leave_the_event_loop_free(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    async with gated_gateway(tmp_path, tiny_model_dir) as (client, store, gate, request):
         assert (await client.get("/health")).status_code == 200  # the loop serves while the write is held
         assert turns_of_the_only_session(store) == []
         gate.release.set()
@@ -72,15 +84,7 @@ async def test_a_remote_stores_turn_writes_leave_the_event_loop_free(
 async def test_a_request_cancelled_while_its_turn_is_written_leaves_no_turn_running(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    engine = FakeEngine(max_model_len=4096, script=lambda p: [11, 12, 13, 14, 15])
-    config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"))
-    async with asgi_gateway(config, httpx.ASGITransport(engine.app())) as (app, client):
-        store: SqliteStore = app.state.gateway.store
-        store.remote = True
-        gate = GatedBegin(store)
-        store.begin_turn = gate  # type: ignore[method-assign]
-        request = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
-        assert await asyncio.to_thread(gate.entered.wait, 30)
+    async with gated_gateway(tmp_path, tiny_model_dir) as (_, store, gate, request):
         request.cancel()  # the client goes away while the turn's first write runs
         with pytest.raises(asyncio.CancelledError):
             await request

@@ -17,6 +17,20 @@ PRIORS: dict[str, Any] = {
 }  # fmt: skip
 
 
+def holding(env: Env) -> tuple[threading.Event, threading.Event]:
+    """A sandbox command ``hold`` that sets the first event once it runs and returns when the second is
+    set: a call that holds the sandbox for as long as the test wants."""
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(shell: Shell, argv: list[str]) -> int:
+        entered.set()
+        shell.wait(go)
+        return 0
+
+    env.backend.commands["hold"] = hold
+    return entered, go
+
+
 def actions(env: Env) -> list[str]:
     return [data["action"] for kind, data in env.events() if kind == "sandbox_checkpoint_decision"]
 
@@ -99,14 +113,7 @@ async def test_a_bubble_over_before_its_checkpoint_could_start_is_skipped(make_e
 
 async def test_a_bubble_while_a_call_holds_the_sandbox_is_busy(make_env: EnvFactory) -> None:
     env = await make_env(policy=PolicySettings(mode="adaptive", max_deferred_turns=0))  # forced each turn
-    entered, go = threading.Event(), threading.Event()
-
-    def hold(shell: Shell, argv: list[str]) -> int:
-        entered.set()
-        shell.wait(go)
-        return 0
-
-    env.backend.commands["hold"] = hold
+    entered, go = holding(env)
     sid = await env.session()
     call = asyncio.create_task(env.manager.exec(sid, "hold"))
     await eventually(entered.is_set)
@@ -179,14 +186,7 @@ async def test_always_waits_for_a_call_holding_the_sandbox_then_takes_the_bubble
     make_env: EnvFactory,
 ) -> None:
     env = await make_env(policy=PolicySettings(mode="always"))
-    entered, go = threading.Event(), threading.Event()
-
-    def hold(shell: Shell, argv: list[str]) -> int:
-        entered.set()
-        shell.wait(go)
-        return 0
-
-    env.backend.commands["hold"] = hold
+    entered, go = holding(env)
     sid = await env.session()
     for still_open in (False, True):
         entered.clear()
@@ -213,14 +213,7 @@ async def test_always_holds_the_end_of_a_turn_until_its_checkpoint_is_taken(make
     is complete, but its end waits (`turn_ending`) until the call is over and the checkpoint taken, so
     the bubble is still open for it and the turn has a checkpoint to fork at."""
     env = await make_env(policy=PolicySettings(mode="always"))
-    entered, go = threading.Event(), threading.Event()
-
-    def hold(shell: Shell, argv: list[str]) -> int:
-        entered.set()
-        shell.wait(go)
-        return 0
-
-    env.backend.commands["hold"] = hold
+    entered, go = holding(env)
     sid = await env.session()
     call = asyncio.create_task(env.manager.exec(sid, "hold"))
     await eventually(entered.is_set)
