@@ -125,3 +125,14 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@contextlib.contextmanager
+def database_url(url: str) -> Iterator[str]:
+    """`url`, or (``auto``) a new database on a throwaway local server, durable like a real one (the
+    benchmarks' ``--postgres``/``--store`` option)."""
+    if url != "auto":
+        yield url
+        return
+    with postgres_server(durable=True) as server:
+        yield server.new_database()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -42,7 +41,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -336,20 +334,10 @@ def crash(workdir: Path, opts: argparse.Namespace) -> None:
         engine.wait_ready(60)
         asyncio.run(_crash_run(workdir, opts, base_url(engine), services))
         if opts.replicas > 1:
-            with _postgres(opts.store) as store:
+            from belayer.postgres_local import database_url
+
+            with database_url(opts.store) as store:
                 asyncio.run(_crash_run(workdir, opts, base_url(engine), services, store))
-
-
-@contextlib.contextmanager
-def _postgres(url: str) -> Iterator[str]:
-    """`url`, or (``auto``) a new database on a throwaway local server (`belayer.postgres_local`)."""
-    if url != "auto":
-        yield url
-        return
-    from belayer.postgres_local import postgres_server
-
-    with postgres_server(durable=True) as server:
-        yield server.new_database()
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,6 @@ Figures go to stdout as ``name: value`` lines (``target_*: pass|fail``: at least
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import sqlite3
@@ -32,7 +31,7 @@ import sys
 import tempfile
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -303,21 +302,11 @@ def run(opts: argparse.Namespace, workdir: Path) -> bool:
     ok = ratio >= 10 and exact and migrated_exact
     emit("target_10x_smaller", "pass" if ok else "fail")
     if opts.postgres is not None:
-        with _postgres(opts.postgres) as url:
+        from belayer.postgres_local import database_url
+
+        with database_url(opts.postgres) as url:
             ok = run_postgres(url, episodes, new_bytes) and ok
     return ok
-
-
-@contextlib.contextmanager
-def _postgres(url: str) -> Iterator[str]:
-    """`url`, or (``auto``) a new database on a throwaway local server, durable like a real one."""
-    if url != "auto":
-        yield url
-        return
-    from belayer.postgres_local import postgres_server
-
-    with postgres_server(durable=True) as server:
-        yield server.new_database()
 
 
 def main(argv: list[str] | None = None) -> int:
