@@ -23,6 +23,7 @@ from engine_pool.pool import EnginePool
 from gateway.app import build_app
 from gateway.config import GatewayConfig, SandboxConfig
 from gateway.runtime import Gateway
+from gateway.sandboxes.adoption import STORE_LABEL
 from gateway.sandboxes.policy import PolicySettings
 from sandbox.backend import Checkpoint, Sandbox
 from sandbox.docker_backend import DockerSandboxBackend
@@ -76,8 +77,10 @@ class Env:
         assert await self.count(sid) > first
 
     def containers(self) -> set[str]:
-        """The running containers of any gateway session (label ``belayer.session``)."""
-        found = self.backend._api.containers(all=True, filters={"label": "belayer.session"})
+        """The containers of this gateway's sessions: those labelled with its store (``belayer.store``),
+        not those of another run sharing the Docker engine."""
+        owner = f"{STORE_LABEL}={self.gw.store.store_id()}"
+        found = self.backend._api.containers(all=True, filters={"label": ["belayer.session", owner]})
         return {c["Id"] for c in found}
 
 
