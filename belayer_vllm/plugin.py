@@ -8,5 +8,6 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Make ``--load-format belayer_shm`` known to vLLM (import the loader: its decorator registers it)."""
-    from belayer_vllm import loader  # noqa: F401  # the import registers the load format
+    """Make ``--load-format belayer_shm`` and ``belayer_ipc`` known to vLLM (import the loaders: their
+    decorators register them)."""
+    from belayer_vllm import ipc, loader  # noqa: F401  # the imports register the load formats

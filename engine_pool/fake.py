@@ -261,7 +261,8 @@ class FakeEngine:
         return JSONResponse({"success": True, "new_version": version})
 
     async def _weight_info(self, request: Request) -> Response:
-        return JSONResponse({"weight_version": self.weight_version})
+        # (vLLM's answer has the version only; the path is the fake's, for tests)
+        return JSONResponse({"weight_version": self.weight_version, "weights_path": self.weights_path})
 
     async def _metrics(self, request: Request) -> Response:
         self.stats.model = self.model
@@ -526,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="tokens per request (default: max_tokens)")
     p.add_argument("--token-delay", type=float, default=0.02, help="seconds between streamed tokens")
     p.add_argument("--words-from", metavar="MODEL_DIR", help="write that model's whole-word tokens")
+    for option in ("--load-format", "--model-loader-extra-config", "--gpu-memory-utilization"):
+        # vLLM's, as a pool with a weight owner passes them: a fake engine loads no weights
+        p.add_argument(option, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     serve(
         args.host, args.port, args.model, args.tokens, args.token_delay, args.max_model_len, args.words_from

@@ -138,14 +138,38 @@ def device_groups(gpus: Sequence[int], tensor_parallel_size: int) -> tuple[tuple
     return tuple(tuple(gpus[i : i + n]) for i in range(0, len(gpus), n))
 
 
-def check_device_count(groups: Sequence[tuple[int, ...]], workers: int, shadows: int) -> None:
-    """Each launched worker, shadows included, needs a device group of its own."""
-    if groups and workers + shadows > len(groups):
+def check_device_count(
+    groups: Sequence[tuple[int, ...]], workers: int, shadows: int, colocate: bool = False
+) -> None:
+    """Each launched worker, shadows included, needs a device group of its own; with `colocate` (a GPU
+    weight cache: shadows share the active workers' groups), each active worker does."""
+    if colocate and groups and workers > len(groups):
+        raise ValueError(
+            f"{workers} workers need {workers} device groups (their shadows share them, to map the "
+            f"groups' weight caches), and the GPUs make {len(groups)} ({', '.join(_listed(g) for g in groups)}); "
+            "give more GPUs, a smaller tensor-parallel size, or fewer workers"
+        )
+    if not colocate and groups and workers + shadows > len(groups):
         raise ValueError(
             f"{workers} workers + {shadows} shadows need {workers + shadows} device groups, and the GPUs "
             f"make {len(groups)} ({', '.join(_listed(g) for g in groups)}); give more GPUs, a smaller "
             "tensor-parallel size, or fewer workers or shadows"
         )
+
+
+def colocated_utilization(workers: int, shadows: int, groups: int, total: float = 0.9) -> float:
+    """vLLM's ``--gpu-memory-utilization`` for each of the workers that share a device group (a GPU
+    weight cache: shadows beside active workers): `total` split between the most a group holds. vLLM
+    counts the cache's weights in each worker's budget once, so the group's processes together use
+    at most `total` of its memory.
+
+    >>> colocated_utilization(2, 2, 2)
+    0.45
+    >>> colocated_utilization(1, 0, 1)
+    0.9
+    """
+    per_group = -(-(workers + shadows) // max(groups, 1))
+    return round(total / max(per_group, 1), 4)
 
 
 def model_context_length(model_dir: str | Path) -> int | None:

@@ -71,6 +71,7 @@ from core.errors import (
 from core.tasks import TaskOwner
 from core.telemetry import Telemetry
 from engine_pool.client import EngineClient, ModelInfo
+from engine_pool.weight_cache import GpuWeightCache
 from engine_pool.weight_owner import WeightOwner
 from engine_pool.worker import VllmWorker, WorkerSpec
 
@@ -213,7 +214,10 @@ class EnginePool:
     start_timeout: float = 300.0
     device_groups: tuple[tuple[int, ...], ...] = ()
     """Devices for launched workers, a group each (``engine_pool.launch.device_groups``); a new worker
-    gets a group no live worker holds."""
+    gets a group no live worker holds (or, with `colocate`, the group fewest live workers hold)."""
+    colocate: bool = False
+    """Shadows share the active workers' device groups: they map the group's weight cache over CUDA
+    IPC, which works only on the device the memory is on (``engine_pool.weight_cache``)."""
     max_affinity: int = 65536
     """Sessions whose last worker is remembered (least recently used forgotten first)."""
     members: list[PoolMember] = field(default_factory=list)
@@ -244,7 +248,7 @@ class EnginePool:
     launcher: WorkerLauncher | None = None
     """Launches workers elsewhere (a Ray cluster: ``belayer serve --ray``); None: local processes."""
     _rebalancing: bool = False
-    weight_owner: WeightOwner | None = None
+    weight_owner: WeightOwner | GpuWeightCache | None = None
     """Holds the weights apart from the workers, in shared memory (``belayer serve --weight-owner``):
     started before the workers, checked when a worker fails and each probe round, restarted when it died
     (workers launched meanwhile load from disk), replaced by one for the new weights after an update
@@ -305,6 +309,10 @@ class EnginePool:
         spec = self.spec_factory()
         if self.device_groups:
             spec = dataclasses.replace(spec, devices=self._free_devices())
+        if isinstance(self.weight_owner, GpuWeightCache):  # map the group's daemon (weight_cache)
+            spec = dataclasses.replace(
+                spec, extra_args=(*spec.extra_args, *self.weight_owner.worker_args(spec.devices))
+            )
         name = f"worker-{self._launched}"
         self._launched += 1
         if self.launcher is not None:  # `shadow`: what it is launched to be (placement keeps roles apart)
@@ -319,7 +327,9 @@ class EnginePool:
         return member
 
     def _free_devices(self) -> tuple[int, ...]:
-        held = {m.process.spec.devices for m in self.members if m.process is not None and m.state != DEAD}
+        held = [m.process.spec.devices for m in self.members if m.process is not None and m.state != DEAD]
+        if self.colocate:  # the least used group (the first of equals): actives spread, shadows join them
+            return min(self.device_groups, key=held.count)
         free = next((g for g in self.device_groups if g not in held), None)
         if free is None:  # the configuration checks make this unreachable: each worker has its group
             raise EngineUnavailable(f"no free device group: all of {self.device_groups} are in use")
@@ -466,7 +476,11 @@ class EnginePool:
         if self.weight_owner is None:
             return
         self.weight_owner.unpublish()  # a pointer a killed gateway left
-        if self.weights_path is not None and self.weight_version != self.base_version:  # `adopt_version`
+        if (
+            isinstance(self.weight_owner, WeightOwner)
+            and self.weights_path is not None
+            and self.weight_version != self.base_version  # `adopt_version`
+        ):
             try:
                 self.weight_owner = self.weight_owner.successor(
                     self.weights_path, self.weight_version, "weight-owner"
@@ -511,6 +525,8 @@ class EnginePool:
         one already running picks the new version up when it is done)."""
         if self.weight_owner is None or self._closing:
             return None
+        if not self.weight_owner.follows_updates:  # updated in place, through its mappers
+            return "in_place"
         if not self._owner_busy:
             self._owner_busy = True
             self._tasks.spawn(self._keep_owner(), "follow-weight-owner")
@@ -528,7 +544,12 @@ class EnginePool:
                 owner, version, path = self.weight_owner, self.weight_version, self.weights_path
                 assert owner is not None
                 held = owner.version or self.base_version
-                if held != version and path is not None and path not in tried:
+                if (
+                    isinstance(owner, WeightOwner)
+                    and held != version
+                    and path is not None
+                    and path not in tried
+                ):
                     tried.add(path)
                     if await self._replace_owner(owner, path, version):
                         continue
@@ -593,8 +614,8 @@ class EnginePool:
         (its loader's report, ``shm_weights.find_load_report``): recorded, and named in vLLM too
         (``/weight_info``, which `_observe_version` reads), so that `_sync` does not load it from disk."""
         owner, p = self.weight_owner, m.process
-        if owner is None or p is None or p.pid is None:
-            return
+        if not isinstance(owner, WeightOwner) or p is None or p.pid is None:
+            return  # (mappers of a GPU weight cache are caught up: engine_pool.weight_cache)
         report = shm_weights.find_load_report(owner.base, shm_weights.group_pids(p.pid))
         version = report.get("version") if report is not None and report.get("source") == "owner" else None
         if not isinstance(version, str) or version == m.weight_version:
@@ -771,6 +792,7 @@ class EnginePool:
                 stale.append(m.name)
             except EngineError as e:  # a failed load may leave vLLM's engine dead (measured on 0.32)
                 self.report_failure(m, e)
+                await self._restore_shared(m)
                 raise InvalidRequest(
                     f"worker {m.name} could not load the weights at {path!r} ({e}); no other worker was "
                     f"changed and the pool stays on version {self.weight_version!r}", "path", "weights_not_loadable",
@@ -794,6 +816,30 @@ class EnginePool:
                 m.weight_version = version
                 updated.append(m.name)
         return tuple(updated), tuple(stale)
+
+    async def _restore_shared(self, failed: PoolMember) -> None:
+        """The workers on a GPU weight cache's device group share one copy of the weights, so a load that
+        failed half-way on one of them may have written part of the update into the others' weights too.
+        The pool's version is loaded again on those of its group that are up (writing the same bits as
+        before over whatever the failed load left); one that cannot load it is fenced."""
+        if not isinstance(self.weight_owner, GpuWeightCache) or failed.process is None:
+            return
+        devices, path = failed.process.spec.devices, self.weights_path or failed.process.spec.model
+        for m in self.members:
+            if m is failed or m.process is None or m.process.spec.devices != devices:
+                continue
+            if m.state not in (READY, SHADOW):
+                continue
+            try:
+                await m.client.update_weights(path, self.weight_version)
+            except EngineError as e:
+                log.warning("worker %s: restoring weight version %r after a failed update failed: %s",
+                            m.name, self.weight_version, e)  # fmt: skip
+                self.report_failure(m, e)
+            else:
+                self.telemetry.publish(
+                    "worker_weights", {"worker": m.name, "version": self.weight_version, "source": "restored"}
+                )
 
     async def _sync(self, m: PoolMember) -> bool:
         """Bring a worker that missed an update up to the pool's version; True when it holds it."""

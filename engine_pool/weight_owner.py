@@ -58,6 +58,9 @@ def loader_args(base: str, linear: str = "shared") -> tuple[str, ...]:
 class WeightOwner:
     """The pool's handle on the owner process (launched in its own process group, via the reaper)."""
 
+    follows_updates = True
+    """After an update the pool replaces it with a `successor` holding the new weights."""
+
     def __init__(
         self,
         spec: WorkerSpec,

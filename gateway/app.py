@@ -27,9 +27,10 @@ from starlette.routing import Route
 
 from core import __version__
 from core.telemetry import Telemetry
-from engine_pool.launch import model_context_length
+from engine_pool.launch import colocated_utilization, model_context_length
 from engine_pool.pool import STARTING, EnginePool, WorkerLauncher
 from engine_pool.transport import engine_transport
+from engine_pool.weight_cache import GpuWeightCache
 from engine_pool.weight_owner import WeightOwner, loader_args
 from engine_pool.worker import WorkerSpec, free_port
 from gateway import (
@@ -45,7 +46,7 @@ from gateway import (
 )
 from gateway.access import Access
 from gateway.anthropic import routes as anthropic_routes
-from gateway.config import GatewayConfig, gateway_identity, launch_devices
+from gateway.config import GatewayConfig, gateway_identity, gpu_weight_cache, launch_devices
 from gateway.dashboard import routes as dashboard_routes
 from gateway.errors import UnexpectedErrors, handlers
 from gateway.event_log import log_event
@@ -83,7 +84,14 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         )  # fmt: skip
 
     owned = launch.weight_owner and not fake and not config.engine_urls and not config.ray.address
-    owner_args = loader_args(launch.weight_owner_dir, launch.weight_owner_linear) if owned else ()
+    on_gpus = owned and gpu_weight_cache(config)
+    groups = launch_devices(config)
+    owner_args: tuple[str, ...] = ()
+    if on_gpus and not any(a.split("=", 1)[0] == "--gpu-memory-utilization" for a in launch.vllm_args):
+        share = colocated_utilization(config.workers, config.shadows, len(groups))
+        owner_args = (f"--gpu-memory-utilization={share}",)  # the group's processes share its memory
+    elif owned and not on_gpus:
+        owner_args = loader_args(launch.weight_owner_dir, launch.weight_owner_linear)
     launching = not config.engine_urls
     launcher = ray_launcher(config) if launching and config.ray.address else None
     pool = EnginePool(
@@ -93,10 +101,13 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         active=config.workers if launching else len(config.engine_urls),
         shadows=config.shadows if launching else 0,
         start_timeout=config.worker_start_timeout,
-        device_groups=() if launcher else launch_devices(config),
+        device_groups=() if launcher else groups,
+        colocate=on_gpus,
         launcher=launcher,
     )
-    if owned:  # one owner for the host's workers and shadows (engine_pool.weight_owner)
+    if on_gpus:  # a vLLM weight cache per device group, mapped over CUDA IPC (engine_pool.weight_cache)
+        pool.weight_owner = GpuWeightCache(spec(), groups, Path(config.log_dir))
+    elif owned:  # one owner for the host's workers and shadows (engine_pool.weight_owner)
         pool.weight_owner = WeightOwner(spec(), launch.weight_owner_dir, Path(config.log_dir))
     for url in config.engine_urls:
         pool.add_remote(url)

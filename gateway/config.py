@@ -241,9 +241,10 @@ class LaunchConfig(BaseModel):
 
     weight_owner: bool = Field(
         default=False,
-        description="hold the weights in one owner process, in shared memory, that workers and shadows map "
-        "instead of each loading a copy (cpu profile; on GPUs use vLLM's own: `vllm preload` and "
-        "--vllm-arg=--load-format=ipc_cache)",
+        description="hold the weights apart from the workers, so that workers and shadows map one copy "
+        "instead of each loading their own: cpu profile, one owner process with the weights in shared "
+        "memory; gpu profile, vLLM's weight cache (`vllm preload`) per device group, mapped over CUDA "
+        "IPC, with the shadows on their active workers' GPUs",
     )
     weight_owner_dir: str = Field(
         default=DEFAULT_SHM_BASE, description="where the weight owner keeps the weights (a tmpfs: memory)"
@@ -257,10 +258,10 @@ class LaunchConfig(BaseModel):
     @field_validator("weight_owner")
     @classmethod
     def _weight_owner(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("profile") == "gpu":
+        if value and info.data.get("profile") == "gpu" and not info.data.get("gpus"):
             raise ValueError(
-                "the weight owner is for the cpu profile; on GPUs run vLLM's weight-cache daemon "
-                "(`vllm preload`) and pass --vllm-arg=--load-format=ipc_cache"
+                "on GPUs the weight owner is one vLLM weight cache per device group: name the devices "
+                "(--gpus 0,1,...)"
             )
         if value and any(a.split("=", 1)[0] == "--load-format" for a in info.data.get("vllm_args") or []):
             raise ValueError("the weight owner sets the workers' --load-format; drop that --vllm-arg")
@@ -588,6 +589,11 @@ class ConfigLoader:
             launch_devices(config)
         except ConfigError as exc:
             raise ConfigError(f"{self.name('launch.gpus')}: {exc}") from None
+        if config.ray.address and config.launch.weight_owner:
+            raise ConfigError(
+                f"{self.name('launch.weight_owner')}: with --ray the workers are on other hosts than the "
+                "gateway, and the weight owner holds one host's weights; drop --weight-owner"
+            )
         if config.ray.address and config.launch.gpus:
             raise ConfigError(
                 f"{self.name('launch.gpus')}: with --ray, Ray assigns each worker its GPUs (the "
@@ -629,10 +635,16 @@ def launch_devices(config: GatewayConfig) -> tuple[tuple[int, ...], ...]:
         return ()
     try:
         groups = device_groups(config.launch.gpus, config.launch.tensor_parallel_size)
-        check_device_count(groups, config.workers, config.shadows)
+        check_device_count(groups, config.workers, config.shadows, colocate=gpu_weight_cache(config))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return groups
+
+
+def gpu_weight_cache(config: GatewayConfig) -> bool:
+    """Do launched workers map a vLLM weight cache per device group (``engine_pool.weight_cache``)?"""
+    launch = config.launch
+    return launch.weight_owner and launch.profile == "gpu" and config.worker_kind == "vllm"
 
 
 def gateway_identity(config: GatewayConfig) -> str:

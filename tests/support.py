@@ -218,6 +218,16 @@ def belayer_server(
         server.stop()
 
 
+def serve_config(*argv: str) -> GatewayConfig:
+    """What ``belayer serve ARGV`` configures (the flags as `belayer.cli` gathers them)."""
+    from belayer.cli import SERVE_FLAGS, parser
+    from gateway.config import ConfigLoader
+
+    args = parser().parse_args(["serve", *argv])
+    given = {f.path: getattr(args, f.path) for f in SERVE_FLAGS if hasattr(args, f.path)}
+    return ConfigLoader(given, {f.path: f.name for f in SERVE_FLAGS}).load()
+
+
 T = TypeVar("T")
 
 

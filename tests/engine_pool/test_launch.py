@@ -14,13 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from belayer.cli import SERVE_FLAGS, parser
 from engine_pool.launch import model_context_length
 from engine_pool.pool import DEAD, READY, SHADOW, EnginePool, PoolMember
 from engine_pool.worker import WorkerSpec
 from gateway.app import build_pool
-from gateway.config import ConfigLoader, GatewayConfig, LaunchConfig
+from gateway.config import GatewayConfig, LaunchConfig
 from tests.belayer.test_cli import _fails, _root_logging_restored  # noqa: F401  (an autouse fixture)
+from tests.support import serve_config
 
 PY = sys.executable
 SERVER = [PY, "-m", "vllm.entrypoints.openai.api_server"]
@@ -105,11 +105,7 @@ def after(argv: list[str], flag: str) -> str:
 
 
 def config_of(argv: list[str]) -> GatewayConfig:
-    """What ``belayer serve ARGV`` configures (the flags as `belayer.cli` gathers them)."""
-    args = parser().parse_args(["serve", *argv])
-    given = {f.path: getattr(args, f.path) for f in SERVE_FLAGS if hasattr(args, f.path)}
-    config = ConfigLoader(given, {f.path: f.name for f in SERVE_FLAGS}).load()
-    return config
+    return serve_config(*argv)
 
 
 def launched(config: GatewayConfig, n: int) -> list[PoolMember]:
@@ -164,6 +160,15 @@ def test_launch_settings_from_a_config_file_and_the_environment(
         (["--worker-profile", "gpu", "--gpus", "0,1,2,3", "--tensor-parallel-size", "2", "--shadows", "2"],
          "--gpus: 1 workers + 2 shadows need 3 device groups, and the GPUs make 2 (0,1, 2,3); give more GPUs, "
          "a smaller tensor-parallel size, or fewer workers or shadows"),
+        (["--worker-profile", "gpu", "--gpus", "0,1", "--workers", "3", "--weight-owner"],
+         "--gpus: 3 workers need 3 device groups (their shadows share them, to map the groups' weight caches), "
+         "and the GPUs make 2 (0, 1); give more GPUs, a smaller tensor-parallel size, or fewer workers"),
+        (["--worker-profile", "gpu", "--weight-owner"],
+         "--weight-owner: on GPUs the weight owner is one vLLM weight cache per device group: name the devices "
+         "(--gpus 0,1,...)"),
+        (["--ray", "auto", "--weight-owner"],
+         "--weight-owner: with --ray the workers are on other hosts than the gateway, and the weight owner "
+         "holds one host's weights; drop --weight-owner"),
         (["--gpus", "0"], "--gpus: GPUs are for the gpu profile; add --worker-profile gpu, or drop the GPUs"),
         (["--worker-profile", "gpu", "--gpus", "0,0"], "--gpus: GPUs 0,0 name a device twice; list each device once"),
         (["--worker-profile", "gpu", "--gpus", "a"], "--gpus: input should be a valid integer, unable to parse string as an integer (got 'a')"),

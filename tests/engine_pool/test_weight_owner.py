@@ -106,8 +106,10 @@ def test_mapped_memory_counts_a_shared_page_once_across_processes(shm: Path) -> 
     assert shm_weights.process_memory(os.getpid())["pss"] > 0
 
 
-def test_the_owner_is_for_the_cpu_profile_and_sets_the_load_format() -> None:
-    with pytest.raises(ValueError, match="vllm preload"):
+def test_the_owner_sets_the_load_format_and_on_gpus_needs_the_devices() -> None:
+    with pytest.raises(
+        ValueError, match=r"one vLLM weight cache per device group: name the devices \(--gpus"
+    ):
         LaunchConfig(profile="gpu", weight_owner=True)
     with pytest.raises(ValueError, match="--load-format"):
         LaunchConfig(weight_owner=True, vllm_args=["--load-format=safetensors"])

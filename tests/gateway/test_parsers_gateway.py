@@ -15,15 +15,14 @@ import httpx
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from belayer.cli import SERVE_FLAGS, parser
 from belayer.tiny_model import QWEN3_CODER_TEMPLATE, build_tiny
 from core.errors import ConfigError
 from engine_pool.fake import FakeEngine
-from gateway.config import ConfigLoader, FailoverConfig, GatewayConfig
+from gateway.config import FailoverConfig, GatewayConfig
 from gateway.openai.protocol import Message
 from gateway.openai.serving import normalize_messages
 from gateway.tokenization import ChatTokenizer
-from tests.support import GatewayHarness, asgi_gateway
+from tests.support import GatewayHarness, asgi_gateway, serve_config
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -319,9 +318,7 @@ def test_serve_flags_and_config_keys(tiny_model_dir: Path, tmp_path: Path) -> No
     """``--tool-call-parser``/``--reasoning-parser`` as ``vllm serve`` spells them; also TOML keys."""
 
     def config_of(argv: list[str]) -> GatewayConfig:
-        args = parser().parse_args(["serve", "--model", str(tiny_model_dir), *argv])
-        given = {f.path: getattr(args, f.path) for f in SERVE_FLAGS if hasattr(args, f.path)}
-        return ConfigLoader(given, {f.path: f.name for f in SERVE_FLAGS}).load()
+        return serve_config("--model", str(tiny_model_dir), *argv)
 
     plain = config_of([])
     assert (plain.tool_call_parser, plain.reasoning_parser) == ("hermes", None)
