@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -214,6 +215,47 @@ def litellm_service(
     }
     health = f"http://127.0.0.1:{port}/health/liveliness"  # /health would call the model
     return Service("litellm", argv, health, workdir / "litellm.log", env)
+
+
+HAPROXY_CFG = """
+global
+    maxconn 1024
+defaults
+    mode http
+    timeout connect 100ms
+    timeout client 300s
+    timeout server 300s
+    retries 3
+    option redispatch 1
+    retry-on conn-failure
+frontend gateways
+    bind 127.0.0.1:{port}
+    default_backend replicas
+backend replicas
+    balance first
+    option httpchk GET /health
+{servers}
+"""
+"""Replicated gateways behind one address: everything to the first replica while it is up (``balance
+first``); a request whose connection a dead replica refuses is redispatched to the next (after HAProxy's
+turn-around of min(``timeout connect``, 1 s): hence 100 ms, ample on one host), and a replica that fails
+its health check (every 200 ms) leaves the rotation."""
+
+
+def haproxy_service(workdir: Path, replicas: list[tuple[str, str]]) -> Service:
+    """Debian's HAProxy (``BELAYER_HAPROXY``: another binary) in front of `replicas`, each a name and a
+    base URL (``http://127.0.0.1:PORT``), with `HAPROXY_CFG`; its health URL is the first healthy
+    replica's ``/health``, through HAProxy."""
+    port = free_port()
+    servers = "\n".join(
+        f"    server {name} {url.removeprefix('http://')} check inter 200ms fall 1 rise 1"
+        for name, url in replicas
+    )
+    cfg = workdir / "haproxy.cfg"
+    cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
+    binary = os.environ.get("BELAYER_HAPROXY") or shutil.which("haproxy") or "/usr/sbin/haproxy"
+    argv = [binary, "-f", str(cfg), "-db"]
+    return Service("haproxy", argv, f"http://127.0.0.1:{port}/health", workdir / "haproxy.log")
 
 
 def base_url(service: Service) -> str:

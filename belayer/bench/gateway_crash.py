@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -55,6 +54,7 @@ from belayer.services import (
     base_url,
     fake_engine_service,
     free_port,
+    haproxy_service,
     progress,
     running,
 )
@@ -74,45 +74,6 @@ def _gateway(
     argv += ["--port", str(port), "--store", store or str(workdir / f"{name}.db"), "--log-level", "WARNING"]
     env: dict[str, str | None] = {"BELAYER_INFLIGHT__ENABLED": "true" if inflight else "false"}
     return Service(name, argv, f"http://127.0.0.1:{port}/health", workdir / f"{name}.log", env)
-
-
-HAPROXY_CFG = """
-global
-    maxconn 1024
-defaults
-    mode http
-    timeout connect 100ms
-    timeout client 300s
-    timeout server 300s
-    retries 3
-    option redispatch 1
-    retry-on conn-failure
-frontend gateways
-    bind 127.0.0.1:{port}
-    default_backend replicas
-backend replicas
-    balance first
-    option httpchk GET /health
-{servers}
-"""
-"""Everything to the first replica while it is up (``balance first``: the kill hits every session); a
-request whose connection a dead replica refuses is redispatched to the next (after HAProxy's turn-around
-of min(``timeout connect``, 1 s): hence 100 ms, ample on one host), and a replica that fails its health
-check (every 200 ms) leaves the rotation."""
-
-
-def _balancer(workdir: Path, replicas: list[Service]) -> Service:
-    """Debian's HAProxy in front of `replicas` (``BELAYER_HAPROXY``: another binary)."""
-    port = free_port()
-    servers = "\n".join(
-        f"    server {g.name} {base_url(g).removeprefix('http://')} check inter 200ms fall 1 rise 1"
-        for g in replicas
-    )
-    cfg = workdir / "haproxy.cfg"
-    cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
-    binary = os.environ.get("BELAYER_HAPROXY") or shutil.which("haproxy") or "/usr/sbin/haproxy"
-    argv = [binary, "-f", str(cfg), "-db"]
-    return Service("haproxy", argv, f"http://127.0.0.1:{port}/health", workdir / "haproxy.log")
 
 
 def overhead(workdir: Path, opts: argparse.Namespace) -> None:
@@ -241,7 +202,7 @@ async def _start(
         await asyncio.to_thread(g.wait_ready, 120)
     if store is None:
         return base_url(gws[0]), gws[0], []
-    lb = _balancer(workdir, gws)
+    lb = haproxy_service(workdir, [(g.name, base_url(g)) for g in gws])
     services.append(lb)
     lb.start()
     await asyncio.to_thread(lb.wait_ready, 30)

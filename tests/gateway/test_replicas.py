@@ -23,15 +23,14 @@ import openai
 import psycopg
 import pytest
 
+from belayer.services import haproxy_service, running
 from engine_pool.fake import FakeEngine, autoregressive
-from engine_pool.worker import free_port
 from gateway.tokenization import ChatTokenizer
 from tests.postgres_server import PostgresServer
-from tests.support import belayer_server, held_engine, poll, spawn, stop, wait_healthy
+from tests.support import belayer_server, held_engine, poll
 
 pytestmark = pytest.mark.postgres
 
-HAPROXY = os.environ.get("BELAYER_HAPROXY", "/usr/sbin/haproxy")
 REPLY_TOKENS = 300
 
 
@@ -115,42 +114,15 @@ def test_a_session_started_on_a_continues_on_b_with_exact_prefix_reuse(
     ]
 
 
-_HAPROXY_CFG = """
-global
-    maxconn 256
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 120s
-    timeout server 120s
-    retries 3
-    option redispatch 1
-    retry-on conn-failure
-frontend gateways
-    bind 127.0.0.1:{port}
-    default_backend replicas
-backend replicas
-    balance first
-    option httpchk GET /health
-    server a 127.0.0.1:{a} check inter 200ms fall 1 rise 1
-    server b 127.0.0.1:{b} check inter 200ms fall 1 rise 1
-"""
-
-
 @contextlib.contextmanager
 def _haproxy(tmp_path: Path, a: str, b: str) -> Iterator[str]:
-    """HAProxy in front of gateways `a` and `b`: everything to A while it is up (``balance first``), a
-    request whose connection A refuses redispatched to B."""
-    port = free_port()
-    cfg = tmp_path / "haproxy.cfg"
-    ports = {"a": a.rsplit(":", 1)[1], "b": b.rsplit(":", 1)[1]}
-    cfg.write_text(_HAPROXY_CFG.format(port=port, **ports))
-    proc = spawn([HAPROXY, "-f", str(cfg), "-db"], tmp_path / "haproxy.log")
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 30, tmp_path / "haproxy.log")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
+    """HAProxy in front of gateways `a` and `b` (the bench's: ``belayer.services.HAPROXY_CFG``):
+    everything to A while it is up, a request whose connection A refuses redispatched to B."""
+    lb = haproxy_service(tmp_path, [("a", a), ("b", b)])
+    with running([lb]):
+        lb.start()
+        lb.wait_ready(30)
+        yield lb.health_url.removesuffix("/health")
 
 
 def _tokens(chunk: Any) -> int:
