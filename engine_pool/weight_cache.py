@@ -42,7 +42,6 @@ import http.client
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -51,7 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from core.errors import EngineUnavailable
-from engine_pool.worker import WorkerSpec, _group_alive, _signal_group, free_port
+from engine_pool.worker import WorkerSpec, free_port, stop_group
 
 LOAD_FORMAT = "belayer_ipc"
 HEALTH_TIMEOUT = 0.25  # seconds a loopback /health may take before the daemon counts as down
@@ -137,17 +136,8 @@ class CacheDaemon:
         self.ready_s = time.monotonic() - started
 
     async def stop(self, grace: float = 10.0) -> None:
-        if self._proc is None:
-            return
-        pgid = self._proc.pid
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while _group_alive(pgid):
-            self._proc.poll()
-            if time.monotonic() > deadline:
-                _signal_group(pgid, signal.SIGKILL)
-            await asyncio.sleep(0.05)
-        self._proc.wait()
+        if self._proc is not None:
+            await stop_group(self._proc, grace)
 
 
 class GpuWeightCache:

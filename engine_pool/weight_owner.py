@@ -40,7 +40,7 @@ from types import FrameType
 
 from core import shm_weights
 from core.errors import ConfigError, EngineUnavailable
-from engine_pool.worker import WorkerSpec, _group_alive, _signal_group
+from engine_pool.worker import WorkerSpec, stop_group
 
 LOAD_FORMAT = "belayer_shm"
 
@@ -165,15 +165,7 @@ class WeightOwner:
 
     async def _stop_group(self, remove: bool, grace: float = 10.0) -> None:
         if self._proc is not None:
-            pgid = self._proc.pid
-            _signal_group(pgid, signal.SIGTERM if remove else signal.SIGKILL)
-            deadline = time.monotonic() + grace
-            while _group_alive(pgid):
-                self._proc.poll()
-                if time.monotonic() > deadline:
-                    _signal_group(pgid, signal.SIGKILL)
-                await asyncio.sleep(0.05)
-            self._proc.wait()
+            await stop_group(self._proc, grace, signal.SIGTERM if remove else signal.SIGKILL)
         if remove and not shm_weights.owner_alive(self.dir):  # a SIGKILLed owner could not clean up
             shutil.rmtree(self.dir, ignore_errors=True)
 

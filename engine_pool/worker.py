@@ -88,6 +88,20 @@ class WorkerSpec:
         return f"http://{self.host}:{self.port}"
 
 
+async def stop_group(proc: subprocess.Popen[bytes], grace: float, first: int = signal.SIGTERM) -> None:
+    """Signal `proc`'s whole process group (it leads one) with `first`, SIGKILL it after `grace`
+    seconds, and return once the group is empty and `proc` reaped."""
+    pgid = proc.pid
+    _signal_group(pgid, first)
+    deadline = time.monotonic() + grace
+    while _group_alive(pgid):
+        proc.poll()
+        if time.monotonic() > deadline:
+            _signal_group(pgid, signal.SIGKILL)
+        await asyncio.sleep(0.05)
+    proc.wait()
+
+
 def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "server") -> None:
     """Poll ``url`` until it answers 200; fail early, with a clear message, if ``proc`` exits."""
     deadline = time.monotonic() + timeout
@@ -197,20 +211,8 @@ class VllmWorker:
 
     async def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the whole process group, SIGKILL after ``grace``, and wait until it is empty."""
-        if self._proc is None:
-            return
-        pgid = self._proc.pid
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            self._proc.poll()
-            await asyncio.sleep(0.1)
-        if _group_alive(pgid):
-            _signal_group(pgid, signal.SIGKILL)
-            while _group_alive(pgid):
-                self._proc.poll()
-                await asyncio.sleep(0.05)
-        self._proc.wait()
+        if self._proc is not None:
+            await stop_group(self._proc, grace)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
