@@ -20,6 +20,12 @@ each process: a packed copy cannot be shared. Extra config (``--model-loader-ext
 
 When no live owner holds a matching layout, the loader loads from disk as vLLM's default loader does.
 Either way it records what it did in ``<layout>/loads/<pid>.json`` and on stderr (``belayer_shm: ...``).
+
+A weight update (vLLM's ``reload_weights``: ``get_all_weights`` here, then the model's own
+``load_weights``) writes the new weights into the mapped pages, which become this worker's own. Once the
+pool's owner for those weights is up, `SharedMemoryLoader.remap` (called through the worker extension,
+``belayer_vllm.worker``) points each weight the loader left shareable back at that owner's mapping, if it
+holds the same bytes, and the private copy is freed. In ``packed`` mode the repacked weights stay private.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ from belayer_vllm import layout
 from core import shm_weights
 
 LINEAR_MODES = ("shared", "packed")
+_LAUNCH = "_belayer_shm_launch"
+"""(model attribute) The ``checkpoint_hash`` of the weights the worker was launched with."""
+_SHAREABLE = "_belayer_shm_shareable"
+"""(model attribute) The tensors post-processing left as loaded: the ones `remap` may point at an owner."""
 
 
 @register_model_loader("belayer_shm")
@@ -76,8 +86,9 @@ class SharedMemoryLoader(BaseModelLoader):
         return self._disk().get_all_weights(model_config, model)
 
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
-        """In-place reload (a weight update): from the checkpoint, as vLLM's default loader. Mapped pages
-        a reload writes become this worker's own (copy-on-write); its neighbours keep the owner's."""
+        """From the checkpoint, as vLLM's default loader. (vLLM 0.32's in-place reload does not call
+        this: it loads `get_all_weights` into the model; mapped pages it writes become this worker's own,
+        copy-on-write, until `remap`.)"""
         self._disk().load_weights(model, model_config)
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
@@ -86,6 +97,7 @@ class SharedMemoryLoader(BaseModelLoader):
         started = time.perf_counter()
         report: dict[str, Any] = {"source": "disk", "version": None}
         model, report_dir = None, None
+        launch = shm_weights.checkpoint_hash(model_config.model)
         for checkpoint, version in _candidates(self.base, model_config):
             key = _key(model_config, checkpoint)
             report_dir = report_dir or layout.layout_dir(self.base, key)  # a disk load: the first tried
@@ -101,6 +113,8 @@ class SharedMemoryLoader(BaseModelLoader):
             break
         if model is None:
             model = self._load_from_disk(vllm_config, model_config, prefix)
+        vars(model)[_LAUNCH] = launch  # a reload changes model_config.model: `remap` needs the launch's
+        vars(model).setdefault(_SHAREABLE, [])  # (vLLM's own load, in packed mode: nothing recorded)
         report.update(seconds=round(time.perf_counter() - started, 3), linear=self.linear, pid=os.getpid())
         _record(report_dir, report)
         return model
@@ -131,9 +145,42 @@ class SharedMemoryLoader(BaseModelLoader):
         return model.eval(), mapped
 
     def _post_process(self, model: nn.Module, model_config: Any, target: torch.device) -> None:
+        """vLLM's post-processing (its oneDNN repacking in ``packed`` mode); the tensors it left in place
+        are recorded as the ones `remap` may share."""
+        before = {name: t.data_ptr() for name, t in layout.model_tensors(model).items()}
         if self.linear == "shared":
             _keep_weights_unpacked(model)
         process_weights_after_loading(model, model_config, target)
+        after = layout.model_tensors(model)
+        vars(model)[_SHAREABLE] = sorted(n for n, t in after.items() if before.get(n) == t.data_ptr())
+
+    def remap(self, model: nn.Module, model_config: Any, weights_path: str) -> dict[str, Any]:
+        """Point the model's shareable weights (`_post_process`) at the current owner's mapping of the
+        same tensors, when that owner holds exactly the weights at `weights_path` (``shm_weights.
+        owner_holds``) and each tensor's bytes equal the ones the model holds (so output cannot change);
+        a tensor that differs stays as it is. The private copies go with their last reference. Returns
+        (and records, as the load report under the owner's layout) what it did. Raises
+        `layout.LayoutUnavailable` when there is nothing to map onto."""
+        started = time.perf_counter()
+        launch, names = vars(model).get(_LAUNCH), vars(model).get(_SHAREABLE)
+        if launch is None or names is None:
+            raise layout.LayoutUnavailable("this model was not loaded by belayer_shm")
+        if not names:
+            raise layout.LayoutUnavailable("no tensor of this model is left as loaded: none can be shared")
+        pointer = shm_weights.current(self.base, launch)
+        if pointer is None or not shm_weights.owner_holds(pointer, weights_path):
+            raise layout.LayoutUnavailable(f"no published owner holds exactly the weights at {weights_path}")
+        directory, manifest = layout.open_layout(self.base, _key(model_config, pointer["checkpoint"]))
+        with torch.no_grad():
+            shared, kept, nbytes = _repoint(
+                model, directory / shm_weights.WEIGHTS, manifest["tensors"], names
+            )
+        gc.collect()  # the private copies' last references (their mappings are unmapped with them)
+        report = {"source": "remap", "version": pointer["version"], "checkpoint": pointer["checkpoint"],
+                  "tensors": shared, "mapped_bytes": nbytes, "kept": kept, "linear": self.linear,
+                  "seconds": round(time.perf_counter() - started, 3), "pid": os.getpid()}  # fmt: skip
+        _record(directory, report)
+        return report
 
 
 def _candidates(base: str, model_config: Any) -> list[tuple[str, str | None]]:
@@ -185,6 +232,34 @@ def _point_at(model: nn.Module, weights: Any, entries: dict[str, dict[str, Any]]
             modules[module_name]._buffers[leaf] = view
         mapped += int(entry["nbytes"])
     return mapped
+
+
+def _repoint(
+    model: nn.Module, weights: Any, entries: dict[str, dict[str, Any]], names: list[str]
+) -> tuple[int, list[str], int]:
+    """`_point_at` for a model in use: each of `names` whose tensor equals the layout's (same shape, dtype
+    and bytes) gets the mapped one. (tensors re-pointed, names kept as they were, bytes re-pointed)."""
+    own = layout.model_tensors(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    shared, kept, nbytes = 0, [], 0
+    for name in names:
+        t, entry = own.get(name), entries.get(name)
+        if t is None or entry is None or list(t.shape) != entry["shape"] or str(t.dtype) != entry["dtype"]:
+            kept.append(name)
+            continue
+        view = layout.map_tensor(weights, entry)
+        if not torch.equal(t, view):
+            kept.append(name)
+            continue
+        if name in params:
+            params[name].data = view
+        else:
+            module_name, _, leaf = name.rpartition(".")
+            modules[module_name]._buffers[leaf] = view
+        shared += 1
+        nbytes += int(entry["nbytes"])
+    return shared, kept, nbytes
 
 
 def _keep_weights_unpacked(model: nn.Module) -> None:

@@ -19,7 +19,9 @@ no vLLM), so the engine pool can check an owner's health without importing eithe
 After a weight update the pool starts an owner for the new checkpoint (its directory named by
 `weights_id`: the update's files, not just their headers, which an RL step leaves unchanged), and once it
 is ready points ``current.<launch hash>.json`` at it; a worker launched after that maps the new weights
-and says which version it mapped in its load report.
+and says which version it mapped in its load report. A worker that was running during the update wrote
+the new weights into its own (copy-on-write) pages; the pool then asks it (`REMAP`) to point those
+weights at the new owner's, which hold the same bytes (`owner_holds`), and its private copy goes.
 
 A worker maps ``weights.bin`` only while the owner holds its lock (`owner_alive`) and the manifest is
 complete; otherwise it loads from disk as vLLM normally does. The files are written before the manifest,
@@ -56,6 +58,11 @@ LOADS = "loads"
 POINTER = "current.{}.json"
 ALIGN = 4096
 """Each tensor starts at a multiple of the page size: a worker maps each one on its own."""
+WORKER_EXTENSION = "belayer_vllm.worker.SharedWeights"
+"""The class ``--worker-extension-cls`` mixes into each worker of a ``belayer_shm`` engine: it adds `REMAP`."""
+REMAP = "belayer_remap_weights"
+"""The ``collective_rpc`` method (kwargs ``weights_path``) that brings a worker whose weights an update made
+private back onto the current owner's pages (`owner_holds` decides whether it may)."""
 
 
 def checkpoint_hash(model_dir: str | os.PathLike[str]) -> str:
@@ -181,6 +188,23 @@ def current(base: str | os.PathLike[str], launch: str) -> dict[str, str] | None:
     return {f: str(value[f]) for f in fields}
 
 
+def owner_holds(pointer: Mapping[str, str] | None, path: str | os.PathLike[str]) -> bool:
+    """Whether the owner a pointer (`current`) names holds exactly the weights at `path`: the pointer names
+    that directory, and the owner's name is still what its files give: their `weights_id` (an update's
+    owner; a file rewritten since then changes it) or `checkpoint_hash` (the launch weights' owner, named
+    as workers launched from them look it up). False when there is no pointer or no safetensors there.
+
+    >>> owner_holds(None, "/ckpt/1")
+    False
+    """
+    if pointer is None or os.path.realpath(pointer["path"]) != os.path.realpath(path):
+        return False
+    try:
+        return pointer["checkpoint"] in (weights_id(path), checkpoint_hash(path))
+    except (FileNotFoundError, OSError, struct.error):
+        return False
+
+
 def unpublish(base: str | os.PathLike[str], launch: str) -> None:
     """Remove `launch`'s pointer, and `base` itself when nothing else is left in it."""
     with contextlib.suppress(FileNotFoundError):
@@ -220,9 +244,12 @@ def mapped_memory(pid: int, prefix: str | os.PathLike[str]) -> dict[str, int]:
 
 def process_memory(pid: int) -> dict[str, int]:
     """A process's whole ``rss``, ``pss`` and ``uss`` (its private pages: what it alone costs) in bytes,
-    from ``/proc/<pid>/smaps_rollup``; zeros when it is gone."""
-    out = {"rss": 0, "pss": 0, "uss": 0}
-    names = {"Rss:": "rss", "Pss:": "pss", "Private_Clean:": "uss", "Private_Dirty:": "uss"}
+    and ``anon``: its anonymous pages, which no other process can share (a shared-memory page mapped by
+    this process alone counts as private in ``uss``, but not here; a copy-on-write copy of one does), from
+    ``/proc/<pid>/smaps_rollup``; zeros when it is gone."""
+    out = {"rss": 0, "pss": 0, "uss": 0, "anon": 0}
+    names = {"Rss:": "rss", "Pss:": "pss", "Private_Clean:": "uss", "Private_Dirty:": "uss",
+             "Anonymous:": "anon"}  # fmt: skip
     with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
             head, *rest = line.split()

@@ -338,6 +338,18 @@ class EngineClient:
         /update_weight_version``): a worker that mapped a weight owner's weights of `version`."""
         await self._post("/update_weight_version", {"new_version": version}, timeout)
 
+    async def collective_rpc(self, method: str, kwargs: dict[str, str], timeout: float = 120.0) -> list[Any]:
+        """Call `method` on every model worker of the engine (``POST /collective_rpc``, a development
+        endpoint; vLLM runs it between engine steps, without pausing generation): one result per worker.
+        `EngineRejected` without the endpoint, `EngineServerError` when the call failed."""
+        rpc = {"method": method, "kwargs": kwargs, "timeout": timeout}
+        with transport_errors(self.base_url):
+            resp = await self._http.post(f"{self.base_url}/collective_rpc", json=rpc, timeout=timeout)
+        _check_status(self.base_url, resp.status_code, resp.content)
+        body = _json(resp.content, "collective_rpc response") if resp.content else {}
+        results = body.get("results") if isinstance(body, dict) else None
+        return list(results) if isinstance(results, list) else []
+
     async def weight_version(self, timeout: float = 5.0) -> str | None:
         """The version the engine says it holds (``GET /weight_info``; vLLM's is ``default`` until one
         is set); None when it does not say (no development endpoints, or not answering)."""

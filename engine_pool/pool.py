@@ -72,7 +72,7 @@ from core.tasks import TaskOwner
 from core.telemetry import Telemetry
 from engine_pool.client import EngineClient, ModelInfo
 from engine_pool.weight_cache import GpuWeightCache
-from engine_pool.weight_owner import WeightOwner
+from engine_pool.weight_owner import WeightOwner, maps_owner
 from engine_pool.worker import VllmWorker, WorkerSpec
 
 STARTING = "starting"
@@ -552,6 +552,7 @@ class EnginePool:
                 ):
                     tried.add(path)
                     if await self._replace_owner(owner, path, version):
+                        await self._remap_workers()
                         continue
                 if owner.healthy():
                     return
@@ -608,6 +609,49 @@ class EnginePool:
         )
         await old.stop()
         return True
+
+    async def _remap_workers(self) -> None:
+        """Once the owner of the pool's version is published: each launched worker and shadow that loads
+        with ``belayer_shm``, holds that version and did not map it from this owner (an update wrote the
+        weights into its own copy-on-write pages) is asked to point its weights at the owner's pages
+        (``shm_weights.REMAP``; the worker checks that they hold the same bytes), which frees its copy.
+        One worker at a time, never during an update; one that cannot keeps its copy, and works on."""
+        owner = self.weight_owner
+        if not isinstance(owner, WeightOwner) or owner.version is None:
+            return
+        remapped: list[str] = []
+        failed: list[str] = []
+        for m in list(self.members):
+            async with self._update_lock:
+                if self._closing or owner is not self.weight_owner or owner.version != self.weight_version:
+                    break
+                p = m.process
+                up = m.state in (READY, SHADOW) and m.weight_version == owner.version
+                if p is None or p.pid is None or not up:
+                    continue
+                report = shm_weights.find_load_report(owner.base, shm_weights.group_pids(p.pid)) or {}
+                if not maps_owner(p.spec.argv()) or (
+                    (report.get("checkpoint"), report.get("version")) == (owner.checkpoint, owner.version)
+                ):
+                    continue  # another load format, or it mapped this owner at this version already
+                try:
+                    results = await m.client.collective_rpc(
+                        shm_weights.REMAP, {"weights_path": owner.weights}
+                    )
+                except EngineError as e:
+                    results = [{"source": None, "why": str(e)}]
+                if results and all(isinstance(r, dict) and r.get("source") == "remap" for r in results):
+                    remapped.append(m.name)
+                else:
+                    failed.append(m.name)
+                    log.warning("worker %s keeps its own copy of weight version %r (not re-mapped: %s)",
+                                m.name, owner.version, results)  # fmt: skip
+        if remapped or failed:
+            log.info("weight owner: %d worker(s) back on its pages, %d not", len(remapped), len(failed))
+            self.telemetry.publish(
+                "weight_owner",
+                {"state": "remapped", "version": owner.version, "workers": len(remapped), "failed": failed},
+            )
 
     async def _owner_version(self, m: PoolMember) -> None:
         """A launched worker that mapped the weight owner's weights holds the version the owner held

@@ -46,13 +46,35 @@ LOAD_FORMAT = "belayer_shm"
 
 
 def loader_args(base: str, linear: str = "shared") -> tuple[str, ...]:
-    """The vLLM arguments that make a worker map the owner's weights (``belayer_vllm.loader``).
+    """The vLLM arguments that make a worker map the owner's weights (``belayer_vllm.loader``), and
+    that let the pool bring it back onto the owner's pages after an update (``belayer_vllm.worker``).
 
-    >>> loader_args("/dev/shm/w")
+    >>> loader_args("/dev/shm/w")[:4]
     ('--load-format', 'belayer_shm', '--model-loader-extra-config', '{"dir": "/dev/shm/w", "linear": "shared"}')
+    >>> loader_args("/dev/shm/w")[4:]
+    ('--worker-extension-cls', 'belayer_vllm.worker.SharedWeights')
     """
     extra = json.dumps({"dir": base, "linear": linear})
-    return ("--load-format", LOAD_FORMAT, "--model-loader-extra-config", extra)
+    return ("--load-format", LOAD_FORMAT, "--model-loader-extra-config", extra,
+            "--worker-extension-cls", shm_weights.WORKER_EXTENSION)  # fmt: skip
+
+
+def maps_owner(argv: list[str] | tuple[str, ...]) -> bool:
+    """Whether a worker launched with `argv` loads with ``belayer_shm`` (vLLM takes the last
+    ``--load-format``), and so can be re-mapped onto the owner's pages after an update.
+
+    >>> maps_owner(["vllm", *loader_args("/dev/shm/w")]), maps_owner(["--load-format=belayer_shm"])
+    (True, True)
+    >>> maps_owner([*loader_args("/dev/shm/w"), "--load-format", "auto"]), maps_owner([])
+    (False, False)
+    """
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--load-format":
+            value = argv[i + 1] if i + 1 < len(argv) else None
+        elif arg.startswith("--load-format="):
+            value = arg.partition("=")[2]
+    return value == LOAD_FORMAT
 
 
 class WeightOwner:

@@ -263,8 +263,9 @@ class LaunchConfig(BaseModel):
                 "on GPUs the weight owner is one vLLM weight cache per device group: name the devices "
                 "(--gpus 0,1,...)"
             )
-        if value and any(a.split("=", 1)[0] == "--load-format" for a in info.data.get("vllm_args") or []):
-            raise ValueError("the weight owner sets the workers' --load-format; drop that --vllm-arg")
+        for option in ("--load-format", "--worker-extension-cls"):
+            if value and any(a.split("=", 1)[0] == option for a in info.data.get("vllm_args") or []):
+                raise ValueError(f"the weight owner sets the workers' {option}; drop that --vllm-arg")
         return value
 
 

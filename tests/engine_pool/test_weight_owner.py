@@ -21,7 +21,7 @@ import pytest
 
 from core import shm_weights
 from core.errors import ConfigError
-from engine_pool.weight_owner import LOAD_FORMAT, WeightOwner
+from engine_pool.weight_owner import LOAD_FORMAT, WeightOwner, maps_owner
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 from tests.support import REPO
@@ -113,6 +113,8 @@ def test_the_owner_sets_the_load_format_and_on_gpus_needs_the_devices() -> None:
         LaunchConfig(profile="gpu", weight_owner=True)
     with pytest.raises(ValueError, match="--load-format"):
         LaunchConfig(weight_owner=True, vllm_args=["--load-format=safetensors"])
+    with pytest.raises(ValueError, match="sets the workers' --worker-extension-cls; drop that"):
+        LaunchConfig(weight_owner=True, vllm_args=["--worker-extension-cls", "my.Ext"])
     with pytest.raises(ValueError):
         LaunchConfig(weight_owner=True, weight_owner_linear="copied")  # type: ignore[arg-type]
 
@@ -132,6 +134,9 @@ async def test_a_pool_with_an_owner_launches_workers_that_map_its_weights(
         extra = json.loads(argv[argv.index("--model-loader-extra-config") + 1])
         assert argv[argv.index("--load-format") + 1] == LOAD_FORMAT
         assert extra == {"dir": str(shm), "linear": "packed"}
+        # the worker extension that re-maps a worker onto the owner's pages after an update
+        assert argv[argv.index("--worker-extension-cls") + 1] == shm_weights.WORKER_EXTENSION
+        assert maps_owner(argv) and not maps_owner([*argv, "--load-format", "auto"])
         assert pool.weight_owner.dir == shm / shm_weights.checkpoint_hash(tiny_model_dir)
         owner_argv = pool.weight_owner.argv()
         assert owner_argv[1:3] == ["-m", "engine_pool.weight_owner"]
@@ -244,3 +249,51 @@ def test_an_owner_for_an_updates_weights_keeps_the_workers_arguments_and_tokeniz
     assert not shm.exists()
     with pytest.raises(ConfigError, match="safetensors"):
         launch.successor(str(tmp_path), "step-2", "weight-owner-2")  # .bin weights: no owner for them
+
+
+def test_a_worker_is_remapped_only_onto_an_owner_that_holds_exactly_the_weights_it_names(
+    tmp_path: Path,
+) -> None:
+    launch, a, b = tmp_path / "launch", tmp_path / "step-1", tmp_path / "step-2"
+    for d in (launch, a, b):
+        d.mkdir()
+        safetensors(d / "model.safetensors", ["x", "y"])  # the same headers, as in a training run
+    (tmp_path / "latest").symlink_to(a)
+    owner_of_a = {"checkpoint": shm_weights.weights_id(a), "version": "step-1", "path": str(a)}
+    assert shm_weights.owner_holds(owner_of_a, a)
+    assert shm_weights.owner_holds(owner_of_a, tmp_path / "latest")  # the same directory, another name
+    assert not shm_weights.owner_holds(owner_of_a, b)  # the same headers, other files
+    assert not shm_weights.owner_holds(None, a)
+    # the launch weights' owner is named by their headers (as workers launched from them find it)
+    owner_of_launch = {
+        "checkpoint": shm_weights.checkpoint_hash(launch),
+        "version": "base",
+        "path": str(launch),
+    }
+    assert shm_weights.owner_holds(owner_of_launch, launch)
+    assert not shm_weights.owner_holds({**owner_of_launch, "checkpoint": "w123"}, launch)
+    # a file rewritten after the owner laid it out: the owner holds what was there before
+    st = os.stat(a / "model.safetensors")
+    os.utime(a / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert not shm_weights.owner_holds(owner_of_a, a)
+    (a / "model.safetensors").unlink()
+    assert not shm_weights.owner_holds(owner_of_a, a)  # no weights there any more
+
+
+def test_a_copy_on_write_copy_of_shared_pages_is_anonymous_memory_until_unmapped(shm: Path) -> None:
+    shm.mkdir()
+    data, pages = shm / "weights.bin", 1024
+    data.write_bytes(b"\1" * (pages * 4096))
+    with open(data, "rb") as f:
+        region = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    read = shm_weights.process_memory(os.getpid())
+    assert sum(region[i * 4096] for i in range(pages)) == pages  # read: still the file's pages
+    for i in range(pages):
+        region[i * 4096] = 2  # written: each page becomes this process's own copy
+    written = shm_weights.process_memory(os.getpid())
+    region.close()
+    unmapped = shm_weights.process_memory(os.getpid())
+    slack = 24 * 4096  # the test process's own allocations meanwhile
+    assert written["anon"] - read["anon"] >= pages * 4096 - slack, (read, written)
+    assert written["anon"] - unmapped["anon"] >= pages * 4096 - slack, (written, unmapped)
+    assert data.read_bytes()[:1] == b"\1"  # the file (the owner's copy) never changed

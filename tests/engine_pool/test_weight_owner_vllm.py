@@ -3,12 +3,14 @@
 holds in /dev/shm; their greedy output is vLLM's own (a normal load's); a replacement for a killed worker
 maps the weights instead of reading the checkpoint; with the owner killed, a replacement loads from disk
 and the owner is restarted; stopping the pool removes the shared-memory files. After a weight update the
-owner follows: a new owner holds the update's weights, and a replacement maps them, at that version,
-without a reload from disk."""
+owner follows: a new owner holds the update's weights, a worker that was running during the update is
+brought back from its private copy onto the new owner's pages (same output), and a replacement maps them,
+at that version, without a reload from disk."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -31,6 +33,9 @@ from gateway.config import GatewayConfig, LaunchConfig
 pytestmark = pytest.mark.vllm
 
 CONTEXT = 2048
+MARGIN = 1024 * 1024
+"""Bytes of the weights an update wrote that may not come back after a re-map (page rounding, the worker's
+own allocations meanwhile)."""
 PROMPT = [7, 7, 7, 7, 42, 99, 1000, 2000, 31, 5]
 
 
@@ -180,10 +185,14 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
             assert shm_weights.current(base, launch) == {
                 "checkpoint": launch, "version": "base", "path": str(tiny_model_dir)
             }  # fmt: skip
-            assert shm_weights.load_reports(first.dir)[engine_pid(worker, first.dir)]["version"] == "base"
+            pid = engine_pid(worker, first.dir)
+            assert shm_weights.load_reports(first.dir)[pid]["version"] == "base"
             before = await greedy(http, worker.client.base_url)
 
             update = await pool.update_weights("seed-1", str(second), drain_s=0)
+            # the update wrote seed-1 into the worker's own copy-on-write pages: private memory again
+            # (read at once: the owner for seed-1 is a new process that takes seconds to lay it out)
+            private = shm_weights.process_memory(pid)
             assert (update.updated, update.stale, update.owner) == (("worker-0",), (), "following")
             assert await greedy(http, worker.client.base_url) == expected != before
             # the owner follows in the background: a new one for the update's files, then the old one goes
@@ -197,6 +206,33 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
             }  # fmt: skip
             await until(lambda: not first.dir.exists(), 30, "the old owner's files removed")
             assert {p.name for p in Path(base).iterdir()} == {owner.checkpoint, f"current.{launch}.json"}
+
+            # ... and the worker that was running is brought back onto the new owner's pages: its private
+            # copy goes, its load report names the re-map, and its output is the same tokens
+            remapped = await until(lambda: [e.data for e in pool.telemetry.recent()
+                                            if e.kind == "weight_owner" and e.data["state"] == "remapped"],
+                                   120, "the running worker re-mapped")  # fmt: skip
+            assert remapped == [{"state": "remapped", "version": "seed-1", "workers": 1, "failed": []}]
+            report = shm_weights.load_reports(owner.dir)[pid]
+            manifest = shm_weights.read_json(next(owner.dir.glob(f"*/{shm_weights.MANIFEST}")))
+            assert manifest is not None
+            assert (report["source"], report["version"], report["checkpoint"], report["kept"]) == (
+                "remap", "seed-1", owner.checkpoint, []
+            )  # fmt: skip
+            assert report["tensors"] == len(manifest["tensors"])  # every tensor: none was repacked
+            weights = checkpoint_bytes(second)  # what the reload wrote: the parameters, not the rotary caches
+            remapped_memory = shm_weights.process_memory(pid)
+            mib = 1024 * 1024
+            print(f"remap_weights_mib: {weights / mib:.2f}")
+            print(f"remap_private_mib_before: {private['anon'] / mib:.2f}")
+            print(f"remap_private_mib_after: {remapped_memory['anon'] / mib:.2f}")
+            print(f"remap_uss_mib_before: {private['uss'] / mib:.2f}")
+            print(f"remap_uss_mib_after: {remapped_memory['uss'] / mib:.2f}")
+            print(f"remap_seconds: {report['seconds']}")
+            assert private["anon"] - remapped_memory["anon"] >= weights - MARGIN, (private, remapped_memory)
+            mapped = shm_weights.mapped_memory(pid, owner.dir)
+            assert mapped["mappings"] > 0 and mapped["rss"] > 0, mapped
+            assert await greedy(http, worker.client.base_url) == expected  # the same bytes: the same tokens
 
             # a killed worker's replacement maps seed-1 from the owner: named so, and no reload from disk
             events = pool.telemetry.seq
@@ -246,8 +282,59 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
         assert leftover == []  # the owners removed their files, and the pool its pointer
 
 
+def checkpoint_bytes(model_dir: Path) -> int:
+    """The bytes of the tensors in `model_dir`'s safetensors files (their headers' offsets)."""
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(
+            t["data_offsets"][1] - t["data_offsets"][0] for n, t in header.items() if n != "__metadata__"
+        )
+    return total
+
+
 def cold_start(pool: EnginePool, worker: str) -> float:
     """Seconds from the launch of `worker` to its health check passing (the pool's own figure)."""
     [seconds] = [e.data["seconds"] for e in pool.telemetry.recent()
                  if e.kind == "worker_cold_start" and e.data["worker"] == worker]  # fmt: skip
     return float(seconds)
+
+
+def test_the_worker_extension_has_the_method_the_pool_calls() -> None:
+    from belayer_vllm.worker import SharedWeights
+
+    assert callable(getattr(SharedWeights, shm_weights.REMAP))
+    assert f"{SharedWeights.__module__}.{SharedWeights.__qualname__}" == shm_weights.WORKER_EXTENSION
+
+
+def test_a_remap_shares_only_the_weights_left_as_loaded_that_hold_the_owners_bytes(tmp_path: Path) -> None:
+    import torch
+
+    from belayer_vllm import layout, loader
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.arange(2048, dtype=torch.float32).view(32, 64))
+            self.packed = torch.nn.Parameter(torch.ones(1024))  # repacked by post-processing: never shared
+            self.register_buffer("cache", torch.full((1024,), 3.0))
+
+    model = Layer()
+    directory = tmp_path / "layout"
+    layout.write_layout(directory, {"k": 1}, layout.model_tensors(model))
+    entries = shm_weights.read_json(directory / shm_weights.MANIFEST)["tensors"]  # type: ignore[index]
+    weights = directory / shm_weights.WEIGHTS
+    loader._point_at(model, weights, entries)
+    with torch.no_grad():  # an update: the same values written again (private pages), and one changed
+        model.weight.copy_(model.weight.clone())
+        model.cache.add_(1.0)
+    ptrs = {n: t.data_ptr() for n, t in layout.model_tensors(model).items()}
+    with torch.no_grad():
+        shared, kept, nbytes = loader._repoint(model, weights, entries, ["weight", "cache", "missing"])
+    assert (shared, kept, nbytes) == (1, ["cache", "missing"], 2048 * 4)
+    now = {n: t.data_ptr() for n, t in layout.model_tensors(model).items()}
+    assert now["weight"] != ptrs["weight"]  # a new mapping of the owner's pages
+    assert (now["cache"], now["packed"]) == (ptrs["cache"], ptrs["packed"])  # other bytes; not shareable
+    assert torch.equal(model.weight, torch.arange(2048, dtype=torch.float32).view(32, 64))
+    assert isinstance(model.weight, torch.nn.Parameter) and model.cache[0].item() == 4.0
