@@ -7,7 +7,9 @@ of CUDA tensors: ``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``), computes w
 matrix-vector products, checked against the owner's own result), and is then killed with SIGKILL in
 the middle of computing. The owner's tensors must be intact (a position-sensitive checksum of their
 bits), and a second consumer must map them again and get the same result. This is what a shadow that
-reuses an owner's GPU state relies on.
+reuses an owner's GPU state relies on. Last, the owner itself is killed while the second consumer maps
+its tensors, and the consumer computes again (``consumer_survives_owner_kill``; reported, not part of
+the pass): whether a worker may still be promoted when the weight daemon it maps has died.
 
 It prints ``name: value`` lines: sizes, times (``map_s``, ``compute_s``, ``remap_s`` after the kill,
 ``h2d_copy_s`` for the same bytes copied from host memory, as a reference) and the checks.
@@ -25,6 +27,7 @@ without a GPU (CI does), and says nothing about CUDA.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import queue
@@ -159,8 +162,9 @@ def owner_main(args: argparse.Namespace, commands: Any, replies: Any, handles: A
             return
 
 
-def consumer_main(args: argparse.Namespace, handles: Any, replies: Any) -> None:
-    """Map the owner's tensors, compute with them, report, then keep computing until killed."""
+def consumer_main(args: argparse.Namespace, handles: Any, replies: Any, commands: Any) -> None:
+    """Map the owner's tensors, compute with them, report, then keep computing until killed; on
+    ``report`` (from `commands`), compute once more and report the result and the checksum."""
     import torch
 
     t0 = time.perf_counter()
@@ -186,6 +190,9 @@ def consumer_main(args: argparse.Namespace, handles: Any, replies: Any) -> None:
     })  # fmt: skip
     while True:  # killed mid-compute, as a crashing worker would be
         forward(weights)
+        with contextlib.suppress(queue.Empty):
+            if commands.get_nowait() == "report":
+                replies.put({"result": forward(weights), "checksum": checksum(weights)})
 
 
 # --- the check ---------------------------------------------------------------------------------------
@@ -212,7 +219,9 @@ def consume(
     io["commands"].put("share")
     reply(io["replies"], args.timeout, "owner sharing", [owner])
     t0 = time.perf_counter()
-    proc = ctx.Process(target=consumer_main, args=(args, io["handles"], io["results"]), name=f"consumer-{n}")
+    io[f"consumer-{n}"] = ctx.Queue()
+    consumer_args = (args, io["handles"], io["results"], io[f"consumer-{n}"])
+    proc = ctx.Process(target=consumer_main, args=consumer_args, name=f"consumer-{n}")
     proc.start()
     report = reply(io["results"], args.timeout, f"consumer {n}", [proc, owner])
     report["ready_s"] = time.perf_counter() - t0  # process start + torch import + context + map + compute
@@ -275,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
         show("owner_tensors_intact_after_kill", intact)
         show("remapped_result_matches_owner", same_2)
         passed = same_1 and intact and same_2
+        survives = owner_killed_under(second, owner, io, args.timeout, facts)
+        show("consumer_survives_owner_kill", survives)
         show("result", "passed" if passed else "FAILED")
         return OK if passed else FAILED
     except StepFailed as exc:
@@ -289,6 +300,24 @@ def run(args: argparse.Namespace) -> int:
             if p.is_alive():
                 p.kill()
                 p.join(10)
+
+
+def owner_killed_under(
+    consumer: Any, owner: Any, io: dict[str, Any], timeout: float, facts: dict[str, Any]
+) -> str:
+    """Kill the owner (SIGKILL) while `consumer` maps its tensors and computes: do the consumer's tensors
+    outlive it (the same bits, the same result)? Not part of the pass: it says whether a worker mapping
+    a weight daemon that died may still be promoted (``engine_pool.weight_cache``), which CUDA's
+    documentation leaves open for memory whose exporter is gone."""
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.join(timeout)
+    io[f"consumer-{consumer.name.rsplit('-', 1)[1]}"].put("report")
+    try:
+        got = reply(io["results"], timeout, "consumer after the owner's kill", [consumer])
+    except StepFailed as exc:
+        return f"False ({exc})"
+    kept = got["checksum"] == facts["checksum"] and same(got["result"], facts["expected"])
+    return "True" if kept else "False (its tensors changed)"
 
 
 def same(a: float, b: float) -> bool:

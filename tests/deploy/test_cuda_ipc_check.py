@@ -47,4 +47,5 @@ def test_the_protocol_in_shared_memory() -> None:
     assert facts["consumer_result_matches_owner"] == "True"
     assert facts["owner_tensors_intact_after_kill"] == "True"
     assert facts["remapped_result_matches_owner"] == "True"
+    assert facts["consumer_survives_owner_kill"] == "True"  # shared memory outlives its owner
     assert facts["result"] == "passed"
