@@ -313,7 +313,7 @@ def owner_killed_under(
     owner.join(timeout)
     io[f"consumer-{consumer.name.rsplit('-', 1)[1]}"].put("report")
     try:
-        got = reply(io["results"], timeout, "consumer after the owner's kill", [consumer])
+        got = reply(io["results"], min(timeout, 60.0), "consumer after the owner's kill", [consumer])
     except StepFailed as exc:
         return f"False ({exc})"
     kept = got["checksum"] == facts["checksum"] and same(got["result"], facts["expected"])
