@@ -1,9 +1,11 @@
-"""The gateway's HTTP transport to its engines: httpx's own, made cheaper per request and per chunk.
+"""The gateway's HTTP transport to its engines: cheaper per request and per chunk than httpx's own.
 
 The engine leg is the largest CPU cost on the gateway's token path (profiled with ``py-spy`` under
-``belayer bench gateway``). Two parts of it are replaced here, each behind a public seam of
-``httpcore``, so that everything above (``httpx.AsyncClient``, `EngineClient`, the error translation
-in `engine_pool.client.transport_errors`) is unchanged:
+``belayer bench gateway``). Plain-HTTP engines are spoken to by `engine_pool.http11.Http11Transport`
+(``httptools``' C parser on asyncio protocols, httpx's own exceptions). Everything else (``https://``)
+goes through httpx's transport (`httpx_transport`), where two parts are replaced, each behind a public
+seam of ``httpcore``, so that everything above (``httpx.AsyncClient``, `EngineClient`, the error
+translation in `engine_pool.client.transport_errors`) is unchanged:
 
 - **the network backend** (`AsyncioBackend`): asyncio streams instead of ``anyio``'s, which wrap every
   read and write of a streamed answer in a cancel scope and a timeout scope;
@@ -35,10 +37,18 @@ from collections.abc import Iterable
 import httpcore
 import httpx
 
+from engine_pool.http11 import Http11Transport
+
 SockOpt = tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
 
 
 def engine_transport(limits: httpx.Limits) -> httpx.AsyncBaseTransport:
+    """`Http11Transport` (``httptools`` on asyncio protocols) for plain-HTTP engines with `limits`, over
+    `httpx_transport` for anything else (``https://``...)."""
+    return Http11Transport(limits, fallback=httpx_transport(limits))
+
+
+def httpx_transport(limits: httpx.Limits) -> httpx.AsyncBaseTransport:
     """httpx's HTTP/1.1 transport with `limits`, over `AsyncioBackend` and `_LinearPool`."""
     transport = httpx.AsyncHTTPTransport(limits=limits)
     if not isinstance(getattr(transport, "_pool", None), httpcore.AsyncConnectionPool):

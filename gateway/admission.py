@@ -8,7 +8,7 @@ Example::
                            "chat/completions", "messages")
     if isinstance(admitted, Response):  # forwarded to an auxiliary model's provider
         return admitted
-    gen, top = await admitted.gw.offload(chat_request, admitted.req, admitted.raw, admitted.session, ...)
+    gen, top = await admitted.gw.prepare(request, chat_request, admitted.req, admitted.raw, ...)
 """
 
 from __future__ import annotations

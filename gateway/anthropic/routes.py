@@ -36,7 +36,7 @@ async def messages(request: Request) -> Response:
     if isinstance(a, Response):
         return a
     gw, req = a.gw, a.req
-    gen = await gw.offload(message_request, req, a.raw, a.session, gw.sessions)
+    gen = await gw.prepare(request, message_request, req, a.raw, a.session, gw.sessions)
     gen.forced_prefix = forced_call_prefix(gw.config.tool_call_parser, gen.forced_prefix)  # counted below
     fmt = MessageFormatter(req.model, prompt_tokens(gen.plan.prompt_ids, gen.forced_prefix, gw.tokenizer))
     return await respond(gw, gen, fmt)

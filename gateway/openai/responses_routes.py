@@ -31,7 +31,7 @@ async def create_response(request: Request) -> Response:
     if isinstance(a, Response):
         return a
     gw, req = a.gw, a.req
-    gen = await gw.offload(response_request, req, a.raw, a.session, gw.sessions, gw.store)
+    gen = await gw.prepare(request, response_request, req, a.raw, a.session, gw.sessions, gw.store)
     return await respond(gw, gen, ResponseFormatter(gen, a.raw, gw.tokenizer, logprob_count(req)))
 
 

@@ -35,7 +35,7 @@ async def chat_completions(request: Request) -> Response:
     if isinstance(a, Response):
         return a
     gw, req = a.gw, a.req
-    gen, top = await gw.offload(chat_request, req, a.raw, a.session, gw.sessions)
+    gen, top = await gw.prepare(request, chat_request, req, a.raw, a.session, gw.sessions)
     gen.stream = bool(req.stream)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(gw, gen, ChatFormatter(req.model, gw.tokenizer, top, usage))
@@ -46,7 +46,7 @@ async def completions(request: Request) -> Response:
     if isinstance(a, Response):
         return a
     gw, req = a.gw, a.req
-    gen = await gw.offload(completion_request, req, a.raw, a.session, gw.tokenizer)
+    gen = await gw.prepare(request, completion_request, req, a.raw, a.session, gw.tokenizer)
     gen.stream = bool(req.stream)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(gw, gen, CompletionFormatter(req.model, gw.tokenizer, req.logprobs, usage))

@@ -1,6 +1,7 @@
-"""The gateway's engine transport (`engine_pool.transport`: httpx over asyncio streams and a linear-time
-pool) against a real engine process over TCP: the same tokens as httpx's own transport, connections
-reused, and the same errors where the engine fails (what failover relies on)."""
+"""The gateway's engine transports (`engine_pool.transport`: httptools on asyncio protocols for plain
+HTTP, and httpx over asyncio streams and a linear-time pool for the rest) against a real engine process
+over TCP: the same tokens as httpx's own transport, connections reused, and the same errors where the
+engine fails (what failover relies on)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 from core.errors import EngineTimeout, EngineUnavailable
 from engine_pool.client import EngineClient, SamplingParams
 from engine_pool.fake import FakeEngine, autoregressive
-from engine_pool.transport import engine_transport
+from engine_pool.transport import engine_transport, httpx_transport
 from tests.support import held_engine
 
 LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=8)
+TRANSPORTS = {"engine": engine_transport, "httpx": httpx_transport}
 PROMPT = [5, 6, 7]
 
 
@@ -27,11 +29,12 @@ async def _tokens(engine: EngineClient, max_tokens: int, stream: bool = True) ->
     return [t async for c in engine.generate(PROMPT, params, stream=stream) for t in c.token_ids]
 
 
-def test_streams_the_same_tokens_as_httpx_and_reuses_connections(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_streams_the_same_tokens_as_httpx_and_reuses_connections(tmp_path: Path, name: str) -> None:
     expected = FakeEngine(step=autoregressive).greedy(PROMPT, 40)
 
     async def run(url: str) -> None:
-        transport = engine_transport(LIMITS)
+        transport = TRANSPORTS[name](LIMITS)
         async with httpx.AsyncClient(transport=transport, timeout=None) as http:
             engine = EngineClient(url, "fake", http)
             results = await asyncio.gather(*(_tokens(engine, 40) for _ in range(16)))
@@ -48,9 +51,10 @@ def test_streams_the_same_tokens_as_httpx_and_reuses_connections(tmp_path: Path)
         asyncio.run(run(url))
 
 
-def test_engine_errors_are_translated_as_with_httpx(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_engine_errors_are_translated_as_with_httpx(tmp_path: Path, name: str) -> None:
     async def run(url: str, pid: int) -> None:
-        async with httpx.AsyncClient(transport=engine_transport(LIMITS), timeout=None) as http:
+        async with httpx.AsyncClient(transport=TRANSPORTS[name](LIMITS), timeout=None) as http:
             slow = EngineClient(url, "fake", http, read_timeout=0.05)
             with pytest.raises(EngineTimeout):  # 0.2 s between tokens: a stall
                 await _tokens(slow, 5)
