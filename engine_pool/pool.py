@@ -57,9 +57,7 @@ from typing import Protocol
 import httpx
 import tenacity
 
-from core import shm_weights
 from core.errors import (
-    ConfigError,
     Conflict,
     EngineError,
     EngineRejected,
@@ -71,16 +69,13 @@ from core.errors import (
 from core.tasks import TaskOwner
 from core.telemetry import Telemetry
 from engine_pool.client import EngineClient, ModelInfo
+from engine_pool.states import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY
 from engine_pool.weight_cache import GpuWeightCache
-from engine_pool.weight_owner import WeightOwner, maps_owner
+from engine_pool.weight_keeper import WeightKeeper
+from engine_pool.weight_owner import WeightOwner
 from engine_pool.worker import VllmWorker, WorkerSpec
 
-STARTING = "starting"
-READY = "ready"
-SHADOW = "shadow"
-UNHEALTHY = "unhealthy"  # a registered worker that failed; routed to again once it passes a probe
-DRAINING = "draining"
-DEAD = "dead"
+__all__ = ["DEAD", "DRAINING", "READY", "SHADOW", "STARTING", "UNHEALTHY", "EnginePool", "PoolMember"]
 
 log = logging.getLogger("belayer.engine_pool")
 
@@ -248,17 +243,32 @@ class EnginePool:
     launcher: WorkerLauncher | None = None
     """Launches workers elsewhere (a Ray cluster: ``belayer serve --ray``); None: local processes."""
     _rebalancing: bool = False
-    weight_owner: WeightOwner | GpuWeightCache | None = None
-    """Holds the weights apart from the workers, in shared memory (``belayer serve --weight-owner``):
-    started before the workers, checked when a worker fails and each probe round, restarted when it died
-    (workers launched meanwhile load from disk), replaced by one for the new weights after an update
-    (`_keep_owner`). The current one: it changes with updates."""
-    owner_restart_delay: float = 0.0
-    """Seconds a dead weight owner stays down before it is restarted (workers load from disk meanwhile)."""
-    _owner_busy: bool = False
-    _owner_retry_at: float = 0.0
-    _owner_down_since: float | None = None
-    _owners: int = 0
+    weights: WeightKeeper = field(init=False)
+    """Keeps the weight owner (``belayer serve --weight-owner``; ``engine_pool.weight_keeper``)."""
+
+    def __post_init__(self) -> None:
+        self.weights = WeightKeeper(self)
+
+    @property
+    def weight_owner(self) -> WeightOwner | GpuWeightCache | None:
+        """What holds the weights apart from the workers (None: each worker loads its own)."""
+        return self.weights.owner
+
+    @weight_owner.setter
+    def weight_owner(self, owner: WeightOwner | GpuWeightCache | None) -> None:
+        self.weights.owner = owner
+
+    @property
+    def owner_restart_delay(self) -> float:
+        return self.weights.restart_delay
+
+    @owner_restart_delay.setter
+    def owner_restart_delay(self, seconds: float) -> None:
+        self.weights.restart_delay = seconds
+
+    def check_owner(self, why: str) -> bool:
+        """Is the weight owner up? A dead one is restarted in the background (`WeightKeeper.check`)."""
+        return self.weights.check(why)
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -349,7 +359,7 @@ class EnginePool:
 
     async def start(self) -> None:
         """Launch owned workers (active + shadows, concurrently), probe registered ones, start probing."""
-        await self._start_owner()
+        await self.weights.start()
         launched = [
             self._new_launched(shadow=i >= self.active)
             for i in range(self.active + self.shadows if self.spec_factory else 0)
@@ -363,7 +373,7 @@ class EnginePool:
             await m.process.wait_ready(self.start_timeout)
             m.client.base_url = m.process.url  # a worker placed elsewhere has its address once placed
             self._cold_start(m, time.monotonic() - started)
-            await self._owner_version(m)
+            await self.weights.adopt_mapped_version(m)
             await self._sync(m)  # a restarted gateway whose version is not the launch weights'
         for m in sorted(self.members, key=lambda m: m.standby):  # shadows take what actives leave
             if m.process is None and not await self._admit(m):
@@ -418,9 +428,7 @@ class EnginePool:
         self._closing = True
         await self._tasks.close()
         await asyncio.gather(*(m.process.stop() for m in self.members if m.process is not None))
-        if self.weight_owner is not None:
-            await self.weight_owner.stop()
-            self.weight_owner.unpublish()
+        await self.weights.stop()
         for m in self.members:
             self._set(m, DEAD, "pool stopped")
         if self.launcher is not None:
@@ -468,212 +476,6 @@ class EnginePool:
         self.report_failure(m, EngineUnavailable("stalled and failed its health probe"))
         return True
 
-    # -- the weight owner ---------------------------------------------------------------------------
-
-    async def _start_owner(self) -> None:
-        """Start the weight owner before the workers, so that they map its weights. If it cannot start,
-        the workers load from disk and the probe rounds try again."""
-        if self.weight_owner is None:
-            return
-        self.weight_owner.unpublish()  # a pointer a killed gateway left
-        if (
-            isinstance(self.weight_owner, WeightOwner)
-            and self.weights_path is not None
-            and self.weight_version != self.base_version  # `adopt_version`
-        ):
-            try:
-                self.weight_owner = self.weight_owner.successor(
-                    self.weights_path, self.weight_version, "weight-owner"
-                )
-            except ConfigError as e:
-                log.error("weight owner: %s; it holds the launch weights", e)
-        owner = self.weight_owner
-        self._owner_busy = True
-        try:
-            await owner.start(self.start_timeout)
-            owner.publish(owner.version or self.base_version)
-        except EngineUnavailable as e:
-            log.error("weight owner: %s; workers load their weights from disk until it is up", e)
-            self._owner_retry_at = time.monotonic() + 5.0
-        else:
-            self.telemetry.publish(
-                "weight_owner", {"state": "ready", "seconds": owner.ready_s, "version": owner.version}
-            )
-        finally:
-            self._owner_busy = False
-
-    def check_owner(self, why: str) -> bool:
-        """Is the weight owner up (its process, lock and weights)? If it died, restart it in the
-        background (workers launched meanwhile load from disk); True when there is none to check."""
-        owner = self.weight_owner
-        if owner is None or owner.healthy():
-            return True
-        if self._owner_busy or self._closing:  # (re)starting, or stopping
-            return False
-        now = time.monotonic()
-        if self._owner_down_since is None:
-            self._owner_down_since = now
-            log.warning("weight owner is down (checked: %s): workers launched meanwhile load from disk", why)
-            self.telemetry.publish("weight_owner", {"state": "down", "why": why})
-        if now >= max(self._owner_retry_at, self._owner_down_since + self.owner_restart_delay):
-            self._owner_busy = True
-            self._tasks.spawn(self._keep_owner(), "restart-weight-owner")
-        return False
-
-    def _follow_weights(self) -> str | None:
-        """After an update: the owner is brought to the new weights in the background (`_keep_owner`;
-        one already running picks the new version up when it is done)."""
-        if self.weight_owner is None or self._closing:
-            return None
-        if not self.weight_owner.follows_updates:  # updated in place, through its mappers
-            return "in_place"
-        if not self._owner_busy:
-            self._owner_busy = True
-            self._tasks.spawn(self._keep_owner(), "follow-weight-owner")
-        return "following"
-
-    async def _keep_owner(self) -> None:
-        """The weight owner's one background job (while `_owner_busy`): until the owner holds the pool's
-        current weights and is up. An owner on older weights (an update, or a restart after one) is
-        replaced: a `WeightOwner.successor` for the current checkpoint, made current once it is ready,
-        then the old one stopped (workers that mapped it keep their pages). If that one cannot start,
-        the old one stays (restarted if it died) and workers launched meanwhile catch up from disk."""
-        tried: set[str] = set()
-        try:
-            while not self._closing:
-                owner, version, path = self.weight_owner, self.weight_version, self.weights_path
-                assert owner is not None
-                held = owner.version or self.base_version
-                if (
-                    isinstance(owner, WeightOwner)
-                    and held != version
-                    and path is not None
-                    and path not in tried
-                ):
-                    tried.add(path)
-                    if await self._replace_owner(owner, path, version):
-                        await self._remap_workers()
-                        continue
-                if owner.healthy():
-                    return
-                await owner.restart(self.start_timeout)
-                owner.publish(held)
-                self._owner_down_since = None
-                log.info("weight owner: restarted in %.1f s (version %r)", owner.ready_s or 0.0, held)
-                self.telemetry.publish(
-                    "weight_owner", {"state": "restarted", "seconds": owner.ready_s, "version": held}
-                )
-        except (EngineUnavailable, OSError) as e:
-            log.error("weight owner: restart failed: %s; trying again in 30 s", e)
-            self._owner_retry_at = time.monotonic() + 30.0
-        finally:
-            self._owner_busy = False
-
-    async def _replace_owner(self, old: WeightOwner, path: str, version: str) -> bool:
-        """Start an owner for the weights at `path` (`version`), make it the current one once ready,
-        and stop `old`; False (logged, `old` untouched) when it cannot start."""
-        self._owners += 1
-        try:
-            new = old.successor(path, version, f"weight-owner-{self._owners}")
-        except ConfigError as e:
-            log.error("weight owner: cannot hold version %r (%s); the owner of %r stays", version, e,
-                      old.version or self.base_version)  # fmt: skip
-            self.telemetry.publish(
-                "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
-            )
-            return False
-        if new.checkpoint == old.checkpoint and old.healthy():  # the same files, named anew
-            old.publish(version)
-            return True
-        current = False
-        try:
-            await new.start(self.start_timeout)
-            new.publish(version)
-            self.weight_owner, current = new, True
-        except (EngineUnavailable, OSError) as e:
-            log.error("weight owner: the owner for version %r did not start (%s); the owner of %r stays, "
-                      "and workers launched meanwhile catch up from disk", version, e,
-                      old.version or self.base_version)  # fmt: skip
-            self.telemetry.publish(
-                "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
-            )
-            return False
-        finally:
-            if not current:  # failed, or the pool is stopping: nothing of it is left
-                await new.stop()
-        self._owner_down_since = None
-        log.info("weight owner: version %r in shared memory in %.1f s; the old owner is stopped",
-                 version, new.ready_s or 0.0)  # fmt: skip
-        self.telemetry.publish(
-            "weight_owner", {"state": "updated", "version": version, "seconds": new.ready_s}
-        )
-        await old.stop()
-        return True
-
-    async def _remap_workers(self) -> None:
-        """Once the owner of the pool's version is published: each launched worker and shadow that loads
-        with ``belayer_shm``, holds that version and did not map it from this owner (an update wrote the
-        weights into its own copy-on-write pages) is asked to point its weights at the owner's pages
-        (``shm_weights.REMAP``; the worker checks that they hold the same bytes), which frees its copy.
-        One worker at a time, never during an update; one that cannot keeps its copy, and works on."""
-        owner = self.weight_owner
-        if not isinstance(owner, WeightOwner) or owner.version is None:
-            return
-        remapped: list[str] = []
-        failed: list[str] = []
-        for m in list(self.members):
-            async with self._update_lock:
-                if self._closing or owner is not self.weight_owner or owner.version != self.weight_version:
-                    break
-                p = m.process
-                up = m.state in (READY, SHADOW) and m.weight_version == owner.version
-                if p is None or p.pid is None or not up:
-                    continue
-                report = shm_weights.find_load_report(owner.base, shm_weights.group_pids(p.pid)) or {}
-                if not maps_owner(p.spec.argv()) or (
-                    (report.get("checkpoint"), report.get("version")) == (owner.checkpoint, owner.version)
-                ):
-                    continue  # another load format, or it mapped this owner at this version already
-                try:
-                    results = await m.client.collective_rpc(
-                        shm_weights.REMAP, {"weights_path": owner.weights}
-                    )
-                except EngineError as e:
-                    results = [{"source": None, "why": str(e)}]
-                if results and all(isinstance(r, dict) and r.get("source") == "remap" for r in results):
-                    remapped.append(m.name)
-                else:
-                    failed.append(m.name)
-                    log.warning("worker %s keeps its own copy of weight version %r (not re-mapped: %s)",
-                                m.name, owner.version, results)  # fmt: skip
-        if remapped or failed:
-            log.info("weight owner: %d worker(s) back on its pages, %d not", len(remapped), len(failed))
-            self.telemetry.publish(
-                "weight_owner",
-                {"state": "remapped", "version": owner.version, "workers": len(remapped), "failed": failed},
-            )
-
-    async def _owner_version(self, m: PoolMember) -> None:
-        """A launched worker that mapped the weight owner's weights holds the version the owner held
-        (its loader's report, ``shm_weights.find_load_report``): recorded, and named in vLLM too
-        (``/weight_info``, which `_observe_version` reads), so that `_sync` does not load it from disk."""
-        owner, p = self.weight_owner, m.process
-        if not isinstance(owner, WeightOwner) or p is None or p.pid is None:
-            return  # (mappers of a GPU weight cache are caught up: engine_pool.weight_cache)
-        report = shm_weights.find_load_report(owner.base, shm_weights.group_pids(p.pid))
-        version = report.get("version") if report is not None and report.get("source") == "owner" else None
-        if not isinstance(version, str) or version == m.weight_version:
-            return
-        try:
-            await m.client.name_weight_version(version)
-        except EngineError as e:
-            log.warning(
-                "worker %s mapped weight version %r but could not be told so (%s)", m.name, version, e
-            )
-            return
-        m.weight_version = version
-        self.telemetry.publish("worker_weights", {"worker": m.name, "version": version, "source": "owner"})
-
     def report_failure(self, m: PoolMember, error: Exception) -> None:
         """``m`` failed a request or a probe: fence it (out of routing until a probe passes, for a
         registered worker; killed and replaced, for a launched one) and promote a shadow in its place."""
@@ -720,7 +522,7 @@ class EnginePool:
         member.client.base_url = member.process.url
         member.info = await member.client.model_info()
         self._cold_start(member, time.monotonic() - started)
-        await self._owner_version(member)  # mapped from the owner: the version it held
+        await self.weights.adopt_mapped_version(member)  # mapped from the owner: the version it held
         await self._sync(member)  # the launch weights (or the owner's) may be older than the pool's version
         self._set(member, self._role(), "replacement ready")
         return member
@@ -786,7 +588,7 @@ class EnginePool:
                 await self._drain(time.monotonic() + timeout)  # cut streams end their leases at once
                 updated, stale = await self._load_everywhere(version, path, timeout)
                 self.weight_version, self.weights_path = version, path
-                owner = self._follow_weights()
+                owner = self.weights.follow()
             finally:
                 self._updating = self._switching = False
                 self.preemption = Preemption()
@@ -836,7 +638,7 @@ class EnginePool:
                 stale.append(m.name)
             except EngineError as e:  # a failed load may leave vLLM's engine dead (measured on 0.32)
                 self.report_failure(m, e)
-                await self._restore_shared(m)
+                await self.weights.restore_shared(m)
                 raise InvalidRequest(
                     f"worker {m.name} could not load the weights at {path!r} ({e}); no other worker was "
                     f"changed and the pool stays on version {self.weight_version!r}", "path", "weights_not_loadable",
@@ -860,30 +662,6 @@ class EnginePool:
                 m.weight_version = version
                 updated.append(m.name)
         return tuple(updated), tuple(stale)
-
-    async def _restore_shared(self, failed: PoolMember) -> None:
-        """The workers on a GPU weight cache's device group share one copy of the weights, so a load that
-        failed half-way on one of them may have written part of the update into the others' weights too.
-        The pool's version is loaded again on those of its group that are up (writing the same bits as
-        before over whatever the failed load left); one that cannot load it is fenced."""
-        if not isinstance(self.weight_owner, GpuWeightCache) or failed.process is None:
-            return
-        devices, path = failed.process.spec.devices, self.weights_path or failed.process.spec.model
-        for m in self.members:
-            if m is failed or m.process is None or m.process.spec.devices != devices:
-                continue
-            if m.state not in (READY, SHADOW):
-                continue
-            try:
-                await m.client.update_weights(path, self.weight_version)
-            except EngineError as e:
-                log.warning("worker %s: restoring weight version %r after a failed update failed: %s",
-                            m.name, self.weight_version, e)  # fmt: skip
-                self.report_failure(m, e)
-            else:
-                self.telemetry.publish(
-                    "worker_weights", {"worker": m.name, "version": self.weight_version, "source": "restored"}
-                )
 
     async def _sync(self, m: PoolMember) -> bool:
         """Bring a worker that missed an update up to the pool's version; True when it holds it."""

@@ -204,7 +204,7 @@ def test_a_weight_update_leaves_the_daemons_in_place() -> None:
     pool.weight_owner = GpuWeightCache(
         WorkerSpec(model="/m", port=1), [(0,)], Path("logs"), socket_base="/nonexistent"
     )
-    assert pool._follow_weights() == "in_place" and not pool._owner_busy
+    assert pool.weights.follow() == "in_place" and not pool.weights.busy
 
 
 @pytest.mark.vllm

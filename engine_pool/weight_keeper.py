@@ -1,0 +1,290 @@
+"""The pool's keeper of its weight owner (``belayer serve --weight-owner``): the one object that starts,
+checks, restarts and, after an update, replaces or re-maps what holds the weights apart from the workers.
+
+Two kinds of owner (``engine_pool.weight_owner``, the CPU one: a process with the weights in shared
+memory; ``engine_pool.weight_cache``, the GPU one: vLLM's weight cache per device group) are kept the same
+way:
+
+- **started before the workers** (`start`), so that they map its weights; if it cannot start, the
+  workers load from disk and the probe rounds try again;
+- **checked** (`check`) on every probe round and whenever a worker fails, before a shadow is promoted;
+  a dead one is restarted in the background (after ``restart_delay``), and workers launched meanwhile
+  load from disk;
+- **after an update** (`follow`): a CPU owner is replaced by one holding the new weights, and the
+  workers that took the update into their own pages are pointed back at its pages (`_remap_workers`);
+  a GPU cache is updated in place, through its mappers, and a failed first load restores the group's
+  shared weights (`restore_shared`);
+- a launched worker that mapped a CPU owner holds that owner's version (`adopt_mapped_version`).
+
+It works on its pool's workers, versions, tasks and update lock (``EnginePool``), which own them; the
+pool asks it at the points above. Split out of ``EnginePool``, which had grown past 900 lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from core import shm_weights
+from core.errors import ConfigError, EngineError, EngineUnavailable
+from engine_pool.states import READY, SHADOW
+from engine_pool.weight_cache import GpuWeightCache
+from engine_pool.weight_owner import WeightOwner, maps_owner
+
+if TYPE_CHECKING:
+    from engine_pool.pool import EnginePool, PoolMember
+
+log = logging.getLogger("belayer.engine_pool")
+
+
+class WeightKeeper:
+    """Its pool's weight owner, and the owner's one background job at a time (`busy`)."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+        self.owner: WeightOwner | GpuWeightCache | None = None
+        """The current owner: it changes with updates (a CPU owner's successor)."""
+        self.restart_delay = 0.0
+        """Seconds a dead owner stays down before it is restarted (workers load from disk meanwhile)."""
+        self.busy = False
+        self.retry_at = 0.0
+        self.down_since: float | None = None
+        self.count = 0
+
+    async def stop(self) -> None:
+        if self.owner is not None:
+            await self.owner.stop()
+            self.owner.unpublish()
+
+    async def start(self) -> None:
+        """Start the weight owner before the workers, so that they map its weights. If it cannot start,
+        the workers load from disk and the probe rounds try again."""
+        if self.owner is None:
+            return
+        self.owner.unpublish()  # a pointer a killed gateway left
+        if (
+            isinstance(self.owner, WeightOwner)
+            and self.pool.weights_path is not None
+            and self.pool.weight_version != self.pool.base_version  # `adopt_version`
+        ):
+            try:
+                self.owner = self.owner.successor(
+                    self.pool.weights_path, self.pool.weight_version, "weight-owner"
+                )
+            except ConfigError as e:
+                log.error("weight owner: %s; it holds the launch weights", e)
+        owner = self.owner
+        self.busy = True
+        try:
+            await owner.start(self.pool.start_timeout)
+            owner.publish(owner.version or self.pool.base_version)
+        except EngineUnavailable as e:
+            log.error("weight owner: %s; workers load their weights from disk until it is up", e)
+            self.retry_at = time.monotonic() + 5.0
+        else:
+            self.pool.telemetry.publish(
+                "weight_owner", {"state": "ready", "seconds": owner.ready_s, "version": owner.version}
+            )
+        finally:
+            self.busy = False
+
+    def check(self, why: str) -> bool:
+        """Is the weight owner up (its process, lock and weights)? If it died, restart it in the
+        background (workers launched meanwhile load from disk); True when there is none to check."""
+        owner = self.owner
+        if owner is None or owner.healthy():
+            return True
+        if self.busy or self.pool._closing:  # (re)starting, or stopping
+            return False
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = now
+            log.warning("weight owner is down (checked: %s): workers launched meanwhile load from disk", why)
+            self.pool.telemetry.publish("weight_owner", {"state": "down", "why": why})
+        if now >= max(self.retry_at, self.down_since + self.restart_delay):
+            self.busy = True
+            self.pool._tasks.spawn(self._keep(), "restart-weight-owner")
+        return False
+
+    def follow(self) -> str | None:
+        """After an update: the owner is brought to the new weights in the background (`_keep`;
+        one already running picks the new version up when it is done)."""
+        if self.owner is None or self.pool._closing:
+            return None
+        if not self.owner.follows_updates:  # updated in place, through its mappers
+            return "in_place"
+        if not self.busy:
+            self.busy = True
+            self.pool._tasks.spawn(self._keep(), "follow-weight-owner")
+        return "following"
+
+    async def _keep(self) -> None:
+        """The weight owner's one background job (while `busy`): until the owner holds the pool's
+        current weights and is up. An owner on older weights (an update, or a restart after one) is
+        replaced: a `WeightOwner.successor` for the current checkpoint, made current once it is ready,
+        then the old one stopped (workers that mapped it keep their pages). If that one cannot start,
+        the old one stays (restarted if it died) and workers launched meanwhile catch up from disk."""
+        tried: set[str] = set()
+        try:
+            while not self.pool._closing:
+                owner, version, path = self.owner, self.pool.weight_version, self.pool.weights_path
+                assert owner is not None
+                held = owner.version or self.pool.base_version
+                if (
+                    isinstance(owner, WeightOwner)
+                    and held != version
+                    and path is not None
+                    and path not in tried
+                ):
+                    tried.add(path)
+                    if await self._replace(owner, path, version):
+                        await self._remap_workers()
+                        continue
+                if owner.healthy():
+                    return
+                await owner.restart(self.pool.start_timeout)
+                owner.publish(held)
+                self.down_since = None
+                log.info("weight owner: restarted in %.1f s (version %r)", owner.ready_s or 0.0, held)
+                self.pool.telemetry.publish(
+                    "weight_owner", {"state": "restarted", "seconds": owner.ready_s, "version": held}
+                )
+        except (EngineUnavailable, OSError) as e:
+            log.error("weight owner: restart failed: %s; trying again in 30 s", e)
+            self.retry_at = time.monotonic() + 30.0
+        finally:
+            self.busy = False
+
+    async def _replace(self, old: WeightOwner, path: str, version: str) -> bool:
+        """Start an owner for the weights at `path` (`version`), make it the current one once ready,
+        and stop `old`; False (logged, `old` untouched) when it cannot start."""
+        self.count += 1
+        try:
+            new = old.successor(path, version, f"weight-owner-{self.count}")
+        except ConfigError as e:
+            log.error("weight owner: cannot hold version %r (%s); the owner of %r stays", version, e,
+                      old.version or self.pool.base_version)  # fmt: skip
+            self.pool.telemetry.publish(
+                "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
+            )
+            return False
+        if new.checkpoint == old.checkpoint and old.healthy():  # the same files, named anew
+            old.publish(version)
+            return True
+        current = False
+        try:
+            await new.start(self.pool.start_timeout)
+            new.publish(version)
+            self.owner, current = new, True
+        except (EngineUnavailable, OSError) as e:
+            log.error("weight owner: the owner for version %r did not start (%s); the owner of %r stays, "
+                      "and workers launched meanwhile catch up from disk", version, e,
+                      old.version or self.pool.base_version)  # fmt: skip
+            self.pool.telemetry.publish(
+                "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
+            )
+            return False
+        finally:
+            if not current:  # failed, or the pool is stopping: nothing of it is left
+                await new.stop()
+        self.down_since = None
+        log.info("weight owner: version %r in shared memory in %.1f s; the old owner is stopped",
+                 version, new.ready_s or 0.0)  # fmt: skip
+        self.pool.telemetry.publish(
+            "weight_owner", {"state": "updated", "version": version, "seconds": new.ready_s}
+        )
+        await old.stop()
+        return True
+
+    async def _remap_workers(self) -> None:
+        """Once the owner of the pool's version is published: each launched worker and shadow that loads
+        with ``belayer_shm``, holds that version and did not map it from this owner (an update wrote the
+        weights into its own copy-on-write pages) is asked to point its weights at the owner's pages
+        (``shm_weights.REMAP``; the worker checks that they hold the same bytes), which frees its copy.
+        One worker at a time, never during an update; one that cannot keeps its copy, and works on."""
+        owner = self.owner
+        if not isinstance(owner, WeightOwner) or owner.version is None:
+            return
+        remapped: list[str] = []
+        failed: list[str] = []
+        for m in list(self.pool.members):
+            async with self.pool._update_lock:
+                if self.pool._closing or owner is not self.owner or owner.version != self.pool.weight_version:
+                    break
+                p = m.process
+                up = m.state in (READY, SHADOW) and m.weight_version == owner.version
+                if p is None or p.pid is None or not up:
+                    continue
+                report = shm_weights.find_load_report(owner.base, shm_weights.group_pids(p.pid)) or {}
+                if not maps_owner(p.spec.argv()) or (
+                    (report.get("checkpoint"), report.get("version")) == (owner.checkpoint, owner.version)
+                ):
+                    continue  # another load format, or it mapped this owner at this version already
+                try:
+                    results = await m.client.collective_rpc(
+                        shm_weights.REMAP, {"weights_path": owner.weights}
+                    )
+                except EngineError as e:
+                    results = [{"source": None, "why": str(e)}]
+                if results and all(isinstance(r, dict) and r.get("source") == "remap" for r in results):
+                    remapped.append(m.name)
+                else:
+                    failed.append(m.name)
+                    log.warning("worker %s keeps its own copy of weight version %r (not re-mapped: %s)",
+                                m.name, owner.version, results)  # fmt: skip
+        if remapped or failed:
+            log.info("weight owner: %d worker(s) back on its pages, %d not", len(remapped), len(failed))
+            self.pool.telemetry.publish(
+                "weight_owner",
+                {"state": "remapped", "version": owner.version, "workers": len(remapped), "failed": failed},
+            )
+
+    async def adopt_mapped_version(self, m: PoolMember) -> None:
+        """A launched worker that mapped the weight owner's weights holds the version the owner held
+        (its loader's report, ``shm_weights.find_load_report``): recorded, and named in vLLM too
+        (``/weight_info``, which `EnginePool._observe_version` reads), so that `EnginePool._sync` does
+        not load it from disk."""
+        owner, p = self.owner, m.process
+        if not isinstance(owner, WeightOwner) or p is None or p.pid is None:
+            return  # (mappers of a GPU weight cache are caught up: engine_pool.weight_cache)
+        report = shm_weights.find_load_report(owner.base, shm_weights.group_pids(p.pid))
+        version = report.get("version") if report is not None and report.get("source") == "owner" else None
+        if not isinstance(version, str) or version == m.weight_version:
+            return
+        try:
+            await m.client.name_weight_version(version)
+        except EngineError as e:
+            log.warning(
+                "worker %s mapped weight version %r but could not be told so (%s)", m.name, version, e
+            )
+            return
+        m.weight_version = version
+        self.pool.telemetry.publish(
+            "worker_weights", {"worker": m.name, "version": version, "source": "owner"}
+        )
+
+    async def restore_shared(self, failed: PoolMember) -> None:
+        """The workers on a GPU weight cache's device group share one copy of the weights, so a load that
+        failed half-way on one of them may have written part of the update into the others' weights too.
+        The pool's version is loaded again on those of its group that are up (writing the same bits as
+        before over whatever the failed load left); one that cannot load it is fenced."""
+        if not isinstance(self.owner, GpuWeightCache) or failed.process is None:
+            return
+        devices, path = failed.process.spec.devices, self.pool.weights_path or failed.process.spec.model
+        for m in self.pool.members:
+            if m is failed or m.process is None or m.process.spec.devices != devices:
+                continue
+            if m.state not in (READY, SHADOW):
+                continue
+            try:
+                await m.client.update_weights(path, self.pool.weight_version)
+            except EngineError as e:
+                log.warning("worker %s: restoring weight version %r after a failed update failed: %s",
+                            m.name, self.pool.weight_version, e)  # fmt: skip
+                self.pool.report_failure(m, e)
+            else:
+                self.pool.telemetry.publish(
+                    "worker_weights",
+                    {"worker": m.name, "version": self.pool.weight_version, "source": "restored"},
+                )
