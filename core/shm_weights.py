@@ -201,7 +201,7 @@ def owner_holds(pointer: Mapping[str, str] | None, path: str | os.PathLike[str])
         return False
     try:
         return pointer["checkpoint"] in (weights_id(path), checkpoint_hash(path))
-    except (FileNotFoundError, OSError, struct.error):
+    except (OSError, struct.error):
         return False
 
 

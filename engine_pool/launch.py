@@ -92,6 +92,15 @@ def option_name(token: str) -> str | None:
     return SHORT_OPTIONS.get(name, name) if token[1] != "-" else name
 
 
+def names_option(args: Iterable[str], name: str) -> bool:
+    """Does one of the vLLM arguments `args` name the option `name`, in any spelling vLLM takes?
+
+    >>> names_option(["--max-num-seqs=8", "--gpu_memory_utilization", "0.8"], "gpu-memory-utilization")
+    True
+    """
+    return any(option_name(token) == name for token in args)
+
+
 def vllm_args(values: Iterable[str]) -> tuple[str, ...]:
     """The vLLM arguments in `values` (each split like a shell would: ``"--max-num-seqs 8"`` is two),
     checked: each starts with an option, and none is one Belayer sets itself (`OWNED`).

@@ -168,7 +168,8 @@ class WeightUpdate:
     seconds: float
     owner: str | None = None
     """The weight owner: ``following`` (an owner for these weights is being started in the background,
-    made current once ready: ``weight_owner`` events say how it went); None: the pool has none."""
+    made current once ready: ``weight_owner`` events say how it went), ``in_place`` (a GPU weight cache:
+    its mappers wrote the update into its memory); None: the pool has none."""
 
     def as_json(self) -> dict[str, object]:
         return {

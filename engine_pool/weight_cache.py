@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -50,7 +49,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from core.errors import EngineUnavailable
-from engine_pool.worker import WorkerSpec, free_port, stop_group
+from engine_pool.worker import WorkerSpec, free_port, launch_group, stop_group
 
 LOAD_FORMAT = "belayer_ipc"
 HEALTH_TIMEOUT = 0.25  # seconds a loopback /health may take before the daemon counts as down
@@ -87,15 +86,16 @@ class CacheDaemon:
         return self._proc.pid if self._proc else None
 
     def argv(self) -> list[str]:
-        """``belayer_vllm.preload`` with the daemon's own options, then the group's worker arguments
-        (without the loader's: the daemon itself loads from disk)."""
+        """``belayer_vllm.preload`` with the daemon's own options, then the group's worker arguments (the
+        spec's: the pool adds the loader's to each worker's, `GpuWeightCache.worker_args`; the daemon
+        itself loads from disk)."""
         worker = self.spec.argv()[3:]  # after python -m MODULE
         own = [
             "--weight-cache-socket-dir", str(self.socket_dir),
             "--weight-cache-health-port", str(self.health_port),
             "--weight-cache-health-host", "127.0.0.1",
         ]  # fmt: skip
-        return [self.spec.python, "-m", "belayer_vllm.preload", *own, "--", *_without_loader(worker)]
+        return [self.spec.python, "-m", "belayer_vllm.preload", *own, "--", *worker]
 
     def env(self) -> dict[str, str]:
         return {**self.spec.env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, self.devices))}
@@ -103,13 +103,7 @@ class CacheDaemon:
     def launch(self) -> None:
         self.socket_dir.parent.mkdir(mode=0o700, exist_ok=True)
         self.socket_dir.mkdir(mode=0o700, exist_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                [self.spec.python, "-m", "engine_pool.reaper", *self.argv()],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env()},
-                start_new_session=True,
-            )  # fmt: skip
+        self._proc = launch_group(self.spec.python, self.argv(), self.env(), self.log_path)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -174,10 +168,6 @@ class GpuWeightCache:
     def worker_args(self, devices: tuple[int, ...] | None) -> tuple[str, ...]:
         return loader_args(self.socket_dir(devices))
 
-    @property
-    def pid(self) -> int | None:
-        return next((d.pid for d in self.daemons.values() if d.pid is not None), None)
-
     def publish(self, version: str) -> None:
         self.version = version
 
@@ -232,22 +222,6 @@ def health_ok(port: int) -> bool:
         return False
     finally:
         conn.close()
-
-
-def _without_loader(argv: list[str]) -> list[str]:
-    """`argv` less ``--load-format`` and ``--model-loader-extra-config`` (each with its value)."""
-    out: list[str] = []
-    skip = False
-    for token in argv:
-        if skip:
-            skip = False
-            continue
-        name = token.split("=", 1)[0]
-        if name in ("--load-format", "--model-loader-extra-config"):
-            skip = "=" not in token
-            continue
-        out.append(token)
-    return out
 
 
 def _last_error(log_path: Path) -> str:

@@ -40,7 +40,7 @@ from types import FrameType
 
 from core import shm_weights
 from core.errors import ConfigError, EngineUnavailable
-from engine_pool.worker import WorkerSpec, stop_group
+from engine_pool.worker import WorkerSpec, launch_group, stop_group
 
 LOAD_FORMAT = "belayer_shm"
 
@@ -141,13 +141,7 @@ class WeightOwner:
                 "--model", self.weights, "--checkpoint", self.checkpoint, "--", *vllm_argv]  # fmt: skip
 
     def launch(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                [self.spec.python, "-m", "engine_pool.reaper", *self.argv()],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.spec.env()},
-                start_new_session=True,
-            )  # fmt: skip
+        self._proc = launch_group(self.spec.python, self.argv(), self.spec.env(), self.log_path)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

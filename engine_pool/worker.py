@@ -88,6 +88,20 @@ class WorkerSpec:
         return f"http://{self.host}:{self.port}"
 
 
+def launch_group(
+    python: str, argv: list[str], env: dict[str, str], log_path: Path
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m engine_pool.reaper ARGV`` as the leader of a new process group, with `env` over
+    this process's environment and its output appended to `log_path`: a gateway that dies leaves none
+    of the group behind, and `stop_group` ends all of it."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [python, "-m", "engine_pool.reaper", *argv],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True,
+        )  # fmt: skip
+
+
 async def stop_group(proc: subprocess.Popen[bytes], grace: float, first: int = signal.SIGTERM) -> None:
     """Signal `proc`'s whole process group (it leads one) with `first`, SIGKILL it after `grace`
     seconds, and return once the group is empty and `proc` reaped."""
@@ -146,16 +160,7 @@ class VllmWorker:
 
     def launch(self) -> None:
         """Start the process group; does not wait."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.spec.env()}
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(  # through the reaper: a dead gateway leaves no process behind
-                [self.spec.python, "-m", "engine_pool.reaper", *self.spec.argv()],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        self._proc = launch_group(self.spec.python, self.spec.argv(), self.spec.env(), self.log_path)
         self.started_at = time.time()
 
     def log_tail(self, lines: int = 30) -> str:

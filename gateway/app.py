@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from core import __version__
 from core.telemetry import Telemetry
-from engine_pool.launch import colocated_utilization, model_context_length
+from engine_pool.launch import colocated_utilization, model_context_length, names_option
 from engine_pool.pool import STARTING, EnginePool, WorkerLauncher
 from engine_pool.transport import engine_transport
 from engine_pool.weight_cache import GpuWeightCache
@@ -87,7 +87,7 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
     on_gpus = owned and gpu_weight_cache(config)
     groups = launch_devices(config)
     owner_args: tuple[str, ...] = ()
-    if on_gpus and not any(a.split("=", 1)[0] == "--gpu-memory-utilization" for a in launch.vllm_args):
+    if on_gpus and not names_option(launch.vllm_args, "gpu-memory-utilization"):
         share = colocated_utilization(config.workers, config.shadows, len(groups))
         owner_args = (f"--gpu-memory-utilization={share}",)  # the group's processes share its memory
     elif owned and not on_gpus:

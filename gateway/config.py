@@ -39,7 +39,7 @@ from pydantic_settings import (
 from core.errors import ConfigError
 from core.logs import LogFormat
 from core.shm_weights import DEFAULT_BASE as DEFAULT_SHM_BASE
-from engine_pool.launch import Profile, check_device_count, device_groups, vllm_args
+from engine_pool.launch import Profile, check_device_count, device_groups, names_option, vllm_args
 from gateway.parsers import ReasoningParserName, ToolParserName
 from gateway.sandboxes.policy import PolicySettings
 from gateway.tokenization import ChatTokenizer
@@ -263,9 +263,9 @@ class LaunchConfig(BaseModel):
                 "on GPUs the weight owner is one vLLM weight cache per device group: name the devices "
                 "(--gpus 0,1,...)"
             )
-        for option in ("--load-format", "--worker-extension-cls"):
-            if value and any(a.split("=", 1)[0] == option for a in info.data.get("vllm_args") or []):
-                raise ValueError(f"the weight owner sets the workers' {option}; drop that --vllm-arg")
+        for option in ("load-format", "worker-extension-cls"):
+            if value and names_option(info.data.get("vllm_args") or [], option):
+                raise ValueError(f"the weight owner sets the workers' --{option}; drop that --vllm-arg")
         return value
 
 

@@ -172,19 +172,16 @@ async def test_keep_alive_reuses_one_connection_and_survives_a_server_close() ->
             assert transport._pool.open_count == 1
 
 
-async def test_an_answer_with_bytes_after_it_is_read_and_its_connection_not_reused() -> None:
-    twice = (OK_HEAD + b"Content-Length: 2\r\n\r\nok") * 2  # two answers to one request
-    async with server(answering(twice, twice)) as (url, accepted):
-        transport = ours()
-        async with httpx.AsyncClient(transport=transport, timeout=5.0) as http:
-            for _ in range(2):
-                assert (await http.post(f"{url}/a", content=b"{}")).content == b"ok"
-        assert len(accepted) == 2 and transport._pool.open_count == 0
-
-
-async def test_connection_close_answers_are_not_reused() -> None:
-    closing = OK_HEAD + b"Content-Length: 2\r\nConnection: close\r\n\r\nok"
-    async with server(answering(closing)) as (url, accepted):
+@pytest.mark.parametrize(
+    "answer",
+    [
+        (OK_HEAD + b"Content-Length: 2\r\n\r\nok") * 2,  # bytes after the answer: two answers to one request
+        OK_HEAD + b"Content-Length: 2\r\nConnection: close\r\n\r\nok",
+    ],
+    ids=["bytes-after-the-answer", "connection-close"],
+)
+async def test_an_answer_is_read_and_its_connection_not_reused(answer: bytes) -> None:
+    async with server(answering(answer, answer)) as (url, accepted):
         transport = ours()
         async with httpx.AsyncClient(transport=transport, timeout=5.0) as http:
             for _ in range(3):

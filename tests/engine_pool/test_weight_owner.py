@@ -113,6 +113,8 @@ def test_the_owner_sets_the_load_format_and_on_gpus_needs_the_devices() -> None:
         LaunchConfig(profile="gpu", weight_owner=True)
     with pytest.raises(ValueError, match="--load-format"):
         LaunchConfig(weight_owner=True, vllm_args=["--load-format=safetensors"])
+    with pytest.raises(ValueError, match="sets the workers' --load-format"):  # vLLM's other spelling
+        LaunchConfig(weight_owner=True, vllm_args=["--load_format", "auto"])
     with pytest.raises(ValueError, match="sets the workers' --worker-extension-cls; drop that"):
         LaunchConfig(weight_owner=True, vllm_args=["--worker-extension-cls", "my.Ext"])
     with pytest.raises(ValueError):
