@@ -5,7 +5,12 @@ network's firewall lets sandboxes reach that port and nothing else. It serves th
 request must come from a sandbox and name that sandbox's own session: ``/s/{its session}/…`` (and
 ``/health``). Everything else, the admin, sandbox and sessions APIs and other sessions included, is
 refused with a 403 in the protocol's error JSON. The request's source address tells the sandbox
-(`SandboxManager.owner_of`); sandboxes cannot spoof it, since they have no capabilities.
+(`SandboxManager.owner_of`); sandboxes cannot spoof it, since they have no capabilities. It is the TCP
+peer's address, never a header's: proxy headers are off (uvicorn would otherwise let ``X-Forwarded-For``
+rename the client, from any peer with ``FORWARDED_ALLOW_IPS=*`` in the environment). Nor does the
+listener log what a request carries: no access line (uvicorn writes one, full URL and all, whenever
+``uvicorn.access`` has a handler, whatever its config says), and uvicorn's message log (TRACE level:
+scopes with their query strings and headers) is left out of its app.
 
 A fork child's sandbox is restored from its parent's checkpoint, so the processes in it (a harness
 inside, restored with its memory) still hold the parent's URL. A request from such a sandbox for one
@@ -22,10 +27,12 @@ import logging
 import re
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from core.errors import SandboxError
 from gateway.access import SANDBOX_SCOPE_KEY
@@ -104,6 +111,29 @@ def _socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _UnloggedHttp(HttpToolsProtocol):
+    """uvicorn's httptools protocol without its access line: uvicorn decides per connection, from whether
+    the ``uvicorn.access`` logger has a handler anywhere up its tree, not from ``access_log=False``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.access_log = False
+
+
+def _server(app: ASGIApp) -> uvicorn.Server:
+    """uvicorn serving `app` as it is: the client is the TCP peer, whatever the headers or the
+    environment say, and no request's query string or headers reach a log."""
+    config = uvicorn.Config(
+        app, http=_UnloggedHttp, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=30,
+        proxy_headers=False, forwarded_allow_ips=[],
+    )  # fmt: skip
+    config.load()
+    # load() wraps the app in uvicorn's own middleware: its message logger when "uvicorn.error" logs at
+    # TRACE (every scope, query string and headers included); the listener runs the bare app
+    config.loaded_app = app
+    return uvicorn.Server(config)
+
+
 @contextlib.asynccontextmanager
 async def serve_sandboxes(
     app: ASGIApp, manager: SandboxManager, network: SandboxNetwork | None, port: int
@@ -122,10 +152,7 @@ async def serve_sandboxes(
         log.warning("no listener for network='gateway' sandboxes (%s); they cannot be created", exc)
         yield None
         return
-    config = uvicorn.Config(
-        SandboxFacing(app, manager), lifespan="off", log_config=None, access_log=False, timeout_keep_alive=30
-    )
-    server = uvicorn.Server(config)
+    server = _server(SandboxFacing(app, manager))
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     url = f"http://{host}:{port}"
     manager.gateway_url = url
