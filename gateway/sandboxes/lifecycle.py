@@ -3,12 +3,15 @@
 A sandbox with ``network="gateway"`` can reach the gateway's sandbox listener (`gateway_url`) and
 nothing else; it gets ``OPENAI_BASE_URL``, ``ANTHROPIC_BASE_URL`` and ``BELAYER_SESSION_URL`` pointing
 at its own session, and the listener only serves that session (`SandboxManager.owner_of`,
-by the sandbox's address on the network, looked up here whenever the sandbox changes).
+by the sandbox's address on the network, looked up here whenever the sandbox changes). An address is
+forgotten before its container is removed, and taken from any other session that still holds it when
+a new sandbox is found there: Docker hands a freed address to the next container.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from core.errors import ImageNotFound, SandboxError, SandboxNotFound
@@ -25,10 +28,18 @@ SESSION_LABEL = "belayer.session"
 class Lifecycle:
     """Creates a slot's sandbox, replaces it (from a checkpoint or afresh) and drops it."""
 
-    def __init__(self, io: SandboxIO, owner_labels: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        io: SandboxIO,
+        owner_labels: dict[str, str] | None = None,
+        located: Callable[[Slot], None] | None = None,
+    ) -> None:
         self.io = io
         self.owner_labels = owner_labels or {}
         """Labels of every sandbox this gateway makes (its store's identity: `adoption`)."""
+        self.located = located
+        """Called when a slot's sandbox was found at its address (the manager takes the address from
+        any other slot still holding it: a container that stopped left it, and Docker gave it anew)."""
 
     async def start(
         self,
@@ -67,7 +78,10 @@ class Lifecycle:
         return box.id
 
     async def drop(self, slot: Slot) -> None:
-        """Remove the slot's sandbox, if any (a failed one may be gone already)."""
+        """Remove the slot's sandbox, if any (a failed one may be gone already). Its address is
+        forgotten first: once the container goes, Docker may give the address to another sandbox, whose
+        requests must never be taken for this session's."""
+        slot.address = None
         if slot.sandbox_id is not None:
             try:
                 await self.io.op(self.io.backend.destroy, slot.sandbox_id)
@@ -77,13 +91,15 @@ class Lifecycle:
                 log.warning(
                     "session %s: could not remove sandbox %s: %s", slot.session_id, slot.sandbox_id, exc
                 )
-        slot.sandbox_id, slot.address = None, None
+        slot.sandbox_id = None
 
     async def locate(self, slot: Slot) -> None:
         """Look the sandbox's gateway-network address up (the listener tells sessions apart by it)."""
         slot.address = None
         if slot.spec.network == "gateway" and slot.sandbox_id is not None:
             slot.address = await self.io.address(slot.sandbox_id)
+            if slot.address is not None and self.located is not None:
+                self.located(slot)
 
     async def _create(self, spec: SandboxSpec) -> Sandbox:
         try:

@@ -85,7 +85,7 @@ class SandboxManager:
         self._events = events
         # at start-up, `adopt` finds this store's sandboxes by these, and of them this gateway's own
         owner = {STORE_LABEL: store.store_id(), **({GATEWAY_LABEL: gateway_id} if gateway_id else {})}
-        self._lifecycle = Lifecycle(self.io, owner)
+        self._lifecycle = Lifecycle(self.io, owner, self._take_address)
         self._checkpointer = Checkpointer(self.io, events, self.policy, self.settings.keep_checkpoints)
         self._recovery = Recovery(self.io, self._lifecycle, self._checkpointer, events, self.settings)
         self._checkpoint_tasks = TaskOwner("sandbox-checkpoints")
@@ -251,6 +251,13 @@ class SandboxManager:
                         pass
             owner = self._slots.session_for_address(address)
         return owner
+
+    def _take_address(self, slot: Slot) -> None:
+        """`slot`'s sandbox was just found at its address: no other slot holds it any more (its container
+        stopped, and Docker gave the address to this one), so the listener maps it to `slot` alone."""
+        for other in self._slots:
+            if other is not slot and other.address == slot.address:
+                other.address = None
 
     async def settled(self, session_id: str) -> None:
         """Return once the session's sandbox is not being restored (the trajectory is truncated)."""

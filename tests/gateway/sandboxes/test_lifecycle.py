@@ -124,3 +124,40 @@ async def test_a_restored_sandbox_is_known_by_its_new_address_before_its_first_c
     await restore
     assert await asyncio.wait_for(lookup, 1) == sid
     assert await env.manager.owner_of("10.99.0.2") is None  # the dead sandbox's address, at once
+
+
+async def test_an_address_is_forgotten_before_its_container_is_removed(env: Env) -> None:
+    """Docker may give a removed container's address to the next one at once: a request from it, asked
+    about while the container is being removed (by a restore, then by the session's end), never maps to
+    the session that had it."""
+    env.manager.gateway_url = "http://10.99.0.1:9000"
+    sid = await env.session(spec=SandboxSpec(image="img", network="gateway"), recovery="truncate")
+    await env.manager.checkpoint(sid)
+    loop = asyncio.get_running_loop()
+    destroy, asked = env.backend.destroy, []
+
+    def destroying(sandbox_id: str) -> None:  # runs in the manager's pool, while the loop waits for it
+        address = env.backend.network.address(sandbox_id)
+        assert address is not None
+        asked.append((address, asyncio.run_coroutine_threadsafe(env.manager.owner_of(address), loop)))
+        destroy(sandbox_id)
+
+    env.backend.destroy = destroying  # type: ignore[method-assign]
+    await env.manager.restore(sid)
+    await env.manager.destroy(sid)
+    answers = [(address, await asyncio.wait_for(asyncio.wrap_future(f), 5)) for address, f in asked]
+    assert answers == [("10.99.0.2", None), ("10.99.0.3", None)]
+
+
+async def test_a_new_sandbox_takes_its_address_from_a_stopped_ones_session(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container that stopped frees its address before the watcher notices; Docker gives it to the
+    next container, and the listener maps it to that one's session, not the stopped one's."""
+    env.manager.gateway_url = "http://10.99.0.1:9000"
+    spec = SandboxSpec(image="img", network="gateway")
+    first = await env.session("s1", spec=spec)
+    env.backend.kill(env.manager.sandbox_id(first))
+    monkeypatch.setattr(env.backend.network, "address", lambda sandbox_id: "10.99.0.2")  # reused
+    second = await env.session("s2", spec=spec)
+    assert await env.manager.owner_of("10.99.0.2") == second
