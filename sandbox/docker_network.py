@@ -1,7 +1,11 @@
 """The gateway network on Docker: how a harness inside a sandbox reaches the gateway, and nothing else.
 
 Sandboxes with ``network="gateway"`` join one Docker bridge network created with ``internal=True``:
-Docker routes nothing from it to the outside world. The host keeps an address on the bridge (its
+Docker routes nothing from it to the outside world. It is created with inter-container communication
+off (``com.docker.network.bridge.enable_icc=false``): a sandbox cannot reach another's ports, nor
+answer as another (the gateway tells sandboxes apart by their source address). A network of that name
+that lacks either is replaced when it is Belayer's (its label) and no container is on it, and refused
+otherwise, with the command that removes it. The host keeps an address on the bridge (its
 gateway address), and the Belayer gateway listens there. Without more, every service of the host
 that listens on all addresses would be reachable too, so an iptables chain on the bridge's INPUT
 accepts TCP to the gateway's listening ports only and resets or drops everything else:
@@ -37,6 +41,8 @@ import docker.errors
 from core.errors import SandboxUnavailable
 
 CHAIN = "BELAYER-GATEWAY"
+ICC = "com.docker.network.bridge.enable_icc"
+LABELS = {"belayer": "gateway-network"}
 
 
 class GatewayNetwork:
@@ -76,31 +82,64 @@ class GatewayNetwork:
                 _iptables("-D", CHAIN, *accept)
 
     def _ensure_network(self) -> str:
-        try:
-            info: dict[str, Any] = self._api.inspect_network(self.name)
-        except docker.errors.NotFound:
-            try:
-                self._api.create_network(
-                    self.name,
-                    driver="bridge",
-                    internal=True,
-                    options={"com.docker.network.bridge.name": self.bridge},
-                    labels={"belayer": "gateway-network"},
-                )
-            except docker.errors.APIError as exc:
-                if exc.status_code != 409:  # 409: another gateway created it meanwhile
-                    raise
-            info = self._api.inspect_network(self.name)
-        if not info.get("Internal"):
-            raise SandboxUnavailable(
-                f"docker network {self.name!r} exists but is not internal; remove it "
-                f"(docker network rm {self.name}) and Belayer recreates it"
-            )
+        info = self._inspect_or_create()
+        unfit = _unfit(info)
+        if unfit is not None:
+            info = self._replace(info, unfit)
         configs = (info.get("IPAM") or {}).get("Config") or []
         host = next((c.get("Gateway") for c in configs if c.get("Gateway")), None)
         if not host:
             raise SandboxUnavailable(f"docker network {self.name!r} has no gateway address")
         return str(host)
+
+    def _inspect_or_create(self) -> dict[str, Any]:
+        try:
+            info: dict[str, Any] = self._api.inspect_network(self.name)
+            return info
+        except docker.errors.NotFound:
+            pass
+        try:
+            self._api.create_network(
+                self.name,
+                driver="bridge",
+                internal=True,
+                options={"com.docker.network.bridge.name": self.bridge, ICC: "false"},
+                labels=LABELS,
+            )
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: another gateway created it meanwhile
+                raise
+        info = self._api.inspect_network(self.name)
+        return info
+
+    def _replace(self, info: dict[str, Any], unfit: str) -> dict[str, Any]:
+        """A network made before it had to be as it is now (`unfit` says how it differs): created again
+        when it is Belayer's and empty, else refused (removing it would cut its containers off)."""
+        remove = (
+            f"remove it (docker network rm {self.name}) once no sandbox is on it, and Belayer recreates it"
+        )
+        if (info.get("Labels") or {}).get("belayer") != LABELS["belayer"]:
+            raise SandboxUnavailable(
+                f"docker network {self.name!r} exists but {unfit}, and is not Belayer's; {remove}"
+            )
+        if info.get("Containers"):
+            raise SandboxUnavailable(
+                f"docker network {self.name!r} {unfit} (an older Belayer made it) and {len(info['Containers'])} "
+                f"container(s) are on it; {remove}"
+            )
+        try:
+            self._api.remove_network(self.name)
+        except docker.errors.NotFound:
+            pass  # another gateway replaced it meanwhile
+        except docker.errors.APIError as exc:  # a container joined meanwhile
+            raise SandboxUnavailable(
+                f"docker network {self.name!r} {unfit} and cannot be replaced ({exc}); {remove}"
+            ) from exc
+        info = self._inspect_or_create()
+        still = _unfit(info)
+        if still is not None:
+            raise SandboxUnavailable(f"docker network {self.name!r} {still} even when created again")
+        return info
 
     def _ensure_chain(self) -> None:
         if not _iptables("-n", "-L", CHAIN, check=False):
@@ -115,6 +154,15 @@ class GatewayNetwork:
         jump = ["-i", self.bridge, "-j", CHAIN]
         if not _iptables("-C", "INPUT", *jump, check=False):
             _iptables("-I", "INPUT", "1", *jump)
+
+
+def _unfit(info: dict[str, Any]) -> str | None:
+    """How an existing network differs from what sandboxes need (None: it does not)."""
+    if not info.get("Internal"):
+        return "is not internal (it routes to the outside world)"
+    if (info.get("Options") or {}).get(ICC) != "false":
+        return "lets containers reach each other (inter-container communication is on)"
+    return None
 
 
 def _iptables(*args: str, check: bool = True) -> bool:
