@@ -421,10 +421,13 @@ class Belayer:
         metadata: Mapping[str, Any] | None = None,
         has_reward: bool | None = None,
         page_size: int = EXPORT_PAGE_SIZE,
+        mark: bool = True,
         **filters: Any,
     ) -> int:
-        """Write the matching sessions' rows (one per branch) to `path` as JSONL or Parquet, through
-        ``GET /api/export`` page by page; returns the number of rows."""
+        """Write the matching sessions' rows (one per branch) to `path` as JSONL or Parquet, page by page
+        through ``POST /api/export``, which marks them exported (for ``belayer store prune
+        --exported-only``); with ``mark=False``, through ``GET /api/export``, which only reads. Returns
+        the number of rows."""
         params = query_params(
             status=status,
             metadata=metadata,
@@ -432,14 +435,15 @@ class Belayer:
             format=format,
             **{"order": "asc", **filters},
         )
+        method = "POST" if mark else "GET"
         pages: list[bytes] = []
         rows, offset, total = 0, 0, 1
         while offset < total:
             query = {**params, "limit": str(page_size), "offset": str(offset)}
             try:
-                content, n, total = _export_page(self._http.get("/api/export", params=query))
+                content, n, total = _export_page(self._http.request(method, "/api/export", params=query))
             except httpx.TransportError as e:
-                raise _unreachable(e, f"GET {self.url}/api/export") from e
+                raise _unreachable(e, f"{method} {self.url}/api/export") from e
             pages.append(content)
             rows, offset = rows + n, offset + page_size
         _write_export(path, format, pages)
@@ -673,6 +677,7 @@ class AsyncBelayer:
         metadata: Mapping[str, Any] | None = None,
         has_reward: bool | None = None,
         page_size: int = EXPORT_PAGE_SIZE,
+        mark: bool = True,
         **filters: Any,
     ) -> int:
         params = query_params(
@@ -682,14 +687,15 @@ class AsyncBelayer:
             format=format,
             **{"order": "asc", **filters},
         )
+        method = "POST" if mark else "GET"
         pages: list[bytes] = []
         rows, offset, total = 0, 0, 1
         while offset < total:
             query = {**params, "limit": str(page_size), "offset": str(offset)}
             try:
-                content, n, total = _export_page(await self._http.get("/api/export", params=query))
+                content, n, total = _export_page(await self._http.request(method, "/api/export", params=query))
             except httpx.TransportError as e:
-                raise _unreachable(e, f"GET {self.url}/api/export") from e
+                raise _unreachable(e, f"{method} {self.url}/api/export") from e
             pages.append(content)
             rows, offset = rows + n, offset + page_size
         await asyncio.to_thread(_write_export, path, format, pages)

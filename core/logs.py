@@ -15,6 +15,7 @@ A traceback is a field too (``exc``), never text escaped into the message.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -77,3 +78,13 @@ class JsonFormatter(logging.Formatter):
 def formatter(kind: LogFormat) -> logging.Formatter:
     """The formatter for ``--log-format``."""
     return JsonFormatter() if kind == "json" else TextFormatter()
+
+
+def session_tag(session_id: str) -> str:
+    """What logs show of a session id: a short digest, since the id itself is the capability to drive the
+    session (``/s/{id}/…``); the sessions API shows the same tag (``log_tag``) to find a session's lines.
+
+    >>> session_tag("ses_3f2a"), len(session_tag("x" * 64))
+    ('s-1cec09b2865f', 14)
+    """
+    return "s-" + hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()

@@ -1,29 +1,41 @@
-"""Who may call what. One sentence: **the trainer side holds a token, the harness side holds a
-capability URL.**
+"""Who may call what, decided here, before any route runs. One sentence: **the trainer side holds a
+token, the harness side holds a capability URL, and a web page holds nothing.**
 
-- With ``api_token`` set, every ``/api/*`` route needs ``Authorization: Bearer <token>`` (the scheme
-  in any case); ``/health`` needs none. Without it the API is open, as on a laptop, and the gateway
-  says so at start-up.
-- A session's routes, ``/s/{id}/v1/*``, need no token: the session id is the capability. It carries
-  128 random bits, and only the API (behind the token) lists it.
-- Plain ``/v1/*`` requests, each a one-request session, are ``open``, behind the token (``token``),
-  or ``off`` (``plain_v1``). ``/v1/models`` stays open.
-- With ``allowed_hosts`` set, a request whose ``Host`` is not one of them is refused (a DNS
-  rebinding page cannot reach the API by a name of its own), and session base_urls are built from the
-  checked Host; otherwise from ``public_url`` or the listening address, never an unchecked Host.
-- JSON routes refuse bodies declared as anything but JSON (``gateway.bodies``), so a web page cannot
-  send a cross-site text/plain or form POST without a CORS preflight the gateway never grants.
-- Admin routes (``POST/DELETE /api/engines``, reward overrides) need the separate admin token, which
-  opens the rest of the API too.
+- With ``api_token`` set, every ``/api/*`` and ``/metrics*`` route needs ``Authorization: Bearer
+  <token>`` (the scheme in any case); ``/health`` needs none. Without it the API is open, as on a
+  laptop, and the gateway says so at start-up.
+- A session's routes, ``/s/{id}/…``, need no token: the session id is the capability. It carries
+  128 random bits, and only the API (behind the token) lists it. The routes themselves answer 404 for
+  an id that is not an open session, before anything is forwarded or written.
+- Every plain route (``/v1/*`` but ``/v1/models``: each a one-request session, or a stored response)
+  is ``open``, behind the token (``token``) or ``off`` (``plain_v1``): `is_plain` decides which routes
+  those are, for every one of them.
+- **No DNS rebinding.** A request whose ``Host`` is not an allowed host is refused (400
+  ``invalid_host``). Unless ``allowed_hosts`` is set, the allowed hosts are the loopback names, the
+  listening address, ``public_url``'s host, and any IP literal (a rebinding page reaches the gateway
+  only under a name of its own, never an address). Session base_urls come from ``public_url``, the
+  Host checked against an explicit ``allowed_hosts``, or the listening address; never an unchecked Host.
+- **No cross-site requests.** On every state-changing method (POST, PUT, PATCH, DELETE), a request
+  that a browser marks as coming from another site (``Sec-Fetch-Site`` other than ``same-origin`` or
+  ``none``, or an ``Origin`` other than the gateway's own) is refused (403 ``cross_site_request``);
+  the dashboard's own requests are same-origin. A non-empty body must be declared as JSON (415
+  otherwise, ``gateway.bodies``), so a blind ``no-cors`` form or ``text/plain`` POST gets nowhere.
+- Admin routes (``POST/DELETE /api/engines``, ``POST /api/weights``, reward overrides) need the
+  separate admin token, which opens the rest of the API too.
+- A sandbox's own requests come through the sandbox listener (``gateway.sandbox_listener``), which
+  checked who sent them; it sets ``SANDBOX_SCOPE_KEY`` and only the body rule applies here.
 
 >>> bearer_matches("bearer s3cret", "s3cret"), bearer_matches("Bearer nope", "s3cret")
 (True, False)
+>>> is_plain("/v1/responses"), is_plain("/v1/models"), is_plain("/s/abc/v1/responses")
+(True, False, False)
 """
 
 from __future__ import annotations
 
-import re
+import ipaddress
 import secrets
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -34,7 +46,16 @@ from gateway.config import GatewayConfig
 
 SANDBOX_SCOPE_KEY = "belayer.sandbox_session"
 """Set in the ASGI scope by the sandbox listener: the request comes from that session's sandbox."""
-_PLAIN_GENERATION = re.compile(r"/v1/(chat/completions|completions|messages)$")
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+"""Hosts every gateway answers, unless ``allowed_hosts`` says otherwise."""
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_SAME_SITE_FETCH = frozenset({"same-origin", "none"})  # none: the user typed the URL or followed a bookmark
+_OPEN_PLAIN = frozenset({"/v1/models"})
+
+
+def is_plain(path: str) -> bool:
+    """Whether `path` is a plain route (outside any session), governed by ``plain_v1``."""
+    return path.startswith("/v1/") and path not in _OPEN_PLAIN
 
 
 def bearer_matches(header: str | None, token: str) -> bool:
@@ -53,6 +74,35 @@ def base_root(config: GatewayConfig, request: Request) -> str:
     return f"http://{host}:{config.port}"
 
 
+class HostRule:
+    """The Host values a gateway answers (see the module docstring).
+
+    >>> rule = HostRule(GatewayConfig.model_construct(allowed_hosts=[], public_url="https://gw.example:8443",
+    ...                                               host="0.0.0.0"))
+    >>> [rule.allows(h) for h in ("localhost:8000", "10.1.2.3:80", "[::1]:8000", "gw.example", "evil.example")]
+    [True, True, True, True, False]
+    """
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.explicit = bool(config.allowed_hosts)
+        names = set(config.allowed_hosts) if self.explicit else {*LOOPBACK_NAMES, config.host}
+        if config.public_url and not self.explicit:
+            names.add(urlsplit(config.public_url).hostname or "")
+        self.names = frozenset(n.strip("[]").lower() for n in names if n)
+
+    def allows(self, host_header: str) -> bool:
+        name = host_name(host_header)
+        return name in self.names or (not self.explicit and _is_ip(name))
+
+    def describe(self) -> str:
+        if self.explicit:
+            return f"one of {sorted(self.names)} (--allowed-hosts)"
+        return (
+            f"an IP address or one of {sorted(self.names)}; to reach it by another name, give that name "
+            "with --allowed-hosts or --public-url"
+        )
+
+
 class Access:
     """ASGI middleware that enforces the rules above before any route runs; refusals are raised as
     the tree's errors, so the error table answers them in each protocol's format."""
@@ -60,34 +110,55 @@ class Access:
     def __init__(self, app: ASGIApp, config: GatewayConfig) -> None:
         self.app = app
         self.config = config
+        self.hosts = HostRule(config)
+        self.own_origin = _origin(config.public_url) if config.public_url else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             request = Request(scope)
-            if request.method in ("POST", "PUT", "PATCH"):  # every such route is a JSON route, body or not
-                check_json_media_type(request.headers.get("content-type"))
-            if SANDBOX_SCOPE_KEY not in scope:  # a sandbox's listener checked who it is
+            if SANDBOX_SCOPE_KEY in scope:  # a sandbox's listener checked who it is
+                check_body_type(request)
+            else:
                 self.check(request)
         await self.app(scope, receive, send)
 
     def check(self, request: Request) -> None:
         config, path = self.config, request.url.path
-        if config.allowed_hosts and _host(request) not in config.allowed_hosts:
+        host = request.headers.get("host", "")
+        if not self.hosts.allows(host):
             raise InvalidRequest(
-                f"this gateway does not answer for host {request.headers.get('host')!r}; "
-                f"use one of {config.allowed_hosts} (--allowed-hosts)",
+                f"this gateway does not answer for host {host!r}; use {self.hosts.describe()}",
                 code="invalid_host",
             )
+        if request.method in STATE_CHANGING:
+            self._same_site(request, host)
+        check_body_type(request)
         if path.startswith("/api/") or path.startswith("/metrics"):
             self._need_token(request, "the API")
-        elif _PLAIN_GENERATION.fullmatch(path):
+        elif is_plain(path):
             if config.plain_v1 == "off":
                 raise Forbidden(
-                    "plain /v1 requests are off on this gateway; create a session with POST /api/sessions "
-                    "and send requests to its base_url"
+                    f"plain /v1 requests are off on this gateway ({path}); create a session with "
+                    "POST /api/sessions and send requests to its base_url"
                 )
             if config.plain_v1 == "token":
                 self._need_token(request, "plain /v1 requests")
+
+    def _same_site(self, request: Request, host: str) -> None:
+        """Refuse what a browser says another site sent (a web page the operator has open)."""
+        fetch_site = request.headers.get("sec-fetch-site")
+        origin = request.headers.get("origin")
+        foreign = fetch_site is not None and fetch_site.lower() not in _SAME_SITE_FETCH
+        if origin is not None and not foreign:
+            given = _origin(origin)
+            foreign = given != self.own_origin and urlsplit(given).netloc != host.strip().lower()
+        if foreign:
+            raise Forbidden(
+                f"{request.method} {request.url.path} came from another site (Origin {origin!r}, "
+                f"Sec-Fetch-Site {fetch_site!r}); a web page cannot change this gateway's state. Call it "
+                "from a program (the SDKs, belayer.client, curl) or from the gateway's own dashboard",
+                code="cross_site_request",
+            )
 
     def _need_token(self, request: Request, what: str) -> None:
         token, admin = self.config.api_token, self.config.admin_token
@@ -101,6 +172,20 @@ class Access:
             raise Unauthorized(f"{what} answered a request {problem}: send 'Authorization: Bearer <token>'")
 
 
+def check_body_type(request: Request) -> None:
+    """On a state-changing method, a declared media type must be JSON, and a body must come declared
+    (every body route is a JSON route; ``gateway.bodies``)."""
+    if request.method not in STATE_CHANGING:
+        return
+    content_type = request.headers.get("content-type")
+    if content_type is not None:
+        check_json_media_type(content_type)
+        return
+    length = request.headers.get("content-length")
+    if "transfer-encoding" in request.headers or (length is not None and length.strip() not in ("", "0")):
+        check_json_media_type(None)
+
+
 def require_admin(config: GatewayConfig, request: Request) -> None:
     """Admin routes need ``Authorization: Bearer <admin token>``; with no admin token they are off."""
     if config.admin_token is None:
@@ -111,6 +196,27 @@ def require_admin(config: GatewayConfig, request: Request) -> None:
         raise Forbidden("this endpoint needs the gateway's admin token: send 'Authorization: Bearer <token>'")
 
 
-def _host(request: Request) -> str:
-    host = request.headers.get("host", "")
-    return host.rsplit(":", 1)[0] if not host.endswith("]") else host
+def host_name(host_header: str) -> str:
+    """The name part of a Host header, without port or IPv6 brackets, in lower case.
+
+    >>> host_name("Example.COM:8000"), host_name("[::1]:8000"), host_name("10.0.0.1")
+    ('example.com', '::1', '10.0.0.1')
+    """
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _origin(url: str) -> str:
+    """``scheme://host[:port]`` of a URL, in lower case (``null`` stays ``null``)."""
+    parts = urlsplit(url.strip().lower())
+    return f"{parts.scheme}://{parts.netloc}" if parts.netloc else url.strip().lower()

@@ -75,8 +75,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 def check_json_media_type(content_type: str | None) -> None:
-    """Refuse a declared media type that is not JSON (``application/json`` or ``application/*+json``);
-    an absent one is accepted (no browser sends a cross-site body without one).
+    """Refuse a media type that is not JSON (``application/json`` or ``application/*+json``), or none
+    (`content_type` None, for a request that has a body: a blind ``no-cors`` POST may send one bare).
 
     >>> check_json_media_type("application/json; charset=utf-8")
     >>> check_json_media_type("text/plain")
@@ -85,7 +85,10 @@ def check_json_media_type(content_type: str | None) -> None:
     core.errors.UnsupportedMediaType: the request body is declared as 'text/plain'; send it as JSON with 'Content-Type: application/json'
     """
     if content_type is None:
-        return
+        raise UnsupportedMediaType(
+            "the request has a body but no Content-Type; send it as JSON with 'Content-Type: application/json'",
+            code="unsupported_media_type",
+        )
     media = content_type.split(";", 1)[0].strip().lower()
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return

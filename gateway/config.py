@@ -17,6 +17,8 @@ Code that builds a config itself passes keyword arguments: ``GatewayConfig(model
 from __future__ import annotations
 
 import errno
+import fnmatch
+import ipaddress
 import os
 import re
 import socket
@@ -24,8 +26,17 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 from pydantic_settings import (
     BaseSettings,
@@ -137,6 +148,18 @@ class SandboxConfig(BaseModel):
         default=False,
         description="leave the sandboxes and their checkpoints as they are when the gateway shuts down: "
         "the next gateway on the same store adopts them (off: they are removed)",
+    )
+    max_workspace_bytes: int = Field(
+        default=1 << 30,
+        ge=1,
+        description="the verify stage copies at most this much of a sandbox's working directory (its tar); "
+        "a larger one is not verified (reason workspace_too_large, reward 0)",
+    )
+    disk_quota_bytes: int = Field(
+        default=10 << 30,
+        ge=0,
+        description="each sandbox's disk quota (its writable layer), where the storage driver takes one; "
+        "elsewhere a checkpoint of a larger layer is refused. 0: none",
     )
 
     @field_validator("sandbox_port", mode="before")
@@ -373,26 +396,70 @@ class GatewayConfig(BaseSettings):
     inflight: InflightConfig = Field(default_factory=InflightConfig)
     admin_token: str | None = Field(
         default=None,
-        description="bearer token for the admin endpoints (POST /api/engines); without one they are off",
+        description="bearer token for the admin endpoints (POST /api/engines, POST /api/weights); without "
+        "one they are off. A flag's value shows in `ps`: prefer --admin-token-file or BELAYER_ADMIN_TOKEN",
+    )
+    admin_token_file: str | None = Field(
+        default=None, description="a file that holds the admin token (instead of --admin-token)"
     )
     api_token: str | None = Field(
         default=None,
         description=(
             "bearer token the trainer side needs for every /api/* route (not /health); harnesses need none: "
-            "a session's URL is its capability. Unset: the API is open to anyone who reaches the port"
+            "a session's URL is its capability. Unset: the API is open to anyone who reaches the port. A "
+            "flag's value shows in `ps`: prefer --api-token-file or BELAYER_API_TOKEN"
         ),
+    )
+    api_token_file: str | None = Field(
+        default=None, description="a file that holds the API token (instead of --api-token)"
     )
     plain_v1: Literal["open", "token", "off"] = Field(
         default="open",
-        description="plain /v1 requests (one-request sessions): open, behind the API token, or off",
+        description="plain /v1 requests (one-request sessions, stored responses): open, behind the API "
+        "token, or off",
     )
     allowed_hosts: list[str] = Field(
         default_factory=list,
         description=(
-            "Host header values the gateway answers (others get a 400) and builds base_urls from; "
-            "unset: any Host is answered, and base_urls come from --public-url or --host/--port"
+            "Host header values the gateway answers (others get a 400: no DNS-rebinding page gets in) and "
+            "builds base_urls from; unset: the loopback names, --host, --public-url's host and IP "
+            "addresses, with base_urls from --public-url or --host/--port"
         ),
     )
+    engine_allow: list[str] = Field(
+        default_factory=list,
+        description=(
+            "engines the gateway may be pointed at (--engine-url, --shadow-url, POST /api/engines): IP "
+            "networks (10.0.0.0/8) or host name patterns (*.engines.internal); unset: any"
+        ),
+    )
+    weights_root: str | None = Field(
+        default=None,
+        description="the directory every POST /api/weights path must lie in (unset: any readable directory)",
+    )
+
+    @field_validator("engine_allow")
+    @classmethod
+    def _allow_patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if not pattern or ("/" in pattern and _network(pattern) is None):
+                raise ValueError(f"{pattern!r} is neither an IP network (10.0.0.0/8) nor a host name pattern")
+        return value
+
+    @model_validator(mode="after")
+    def _tokens_and_engines(self) -> GatewayConfig:
+        for name in ("api_token", "admin_token"):
+            file = getattr(self, f"{name}_file")
+            if file is None:
+                continue
+            if getattr(self, name) is not None:
+                raise ValueError(f"give the {name.replace('_', ' ')} once: as a value or as a file, not both")
+            setattr(self, name, _read_token(file))
+        for url in (*self.engine_urls, *self.shadow_urls):
+            if not engine_allowed(url, self.engine_allow):
+                raise ValueError(f"engine {url} is not in --engine-allow {self.engine_allow}")
+        return self
+
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     tool_call_parser: ToolParserName = Field(
@@ -491,6 +558,49 @@ def _toml_source(settings_cls: type[BaseSettings], file: str) -> TomlConfigSetti
         return TomlConfigSettingsSource(settings_cls, toml_file=file)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {file}: not valid TOML ({exc})") from None
+
+
+def _read_token(file: str) -> str:
+    try:
+        token = Path(file).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the token file {file} ({exc.strerror})") from None
+    if not token:
+        raise ValueError(f"the token file {file} is empty")
+    return token
+
+
+def _network(pattern: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    try:
+        return ipaddress.ip_network(pattern, strict=False)
+    except ValueError:
+        return None
+
+
+def engine_allowed(url: str, allow: list[str]) -> bool:
+    """Whether an engine at `url` may join the pool: any, with no allowlist; else its host must be in
+    one of the networks or match one of the name patterns of `allow`.
+
+    >>> allow = ["10.0.0.0/8", "*.engines.internal", "127.0.0.1"]
+    >>> [engine_allowed(u, allow) for u in ("http://10.2.3.4:8000", "http://a.engines.internal:80",
+    ...     "http://127.0.0.1:9", "http://169.254.169.254/latest", "http://evil.example")]
+    [True, True, True, False, False]
+    """
+    if not allow:
+        return True
+    host = (urlsplit(url).hostname or "").lower()
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    for pattern in allow:
+        network = _network(pattern)
+        if network is not None:
+            if address is not None and address in network:
+                return True
+        elif fnmatch.fnmatchcase(host, pattern.lower()):
+            return True
+    return False
 
 
 class ConfigLoader:

@@ -4,7 +4,8 @@
 
     GET    /api/engines                  every worker: state, load, process, context window
     POST   /api/engines {"url": ...}     admin: register a running engine; probed, then routed to
-                                         (an invalid URL is a 400, one already in the pool a 409)
+                                         (an invalid URL, or one outside --engine-allow, is a 400;
+                                         one already in the pool a 409)
     DELETE /api/engines/{name}           admin: drain a worker (no new requests; in-flight ones may
                                          finish for ?drain_s=60 seconds), then remove it
 """
@@ -22,6 +23,7 @@ from core.errors import InvalidRequest
 from engine_pool.pool import PoolMember
 from gateway.access import require_admin
 from gateway.bodies import read_json, validate
+from gateway.config import engine_allowed
 from gateway.runtime import gateway_of
 
 
@@ -44,6 +46,13 @@ async def register_engine(request: Request) -> Response:
     gw = gateway_of(request)
     require_admin(gw.config, request)
     req = validate(RegisterEngine, await read_json(request, gw.config.max_body_bytes))
+    if not engine_allowed(req.url, gw.config.engine_allow):
+        raise InvalidRequest(
+            f"{req.url} is not an engine this gateway may use; the allowed ones are {gw.config.engine_allow} "
+            "(--engine-allow)",
+            "url",
+            "engine_not_allowed",
+        )
     member = await gw.pool.register(req.url)
     return JSONResponse(_engine_json(member, request), status_code=201)
 

@@ -56,14 +56,19 @@ def check_version(version: str) -> str:
     return version
 
 
-def check_weights(path: str, model_dir: str) -> str:
+def check_weights(path: str, model_dir: str, root: str | None = None) -> str:
     """The absolute path of the weights at `path` when they can replace the served model's (module
-    docstring); an `InvalidRequest` (param ``path``) that says why not."""
+    docstring) and lie in `root` (``--weights-root``, links resolved); an `InvalidRequest` (param
+    ``path``) that says why not."""
     where = Path(path).expanduser()
     if not where.is_absolute():
         raise _bad(
             path, "is not an absolute path; give the directory's full path (the workers resolve it too)"
         )
+    if root is not None:  # the resolved path goes on: a link changed after this check cannot lead out
+        where = where.resolve()
+        if not where.is_relative_to(Path(root).resolve()):
+            raise _bad(path, f"lies outside the weights root {root} (--weights-root); save checkpoints under it")
     if not where.is_dir():
         raise _bad(path, "is not a directory the gateway can read")
     config = _config(where)

@@ -12,7 +12,8 @@ An update holds new requests back, lets the requests in flight finish on the old
 new weights once every worker has them (each turn records which version generated which of its tokens:
 ``weight_versions`` in ``/trajectory``, ``weight_segments`` in the export), and records the update
 (`gateway.weights`). Answers 200 with what was done, 400 (``weights_not_loadable``, param ``path``) for
-weights that cannot replace the served model's (then no worker was changed), 409 while another
+weights that cannot replace the served model's or lie outside ``--weights-root`` (then no worker
+was changed), 409 while another
 update runs or for the version already served, 403 without the admin token.
 """
 
@@ -61,7 +62,7 @@ async def update(request: Request) -> Response:
     require_admin(gw.config, request)
     req = validate(UpdateWeights, await read_json(request, gw.config.max_body_bytes))
     version = weights.check_version(req.version)
-    path = await gw.offload(weights.check_weights, req.path, gw.config.model)
+    path = await gw.offload(weights.check_weights, req.path, gw.config.model, gw.config.weights_root)
     try:
         result = await gw.pool.update_weights(version, path, req.drain_s)
     except Conflict:

@@ -37,6 +37,7 @@ from starlette.applications import Starlette
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from engine_pool.worker import free_port
+from gateway.access import HostRule
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.runtime import Gateway
@@ -62,7 +63,8 @@ async def asgi_gateway(
     **app_options: Any,
 ) -> AsyncIterator[tuple[Starlette, httpx.AsyncClient]]:
     """The gateway app over ``engine`` (one pool member per host, all through that transport), its
-    lifespan running, and a client to it at ``http://gw``. ``pool_options`` go to ``EnginePool`` and
+    lifespan running, and a client to it at ``http://gw`` when the config allows that host (else at
+    ``http://localhost``: a gateway answers only the hosts it allows). ``pool_options`` go to ``EnginePool`` and
     ``app_options`` to ``build_app`` (``aux_transport``, ``sandbox_backend``, ``observers``)."""
     async with httpx.AsyncClient(transport=engine, timeout=engine_timeout) as engine_http:
         pool = EnginePool(engine_http, **(pool_options or {}))
@@ -72,10 +74,15 @@ async def asgi_gateway(
         async with (
             app.router.lifespan_context(app),
             httpx.AsyncClient(
-                transport=httpx.ASGITransport(app), base_url="http://gw", timeout=timeout
+                transport=httpx.ASGITransport(app), base_url=client_root(config), timeout=timeout
             ) as client,
         ):
             yield app, client
+
+
+def client_root(config: GatewayConfig) -> str:
+    """Where `asgi_gateway`'s client reaches the app: ``http://gw`` when `config` allows that host."""
+    return "http://gw" if HostRule(config).allows("gw") else "http://localhost"
 
 
 class GatewayHarness:

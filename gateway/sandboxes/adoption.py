@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import SandboxError, SandboxNotFound
+from core.logs import session_tag
 from gateway.sandboxes.checkpoints import Checkpointer
 from gateway.sandboxes.io import SandboxIO
 from gateway.sandboxes.journal import Call, bind_call
@@ -311,7 +312,7 @@ class Adoption:
             await self.lifecycle.drop(slot)
             slot.failure = f"{failure.kind}: {failure.detail}; {exc}"
             self.events.add(slot.session_id, None, "sandbox_failed", {"reason": slot.failure})
-            log.warning("session %s: sandbox lost at start-up: %s", slot.session_id, slot.failure)
+            log.warning("session %s: sandbox lost at start-up: %s", session_tag(slot.session_id), slot.failure)
             return False
 
     async def _remove_leaked(self, box: Sandbox, report: AdoptionReport) -> None:
@@ -327,7 +328,7 @@ class Adoption:
             log.warning("could not remove leaked sandbox %s: %s", box.id, exc)
             return
         report.removed.append(box.id)
-        log.warning("removed sandbox %s of session %s: no open session holds it", box.id, session_id)
+        log.warning("removed sandbox %s of session %s: no open session holds it", box.id, session_tag(session_id))
         if session is None or session.status == "open":
             return  # unknown, or an open session's stale container: its checkpoints are the slot's
         rec = self._recorded(session.id)

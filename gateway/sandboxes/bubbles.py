@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from core.errors import SandboxError
+from core.logs import session_tag
 from core.tasks import TaskOwner
 from gateway.sandboxes.checkpoints import Checkpointer
 from gateway.sandboxes.policy import AdaptivePolicy, Decision
@@ -103,7 +104,7 @@ class BubbleObserver:
                 await taking.wait()
         except TimeoutError:
             log.warning("session %s: turn %d's checkpoint did not end within %.0f s; the response goes on",
-                        turn.session_id, turn.index, HOLD_S)  # fmt: skip
+                        session_tag(turn.session_id), turn.index, HOLD_S)  # fmt: skip
 
     def turn_finished(self, turn: TurnRecord) -> None:
         slot = self.slots.get(turn.session_id)
@@ -141,7 +142,7 @@ class BubbleObserver:
                     return
                 await self.checkpointer.take(slot, decision.action, turn)
         except SandboxError as exc:
-            log.warning("session %s: checkpoint in turn %d failed: %s", slot.session_id, turn.index, exc)
+            log.warning("session %s: checkpoint in turn %d failed: %s", session_tag(slot.session_id), turn.index, exc)
             self.events.add(slot.session_id, turn.id, "sandbox_checkpoint_failed", {"error": str(exc)})
         finally:
             slot.history.pending = False

@@ -18,6 +18,7 @@ import asyncio
 import logging
 
 from core.errors import SandboxError
+from core.logs import session_tag
 from gateway.sandboxes.io import SandboxIO
 from gateway.sandboxes.recovery import Failure, Recovery
 from gateway.sandboxes.state import Slot, Slots
@@ -50,7 +51,7 @@ class Watcher:
             try:
                 await self._recover(slot, status)
             except SandboxError as exc:
-                log.warning("session %s: recovery failed: %s", slot.session_id, exc)
+                log.warning("session %s: recovery failed: %s", session_tag(slot.session_id), exc)
 
     async def _recover(self, slot: Slot, status: SandboxStatus) -> None:
         async with slot.lock:

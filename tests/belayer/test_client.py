@@ -144,6 +144,8 @@ async def test_an_async_session_makes_real_sdk_requests_and_closes_on_exit(confi
         ] * 2
         assert await gw.export(out / "out.parquet", "parquet", status="closed", page_size=1) == 2  # 3 pages
         assert pq.read_table(out / "out.parquet").column("session_id").to_pylist() == [s.id] * 2
+        assert await gw.export(out / "read.jsonl", status="closed", mark=False) == 2  # GET: reads only
+        assert (out / "read.jsonl").read_text() == (out / "out.jsonl").read_text()
         with pytest.raises(ClientError) as bad:
             [x async for x in gw.finished(after="not-a-cursor")]
         assert (bad.value.status, bad.value.param) == (400, "after")

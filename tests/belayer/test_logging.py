@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 
+from core.logs import session_tag
 from tests.support import belayer_server
 
 
@@ -25,8 +26,10 @@ def test_serve_writes_json_lines(tmp_path: Path, tiny_model_dir: Path) -> None:
         line["logger"] == "belayer.gateway" and line["message"].startswith("gateway ready") for line in lines
     )
     chats = [line for line in lines if line["logger"] == "belayer.requests" and line["method"] == "POST"]
-    assert [(c["path"], c["session_id"], c["status"], c["level"]) for c in chats] == [
+    tag = session_tag(sid)
+    assert [(c["path"], c["session_tag"], c["status"], c["level"]) for c in chats] == [
         ("/api/sessions", None, 201, "info"),  # the session is not in its path yet
-        (f"/s/{sid}/v1/chat/completions", sid, 200, "info"),
+        (f"/s/{tag}/v1/chat/completions", tag, 200, "info"),
     ]
+    assert sid not in (tmp_path / "gw.log").read_text(), "a session id (a capability) was logged"
     assert all(isinstance(c["duration_ms"], float) for c in chats)

@@ -154,5 +154,5 @@ async def test_without_a_public_url_the_host_header_is_not_trusted(
 ) -> None:
     config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"), port=8123)
     async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (_, client):
-        r = await client.post("/api/sessions", json={}, headers={"host": "attacker.example"})
+        r = await client.post("/api/sessions", json={}, headers={"host": "10.9.9.9:8123"})
         assert r.json()["base_url"].startswith("http://127.0.0.1:8123/s/ses_")

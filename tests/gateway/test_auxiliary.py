@@ -53,8 +53,8 @@ async def test_policy_route_records_the_call_in_a_side_session(env: Env) -> None
     sid = await session(env)
     tok = env.gw.tokenizer
     env.engine.outputs = [tok.encode("A title.") + tok.encode(tok.eos_token)]
-    http = sdk_http.AsyncClient(transport=sdk_http.ASGITransport(env.app), base_url="http://gw")
-    sdk = anthropic.AsyncAnthropic(base_url=f"http://gw/s/{sid}", api_key="x", http_client=http)
+    http = sdk_http.AsyncClient(transport=sdk_http.ASGITransport(env.app), base_url="http://localhost")
+    sdk = anthropic.AsyncAnthropic(base_url=f"http://localhost/s/{sid}", api_key="x", http_client=http)
     reply = await sdk.messages.create(
         model="claude-haiku-4-5", max_tokens=16, messages=[{"role": "user", "content": "Title this."}]
     )
@@ -69,7 +69,7 @@ async def test_policy_route_records_the_call_in_a_side_session(env: Env) -> None
 
 async def test_external_route_passes_through_and_is_logged(env: Env) -> None:
     sid = await session(env)
-    sdk = openai.AsyncOpenAI(base_url=f"http://gw/s/{sid}/v1", api_key="x", http_client=env.client)
+    sdk = openai.AsyncOpenAI(base_url=f"http://localhost/s/{sid}/v1", api_key="x", http_client=env.client)
     messages = [{"role": "user", "content": "Is this patch correct?"}]
     reply = await sdk.chat.completions.create(model="judge-v1", messages=messages, max_tokens=4)  # type: ignore[arg-type]
     assert env.provider.requests[-1]["model"] == "judge-large"  # the configured provider model

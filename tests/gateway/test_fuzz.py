@@ -176,12 +176,12 @@ async def hang_up(app: Starlette, sent: Sent) -> httpx.Response | None:
     first ``cut`` bytes of the body, or once the answer has begun. What the app sent (which nobody
     reads), or None when it sent nothing."""
     assert sent.content is not None
-    url = httpx.URL(f"http://gw{sent.url}")
+    url = httpx.URL(f"http://localhost{sent.url}")
     mid_body = sent.plan.encoding.hangup == "body"
     cut = sent.plan.encoding.cut % (len(sent.content) + 1) if mid_body else len(sent.content)
     pending = [{"type": "http.request", "body": sent.content[:cut], "more_body": mid_body}]
     answering = asyncio.Event()
-    headers = [(b"host", b"gw")] + [(k.encode(), v.encode("latin-1")) for k, v in sent.headers.items()]
+    headers = [(b"host", b"localhost")] + [(k.encode(), v.encode("latin-1")) for k, v in sent.headers.items()]
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": sent.method,
         "scheme": "http", "path": unquote(url.path), "raw_path": url.raw_path.split(b"?")[0],
@@ -423,11 +423,16 @@ class FuzzGateway:
         if isinstance(answer, list):
             self.stream_errors += any(fuzzing.is_error_event(e) for e in answer)
         self.statuses[(plan.route if plan.method is None else "wrong-method", r.status_code)] += 1
-        if sent.content is not None and plan.method is None and not is_json_media(plan.content_type):
+        bare = plan.content_type is None and bool(sent.content or plan.encoding.chunk)  # a body, undeclared
+        if (
+            sent.content is not None
+            and plan.method is None
+            and (bare or not is_json_media(plan.content_type))
+        ):
             admin_ok = sent.auth is not None and bearer_matches(sent.auth, ADMIN)
             reads_first = {"reward": sent.known, "register-engine": admin_ok}.get(plan.route, True)
             if reads_first:
-                assert r.status_code == 415, f"{where}: a non-JSON media type answered {r.status_code}"
+                assert r.status_code == 415, f"{where}: a body not declared as JSON answered {r.status_code}"
         self.record(plan, sent.sid, sent.content, r, answer)
         for touched in {r.headers.get("x-belayer-session"), sent.sid if sent.known else None} - {
             None,
@@ -698,6 +703,88 @@ def test_sandbox_routes_answer_sandboxes_disabled(fuzz: FuzzGateway, method: str
                 assert r.status_code == 415 and body["error"]["code"] == "unsupported_media_type", r.text
             else:
                 assert r.status_code == 404 and body["error"]["code"] == "sandboxes_disabled", r.text
+
+
+FOREIGN: dict[str, list[str]] = {
+    "host": ["rebind.attacker.example", "evil.example:8000", "localhost.evil.example", "127.0.0.1.nip.io"],
+    "origin": ["https://evil.example", "null", "http://localhost:1234", "http://127.0.0.1.nip.io"],
+    "sec-fetch-site": ["cross-site", "same-site"],
+    "content-type": [""],  # left out, with a body
+}
+STATE_CHANGING = ("POST", "PUT", "PATCH", "DELETE")
+
+
+@st.composite
+def foreign_plans(draw: st.DrawFn) -> tuple[Plan, str, str]:
+    """A valid request for any route, sent as a web page would: by a rebound name, from another site,
+    or as a blind POST of a body without a media type (one without a body is a program's, or carries
+    the browser's ``Origin``)."""
+    kind = draw(st.sampled_from(sorted(FOREIGN)))
+    with_body = [name for name, spec in ROUTES.items() if spec.body is not None]
+    plan = draw(fuzzing.plans(with_body if kind == "content-type" else list(ROUTES)))
+    json = "application/json" if plan.body is not None else None
+    plan = dataclasses.replace(
+        plan, mutations=(), encoding=fuzzing.Encoding(), method=None, content_type=json
+    )
+    return plan, kind, draw(st.sampled_from(FOREIGN[kind]))
+
+
+def store_state(fuzz: FuzzGateway) -> tuple[Any, ...]:
+    """What a request could change: sessions (status, reward, metadata), turns, events, export marks,
+    the pool's members and the weight version."""
+    assert fuzz.app is not None
+    gw = fuzz.app.state.gateway
+    db = gw.store._db  # the SQLite store's one connection
+    sessions = db.execute(
+        "SELECT id, status, reward, reward_info, closed_at, metadata FROM sessions ORDER BY id"
+    )
+    counts = [
+        db.execute(f"SELECT count(*), max(rowid) FROM {t}").fetchone()
+        for t in ("turns", "events", "exported")
+    ]
+    return (sessions.fetchall(), counts, [m.name for m in gw.pool.members], gw.pool.weight_version)
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[FuzzGateway]:
+    """A gateway of its own, on the defaults of ``allowed_hosts``, with sessions that have turns."""
+    config = fuzz_config(tmp_path_factory, tiny_model_dir)
+    engine = FakeEngine(max_model_len=4096, script=reply_script(ChatTokenizer.load(tiny_model_dir)))
+    with started(FuzzGateway(config, httpx.ASGITransport(engine.app()))) as gw:
+        for sid in gw.sessions:
+            body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            assert gw.call("POST", f"/s/{sid}/v1/chat/completions", json=body).status_code == 200
+        yield gw
+
+
+def test_cross_site_rebinding_and_untyped_requests_change_nothing(guarded: FuzzGateway) -> None:
+    """Every route, drawn as a web page would send it: a foreign ``Host`` is a 400, a state change from
+    another site a 403, an undeclared body a 415; and nothing in the store, the pool or the weights moved."""
+
+    @fuzzer(0.05)
+    @given(drawn=foreign_plans())
+    def example(drawn: tuple[Plan, str, str]) -> None:
+        plan, kind, value = drawn
+        before = store_state(guarded)
+        sent = guarded.prepare(plan)
+        headers = {k: v for k, v in sent.headers.items() if k != kind}
+        if kind != "content-type":
+            headers[kind] = value
+        sent = dataclasses.replace(sent, headers=headers)
+        r = guarded.loop.run_until_complete(guarded.exchange(sent))
+        assert r is not None
+        where = f"{kind}={value!r}: {sent} -> {r.status_code} {r.text[:300]!r}"
+        check_answer(sent.method, sent.path, r, where)
+        changing = sent.method in STATE_CHANGING
+        if kind == "host":
+            assert r.status_code == 400 and "does not answer for host" in r.text, where
+        elif kind in ("origin", "sec-fetch-site") and changing:
+            assert r.status_code == 403 and "another site" in r.text, where
+        elif kind == "content-type" and changing and sent.content:
+            assert r.status_code == 415, where
+        assert store_state(guarded) == before, f"{where}: the request changed the gateway's state"
+
+    example()
 
 
 def test_errors_inside_streams_have_the_protocol_shape(faulty: FaultyGateway) -> None:

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from core.logs import JsonFormatter
+from core.logs import JsonFormatter, session_tag
 from tests.support import GatewayHarness
 
 
@@ -30,20 +30,22 @@ async def test_each_request_is_one_line_with_its_session(
     assert (await gateway.client.get(f"/api/sessions/{sid}/trajectory")).status_code == 200
     assert (await gateway.client.get("/no/such/route")).status_code == 404
     lines = request_lines(caplog)
-    assert [(r.levelno, r.method, r.path, r.session_id, r.status) for r in lines] == [  # type: ignore[attr-defined]
-        (logging.INFO, "POST", f"/s/{sid}/v1/chat/completions", sid, 200),
-        (logging.INFO, "POST", f"/s/{sid}/v1/chat/completions", sid, 200),
-        (logging.INFO, "GET", f"/api/sessions/{sid}/trajectory", sid, 200),
+    tag = session_tag(sid)
+    assert [(r.levelno, r.method, r.path, r.session_tag, r.status) for r in lines] == [  # type: ignore[attr-defined]
+        (logging.INFO, "POST", f"/s/{tag}/v1/chat/completions", tag, 200),
+        (logging.INFO, "POST", f"/s/{tag}/v1/chat/completions", tag, 200),
+        (logging.INFO, "GET", f"/api/sessions/{tag}/trajectory", tag, 200),
         (logging.INFO, "GET", "/no/such/route", None, 404),
     ]
     assert all(r.duration_ms > 0 for r in lines)  # type: ignore[attr-defined]
-    assert lines[0].getMessage().startswith(f"POST /s/{sid}/v1/chat/completions 200 ")
+    assert lines[0].getMessage().startswith(f"POST /s/{tag}/v1/chat/completions 200 ")
+    assert not any(sid in r.getMessage() for r in caplog.records), "a session id (a capability) was logged"
     parsed = json.loads(JsonFormatter().format(lines[0]))
-    assert {k: parsed[k] for k in ("message", "method", "path", "session_id", "status")} == {
+    assert {k: parsed[k] for k in ("message", "method", "path", "session_tag", "status")} == {
         "message": lines[0].getMessage(),
         "method": "POST",
-        "path": f"/s/{sid}/v1/chat/completions",
-        "session_id": sid,
+        "path": f"/s/{tag}/v1/chat/completions",
+        "session_tag": tag,
         "status": 200,
     }
     assert isinstance(parsed["duration_ms"], float)
