@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.errors import Conflict, InvalidRequest
+from core.logs import session_tag
 from gateway import sandbox_api
 from gateway.access import base_root, require_admin
 from gateway.bodies import read_json, validate
@@ -82,6 +83,7 @@ def _summary(
         "num_branches": branches,
         "parent_session": s.parent_session,
         "fork_turn": s.fork_turn,
+        "log_tag": session_tag(s.id),  # what the gateway's log lines show of this session
     }
 
 

@@ -21,6 +21,7 @@ async def test_each_request_is_one_line_with_its_session(
 ) -> None:
     gateway.queue_replies("hello", "again")
     sid, _ = await gateway.new_session()
+    assert (await gateway.client.get(f"/api/sessions/{sid}")).json()["log_tag"] == session_tag(sid)
     caplog.clear()
     caplog.set_level(logging.INFO, "belayer.requests")
     body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
