@@ -4,13 +4,21 @@ the result; those are listed in ``UNSUPPORTED`` and rejected with a 400 that nam
 Content may be a string or a list of blocks; a string is read as one text block. A block of a type
 this gateway cannot render (``image``, ``document``, ``redacted_thinking``…) validates as
 ``OtherBlock``, so that serving can reject it with a 400 naming the block and its index.
+
+Messages and blocks follow the Messages API's schemas (``check_messages``, run before the model
+validates): a block that lacks a field its type requires, carries a field only another block type has,
+or sits in a message whose role cannot hold it (``tool_use`` and thinking in an assistant message,
+``tool_result`` in a user message) gets the 400 Anthropic gives, in its wording
+(``messages.0.content.0.tool_use.id: Field required``). ``cache_control`` is accepted on every block.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from core.errors import InvalidRequest
 
 
 class _Wire(BaseModel):
@@ -99,6 +107,13 @@ class CountTokensRequest(_Wire):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _per_role(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_messages(data.get("messages"))
+        return data
+
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
@@ -116,3 +131,103 @@ UNSUPPORTED: dict[str, str] = {
     "container": "'container' (server-side code execution) is not supported; remove it",
     "output_format": "'output_format' (structured output) is not supported; describe the format in the prompt",
 }
+
+
+# --- per-role message schemas ------------------------------------------------------------------------
+# Each block type's fields, as the Messages API defines them (the anthropic SDK's *BlockParam, beta
+# fields included), and the ones it requires.
+BLOCK_FIELDS: dict[str, frozenset[str]] = {
+    "text": frozenset({"type", "text", "cache_control", "citations"}),
+    "image": frozenset({"type", "source", "cache_control", "transformations"}),
+    "document": frozenset({"type", "source", "cache_control", "citations", "context", "title"}),
+    "search_result": frozenset({"type", "content", "source", "title", "cache_control", "citations"}),
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
+    "tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller", "toolset_name"}),
+    "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"}),
+}
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "text": ("text",),
+    "image": ("source",),
+    "document": ("source",),
+    "search_result": ("content", "source", "title"),
+    "thinking": ("thinking", "signature"),
+    "redacted_thinking": ("data",),
+    "tool_use": ("id", "name", "input"),
+    "tool_result": ("tool_use_id",),
+}
+_STRINGS = {"text", "thinking", "signature", "data", "id", "name", "tool_use_id", "title"}
+_ALL_FIELDS = frozenset().union(*BLOCK_FIELDS.values())
+# cache_control is let through on every block (Anthropic refuses it on thinking blocks, but harnesses
+# put it on whatever block is last); a field no block type has is left to serving, which ignores it.
+_LENIENT = frozenset({"cache_control"})
+ONLY_IN: dict[str, str] = {
+    "tool_use": "assistant",
+    "thinking": "assistant",
+    "redacted_thinking": "assistant",
+    "tool_result": "user",
+}
+# Fields of OpenAI's chat messages: a message that carries one was written for the other protocol.
+OPENAI_FIELDS = ("tool_calls", "tool_call_id", "function_call")
+
+
+def check_messages(messages: Any) -> None:
+    """Each message and block against the Messages API's schema, with its 400 for the first fault:
+
+    >>> check_messages([{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": {}}]}])
+    Traceback (most recent call last):
+    ...
+    core.errors.InvalidRequest: messages.0.content.0.tool_use.id: Field required
+
+    What is not a list of objects with a known role is left to the model's own validation."""
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") in ("user", "assistant", "system"):
+            _check_message(message, message["role"], f"messages.{i}")
+
+
+def _error(path: str, message: str, code: str = "invalid_value") -> InvalidRequest:
+    return InvalidRequest(f"{path}: {message}", path, code)
+
+
+def _check_message(message: dict[str, Any], role: str, where: str) -> None:
+    if "content" not in message:
+        raise _error(f"{where}.content", "Field required", "missing_required_parameter")
+    for key in OPENAI_FIELDS:
+        if message.get(key) is not None:
+            raise _error(f"{where}.{key}", "Extra inputs are not permitted", "unknown_parameter")
+    content = message["content"]
+    if not isinstance(content, list):
+        return  # a string, or a type error the model reports
+    for j, block in enumerate(content):
+        if isinstance(block, dict) and block.get("type") in BLOCK_FIELDS:
+            kind = block["type"]
+            if ONLY_IN.get(kind, role) != role:
+                raise InvalidRequest(
+                    f"{where}: `{kind}` blocks can only be in `{ONLY_IN[kind]}` messages",
+                    f"{where}.content.{j}",
+                    "invalid_value",
+                )
+            _check_block(block, kind, f"{where}.content.{j}.{kind}")
+
+
+def _check_block(block: dict[str, Any], kind: str, where: str) -> None:
+    for key in REQUIRED[kind]:
+        if key not in block:
+            raise _error(f"{where}.{key}", "Field required", "missing_required_parameter")
+    for key in block:
+        if key in _ALL_FIELDS - BLOCK_FIELDS[kind] - _LENIENT:
+            raise _error(f"{where}.{key}", "Extra inputs are not permitted", "unknown_parameter")
+    for key in REQUIRED[kind]:
+        if key in _STRINGS and not isinstance(block[key], str):
+            raise _error(f"{where}.{key}", "Input should be a valid string", "invalid_type")
+    if kind == "tool_use" and not isinstance(block["input"], dict):
+        raise _error(f"{where}.input", "Input should be a valid dictionary", "invalid_type")
+    if kind == "tool_result":
+        if not isinstance(block.get("is_error", False), bool | None):
+            raise _error(f"{where}.is_error", "Input should be a valid boolean", "invalid_type")
+        nested = block.get("content")
+        for k, item in enumerate(nested if isinstance(nested, list) else []):
+            if isinstance(item, dict) and item.get("type") in ("text", "image", "document", "search_result"):
+                _check_block(item, item["type"], f"{where}.content.{k}.{item['type']}")

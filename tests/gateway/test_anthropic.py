@@ -348,7 +348,7 @@ CASES: list[tuple[str, Any, int, str, str]] = [
         {"type": "redacted_thinking", "data": "xx"}]}, {"role": "user", "content": "x"}]), 400,
      "invalid_request_error", "of type 'redacted_thinking' is not supported in an assistant message"),
     ("tool_use from the user", body(messages=user({"type": "tool_use", "id": "t", "name": "bash", "input": {}})),
-     400, "invalid_request_error", "messages[0].content[0] of type 'tool_use'"),
+     400, "invalid_request_error", "messages.0: `tool_use` blocks can only be in `assistant` messages"),
     ("assistant prefill", body(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]),
      400, "invalid_request_error", "prefill"),
     ("tool_choice any without tools", body(tool_choice={"type": "any"}), 400, "invalid_request_error", "tools"),
