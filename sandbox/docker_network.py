@@ -5,7 +5,8 @@ Docker routes nothing from it to the outside world. It is created with inter-con
 off (``com.docker.network.bridge.enable_icc=false``): a sandbox cannot reach another's ports, nor
 answer as another (the gateway tells sandboxes apart by their source address). A network of that name
 that lacks either is replaced when it is Belayer's (its label) and no container is on it, and refused
-otherwise, with the command that removes it. The host keeps an address on the bridge (its
+otherwise, with the command that removes it. An engine whose DNS server could carry lookups out of the
+network (CVE-2024-29018, `sandbox.engine_check`) is refused before the network is made. The host keeps an address on the bridge (its
 gateway address), and the Belayer gateway listens there. Without more, every service of the host
 that listens on all addresses would be reachable too, so an iptables chain on the bridge's INPUT
 accepts TCP to the gateway's listening ports only and resets or drops everything else:
@@ -39,6 +40,7 @@ import docker
 import docker.errors
 
 from core.errors import SandboxUnavailable
+from sandbox import engine_check
 
 CHAIN = "BELAYER-GATEWAY"
 ICC = "com.docker.network.bridge.enable_icc"
@@ -82,6 +84,7 @@ class GatewayNetwork:
                 _iptables("-D", CHAIN, *accept)
 
     def _ensure_network(self) -> str:
+        engine_check.check_engine(self._api)  # an engine that leaks DNS out of the network is refused
         info = self._inspect_or_create()
         unfit = _unfit(info)
         if unfit is not None:

@@ -9,6 +9,20 @@
 #   setup_sandbox_host.sh start      start `dockerd --experimental` unless an engine already answers
 #   setup_sandbox_host.sh stop       stop dockerd, only if `start` started it (recorded PID)
 #   setup_sandbox_host.sh status     say whether an engine answers and who started it
+#   setup_sandbox_host.sh dns-leak [VERSION]
+#                                    say whether the engine (or Docker VERSION) can leak DNS out of the
+#                                    sandboxes' internal network (CVE-2024-29018), and which case applies;
+#                                    install, check and start refuse the `leaks` case (below)
+#
+# CVE-2024-29018: dockerd's DNS server forwards a container's lookups to the host's resolvers from the
+# container's namespace (no route out of an internal network), except for resolvers on the host's
+# loopback, which it asks from the host's namespace: a sandbox could send data out in DNS names. Moby
+# fixed it in 26.0.0, 25.0.5 and 23.0.11; Debian 12's docker.io (20.10.24+dfsg1) does not carry the fix
+# (its changelog names no CVE-2024-29018). The cases, the same as sandbox/engine_check.py's:
+#   fixed-upstream        the engine's version has the fix
+#   fixed-debian          a Debian build whose installed changelog names CVE-2024-29018
+#   no-loopback-resolver  no fix, but no resolver of this host is on loopback: nothing leaks (warned)
+#   leaks                 no fix, and a resolver on loopback: refused
 #
 # Idempotent: every step checks first and skips what is already done. A machine that already has
 # Docker and CRIU >= 4.2 is used as it is.
@@ -24,6 +38,8 @@
 #   CRIU_PREFIX             [/usr/local]               CRIU is installed as $CRIU_PREFIX/sbin/criu
 #   CRIU_MIN_VERSION        [4.2]                      older CRIUs fail on kernels >= 6.13 / 6.16
 #   DEBIAN_MIRROR           [from debian.sources, else http://deb.debian.org/debian]
+#   BELAYER_RESOLV_CONF     [/etc/resolv.conf, or systemd-resolved's list]  the host's resolvers, as dockerd reads them
+#   BELAYER_DOCKER_CHANGELOG [/usr/share/doc/docker.io/changelog.Debian.gz]  Debian's docker.io changelog
 set -euo pipefail
 
 STATE_DIR=${BELAYER_STATE_DIR:-/var/lib/belayer}
@@ -34,6 +50,8 @@ CACHE_DIR=${BELAYER_CACHE_DIR:-/var/cache/belayer}
 CRIU_PREFIX=${CRIU_PREFIX:-/usr/local}
 CRIU_MIN_VERSION=${CRIU_MIN_VERSION:-4.2}
 RECORD="$DOCKER_DIR/started-by-belayer.pid"
+DOCKER_CHANGELOG=${BELAYER_DOCKER_CHANGELOG:-/usr/share/doc/docker.io/changelog.Debian.gz}
+DNS_CVE=CVE-2024-29018
 export DEBIAN_FRONTEND=noninteractive
 export PATH="$CRIU_PREFIX/sbin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -194,6 +212,73 @@ ensure_runc_conf() {
   done
 }
 
+# ---------------------------------------------------------------- CVE-2024-29018: DNS out of internal networks
+docker_version() {  # the answering engine's version, else the installed dockerd's; nothing without either
+  local v
+  v=$(docker_cli version -f '{{.Server.Version}}' 2>/dev/null || true)
+  [ -n "$v" ] || v=$(dockerd --version 2>/dev/null | awk '{ print $3 }' | tr -d , || true)
+  echo "$v"
+}
+
+upstream_fixed() {  # VERSION: Moby 26.0.0 and later, 25.0.5+, 23.0.11+ (24.0 never got the fix)
+  local v=${1#v}
+  v=${v%%[+~-]*}
+  [[ "$v" =~ ^[0-9]+\.[0-9]+ ]] || return 1
+  version_ge "$v" 26.0.0 && return 0
+  case "$v" in
+    25.0.*) version_ge "$v" 25.0.5 ;;
+    23.0.*) version_ge "$v" 23.0.11 ;;
+    *) return 1 ;;
+  esac
+}
+
+debian_backport() {  # VERSION: a Debian build whose installed changelog names the CVE
+  case "$1" in *dfsg*) ;; *) return 1 ;; esac
+  [ -r "$DOCKER_CHANGELOG" ] && zcat -f "$DOCKER_CHANGELOG" | grep -q "$DNS_CVE"
+}
+
+resolvers_file() {  # where dockerd reads the host's resolvers
+  if [ -n "${BELAYER_RESOLV_CONF:-}" ]; then echo "$BELAYER_RESOLV_CONF"; return; fi
+  if [ "$(awk '$1 == "nameserver" { print $2 }' /etc/resolv.conf 2>/dev/null)" = 127.0.0.53 ] \
+    && [ -f /run/systemd/resolve/resolv.conf ]; then
+    echo /run/systemd/resolve/resolv.conf
+  else
+    echo /etc/resolv.conf
+  fi
+}
+
+loopback_resolvers() {  # the host's resolvers on loopback, comma-separated
+  awk '$1 == "nameserver" && ($2 ~ /^127\./ || $2 == "::1") { print $2 }' "$(resolvers_file)" 2>/dev/null \
+    | paste -sd, -
+}
+
+dns_leak_case() {  # VERSION: print "<case>: <why>"; fail in the `leaks` case
+  local v=$1 loop
+  if upstream_fixed "$v"; then
+    echo "fixed-upstream: Docker $v has the fix for $DNS_CVE (DNS leak out of internal networks)"
+  elif debian_backport "$v"; then
+    echo "fixed-debian: Debian's docker.io $v carries the fix for $DNS_CVE (its changelog names it)"
+  else
+    loop=$(loopback_resolvers)
+    if [ -z "$loop" ]; then
+      echo "no-loopback-resolver: Docker $v lacks the fix for $DNS_CVE (DNS leak out of internal networks), but" \
+        "no resolver in $(resolvers_file) is on loopback, so dockerd forwards no sandbox's lookup from the" \
+        "host: no leak here while it stays so; Docker >= 26.0.0 (25.0.5, 23.0.11) has the fix"
+    else
+      echo "leaks: Docker $v lacks the fix for $DNS_CVE, and the resolver $loop in $(resolvers_file) is on" \
+        "loopback: a sandbox on the gateway network could send data out in DNS lookups. Install Docker" \
+        ">= 26.0.0 (or 25.0.5, 23.0.11), or name a resolver that is not on loopback in /etc/resolv.conf"
+      return 1
+    fi
+  fi
+}
+
+ensure_no_dns_leak() {  # [VERSION]: say which case applies; die in the `leaks` case
+  local v=${1:-$(docker_version)} out
+  if [ -z "$v" ]; then say "dns-leak: no Docker engine or dockerd to check"; return 0; fi
+  if out=$(dns_leak_case "$v"); then say "dns-leak: $out"; else die "dns-leak: $out"; fi
+}
+
 # ---------------------------------------------------------------- dockerd
 docker_cli() { docker -H "unix://$DOCKER_SOCKET" "$@"; }
 engine_answers() { command -v docker >/dev/null 2>&1 && docker_cli version >/dev/null 2>&1; }
@@ -221,10 +306,12 @@ wait_engine_ready() {
 start_dockerd() {
   local t pid extra=()
   if engine_answers; then
+    ensure_no_dns_leak
     say "dockerd: an engine already answers on $DOCKER_SOCKET, using it ($(engine_summary))"
     return 0
   fi
   command -v dockerd >/dev/null 2>&1 || die "dockerd: not installed; run '$0 install' first"
+  ensure_no_dns_leak
   t=$(now)
   mkdir -p "$DOCKER_DIR/data" "$DOCKER_DIR/exec"
   # shellcheck disable=SC2206
@@ -287,6 +374,11 @@ cmd_check() {
   have docker-compose "'$0 install' installs Debian's docker-compose" command -v docker-compose || gaps=1
   have "tcp-close and irmap-scan-path in /etc/criu/runc.conf" "'$0 install' adds them" \
     grep -qsx 'irmap-scan-path /root' /etc/criu/runc.conf || gaps=1
+  local v out
+  v=$(docker_version)
+  if [ -n "$v" ]; then
+    if out=$(dns_leak_case "$v"); then say "check: dns-leak $out"; else say "check: REFUSED dns-leak $out"; gaps=1; fi
+  fi
   if [ "$gaps" = 0 ]; then say "check: docker $(dockerd --version 2>/dev/null | awk '{print $3}' | tr -d ,), criu $(criu_version "$(working_criu)")"; fi
   return "$gaps"
 }
@@ -296,6 +388,7 @@ cmd_install() {
   [ "$(id -u)" = 0 ] || die "run as root"
   command -v apt-get >/dev/null 2>&1 || die "not a Debian-like host (no apt-get); install Docker and CRIU >= $CRIU_MIN_VERSION yourself"
   install_runtime_pkgs
+  ensure_no_dns_leak
   ensure_criu
   ensure_runc_conf
   say "install: done in $(since "$t")"
@@ -307,5 +400,6 @@ case "${1:-install}" in
   start) start_dockerd ;;
   stop) stop_dockerd ;;
   status) cmd_status ;;
-  *) echo "usage: $0 [install|check|start|stop|status]" >&2; exit 2 ;;
+  dns-leak) ensure_no_dns_leak "${2:-}" ;;
+  *) echo "usage: $0 [install|check|start|stop|status|dns-leak [VERSION]]" >&2; exit 2 ;;
 esac
