@@ -1,6 +1,6 @@
 """The sandbox API of a session: create it, run tool calls and file operations, checkpoint, restore.
 
-::
+The trainer's routes, under ``/api/`` (behind the API token, `gateway.access`)::
 
     POST   /api/sessions/{id}/sandbox               {"image": ..., "workdir"?, "memory_mb"?, ...} -> 201
                                                     (or POST /api/sessions {"sandbox": {...}})
@@ -15,12 +15,31 @@
     POST   /api/sessions/{id}/sandbox/verify        {"files": [{"path", "content" (base64), "mode"?}], ...}:
                                                     the verify stage (`gateway.sandboxes.verify`)
 
+The harness's routes, under the session's capability URL (no token: the session id is the capability,
+as for ``/s/{id}/v1/*``), for a harness beside its sandbox that runs its tool calls there: the same
+handlers, for that session's sandbox only::
+
+    GET    /s/{id}/sandbox                          state (after a 409 sandbox_restored: where to go on)
+    POST   /s/{id}/sandbox/exec
+    GET    /s/{id}/sandbox/files?path=P
+    PUT    /s/{id}/sandbox/files
+
+Nothing there creates, deletes, checkpoints, restores or verifies: a harness cannot judge itself,
+rewind its own trajectory (a restore truncates it) or end its episode. An unknown or closed session
+answers 404 (``session_not_found``, ``session_closed``) and reaches no sandbox. A request from
+inside a sandbox (the sandbox listener, `gateway.sandbox_listener`) is refused with a 403: a harness
+inside runs its commands itself, and its sandbox's own processes stay off the tool-call journal.
+
 Sandbox errors become OpenAI- or Anthropic-style error JSON in the gateway's one table (`gateway.errors`). A tool call during
 which the sandbox failed is, by default (`"recovery": "replay"`), run again on the restored sandbox
 after the calls since its checkpoint were replayed: it just answers. With `"recovery": "truncate"` it
 answers 409 `sandbox_restored`: the trajectory was truncated, and `GET .../sandbox` says after which turn
 (`last_restore.keep_through`) to continue. A call that breaks the sandbox twice answers 422
 `command_broke_sandbox`.
+
+Example (a harness's tool call, with only its session id)::
+
+    httpx.post(f"{gateway}/s/{session_id}/sandbox/exec", json={"command": "pytest -q", "timeout_s": 120})
 """
 
 from __future__ import annotations
@@ -37,17 +56,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from core.errors import InvalidRequest, SandboxError, SandboxesDisabled
+from core.errors import Forbidden, InvalidRequest, NotFound, SandboxError, SandboxesDisabled
 from engine_pool.pool import EnginePool
+from gateway.access import SANDBOX_SCOPE_KEY
 from gateway.bodies import read_json, validate
 from gateway.config import SandboxConfig
 from gateway.runtime import Gateway, gateway_of
 from gateway.sandboxes.manager import SandboxManager
 from gateway.sandboxes.verify import VerifyPlan
-from gateway.store import TrajectoryStore
+from gateway.store import SessionRecord, TrajectoryStore
 from sandbox.backend import SandboxBackend, SandboxSpec
 
 log = logging.getLogger("belayer.sandbox")
+CAPABILITY_ROOT = "/s/{session_id}/sandbox"
+"""The session's sandbox under its capability URL: no token, that session's sandbox only."""
 
 
 @contextlib.asynccontextmanager
@@ -70,8 +92,9 @@ async def open_sandboxes(
         from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
 
         docker_config = DockerBackendConfig(
-            base_url=config.docker_url, checkpoint_dir=Path(config.checkpoint_dir)
-        )
+            base_url=config.docker_url, checkpoint_dir=Path(config.checkpoint_dir),
+            disk_quota_bytes=config.disk_quota_bytes or None,
+        )  # fmt: skip
         backend = DockerSandboxBackend(docker_config)
 
     def engine_load() -> float:  # requests sharing a worker with a new one
@@ -164,8 +187,28 @@ def _decoded(files: list[TaskFile], param: str) -> dict[str, tuple[bytes, int]]:
 
 
 def _manager(request: Request) -> tuple[SandboxManager, str]:
+    """The sandbox manager and the session the path names: any stored one under ``/api/`` (behind the
+    token), under the capability URL only an open one, and not from inside a sandbox."""
     gw = gateway_of(request)
-    return manager_of(gw), gw.sessions.get(request.path_params["session_id"]).id
+    manager = manager_of(gw)
+    session = gw.sessions.get(request.path_params["session_id"])
+    if request.url.path.startswith("/s/"):
+        _check_capability(request, session)
+    return manager, session.id
+
+
+def _check_capability(request: Request, session: SessionRecord) -> None:
+    if SANDBOX_SCOPE_KEY in request.scope:
+        raise Forbidden(
+            "a sandbox cannot call its session's sandbox API; run the command in the sandbox itself"
+        )
+    if session.status != "open":
+        raise NotFound(
+            f"session '{session.id}' is {session.status}: its sandbox is gone; a new episode needs a new "
+            "session",
+            "session_id",
+            "session_closed",
+        )
 
 
 def manager_of(gw: Gateway) -> SandboxManager:
@@ -311,4 +354,16 @@ def routes() -> list[Route]:
         Route(f"{base}/checkpoints", create_checkpoint, methods=["POST"]),
         Route(f"{base}/restore", restore, methods=["POST"]),
         Route(f"{base}/verify", verify, methods=["POST"]),
+        *capability_routes(),
+    ]
+
+
+def capability_routes() -> list[Route]:
+    """The harness's routes under the session's capability URL (the module docstring)."""
+    base = CAPABILITY_ROOT
+    return [
+        Route(base, get_sandbox, methods=["GET"]),
+        Route(f"{base}/exec", exec_command, methods=["POST"]),
+        Route(f"{base}/files", read_file, methods=["GET"]),
+        Route(f"{base}/files", write_file, methods=["PUT"]),
     ]

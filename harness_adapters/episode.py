@@ -27,6 +27,13 @@ network, from an image with its files (`sandbox.images.ensure_harness_image`, bu
 Docker, under the task image); the others run here with their commands executed in the sandbox
 (mini-swe-agent's `belayer_mini_env`).
 
+**Who holds the token.** The runner is the trainer side: its own calls (sessions, sandbox creation, the
+verify stage, reward, close, and the commands that launch and watch a harness inside) go to ``/api/``
+with `api_token` (``belayer run-episode`` reads ``BELAYER_API_TOKEN``). A harness gets only its
+session's capability URLs: ``/s/{id}/v1`` for the model, ``/s/{id}/sandbox/...`` for its tool calls
+(`gateway.sandbox_api`). Its environment is built from scratch (`HarnessAdapter.env`), so the token
+never reaches it, nor the sandbox.
+
 **Forking** (``fork_at=K, siblings=N``; ``belayer run-episode --fork-at K --siblings N``), for a harness
 inside its sandbox only, since its memory travels in the sandbox's checkpoint (one beside runs in this
 process, which a sandbox checkpoint does not hold). The runner launches the harness and polls the

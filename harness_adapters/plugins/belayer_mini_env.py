@@ -1,6 +1,7 @@
-"""A mini-swe-agent environment whose commands run in a Belayer sandbox, through the gateway's sandbox
-API (``POST /api/sessions/{id}/sandbox/exec``). Loaded by mini-swe-agent from its own venv, so it
-needs only mini-swe-agent and the standard library; mini-swe-agent itself is unchanged:
+"""A mini-swe-agent environment whose commands run in a Belayer sandbox, through the session's sandbox
+routes under its capability URL (``POST /s/{id}/sandbox/exec``: no API token, that session's sandbox
+only). Loaded by mini-swe-agent from its own venv, so it needs only mini-swe-agent and the standard
+library; mini-swe-agent itself is unchanged:
 
     mini ... -c environment.environment_class=belayer_mini_env.BelayerEnvironment \\
              -c environment.gateway=http://127.0.0.1:8000 -c environment.session=ses_1
@@ -41,7 +42,7 @@ class BelayerEnvironment(LocalEnvironment):  # type: ignore[misc]
             "timeout_s": seconds,
             "env": self.config.env or None,
         }
-        url = f"{self.config.gateway.rstrip('/')}/api/sessions/{self.config.session}/sandbox/exec"
+        url = f"{self.config.gateway.rstrip('/')}/s/{self.config.session}/sandbox/exec"
         request = urllib.request.Request(
             url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
         )

@@ -1,5 +1,6 @@
 """OpenHands (the ``openhands-sdk`` agent with ``openhands-tools``) on one Belayer session, with its
-terminal and file editor acting on the session's sandbox through the gateway's sandbox API. Run by
+terminal and file editor acting on the session's sandbox through its sandbox routes under the session's
+capability URL (``/s/{id}/sandbox/...``: no API token, that session's sandbox only). Run by
 `harness_adapters.openhands` with the OpenHands venv's Python (3.12+), so it needs only OpenHands and
 the standard library; OpenHands' own agent loop, prompts, tool schemas and observation texts are used
 unchanged, only the two tools' executors are Belayer's:
@@ -66,10 +67,10 @@ PS1_QUERY = 'printf "%s\\n%s" "$PWD" "$(command -v python3 || command -v python 
 
 
 class SandboxAPI:
-    """The gateway's sandbox API for one session (urllib: this runs in OpenHands' own venv)."""
+    """One session's sandbox routes, under its capability URL (urllib: this runs in OpenHands' own venv)."""
 
     def __init__(self, gateway: str, session: str) -> None:
-        self.root = f"{gateway.rstrip('/')}/api/sessions/{session}/sandbox"
+        self.root = f"{gateway.rstrip('/')}/s/{session}/sandbox"
 
     def call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()

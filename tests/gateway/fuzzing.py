@@ -733,6 +733,10 @@ SANDBOX_ROUTES = [
     ("POST", "/api/sessions/{sid}/sandbox/checkpoints"),
     ("POST", "/api/sessions/{sid}/sandbox/restore"),
     ("POST", "/api/sessions/{sid}/sandbox/verify"),
+    ("GET", "/s/{sid}/sandbox"),  # the harness's, under the session's capability URL
+    ("POST", "/s/{sid}/sandbox/exec"),
+    ("GET", "/s/{sid}/sandbox/files"),
+    ("PUT", "/s/{sid}/sandbox/files"),
 ]
 ADMIN_AUTH = [None, "", "Bearer", "Bearer wrong", "Basic Zm9vOmJhcg==", "bearer  {admin}", "Bearer {admin}x"]
 DRAIN = ["0", "0", "0", "", "-1", "3601", "nan", "inf", "1e400", "abc", "0x10", "１"]

@@ -3,6 +3,10 @@
 test, and the task's verifier. Claude Code and OpenCode run *inside* their sandbox (on the gateway-only network);
 mini-swe-agent runs beside it, with its commands executed in the sandbox.
 
+Most stacks run the gateway with ``--api-token``: the runner holds the token (the trainer side), the
+harness never does (its model calls and, beside its sandbox, its tool calls go to its session's
+capability URLs), and its episode still goes through.
+
 One engine process exits mid-episode (``--crash``): the gateway fails over to the other, and the
 harness does not notice. Every turn is in the trajectory with exactly the ids the engines saw and sent.
 Claude Code's container is also killed mid-episode: Claude Code comes back from its last checkpoint
@@ -32,6 +36,7 @@ import pytest
 
 from engine_pool.worker import free_port
 from gateway.tokenization import ChatTokenizer
+from harness_adapters.base import HarnessAdapter
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.episode import EpisodeRunner, Task
 from harness_adapters.mini_swe_agent import MiniSweAgent
@@ -48,14 +53,29 @@ RUN_TEST = "python3 -m unittest -q test_hello 2>&1 | tail -1"  # OK or FAILED: n
 FIX = {"old_string": 'return "hello"', "new_string": 'return "hello, world"'}
 
 
+API_TOKEN = "trainer-t0ken"
+
+
 @dataclass(frozen=True, slots=True)
 class Stack:
     url: str
     logs: list[Path]
     dir: Path
+    token: str | None = None
+    """The gateway's --api-token: the runner's and the test's, never the harness's."""
 
     def emissions(self) -> list[Emission]:
         return [e for log in self.logs for e in read_log(log)]
+
+    def api(self, path: str) -> Any:
+        """``GET /api/{path}``'s JSON, as the trainer (with the token)."""
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        r = httpx.get(f"{self.url}/api/{path}", headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def runner(self, adapter: HarnessAdapter) -> EpisodeRunner:
+        return EpisodeRunner(self.url, adapter, api_token=self.token)
 
 
 CLAUDE_TURNS = [
@@ -93,8 +113,10 @@ def start_stack(
     *,
     engines: int = 2,
     scripts: list[dict[str, Any]] | None = None,
+    api_token: str | None = None,
 ) -> Iterator[Stack]:
-    """Two scripted engine processes (either may crash once at `crash`) and `belayer serve --sandboxes`.
+    """Two scripted engine processes (either may crash once at `crash`) and `belayer serve --sandboxes`
+    (with `api_token`, ``--api-token``).
     Tokens come 30 ms apart: each LLM call is an inference bubble of a second or so, long enough for a
     checkpoint to start in it on a busy machine (at 10 ms, CI once saw every bubble end first).
     `scripts` replaces the one script of `marker` and `turns`; `engines` how many processes serve it."""
@@ -122,9 +144,11 @@ def start_stack(
         cmd += ["--max-model-len", "65536", "--port", str(gw_port), "--store", str(tmp / "traj.db")]
         cmd += ["--checkpoint-dir", str(tmp / "checkpoints"), "--log-level", "WARNING"]
         cmd += ["--checkpoint-policy", policy]
+        if api_token is not None:
+            cmd += ["--api-token", api_token]
         procs.append(spawn(cmd, out))
         wait_healthy(f"http://127.0.0.1:{gw_port}/health", procs, 60.0, out)
-        yield Stack(f"http://127.0.0.1:{gw_port}", logs, tmp)
+        yield Stack(f"http://127.0.0.1:{gw_port}", logs, tmp, api_token)
     finally:
         for p in reversed(procs):
             stop(p, grace=10, require_exit=False)
@@ -142,7 +166,7 @@ def check_trajectory(stack: Stack, sid: str, n_turns: int) -> list[dict[str, Any
     turn: the crashed engine's whole reply, of which the other engine sent the rest; or, not streamed,
     the other engine's answer to the same prompt)."""
     first = [e for e in stack.emissions() if e.resumed == 0 and e.turn is not None]
-    turns: list[dict[str, Any]] = httpx.get(f"{stack.url}/api/sessions/{sid}/trajectory").json()["turns"]
+    turns: list[dict[str, Any]] = stack.api(f"sessions/{sid}/trajectory")["turns"]
     assert [t["status"] for t in turns] == ["complete"] * n_turns
     for turn in turns:
         answers = [e.output_ids for e in first if e.prompt_ids == turn["prompt_ids"]]
@@ -151,7 +175,7 @@ def check_trajectory(stack: Stack, sid: str, n_turns: int) -> list[dict[str, Any
 
 
 def failover_turns(stack: Stack, sid: str) -> list[int]:
-    traj = httpx.get(f"{stack.url}/api/sessions/{sid}/trajectory").json()
+    traj = stack.api(f"sessions/{sid}/trajectory")
     return [e["turn_index"] for e in traj["events"] if e["kind"] == "failover"]
 
 
@@ -164,12 +188,16 @@ def claude_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> I
 
 @pytest.fixture
 def opencode_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Iterator[Stack]:
-    yield from start_stack(tmp_path, tiny_model_dir, "OPENCODE-TASK", OPENCODE_TURNS, crash="2:5")
+    yield from start_stack(
+        tmp_path, tiny_model_dir, "OPENCODE-TASK", OPENCODE_TURNS, crash="2:5", api_token=API_TOKEN
+    )
 
 
 @pytest.fixture
 def mini_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Iterator[Stack]:
-    yield from start_stack(tmp_path, tiny_model_dir, "MINI-TASK", MINI_TURNS, crash="1:0", policy="always")
+    yield from start_stack(
+        tmp_path, tiny_model_dir, "MINI-TASK", MINI_TURNS, crash="1:0", policy="always", api_token=API_TOKEN
+    )
 
 
 def kill_after_checkpoint(stack: Stack, turn: int, done: threading.Event) -> dict[str, Any]:
@@ -177,9 +205,9 @@ def kill_after_checkpoint(stack: Stack, turn: int, done: threading.Event) -> dic
     # a deadline for a machine busy with other work too (the episode itself ends by `done`)
     deadline, seen = time.monotonic() + 300, []
     while time.monotonic() < deadline and not done.is_set():
-        sessions = httpx.get(f"{stack.url}/api/sessions").json()["data"]
+        sessions = stack.api("sessions")["data"]
         for s in sessions:
-            state = httpx.get(f"{stack.url}/api/sessions/{s['id']}/sandbox").json()
+            state = stack.api(f"sessions/{s['id']}/sandbox")
             seen = [c["turn_index"] for c in state.get("checkpoints", [])]
             if any(t >= turn for t in seen):
                 docker.from_env().containers.get(state["sandbox_id"]).kill()
@@ -207,7 +235,7 @@ def test_claude_code_episode_inside_its_sandbox(
     assert report["sandbox_checkpoint_failures"] <= 1  # at most the one running when the container died
     assert report["sandbox_restores"] == 1
     sid = report["session_id"]
-    traj = httpx.get(f"{claude_stack.url}/api/sessions/{sid}/trajectory").json()
+    traj = claude_stack.api(f"sessions/{sid}/trajectory")
     [restored] = [e["data"] for e in traj["events"] if e["kind"] == "sandbox_restored"]
     assert restored["sandbox_id"] != killed["sandbox_id"] and restored["turn_index"] >= 3
     assert restored["keep_through"] == restored["turn_index"] - 1  # it retried the call it was in
@@ -228,7 +256,7 @@ def test_claude_code_episode_inside_its_sandbox(
 
 
 def test_opencode_episode_inside_its_sandbox(opencode_stack: Stack, tmp_path: Path) -> None:
-    report = EpisodeRunner(opencode_stack.url, OpenCode(CACHE)).run(make_task(tmp_path, "OPENCODE-TASK"))
+    report = opencode_stack.runner(OpenCode(CACHE)).run(make_task(tmp_path, "OPENCODE-TASK"))
     (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
     assert report["inside"] is True
     assert report["verified"] is True, report
@@ -244,7 +272,7 @@ def test_opencode_episode_inside_its_sandbox(opencode_stack: Stack, tmp_path: Pa
 
 
 def test_mini_swe_agent_episode_in_a_sandbox(mini_stack: Stack, tmp_path: Path) -> None:
-    runner = EpisodeRunner(mini_stack.url, MiniSweAgent(CACHE))
+    runner = mini_stack.runner(MiniSweAgent(CACHE))  # its tool calls go to /s/{id}/sandbox, with no token
     done = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         episode = pool.submit(runner.run, make_task(tmp_path, "MINI-TASK"))
@@ -260,7 +288,7 @@ def test_mini_swe_agent_episode_in_a_sandbox(mini_stack: Stack, tmp_path: Path) 
     # commands run since, and answered the call; no turn was discarded
     check_trajectory(mini_stack, report["session_id"], 4)
     assert failover_turns(mini_stack, report["session_id"]) == [1]
-    traj = httpx.get(f"{mini_stack.url}/api/sessions/{report['session_id']}/trajectory").json()
+    traj = mini_stack.api(f"sessions/{report['session_id']}/trajectory")
     [restored] = [e["data"] for e in traj["events"] if e["kind"] == "sandbox_restored"]
     assert (restored["mode"], restored["discarded_turns"], restored["diverged"]) == ("replay", [], 0)
     assert restored["sandbox_id"] != killed["sandbox_id"]

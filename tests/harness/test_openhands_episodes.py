@@ -4,7 +4,8 @@ front of two scripted engine processes (`tests.harness.test_episodes.start_stack
 and its verifier. One engine process exits in the middle of the edit's reply: the gateway fails over to
 the other, and OpenHands does not notice. Every turn holds exactly the ids the engines saw and sent.
 Its sandbox's container is also killed mid-episode: the gateway restores the last checkpoint and replays
-the commands and file writes since, and OpenHands does not notice that either. A second episode
+the commands and file writes since, and OpenHands does not notice that either. That gateway runs with
+``--api-token``, which OpenHands never gets: its tools reach the sandbox under its session's URL. A second episode
 walks the tools' other paths (a directory view, a persistent ``cd`` and ``export``, create, insert,
 undo, a relative path, a terminal reset, a literal for a command, a timeout, a call to no tool, bad
 arguments) and pins what the model is
@@ -22,14 +23,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gateway.tokenization import ChatTokenizer
-from harness_adapters.episode import EpisodeRunner
 from harness_adapters.openhands import OpenHands
 from harness_adapters.scripted_engine import tool_call
 from tests.harness.test_episodes import (
+    API_TOKEN,
     CACHE,
     FIX,
     RUN_TEST,
@@ -60,14 +60,15 @@ OPENHANDS_TURNS = [
 @pytest.fixture
 def openhands_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> Iterator[Stack]:
     yield from start_stack(
-        tmp_path, tiny_model_dir, "OPENHANDS-TASK", OPENHANDS_TURNS, crash="2:5", policy="always"
-    )
+        tmp_path, tiny_model_dir, "OPENHANDS-TASK", OPENHANDS_TURNS, crash="2:5", policy="always",
+        api_token=API_TOKEN,
+    )  # fmt: skip
 
 
 def test_openhands_episode_beside_its_sandbox(
     openhands_stack: Stack, tmp_path: Path, tokenizer: ChatTokenizer
 ) -> None:
-    runner = EpisodeRunner(openhands_stack.url, OpenHands(CACHE))
+    runner = openhands_stack.runner(OpenHands(CACHE))
     done = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         episode = pool.submit(runner.run, make_task(tmp_path, "OPENHANDS-TASK"))
@@ -86,7 +87,7 @@ def test_openhands_episode_beside_its_sandbox(
     assert [tokenizer.decode(t["output_ids"]) for t in turns] == OPENHANDS_TURNS
     assert failover_turns(openhands_stack, sid) == [2]  # the engine died mid-edit; OpenHands never knew
     assert (openhands_stack.dir / "crashed").exists()
-    traj = httpx.get(f"{openhands_stack.url}/api/sessions/{sid}/trajectory").json()
+    traj = openhands_stack.api(f"sessions/{sid}/trajectory")
     [restored] = [e["data"] for e in traj["events"] if e["kind"] == "sandbox_restored"]
     assert (restored["mode"], restored["discarded_turns"], restored["diverged"]) == ("replay", [], 0)
     assert restored["sandbox_id"] != killed["sandbox_id"]
@@ -132,10 +133,10 @@ def tools_stack(tmp_path: Path, tiny_model_dir: Path, docker_engine: None) -> It
 
 def test_openhands_tools_act_on_the_sandbox(tools_stack: Stack, tmp_path: Path) -> None:
     task = dataclasses.replace(make_task(tmp_path, "OPENHANDS-TOOLS"), max_turns=len(TOOLS_TURNS))
-    report = EpisodeRunner(tools_stack.url, OpenHands(CACHE)).run(task)
+    report = tools_stack.runner(OpenHands(CACHE)).run(task)  # an open gateway
     (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
     assert report["harness_ok"] is True, (report["harness_report"], report["harness_stderr_tail"])
-    traj = httpx.get(f"{tools_stack.url}/api/sessions/{report['session_id']}/trajectory").json()
+    traj = tools_stack.api(f"sessions/{report['session_id']}/trajectory")
     request = traj["turns"][-1]["request"]
     texts = ["".join(c["text"] for c in m["content"]) for m in request["messages"] if m["role"] == "tool"]
     footer = (
