@@ -69,11 +69,11 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def write_layout(directory: Path, key: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
     """Write `tensors` to ``weights.bin`` (page-aligned) and then the manifest; returns the bytes."""
-    directory.mkdir(parents=True, exist_ok=True)
+    shm_weights.secure_dir(directory)  # 0700, this user's (the owner's directory above it, too)
     entries: dict[str, dict[str, Any]] = {}
     offset = 0
     tmp = directory / f".{shm_weights.WEIGHTS}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
+    with shm_weights.open_new(tmp) as f:  # O_EXCL|O_NOFOLLOW
         for name, t in tensors.items():
             data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
             f.seek(offset)
@@ -109,7 +109,7 @@ def map_tensor(weights: Path, entry: dict[str, Any]) -> torch.Tensor:
     dtype = _DTYPES[entry["dtype"]]
     if nbytes == 0:
         return torch.empty(entry["shape"], dtype=dtype)
-    with open(weights, "rb") as f:
+    with shm_weights.open_existing(weights) as f:  # O_NOFOLLOW
         region = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=int(entry["offset"]))  # fmt: skip
     return torch.frombuffer(region, dtype=dtype).view(entry["shape"])

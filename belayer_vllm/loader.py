@@ -98,11 +98,16 @@ class SharedMemoryLoader(BaseModelLoader):
         report: dict[str, Any] = {"source": "disk", "version": None}
         model, report_dir = None, None
         launch = shm_weights.checkpoint_hash(model_config.model)
-        for checkpoint, version in _candidates(self.base, model_config):
+        try:  # a store another user could have planted is not read at all (nor written to)
+            shm_weights.check_dir(self.base)
+            candidates = _candidates(self.base, model_config)
+        except shm_weights.UnsafeStore as e:
+            report["why"], candidates = str(e), []
+        for checkpoint, version in candidates:
             key = _key(model_config, checkpoint)
             report_dir = report_dir or layout.layout_dir(self.base, key)  # a disk load: the first tried
             try:
-                directory, manifest = layout.open_layout(self.base, key)
+                directory, manifest = _open_layout(self.base, key)
                 model, mapped = self._map(vllm_config, model_config, prefix, directory, manifest)
             except (layout.LayoutUnavailable, OSError) as e:  # OSError: the owner went as it was mapped
                 report.setdefault("why", str(e))
@@ -167,10 +172,11 @@ class SharedMemoryLoader(BaseModelLoader):
             raise layout.LayoutUnavailable("this model was not loaded by belayer_shm")
         if not names:
             raise layout.LayoutUnavailable("no tensor of this model is left as loaded: none can be shared")
+        shm_weights.check_dir(self.base)
         pointer = shm_weights.current(self.base, launch)
         if pointer is None or not shm_weights.owner_holds(pointer, weights_path):
             raise layout.LayoutUnavailable(f"no published owner holds exactly the weights at {weights_path}")
-        directory, manifest = layout.open_layout(self.base, _key(model_config, pointer["checkpoint"]))
+        directory, manifest = _open_layout(self.base, _key(model_config, pointer["checkpoint"]))
         with torch.no_grad():
             shared, kept, nbytes = _repoint(
                 model, directory / shm_weights.WEIGHTS, manifest["tensors"], names
@@ -193,6 +199,15 @@ def _candidates(base: str, model_config: Any) -> list[tuple[str, str | None]]:
     if pointer["checkpoint"] == own:
         return [(own, pointer["version"])]
     return [(pointer["checkpoint"], pointer["version"]), (own, None)]
+
+
+def _open_layout(base: str, key: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """`layout.open_layout`, once every directory on the way is this user's alone (`shm_weights.
+    check_dir`: `UnsafeStore`, an `OSError`, otherwise)."""
+    directory = layout.layout_dir(base, key)
+    for path in (directory.parent.parent, directory.parent, directory):
+        shm_weights.check_dir(path)
+    return layout.open_layout(base, key)
 
 
 def _key(model_config: Any, checkpoint: str) -> dict[str, Any]:
@@ -280,10 +295,14 @@ def _nothing(layer: nn.Module) -> None:
 
 
 def _record(directory: Any, report: dict[str, Any]) -> None:
+    """On stderr, and under the layout `directory` (None: the store is not safe to write to)."""
     sys.stderr.write(f"belayer_shm: {json.dumps(report, sort_keys=True)}\n")
+    if directory is None:
+        return
     try:
         loads = directory / shm_weights.LOADS
-        loads.mkdir(parents=True, exist_ok=True)
+        for path in (directory.parent.parent, directory.parent, directory, loads):  # base, owner, layout
+            shm_weights.secure_dir(path)
         shm_weights.write_json(loads / f"{os.getpid()}.json", report)
     except OSError:
-        pass  # the report is for observers; a read-only or vanished store must not fail the load
+        pass  # the report is for observers; a read-only, vanished or unsafe store must not fail the load

@@ -27,6 +27,12 @@ A worker maps ``weights.bin`` only while the owner holds its lock (`owner_alive`
 complete; otherwise it loads from disk as vLLM normally does. The files are written before the manifest,
 and the manifest by rename, so a complete manifest means complete weights.
 
+The base's name is predictable and ``/dev/shm`` is everyone's, so another user could make it first and
+plant weights, or links that send the owner's writes elsewhere. Every directory of the store is made
+0700 (`secure_dir`) and used only when it is a real directory of this user that no one else may write
+(`check_dir`; `UnsafeStore` says what to do otherwise); files are opened without following links, and
+new ones are created exclusively (``O_EXCL|O_NOFOLLOW``, `open_new`).
+
 Example::
 
     >>> import tempfile
@@ -44,10 +50,13 @@ import glob
 import hashlib
 import json
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from core.errors import ConfigError
 
 DEFAULT_BASE = "/dev/shm/belayer-weights"
 LOCK = "owner.lock"
@@ -63,6 +72,68 @@ WORKER_EXTENSION = "belayer_vllm.worker.SharedWeights"
 REMAP = "belayer_remap_weights"
 """The ``collective_rpc`` method (kwargs ``weights_path``) that brings a worker whose weights an update made
 private back onto the current owner's pages (`owner_holds` decides whether it may)."""
+
+
+class UnsafeStore(ConfigError, PermissionError):
+    """A directory of the weight store that is a link, another user's, or writable by others: refused,
+    since whoever controls it controls the weights the workers map. The message says what to do."""
+
+
+def check_dir(path: str | os.PathLike[str]) -> None:
+    """Raise `UnsafeStore` unless `path` is missing or a directory (not a link) of this user, that
+    neither its group nor others may write."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    fix = (
+        f"remove it (rm -rf {os.fspath(path)!r}, as its owner or root) and start again, or give the weight "
+        "owner a directory of your own (launch.weight_owner_dir)"
+    )
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeStore(
+            f"the weight store's {os.fspath(path)} is not a directory but a link or file; {fix}"
+        )
+    if st.st_uid != os.geteuid():
+        raise UnsafeStore(
+            f"the weight store's {os.fspath(path)} belongs to uid {st.st_uid}, not to this user "
+            f"(uid {os.geteuid()}): another user may have made it to plant weights; {fix}"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeStore(
+            f"the weight store's {os.fspath(path)} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"chmod 700 it, or {fix}"
+        )
+
+
+def secure_dir(path: str | os.PathLike[str]) -> Path:
+    """Make `path` (mode 0700) unless it exists; return it once `check_dir` accepts it. Its parents are
+    made as usual (``/dev/shm`` exists)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    check_dir(path)
+    return path
+
+
+def open_new(path: str | os.PathLike[str]) -> IO[bytes]:
+    """A new file at `path`, for writing (mode 0600): created here, never an existing file or a link
+    (``O_EXCL|O_NOFOLLOW``). A leftover of this process (same name: a crash, a reused pid) is removed
+    first; the directory is checked, so no one else can have put it there."""
+    check_dir(os.path.dirname(os.fspath(path)) or ".")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        os.unlink(path)
+        fd = os.open(path, flags, 0o600)
+    return os.fdopen(fd, "wb")
+
+
+def open_existing(path: str | os.PathLike[str]) -> IO[bytes]:
+    """`path` for reading, refusing a link (``O_NOFOLLOW``: `OSError`)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
 
 
 def checkpoint_hash(model_dir: str | os.PathLike[str]) -> str:
@@ -107,7 +178,7 @@ def layout_name(key: Mapping[str, Any]) -> str:
 def owner_alive(directory: str | os.PathLike[str]) -> bool:
     """Whether a live process holds the owner's lock (a shared lock taken here fails while it does)."""
     try:
-        fd = os.open(os.path.join(directory, LOCK), os.O_RDONLY)
+        fd = os.open(os.path.join(directory, LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -123,9 +194,13 @@ def owner_alive(directory: str | os.PathLike[str]) -> bool:
 
 def hold_lock(directory: str | os.PathLike[str]) -> int:
     """Take the owner's lock (exclusive, not waiting) and return its descriptor: held until the process
-    exits. `BlockingIOError` when another live owner holds it."""
-    os.makedirs(directory, exist_ok=True)
-    fd = os.open(os.path.join(directory, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    exits. `BlockingIOError` when another live owner holds it; `UnsafeStore` when the store or the
+    directory is not safe (`check_dir`). The lock file is kept across owners (a restarted owner reuses a
+    complete layout), but never followed as a link."""
+    secure_dir(Path(directory).parent)
+    secure_dir(directory)
+    flags = os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(os.path.join(directory, LOCK), flags, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -137,7 +212,8 @@ def hold_lock(directory: str | os.PathLike[str]) -> int:
 def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """A JSON object written by `write_json`, or None when it is absent or not (yet) whole."""
     try:
-        value = json.loads(Path(path).read_text())
+        with open_existing(path) as f:
+            value = json.loads(f.read())
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
@@ -147,7 +223,8 @@ def write_json(path: str | os.PathLike[str], value: Mapping[str, Any]) -> None:
     """Write atomically (a temporary file renamed into place): a reader sees all of it or nothing."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, sort_keys=True))
+    with open_new(tmp) as f:
+        f.write(json.dumps(value, sort_keys=True).encode())
     os.replace(tmp, path)
 
 
@@ -164,7 +241,7 @@ def publish(base: str | os.PathLike[str], launch: str, checkpoint: str, version:
     """Point the workers launched from the checkpoint whose `checkpoint_hash` is `launch` at the owner
     directory `checkpoint`, which holds the weights of `version` (read from `path`). Atomic: a loader
     sees the old pointer or the new one."""
-    os.makedirs(base, exist_ok=True)
+    secure_dir(base)
     pointer = {"checkpoint": checkpoint, "version": version, "path": path}
     write_json(Path(base) / POINTER.format(launch), pointer)
 

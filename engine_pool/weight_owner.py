@@ -103,6 +103,7 @@ class WeightOwner:
             checkpoint = self.launch_checkpoint if weights is None else shm_weights.weights_id(weights)
         except FileNotFoundError as e:
             raise ConfigError(f"the weight owner shares safetensors weights: {e}") from None
+        shm_weights.check_dir(base)  # UnsafeStore (a ConfigError) before anything is launched
         self.checkpoint = checkpoint
         """Its directory's name under `base`."""
         self.dir = shm_weights.owner_dir(base, checkpoint)
@@ -198,6 +199,9 @@ def serve(base: str, model: str, vllm_argv: list[str], checkpoint: str | None = 
     except BlockingIOError:
         sys.stderr.write(f"weight owner: another live owner holds {directory}\n")
         return 3
+    except shm_weights.UnsafeStore as e:
+        sys.stderr.write(f"weight owner: refused: {e}\n")
+        return 4
     stopping = False
 
     def on_term(signum: int, frame: FrameType | None) -> None:
