@@ -1,9 +1,10 @@
 """The gateway-network seam: how a harness inside a sandbox reaches the gateway, and nothing else.
 
 A sandbox created with ``network="gateway"`` joins a network whose only reachable address is the host's
-address on it (`gateway_address`), and there only the ports the gateway opened (`open_gateway`). The
-gateway's sandbox listener binds that address and tells its callers apart by their source address
-(`address`). This is separate from `SandboxBackend` (containers): a backend offers its network, if it
+address on it (`gateway_address`), and there only the ports the gateway opened (`open_gateway`); the
+sandboxes on it cannot reach one another. The gateway's sandbox listener binds that address and tells
+its callers apart by their source address (`address`), so an implementation must keep one sandbox from
+sending as another. This is separate from `SandboxBackend` (containers): a backend offers its network, if it
 has one, as `SandboxBackend.network`.
 
 Implementations: `sandbox.docker_backend.DockerNetwork` (an internal Docker bridge plus an iptables
