@@ -201,8 +201,8 @@ def _check_message(message: dict[str, Any], role: str, where: str) -> None:
     if not isinstance(content, list):
         return  # a string, or a type error the model reports
     for j, block in enumerate(content):
-        if isinstance(block, dict) and block.get("type") in BLOCK_FIELDS:
-            kind = block["type"]
+        kind = block.get("type") if isinstance(block, dict) else None
+        if isinstance(kind, str) and kind in BLOCK_FIELDS:  # (a type may be any JSON: unhashable)
             if ONLY_IN.get(kind, role) != role:
                 raise InvalidRequest(
                     f"{where}: `{kind}` blocks can only be in `{ONLY_IN[kind]}` messages",

@@ -205,8 +205,9 @@ def check_messages(messages: Any) -> None:
     if not isinstance(messages, list):
         return
     for i, message in enumerate(messages):
-        if isinstance(message, dict) and message.get("role") in ROLE_FIELDS:
-            _check_message(message, message["role"], f"messages[{i}]", i)
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role in ROLE_FIELDS:  # (a role may be any JSON: unhashable)
+            _check_message(message, role, f"messages[{i}]", i)
 
 
 def _check_message(message: dict[str, Any], role: str, where: str, i: int) -> None:

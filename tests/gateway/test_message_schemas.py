@@ -409,3 +409,23 @@ async def test_anthropic_per_role_faults_get_anthropics_400(
         assert r.status_code == 400, f"{json.dumps(body)[:800]} -> {r.status_code} {r.text[:500]}"
         fuzzing.check_answer("POST", path, r, json.dumps(body)[:800])
         assert r.json()["error"]["message"] == text, json.dumps(body)[:800]
+
+
+ODD = [
+    ("/v1/chat/completions", chat({"role": {"model": "system"}, "content": "?"}, user())),
+    ("/v1/chat/completions", chat(user([{"type": {"a": 1}, "text": "x"}]))),
+    ("/v1/chat/completions", chat(user(), assistant(tool_calls=[call(type=["function"])]))),
+    ("/v1/messages", messages({"role": ["user"], "content": "x"})),
+    ("/v1/messages", messages(asked({"type": {"text": 1}, "text": "x"}))),
+    ("/v1/messages", messages(said(USE), asked(block(RESULT, content=[{"type": [], "text": "x"}])))),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), ODD)
+async def test_any_json_where_a_role_or_type_goes_is_a_400(
+    gateway: GatewayHarness, path: str, body: dict[str, Any]
+) -> None:
+    """A role or a type that is an object or an array (unhashable: a TypeError once, found by the fuzzer)."""
+    r = await gateway.client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    fuzzing.check_answer("POST", path, r, path)
