@@ -23,22 +23,28 @@ concurrently. `destroy` must not wait for a call in progress on that sandbox: it
 from __future__ import annotations
 
 import abc
+import io
 import posixpath
 import re
-from collections.abc import Mapping
+import tarfile
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import IO, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core.errors import PathEscapeError, SandboxArgumentError
+from core.errors import PathEscapeError, SandboxArgumentError, SandboxError
 from sandbox.network import SandboxNetwork
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SESSION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 
 DEFAULT_SESSION = "main"
+CHUNK_BYTES = 1 << 20
+"""The piece size in which archives stream through the gateway (what one copy holds at a time)."""
+TarStream = bytes | Iterable[bytes]
+"""A tar to unpack: whole, or as pieces read one at a time (never joined)."""
 
 
 class SandboxSpec(BaseModel):
@@ -192,15 +198,20 @@ class SandboxBackend(abc.ABC):
         """Create or replace a file (parents are created); same path rules as `read_file`."""
 
     @abc.abstractmethod
-    def archive(self, sandbox_id: str, path: str) -> bytes:
-        """A tar of the directory `path` (absolute) and everything under it, taken with the sandbox's
-        processes frozen so that none of them changes a file halfway through. Member names start with
-        the directory's own name (``/workspace`` → ``workspace/…``), as ``docker cp`` writes them."""
+    def archive(self, sandbox_id: str, path: str, out: IO[bytes], *, max_bytes: int | None = None) -> int:
+        """Write a tar of the directory `path` (absolute) and everything under it to `out`, taken with
+        the sandbox's processes frozen so that none of them changes a file halfway through, and return
+        its size. Member names start with the directory's own name (``/workspace`` → ``workspace/…``),
+        as ``docker cp`` writes them.
+
+        The tar streams through in pieces (`CHUNK_BYTES`), never whole in memory. Once more than
+        `max_bytes` have come, the copy stops: a result over `max_bytes` means `out` holds only the
+        start of the tar (see `copy_bounded`)."""
 
     @abc.abstractmethod
-    def extract(self, sandbox_id: str, tar: bytes) -> None:
-        """Unpack `tar` at the sandbox's root (member names are relative to ``/``). Paths resolve inside
-        the sandbox: a link in it cannot send a file outside."""
+    def extract(self, sandbox_id: str, tar: TarStream) -> None:
+        """Unpack `tar` (bytes, or pieces streamed one at a time) at the sandbox's root (member names are
+        relative to ``/``). Paths resolve inside the sandbox: a link in it cannot send a file outside."""
 
     @abc.abstractmethod
     def checkpoint(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
@@ -237,6 +248,22 @@ class SandboxBackend(abc.ABC):
         ``added``, ``modified`` or ``deleted``, read from outside the sandbox; [] when the backend
         cannot tell."""
         return []
+
+    def writable_bytes(self, sandbox_id: str) -> int | None:
+        """How many bytes the sandbox has written to its filesystem since its image (what a checkpoint
+        would commit); None when the backend cannot tell."""
+        return None
+
+    @property
+    def disk_quota_bytes(self) -> int | None:
+        """The disk quota each sandbox is given (its writable layer), None for none."""
+        return None
+
+    def disk_quota(self) -> tuple[bool, str]:
+        """Whether the storage driver enforces `disk_quota_bytes` (writes past it fail with ENOSPC), and
+        why or why not. Not enforced, it is only checked before each checkpoint
+        (`gateway.sandboxes.checkpoints`)."""
+        return False, "this backend cannot limit a sandbox's disk"
 
     def processes(self, sandbox_id: str) -> list[str]:
         """Command lines of the processes running in the sandbox besides its supervisor and session
@@ -315,3 +342,78 @@ def resolve_in_root(root: str, path: str) -> str:
     if resolved == root or not resolved.startswith(root.rstrip("/") + "/"):
         raise PathEscapeError(f"path {path!r} resolves to {resolved!r}, outside {root!r}")
     return resolved
+
+
+def copy_bounded(chunks: Iterable[bytes], out: IO[bytes], max_bytes: int | None) -> int:
+    """Write `chunks` to `out` one at a time and return how many bytes were written; stop once more than
+    `max_bytes` have been (the result is then over `max_bytes`, and `out` holds only the start).
+
+    >>> import io
+    >>> out = io.BytesIO()
+    >>> copy_bounded([b"ab", b"cd", b"ef"], out, 3), out.getvalue()
+    (4, b'abcd')
+    """
+    total = 0
+    for chunk in chunks:
+        out.write(chunk)
+        total += len(chunk)
+        if max_bytes is not None and total > max_bytes:
+            break
+    return total
+
+
+def tar_chunks(members: Iterable[tuple[tarfile.TarInfo, IO[bytes] | None]]) -> Iterator[bytes]:
+    """A tar of `members` (a header, and for a regular file its `size` bytes read from its stream), made
+    piece by piece: no piece is larger than `CHUNK_BYTES`, whatever the files' sizes.
+
+    >>> import io
+    >>> info = tarfile.TarInfo("w/a.txt"); info.size = 2
+    >>> tar = b"".join(tar_chunks([(info, io.BytesIO(b"hi"))]))
+    >>> tarfile.open(fileobj=io.BytesIO(tar)).extractfile("w/a.txt").read()
+    b'hi'
+    """
+    for info, data in members:
+        yield info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+        if not info.isreg() or info.size == 0:
+            continue
+        if data is None:
+            raise SandboxError(f"no content for {info.name} ({info.size} bytes)")
+        left = info.size
+        while left:
+            piece = data.read(min(CHUNK_BYTES, left))
+            if not piece:
+                raise SandboxError(f"{info.name} ended {left} bytes short of its {info.size}")
+            left -= len(piece)
+            yield piece
+        if info.size % tarfile.BLOCKSIZE:
+            yield tarfile.NUL * (tarfile.BLOCKSIZE - info.size % tarfile.BLOCKSIZE)
+    yield tarfile.NUL * (2 * tarfile.BLOCKSIZE)
+
+
+class ChunkReader(io.RawIOBase):
+    """A read-only stream over pieces of bytes (what `tarfile.open(mode="r|")` reads a `TarStream` from).
+
+    >>> ChunkReader([b"ab", b"", b"cd"]).read()
+    b'abcd'
+    """
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        super().__init__()
+        self._chunks = iter(chunks)
+        self._piece = b""
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._at == len(self._piece):
+            piece = next(self._chunks, None)
+            if piece is None:
+                return 0
+            self._piece, self._at = piece, 0
+        view = memoryview(buffer).cast("B")
+        end = min(len(self._piece), self._at + len(view))
+        view[: end - self._at] = memoryview(self._piece)[self._at : end]
+        taken, self._at = end - self._at, end
+        return taken

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import re
 import shlex
@@ -37,7 +38,8 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+from urllib.parse import quote
 
 import docker
 import docker.errors
@@ -56,6 +58,7 @@ from core.errors import (
 )
 from sandbox import supervisor
 from sandbox.backend import (
+    CHUNK_BYTES,
     DEFAULT_SESSION,
     Checkpoint,
     ExecResult,
@@ -63,14 +66,18 @@ from sandbox.backend import (
     SandboxBackend,
     SandboxSpec,
     SandboxStatus,
+    TarStream,
     check_env_name,
     check_exec_args,
     checkpoint_from_record,
     checkpoint_record,
+    copy_bounded,
     resolve_in_root,
 )
 from sandbox.docker_network import GatewayNetwork
 from sandbox.network import SandboxNetwork
+
+log = logging.getLogger("belayer.sandbox")
 
 _CRIU_NAME = "criu"
 _SPEC_LABEL = "belayer.spec"
@@ -97,6 +104,9 @@ class DockerBackendConfig(BaseModel):
     gateway_network: str = "belayer-gateway"
     """The internal network of `network="gateway"` sandboxes (see `sandbox.network`)."""
     gateway_bridge: str = "belayer-gw0"
+    disk_quota_bytes: int | None = None
+    """Each sandbox's writable-layer quota (``--storage-opt size``), where the storage driver has one
+    (see `DockerSandboxBackend.disk_quota_enforced`); None: no quota."""
 
 
 @contextlib.contextmanager
@@ -111,6 +121,8 @@ def docker_errors(wrap: type[SandboxError] = SandboxError, *, file_op: bool = Fa
         raise SandboxNotFound(text) from exc
     except (requests.ConnectionError, requests.Timeout) as exc:
         raise SandboxUnavailable(f"docker engine unreachable: {exc}") from exc
+    except requests.RequestException as exc:  # e.g. a stream cut halfway
+        raise wrap(f"docker engine transfer failed: {exc}") from exc
     except docker.errors.DockerException as exc:
         raise wrap(str(exc)) from exc
 
@@ -158,6 +170,7 @@ class DockerSandboxBackend(SandboxBackend):
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._data_root: Path | None = None
+        self._quota: tuple[bool, str] | None = None
         self._network = DockerNetwork(self._api, config.gateway_network, config.gateway_bridge)
 
     # ------------------------------------------------------------------ lifecycle
@@ -342,16 +355,77 @@ class DockerSandboxBackend(SandboxBackend):
         with docker_errors(file_op=True):
             self._api.put_archive(sandbox_id, "/", buf.getvalue())
 
-    def archive(self, sandbox_id: str, path: str) -> bytes:
+    def archive(self, sandbox_id: str, path: str, out: IO[bytes], *, max_bytes: int | None = None) -> int:
         with self._lock(sandbox_id), docker_errors(file_op=True):
             running = bool(self._api.inspect_container(sandbox_id)["State"].get("Running"))
             with self._paused(sandbox_id) if running else contextlib.nullcontext():
-                stream, _stat = self._api.get_archive(sandbox_id, path)
-                return b"".join(stream)
+                url = f"{self._api.base_url}/v{self._api.api_version}/containers/{quote(sandbox_id)}/archive"
+                response = self._api.get(
+                    url, params={"path": path}, stream=True, timeout=self._config.api_timeout_s,
+                    headers={"Accept-Encoding": "identity"},
+                )  # fmt: skip
+                with contextlib.closing(response):  # closed early: the engine stops sending
+                    _raise_for_status(response)
+                    return copy_bounded(response.iter_content(CHUNK_BYTES), out, max_bytes)
 
-    def extract(self, sandbox_id: str, tar: bytes) -> None:
+    def extract(self, sandbox_id: str, tar: TarStream) -> None:
+        # Pieces go out as they come (a chunked request body): the whole tar is never in memory.
         with self._lock(sandbox_id), docker_errors(file_op=True):
             self._api.put_archive(sandbox_id, "/", tar)
+
+    def writable_bytes(self, sandbox_id: str) -> int:
+        """The container's writable layer (``SizeRw``: the engine walks it, so it takes a while on a
+        large one)."""
+        url = f"{self._api.base_url}/v{self._api.api_version}/containers/{quote(sandbox_id)}/json"
+        with docker_errors():
+            response = self._api.get(url, params={"size": "1"}, timeout=self._config.api_timeout_s)
+            _raise_for_status(response)
+        return int(response.json().get("SizeRw") or 0)
+
+    @property
+    def disk_quota_bytes(self) -> int | None:
+        return self._config.disk_quota_bytes
+
+    def disk_quota(self) -> tuple[bool, str]:
+        """Whether the storage driver enforces `DockerBackendConfig.disk_quota_bytes`, and why (or why
+        not). Asked once: ``docker info`` names the driver and its backing file system; overlay2 takes a
+        size only over xfs mounted with project quotas, which only trying tells, so one container is
+        created with the option from an image at hand (never started) and removed."""
+        with self._guard:
+            if self._quota is not None:
+                return self._quota
+        answer, final = self._probe_quota()
+        if final:
+            with self._guard:
+                self._quota = answer
+        return answer
+
+    def _probe_quota(self) -> tuple[tuple[bool, str], bool]:
+        if self._config.disk_quota_bytes is None:
+            return (False, "no disk quota is configured"), True
+        with docker_errors():
+            info = self._api.info()
+            images = self._api.images(quiet=True)
+        driver = str(info.get("Driver", "?"))
+        status = {str(k): str(v) for k, v in info.get("DriverStatus") or []}
+        backing = status.get("Backing Filesystem", "")
+        where = f"storage driver {driver}" + (f" on {backing}" if backing else "")
+        if driver == "overlay2" and backing != "xfs":
+            return (False, f"{where}: overlay2 takes a size only over xfs with project quotas"), True
+        if driver not in ("overlay2", "devicemapper", "btrfs", "zfs"):
+            return (False, f"{where}: this driver takes no size"), True
+        if not images:
+            return (False, f"{where}: not probed yet (no image to probe with)"), False
+        try:
+            with docker_errors():
+                host = self._api.create_host_config(storage_opt={"size": str(self._config.disk_quota_bytes)})
+                probe = self._api.create_container(
+                    images[0], command=["true"], labels={"belayer": "quota-probe"}, host_config=host
+                )
+                self._api.remove_container(probe["Id"], force=True)
+        except SandboxError as exc:
+            return (False, f"{where}: the engine refused a size ({str(exc)[:300]})"), True
+        return (True, f"{where}: each sandbox's writable layer is limited"), True
 
     def changed_paths(self, sandbox_id: str) -> list[tuple[str, str]]:
         kinds = {0: "modified", 1: "added", 2: "deleted"}
@@ -536,16 +610,22 @@ class DockerSandboxBackend(SandboxBackend):
         labels: dict[str, str],
         workdir: str = "/workspace",
         timeout_s: float = 1800.0,
-        network: bool = True,
+        network: bool = False,
+        cap_add: tuple[str, ...] = (),
     ) -> str:
         """Build image `name` (tag included): `base`, plus `tar` unpacked at ``/``, after ``sh -c script``
-        ran in `workdir` (with the default bridge network when `network`); returns the script's output.
-        The image carries `labels`."""
+        ran in `workdir`; returns the script's output. The image carries `labels`.
+
+        The script runs under a sandbox's own limits (`SandboxSpec`'s defaults: every capability
+        dropped but `cap_add`, no-new-privileges, its memory, process and CPU limits, the disk quota),
+        with no network unless `network` (then the engine's default bridge)."""
+        spec = SandboxSpec(
+            image=base, workdir=workdir, network="full" if network else "none", cap_add=cap_add
+        )
         with docker_errors(ImageBuildError):
-            host = self._api.create_host_config(network_mode="bridge" if network else "none")
             container = self._api.create_container(
                 base, entrypoint=["/bin/sh", "-c", script], working_dir=workdir, user="0:0",
-                labels={"belayer": "image-build"}, host_config=host,
+                labels={"belayer": "image-build"}, host_config=self._host_config(spec),
             )  # fmt: skip
             try:
                 self._api.put_archive(container["Id"], "/", tar)
@@ -601,19 +681,6 @@ class DockerSandboxBackend(SandboxBackend):
 
     # ------------------------------------------------------------------ helpers
     def _create_container(self, name: str, spec: SandboxSpec, image: str, env: list[str]) -> str:
-        if spec.network == "gateway":
-            self._network.ensure()
-        network_mode = {"none": "none", "full": "bridge", "gateway": self._config.gateway_network}
-        host_config = self._api.create_host_config(
-            network_mode=network_mode[spec.network],
-            cap_drop=["ALL"],
-            cap_add=list(spec.cap_add) or None,
-            security_opt=["no-new-privileges"],
-            mem_limit=spec.memory_bytes,
-            memswap_limit=spec.memory_bytes,
-            pids_limit=spec.pids_limit,
-            nano_cpus=int(spec.cpus * 1e9),
-        )
         created = self._api.create_container(
             image,
             name=name,
@@ -622,9 +689,31 @@ class DockerSandboxBackend(SandboxBackend):
             user="0:0",
             working_dir="/",
             labels={**spec.labels, _SPEC_LABEL: spec.model_dump_json()},
-            host_config=host_config,
+            host_config=self._host_config(spec),
         )
         return str(created["Id"])
+
+    def _host_config(self, spec: SandboxSpec) -> dict[str, Any]:
+        """A sandbox's isolation: `spec`'s network, capabilities and limits, and the disk quota."""
+        if spec.network == "gateway":
+            self._network.ensure()
+        network_mode = {"none": "none", "full": "bridge", "gateway": self._config.gateway_network}
+        host_config: dict[str, Any] = self._api.create_host_config(
+            network_mode=network_mode[spec.network],
+            cap_drop=["ALL"],
+            cap_add=list(spec.cap_add) or None,
+            security_opt=["no-new-privileges"],
+            mem_limit=spec.memory_bytes,
+            memswap_limit=spec.memory_bytes,
+            pids_limit=spec.pids_limit,
+            nano_cpus=int(spec.cpus * 1e9),
+            storage_opt=self._storage_opt(),
+        )
+        return host_config
+
+    def _storage_opt(self) -> dict[str, str] | None:
+        quota = self._config.disk_quota_bytes
+        return {"size": str(quota)} if quota is not None and self.disk_quota()[0] else None
 
     def _post(
         self, path: str, *, json_body: dict[str, Any] | None = None, params: dict[str, str] | None = None
@@ -663,6 +752,13 @@ class DockerSandboxBackend(SandboxBackend):
 
     def _new_name(self) -> str:
         return f"{self._config.name_prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def _raise_for_status(response: requests.Response) -> None:
+    try:
+        response.raise_for_status()
+    except requests.HTTPError as exc:
+        raise docker.errors.create_api_error_from_http_exception(exc) from exc
 
 
 def _make_client(config: DockerBackendConfig) -> docker.DockerClient:

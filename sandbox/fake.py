@@ -47,9 +47,9 @@ import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import IO, Literal
 
 from core.errors import (
     CheckpointError,
@@ -61,13 +61,17 @@ from core.errors import (
 from sandbox.backend import (
     DEFAULT_SESSION,
     Checkpoint,
+    ChunkReader,
     ExecResult,
     Sandbox,
     SandboxBackend,
     SandboxSpec,
     SandboxStatus,
+    TarStream,
     check_exec_args,
+    copy_bounded,
     resolve_in_root,
+    tar_chunks,
 )
 from sandbox.fake_shell import (
     CommandHandler,
@@ -139,9 +143,12 @@ class FakeNetwork(SandboxNetwork):
 class FakeSandboxBackend(SandboxBackend):
     """Sandboxes in memory, with a fault queue; see the module docstring. Thread-safe."""
 
-    def __init__(self, images: set[str] | None = None) -> None:
+    def __init__(self, images: set[str] | None = None, *, disk_quota_bytes: int | None = None) -> None:
         self.images = images
         """Images that exist (None: any name does); creating from another raises `SandboxNotFound`."""
+        self._disk_quota = disk_quota_bytes
+        """Checked before checkpoints only (`disk_quota_enforced` is False), like Docker on overlay2
+        over a file system without project quotas."""
         self.commands: dict[str, CommandHandler] = {}
         self.faults: list[Fault] = []
         self.calls: list[tuple[str, str]] = []
@@ -264,32 +271,34 @@ class FakeSandboxBackend(SandboxBackend):
             self._enter("write_file", sandbox_id, box)
             box.state.files[target] = bytes(data)
 
-    def archive(self, sandbox_id: str, path: str) -> bytes:
+    def archive(self, sandbox_id: str, path: str, out: IO[bytes], *, max_bytes: int | None = None) -> int:
         box = self._box(sandbox_id)
         root = posixpath.normpath(path)
-        top = posixpath.dirname(root)
         with box.lock:
             self._enter("archive", sandbox_id, box)
             files = {k: v for k, v in box.state.files.items() if k.startswith(root.rstrip("/") + "/")}
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.addfile(_tar_info(posixpath.relpath(root, top), tarfile.DIRTYPE, 0))
-            for name, data in sorted(files.items()):
-                tar.addfile(
-                    _tar_info(posixpath.relpath(name, top), tarfile.REGTYPE, len(data)), io.BytesIO(data)
-                )
-        return buf.getvalue()
+        return copy_bounded(tar_chunks(_members(root, files)), out, max_bytes)
 
-    def extract(self, sandbox_id: str, tar: bytes) -> None:
+    def extract(self, sandbox_id: str, tar: TarStream) -> None:
         box = self._box(sandbox_id)
+        stream = io.BytesIO(tar) if isinstance(tar, bytes) else ChunkReader(tar)
         with box.lock:
             self._enter("extract", sandbox_id, box)
             _require_running(box)
-            with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+            with tarfile.open(fileobj=stream, mode="r|") as archive:
                 for member in archive:
                     data = archive.extractfile(member) if member.isfile() else None
                     if data is not None:
                         box.state.files["/" + posixpath.normpath(member.name).lstrip("/")] = data.read()
+
+    def writable_bytes(self, sandbox_id: str) -> int:
+        box = self._box(sandbox_id)
+        with box.lock:
+            return sum(len(data) for data in box.state.files.values())
+
+    @property
+    def disk_quota_bytes(self) -> int | None:
+        return self._disk_quota
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
@@ -371,6 +380,13 @@ def _play(fault: Fault, box: FakeContainer | None) -> None:
         raise SandboxError(f"{what}: the exec transport broke (connection reset)")
     error = {"checkpoint": CheckpointError, "delete_checkpoint": CheckpointError, "restore": RestoreError}
     raise error.get(fault.op, SandboxError)(f"{what} failed (injected fault)")
+
+
+def _members(root: str, files: dict[str, bytes]) -> Iterator[tuple[tarfile.TarInfo, IO[bytes] | None]]:
+    top = posixpath.dirname(root)
+    yield _tar_info(posixpath.relpath(root, top), tarfile.DIRTYPE, 0), None
+    for name, data in sorted(files.items()):
+        yield _tar_info(posixpath.relpath(name, top), tarfile.REGTYPE, len(data)), io.BytesIO(data)
 
 
 def _tar_info(name: str, kind: bytes, size: int) -> tarfile.TarInfo:

@@ -45,7 +45,8 @@ class TaskImageStore(Protocol):
         labels: dict[str, str],
         workdir: str = "/workspace",
         timeout_s: float = 1800.0,
-        network: bool = True,
+        network: bool = False,
+        cap_add: tuple[str, ...] = (),
     ) -> str: ...
 
     def images(self, label: str) -> list[dict[str, Any]]: ...
@@ -96,9 +97,16 @@ def ensure_task_image(
     *,
     workdir: str = "/workspace",
     setup_timeout_s: float = 1800.0,
+    setup_network: bool = False,
+    setup_cap_add: tuple[str, ...] = (),
 ) -> TaskImage:
     """The task's image: found by its content hash, or built from `base` (repository files unpacked in
-    `workdir`, then the `setup` commands run there, with network, as ``sh -ec``)."""
+    `workdir`, then the `setup` commands run there as ``sh -ec``).
+
+    Setup runs under a sandbox's own limits: every capability dropped but `setup_cap_add`,
+    no-new-privileges, the sandbox's memory, process and disk limits, and no network unless
+    `setup_network` (a task that downloads its dependencies says so). Neither is part of the key: the
+    same inputs make the same image, or none."""
     started = time.monotonic()
     key = task_image_key(store.image_id(base), workdir, files, setup)
     name = task_image_name(task, key)
@@ -108,7 +116,7 @@ def ensure_task_image(
     labels = {TASK_LABEL: task, HASH_LABEL: key, "belayer.task.base": base}
     output = store.build_image(
         name, base, repository_tar(files, workdir), script, labels=labels, workdir=workdir,
-        timeout_s=setup_timeout_s,
+        timeout_s=setup_timeout_s, network=setup_network, cap_add=setup_cap_add,
     )  # fmt: skip
     return TaskImage(name, False, time.monotonic() - started, output)
 

@@ -6,6 +6,10 @@ it are in it), and evicts the oldest beyond `keep_checkpoints`. A deletion that 
 checkpoint's storage: it is logged and counted (`delete_failures`), never raised, since the session
 itself is fine.
 
+Where the storage driver does not enforce the sandboxes' disk quota (`SandboxIO.check_disk_quota`), a
+checkpoint first measures the sandbox's writable layer: over the quota, it is refused (a
+``sandbox_checkpoint_refused`` event and a `CheckpointError`) rather than committing a layer that large.
+
 Example::
 
     info = await checkpointer.take(slot, "explicit", bubble=None)   # under slot.lock
@@ -17,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 
-from core.errors import SandboxError
+from core.errors import CheckpointError, SandboxError
 from gateway.sandboxes.io import SandboxIO
 from gateway.sandboxes.policy import AdaptivePolicy
 from gateway.sandboxes.records import CheckpointInfo, EventLog
@@ -46,6 +50,7 @@ class Checkpointer:
         box = slot.live()
         running = bubble.index if bubble is not None else slot.turns.newest_running()
         turn_index = running if running is not None else slot.turns.last
+        await self._check_disk(slot.session_id, box, bubble)
         started = time.monotonic()
         ckpt = await self.io.op(self.io.backend.checkpoint, box, label=f"{slot.session_id}/turn-{turn_index}")
         seconds = time.monotonic() - started
@@ -63,6 +68,20 @@ class Checkpointer:
         for old in slot.history.evict(self.keep):
             await self.delete(slot.session_id, old)
         return info
+
+    async def _check_disk(self, session_id: str, box: str, bubble: TurnRecord | None) -> None:
+        quota = self.io.backend.disk_quota_bytes
+        if not self.io.check_disk_quota or quota is None:
+            return
+        used = await self.io.op(self.io.backend.writable_bytes, box)
+        if used is None or used <= quota:
+            return
+        data = {"reason": "disk_quota", "writable_bytes": used, "disk_quota_bytes": quota, "sandbox_id": box}
+        self.events.add(session_id, bubble.id if bubble else None, "sandbox_checkpoint_refused", data)
+        raise CheckpointError(
+            f"checkpoint refused: the sandbox has written {used} bytes, over its disk quota of {quota} "
+            "(sandbox.disk_quota_bytes; the storage driver does not enforce it)"
+        )
 
     async def delete(self, session_id: str, info: CheckpointInfo) -> None:
         """Free a checkpoint's storage; a failure is logged and counted, not raised."""

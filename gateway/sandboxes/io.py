@@ -9,6 +9,10 @@ stays free for the rest of the gateway.
 An exec's deadline counts from when its thread starts, not from when it was queued: a call that
 waits for a free thread has not hung its sandbox.
 
+It also carries the disk limits (`SandboxConfig.max_workspace_bytes`, and the backend's disk quota,
+enforced by the storage driver or else checked before each checkpoint), and says at start-up, in one
+log line, which of them hold.
+
 Example::
 
     io = SandboxIO(backend, settings)
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
@@ -30,6 +35,7 @@ from gateway.config import SandboxConfig
 from sandbox.backend import SandboxBackend, SandboxStatus
 from sandbox.network import SandboxNetwork
 
+log = logging.getLogger("belayer.sandbox")
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -40,6 +46,12 @@ class SandboxIO:
     def __init__(self, backend: SandboxBackend, settings: SandboxConfig) -> None:
         self.backend = backend
         self.network: SandboxNetwork | None = backend.network
+        self.max_workspace_bytes = settings.max_workspace_bytes
+        """The verify stage copies at most this much of a working directory (`gateway.sandboxes.verify`)."""
+        enforced, why = backend.disk_quota()
+        self.check_disk_quota = backend.disk_quota_bytes is not None and not enforced
+        """The storage driver does not hold sandboxes to their quota: checkpoints check it themselves."""
+        log_disk_limits(backend.disk_quota_bytes, enforced, why, self.max_workspace_bytes)
         self._execs = ThreadPoolExecutor(settings.exec_threads, thread_name_prefix="sandbox-exec")
         self._ops = ThreadPoolExecutor(settings.op_threads, thread_name_prefix="sandbox-op")
 
@@ -89,6 +101,28 @@ class SandboxIO:
         """Stop both pools; queued work is cancelled, running calls end with their sandboxes."""
         for pool in (self._execs, self._ops):
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def log_disk_limits(quota: int | None, enforced: bool, why: str, max_workspace_bytes: int) -> None:
+    """One line: what holds a sandbox's disk use (and with it the gateway's, at verify and checkpoint)."""
+    if quota is None:
+        held = "no disk quota (sandbox.disk_quota_bytes unset)"
+    elif enforced:
+        held = f"disk quota {quota} bytes per sandbox, enforced ({why})"
+    else:
+        held = (
+            f"disk quota {quota} bytes per sandbox NOT enforced ({why}): writes are not stopped, but a "
+            "checkpoint of a larger writable layer is refused (sandbox_checkpoint_refused)"
+        )
+    fields = {
+        "disk_quota_bytes": quota,
+        "disk_quota_enforced": enforced,
+        "max_workspace_bytes": max_workspace_bytes,
+    }
+    log.info(
+        "sandbox disk limits: %s; the verify stage copies at most %d bytes of a working directory",
+        held, max_workspace_bytes, extra=fields,
+    )  # fmt: skip
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

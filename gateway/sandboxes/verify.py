@@ -37,14 +37,16 @@ import io
 import posixpath
 import shlex
 import tarfile
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from core.errors import SandboxError, SandboxTimeout
 from gateway.sandboxes.io import SandboxIO
 from gateway.sandboxes.records import EventLog
-from sandbox.backend import ExecResult, SandboxSpec
+from sandbox.backend import ExecResult, SandboxSpec, tar_chunks
 from sandbox.supervisor import ROOT as SUPERVISOR_ROOT
 
 VERIFY_DIR = "/belayer-verify"
@@ -61,6 +63,12 @@ VERIFY_ENV = {
     "BELAYER_TESTS": f"{VERIFY_DIR}/tests",
     "BELAYER_PYTHON": VERIFY_PYTHON,
 }
+SPOOL_MEMORY_BYTES = 1 << 20
+"""A copy of the working directory up to this size stays in memory; a larger one goes to a temporary
+file (the gateway holds a piece of it at a time, never the whole)."""
+DIFF_MAX_BYTES = 1 << 20
+"""A protected file's diff is counted when both versions are at most this size (else ``diff_lines`` is
+-1)."""
 OnTamper = Literal["reset", "fail"]
 Change = Literal["modified", "deleted", "added"]
 
@@ -88,7 +96,8 @@ class ProtectedChange:
     path: str
     change: Change
     diff_lines: int
-    """Lines added plus lines removed (a unified diff of the two versions, as text)."""
+    """Lines added plus lines removed (a unified diff of the two versions, as text); -1: not counted,
+    a version is over `DIFF_MAX_BYTES`."""
     bytes_before: int
     bytes_after: int
 
@@ -110,13 +119,17 @@ class VerifyOutcome:
     action: Literal["none", "reset", "fail"]
     seconds: float
     agent_sandbox_kept: bool
+    reason: str | None = None
+    """Why the verifier did not run, when it was for want of a verdict: ``workspace_too_large``."""
+    limits: dict[str, int] = field(default_factory=dict)
+    """With `reason`: the figures behind it (``workspace_bytes`` read, ``max_workspace_bytes``)."""
 
     def summary(self) -> dict[str, Any]:
         """The verdict without the verifier's output (for the reward)."""
         return {
             "verified": self.verified, "exit_code": self.exit_code, "timed_out": self.timed_out,
             "tamper_action": self.action, "protected_paths_modified": [c.path for c in self.changes],
-            "seconds": round(self.seconds, 3),
+            "seconds": round(self.seconds, 3), "reason": self.reason, **self.limits,
         }  # fmt: skip
 
 
@@ -139,76 +152,143 @@ def is_protected(path: str, patterns: tuple[str, ...]) -> bool:
     return False
 
 
-@dataclass(slots=True)
-class _Entry:
+@dataclass(frozen=True, slots=True)
+class WorkspaceCopy:
+    """The agent's working directory as copied out: a tar spooled to a temporary file (in memory only
+    while under `SPOOL_MEMORY_BYTES`), and how big it was. Over `limit`, the copy stopped there and
+    `tar` holds only its start. `VerifyStage.judge` closes it."""
+
+    tar: IO[bytes]
+    size: int
+    limit: int | None = None
+
+    @property
+    def too_large(self) -> bool:
+        return self.limit is not None and self.size > self.limit
+
+    def close(self) -> None:
+        self.tar.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Member:
+    rel: str
+    """The path relative to the working directory."""
     info: tarfile.TarInfo
-    data: bytes = b""
+    content: tarfile.TarInfo | None
+    """Where a file's bytes are: itself, or a hard link's target; None for directories and links."""
+    archive: tarfile.TarFile
+
+    def open(self) -> IO[bytes]:
+        stream = self.archive.extractfile(self.content) if self.content is not None else None
+        if stream is None:
+            raise SandboxError(f"{self.rel} has no content")
+        return stream
+
+    def head(self, limit: int) -> bytes:
+        """Up to `limit` bytes of a file; a symbolic link's target; nothing for a directory."""
+        return self.open().read(limit) if self.content is not None else self.info.linkname.encode()
 
 
-def read_tree(tar: bytes, workdir: str) -> dict[str, _Entry]:
-    """The archive of `workdir` as relative path → entry: directories, regular files (hard links
-    made regular), symbolic links; nothing else, and no bytecode."""
-    out: dict[str, _Entry] = {}
-    top = posixpath.basename(workdir.rstrip("/"))
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        for member in archive:
+class AgentTree:
+    """The agent's working directory in its archive (`WorkspaceCopy.tar`, seekable), read one member at
+    a time, each time it is walked: never the whole tree in memory, files' bytes least of all.
+
+    Kept: directories, regular files (hard links become regular files with their target's bytes) and
+    symbolic links; nothing else, and no bytecode."""
+
+    def __init__(self, tar: IO[bytes], workdir: str) -> None:
+        self._tar = tar
+        self._top = posixpath.basename(workdir.rstrip("/"))
+        self._targets = {posixpath.normpath(m.linkname) for _, m in self._scan() if m.islnk()}
+        """Files that hard links point at (their headers are kept while walking; no others are)."""
+
+    def members(self) -> Iterator[_Member]:
+        held: dict[str, tarfile.TarInfo] = {}
+        for archive, member in self._scan():
             name = posixpath.normpath(member.name)
-            if name == top or not name.startswith(top + "/"):
+            if member.isreg() and name in self._targets:
+                held[name] = member
+            if name == self._top or not name.startswith(self._top + "/"):
                 continue
-            rel = name[len(top) + 1 :]
+            rel = name[len(self._top) + 1 :]
             if rel.startswith("../") or "/../" in rel or _bytecode(rel):
                 continue
             if member.isdir() or member.issym():
-                out[rel] = _Entry(member)
-            elif member.isfile() or member.islnk():
-                stream = archive.extractfile(member)
-                if stream is not None:
-                    info = tarfile.TarInfo(rel)
-                    info.mode, info.mtime, info.uid, info.gid = member.mode, member.mtime, 0, 0
-                    out[rel] = _Entry(info, stream.read())
-    return out
+                yield _Member(rel, member, None, archive)
+            elif member.isreg():
+                yield _Member(rel, member, member, archive)
+            elif member.islnk() and posixpath.normpath(member.linkname) in held:
+                yield _Member(rel, member, held[posixpath.normpath(member.linkname)], archive)
+
+    def _scan(self) -> Iterator[tuple[tarfile.TarFile, tarfile.TarInfo]]:
+        self._tar.seek(0)
+        with tarfile.open(fileobj=self._tar, mode="r:") as archive:
+            while (member := archive.next()) is not None:
+                archive.members.clear()  # type: ignore[attr-defined]  # else it keeps every header read
+                yield archive, member
 
 
 def protect(
-    tree: dict[str, _Entry], originals: dict[str, tuple[bytes, int]], patterns: tuple[str, ...]
+    tree: AgentTree, originals: dict[str, tuple[bytes, int]], patterns: tuple[str, ...]
 ) -> list[ProtectedChange]:
-    """Reset every protected path in `tree` to `originals` (in place); return what had changed."""
+    """What the agent changed of the protected paths: each one that `write_tree` resets (a protected
+    file that differs from its original or has none, or an original that is missing)."""
     changes: list[ProtectedChange] = []
-    for rel in sorted(set(originals) | {p for p in tree if is_protected(p, patterns)}):
-        entry, original = tree.get(rel), originals.get(rel)
+    seen: set[str] = set()
+    for member in tree.members():
+        if not is_protected(member.rel, patterns) and member.rel not in originals:
+            continue
+        original = originals.get(member.rel)
+        size = member.content.size if member.content is not None else len(member.info.linkname.encode())
         if original is None:
-            if entry is not None and not entry.info.isdir():
-                after = entry.data if entry.info.isfile() else entry.info.linkname.encode()
-                changes.append(ProtectedChange(rel, "added", _diff_lines(b"", after), 0, len(after)))
-                del tree[rel]
+            if not member.info.isdir():
+                after = member.head(DIFF_MAX_BYTES + 1)
+                changes.append(ProtectedChange(member.rel, "added", _diff_lines(b"", after), 0, size))
             continue
-        data, mode = original
-        if entry is not None and entry.info.isfile() and entry.data == data:
+        seen.add(member.rel)
+        data, _mode = original
+        if member.content is not None and size == len(data) and member.head(len(data)) == data:
             continue
-        if entry is None:
-            changes.append(ProtectedChange(rel, "deleted", _diff_lines(data, b""), len(data), 0))
-        else:
-            after = entry.data if entry.info.isfile() else entry.info.linkname.encode()
-            changes.append(ProtectedChange(rel, "modified", _diff_lines(data, after), len(data), len(after)))
-        _drop_links_above(tree, rel)
-        info = tarfile.TarInfo(rel)
-        info.mode, info.mtime = mode, int(time.time())
-        tree[rel] = _Entry(info, data)
-    return changes
+        after = member.head(DIFF_MAX_BYTES + 1)
+        changes.append(ProtectedChange(member.rel, "modified", _diff_lines(data, after), len(data), size))
+    for rel in set(originals) - seen:
+        data = originals[rel][0]
+        changes.append(ProtectedChange(rel, "deleted", _diff_lines(data, b""), len(data), 0))
+    return sorted(changes, key=lambda change: change.path)
 
 
-def write_tree(tree: dict[str, _Entry], workdir: str) -> bytes:
-    """The tree as a tar to unpack at ``/`` (names under `workdir`)."""
+def write_tree(
+    tree: AgentTree, workdir: str, originals: dict[str, tuple[bytes, int]], patterns: tuple[str, ...]
+) -> Iterator[bytes]:
+    """The tree as a tar to unpack at ``/`` (names under `workdir`), made as it is sent: the agent's
+    files, minus the protected paths (a protected directory stays), then every original. A file or
+    link where a parent directory of an original goes is dropped, so the original is written where
+    the verifier will read it."""
     root = workdir.strip("/")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for rel in sorted(tree):
-            entry = tree[rel]
-            info = entry.info
-            info.name = f"{root}/{rel}"
-            info.size = len(entry.data) if info.isfile() else 0
-            tar.addfile(info, io.BytesIO(entry.data) if info.isfile() else None)
-    return buf.getvalue()
+    above = {"/".join(rel.split("/")[:i]) for rel in originals for i in range(1, rel.count("/") + 1)}
+
+    def members() -> Iterator[tuple[tarfile.TarInfo, IO[bytes] | None]]:
+        for member in tree.members():
+            protected = is_protected(member.rel, patterns) or member.rel in originals
+            if protected and not (member.info.isdir() and member.rel not in originals):
+                continue
+            if member.rel in above and not member.info.isdir():
+                continue
+            info = tarfile.TarInfo(f"{root}/{member.rel}")
+            info.mode, info.mtime = member.info.mode, member.info.mtime
+            if member.content is not None:
+                info.size = member.content.size
+            else:
+                info.type, info.linkname = member.info.type, member.info.linkname
+            yield info, member.open() if member.content is not None else None
+        now = int(time.time())
+        for rel, (data, mode) in sorted(originals.items()):
+            info = tarfile.TarInfo(f"{root}/{rel}")
+            info.size, info.mode, info.mtime = len(data), mode, now
+            yield info, io.BytesIO(data)
+
+    return tar_chunks(members())
 
 
 def verifier_tar(files: dict[str, tuple[bytes, int]]) -> bytes:
@@ -257,18 +337,10 @@ def _bytecode(rel: str) -> bool:
     return rel.endswith((".pyc", ".pyo")) or "__pycache__" in rel.split("/")
 
 
-def _drop_links_above(tree: dict[str, _Entry], rel: str) -> None:
-    """A parent of a reset path that the agent turned into a link or a file goes, so the original is
-    written where the verifier will read it."""
-    parts = rel.split("/")
-    for i in range(1, len(parts)):
-        parent = "/".join(parts[:i])
-        entry = tree.get(parent)
-        if entry is not None and not entry.info.isdir():
-            del tree[parent]
-
-
 def _diff_lines(before: bytes, after: bytes) -> int:
+    """Lines added plus removed; -1 (not counted) when a side is over `DIFF_MAX_BYTES`."""
+    if len(before) > DIFF_MAX_BYTES or len(after) > DIFF_MAX_BYTES:
+        return -1
     a = before.decode(errors="replace").splitlines()
     b = after.decode(errors="replace").splitlines()
     return sum(
@@ -288,10 +360,11 @@ class VerifyStage:
         self.labels = labels or {}
         """Labels of the verify sandboxes too (the store's identity: one leaked by a crash is removed)."""
 
-    async def copy_out(self, session_id: str, agent_box: str, workdir: str) -> bytes:
-        """The agent's working directory, copied with its processes frozen. What the agent left
-        running, and what it changed outside the working directory (neither reaches the verify
-        stage), are events."""
+    async def copy_out(self, session_id: str, agent_box: str, workdir: str) -> WorkspaceCopy:
+        """The agent's working directory, copied with its processes frozen, to a temporary file, up to
+        `SandboxIO.max_workspace_bytes` (a larger one is a ``workspace_too_large`` event, and stops the
+        copy). What the agent left running, and what it changed outside the working directory (neither
+        reaches the verify stage), are events."""
         backend = self.io.backend
         left = await self.io.op(backend.processes, agent_box)
         if left:
@@ -302,30 +375,47 @@ class VerifyStage:
         if outside:
             data = {"count": len(outside), "paths": [f"{kind} {path}" for kind, path in outside[:50]]}
             self.events.add(session_id, None, "outside_workspace_modified", data)
-        return await self.io.op(backend.archive, agent_box, workdir)
+        limit = self.io.max_workspace_bytes
+        spool = tempfile.SpooledTemporaryFile(SPOOL_MEMORY_BYTES, prefix="belayer-verify-")  # noqa: SIM115 - judge closes it
+        try:
+            size = await self.io.op(backend.archive, agent_box, workdir, spool, max_bytes=limit)
+        except BaseException:
+            spool.close()
+            raise
+        copy = WorkspaceCopy(spool, size, limit)
+        if copy.too_large:
+            data = {"workspace_bytes": size, "max_workspace_bytes": limit, "workdir": workdir}
+            self.events.add(session_id, None, "workspace_too_large", data)
+        return copy
 
     async def judge(
-        self, session_id: str, spec: SandboxSpec, plan: VerifyPlan, agent_tar: bytes, kept: bool
+        self, session_id: str, spec: SandboxSpec, plan: VerifyPlan, copy: WorkspaceCopy, kept: bool
     ) -> VerifyOutcome:
+        """Rewrite `copy` (protected paths reset) and run the verifier on it; `copy` is closed."""
         started = time.monotonic()
-        tree = read_tree(agent_tar, spec.workdir)
-        changes = protect(tree, plan.originals, plan.protected)
-        action: Literal["none", "reset", "fail"] = "none" if not changes else plan.on_tamper
-        for change in changes:
-            self.events.add(
-                session_id, None, "protected_path_modified", {**change.as_json(), "action": plan.on_tamper}
-            )
-        if action == "fail":
+        try:
+            if copy.too_large:
+                return _too_large(copy, spec.workdir, time.monotonic() - started, kept)
+            tree = AgentTree(copy.tar, spec.workdir)
+            changes = await self.io.op(protect, tree, plan.originals, plan.protected)
+            action: Literal["none", "reset", "fail"] = "none" if not changes else plan.on_tamper
+            for change in changes:
+                data = {**change.as_json(), "action": plan.on_tamper}
+                self.events.add(session_id, None, "protected_path_modified", data)
+            if action == "fail":
+                return VerifyOutcome(
+                    False, None, "", False, tuple(changes), action, time.monotonic() - started, kept
+                )
+            workspace = write_tree(tree, spec.workdir, plan.originals, plan.protected)
+            verified, code, output, timed_out = await self._run(spec, plan, workspace)
             return VerifyOutcome(
-                False, None, "", False, tuple(changes), action, time.monotonic() - started, kept
+                verified, code, output, timed_out, tuple(changes), action, time.monotonic() - started, kept
             )
-        verified, code, output, timed_out = await self._run(spec, plan, write_tree(tree, spec.workdir))
-        return VerifyOutcome(
-            verified, code, output, timed_out, tuple(changes), action, time.monotonic() - started, kept
-        )
+        finally:
+            copy.close()
 
     async def _run(
-        self, agent_spec: SandboxSpec, plan: VerifyPlan, workspace: bytes
+        self, agent_spec: SandboxSpec, plan: VerifyPlan, workspace: Iterator[bytes]
     ) -> tuple[bool, int | None, str, bool]:
         backend = self.io.backend
         spec = SandboxSpec(
@@ -355,3 +445,14 @@ class VerifyStage:
             return result.exit_code == 0, result.exit_code, result.stdout + result.stderr, False
         finally:
             await self.io.op(backend.destroy, box.id)
+
+
+def _too_large(copy: WorkspaceCopy, workdir: str, seconds: float, kept: bool) -> VerifyOutcome:
+    note = (
+        f"[belayer] not verified: {workdir} is over sandbox.max_workspace_bytes ({copy.limit} bytes); "
+        f"its copy was stopped after {copy.size} bytes"
+    )
+    limits = {"workspace_bytes": copy.size, "max_workspace_bytes": copy.limit or 0}
+    return VerifyOutcome(
+        False, None, note, False, (), "none", seconds, kept, reason="workspace_too_large", limits=limits
+    )

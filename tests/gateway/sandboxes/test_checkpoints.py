@@ -1,4 +1,5 @@
-"""Checkpoint retention and deletion without Docker: a deletion that fails is logged and counted."""
+"""Checkpoint retention and deletion without Docker: a deletion that fails is logged and counted; a
+checkpoint over a disk quota that the storage driver does not enforce is refused."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import logging
 
 import pytest
 
-from sandbox.fake import Fault
+from core.errors import CheckpointError
+from sandbox.fake import FakeSandboxBackend, Fault
 from tests.gateway.sandboxes.conftest import EnvFactory
 
 
@@ -65,3 +67,24 @@ async def test_released_checkpoints_are_not_deleted(make_env: EnvFactory) -> Non
     assert env.manager.release_checkpoints(sid) == [c1]
     await env.manager.destroy(sid)
     assert env.backend.checkpoint_ids == [c1.checkpoint.id]
+
+
+async def test_a_checkpoint_over_the_unenforced_disk_quota_is_refused(
+    make_env: EnvFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="belayer.sandbox"):
+        env = await make_env(FakeSandboxBackend(disk_quota_bytes=1000))  # the fake's driver enforces none
+    [line] = [r.getMessage() for r in caplog.records if "disk limits" in r.getMessage()]
+    assert "disk quota 1000 bytes per sandbox NOT enforced" in line
+    sid = await env.session()
+    await env.manager.write_file(sid, "small", b"x" * 600)
+    kept = await env.manager.checkpoint(sid)
+    await env.manager.write_file(sid, "more", b"x" * 600)
+    with pytest.raises(CheckpointError, match="over its disk quota of 1000"):
+        await env.manager.checkpoint(sid)
+    assert [c.checkpoint.id for c in env.manager.checkpoints(sid)] == [kept.checkpoint.id]
+    assert len(env.backend.ops("checkpoint")) == 1  # nothing was committed
+    [(_, data)] = env.events(sid, "sandbox_checkpoint_refused")
+    assert data == {"reason": "disk_quota", "writable_bytes": 1200, "disk_quota_bytes": 1000,
+                    "sandbox_id": env.manager.sandbox_id(sid)}  # fmt: skip
+    assert (await env.manager.exec(sid, "echo still here")).stdout == "still here\n"

@@ -6,7 +6,15 @@ from __future__ import annotations
 import io
 import tarfile
 
-from gateway.sandboxes.verify import VERIFY_DIR, protect, read_tree, verifier_tar, verify_command, write_tree
+from gateway.sandboxes.verify import (
+    VERIFY_DIR,
+    AgentTree,
+    ProtectedChange,
+    protect,
+    verifier_tar,
+    verify_command,
+    write_tree,
+)
 
 TEST = b"import unittest\nassert 1 == 1\n"
 
@@ -38,6 +46,19 @@ def agent_tar(*members: tuple[str, bytes, str]) -> bytes:
     return buf.getvalue()
 
 
+def tree(tar: bytes) -> AgentTree:
+    return AgentTree(io.BytesIO(tar), "/workspace")
+
+
+def rewrite(
+    tar: bytes, originals: dict[str, tuple[bytes, int]], patterns: tuple[str, ...]
+) -> tuple[list[ProtectedChange], bytes]:
+    """What `protect` reports and what `write_tree` sends, for the agent's archive `tar`."""
+    agent = tree(tar)
+    changes = protect(agent, originals, patterns)
+    return changes, b"".join(write_tree(agent, "/workspace", originals, patterns))
+
+
 def names(tar: bytes) -> dict[str, bytes | str]:
     out: dict[str, bytes | str] = {}
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
@@ -48,8 +69,10 @@ def names(tar: bytes) -> dict[str, bytes | str]:
 
 
 def test_an_untouched_protected_file_is_no_change() -> None:
-    tree = read_tree(agent_tar(("test_a.py", TEST, "file")), "/workspace")
-    assert protect(tree, {"test_a.py": (TEST, 0o644)}, ("test_a.py",)) == []
+    changes, out = rewrite(
+        agent_tar(("test_a.py", TEST, "file")), {"test_a.py": (TEST, 0o644)}, ("test_a.py",)
+    )
+    assert changes == [] and names(out)["workspace/test_a.py"] == TEST
 
 
 def test_modified_deleted_and_added_protected_paths_are_reset_and_reported() -> None:
@@ -59,15 +82,14 @@ def test_modified_deleted_and_added_protected_paths_are_reset_and_reported() -> 
         ("tests/conftest.py", b"x = 1\n", "file"),
         ("hello.py", b"def greet(): ...\n", "file"),
     )
-    tree = read_tree(tar, "/workspace")
     originals = {"test_a.py": (TEST, 0o644), "tests/test_b.py": (b"b\n", 0o600)}
-    changes = protect(tree, originals, ("test_a.py", "tests"))
+    changes, tar_out = rewrite(tar, originals, ("test_a.py", "tests"))
     assert [(c.path, c.change, c.diff_lines) for c in changes] == [
         ("test_a.py", "modified", 1),
         ("tests/conftest.py", "added", 1),
         ("tests/test_b.py", "deleted", 1),
     ]
-    out = names(write_tree(tree, "/workspace"))
+    out = names(tar_out)
     assert out["workspace/test_a.py"] == TEST and out["workspace/tests/test_b.py"] == b"b\n"
     assert "workspace/tests/conftest.py" not in out
     assert out["workspace/hello.py"] == b"def greet(): ...\n"  # the agent's work is kept
@@ -75,12 +97,11 @@ def test_modified_deleted_and_added_protected_paths_are_reset_and_reported() -> 
 
 def test_a_protected_file_turned_into_a_link_and_a_linked_parent_are_replaced() -> None:
     tar = agent_tar(("test_a.py", b"/etc/passwd", "symlink"), ("tests", b"/tmp/mine", "symlink"))
-    tree = read_tree(tar, "/workspace")
-    changes = protect(
-        tree, {"test_a.py": (TEST, 0o644), "tests/t.py": (b"t", 0o644)}, ("test_*.py", "tests/t.py")
+    changes, tar_out = rewrite(
+        tar, {"test_a.py": (TEST, 0o644), "tests/t.py": (b"t", 0o644)}, ("test_*.py", "tests/t.py")
     )
     assert {c.path: c.change for c in changes} == {"test_a.py": "modified", "tests/t.py": "deleted"}
-    out = names(write_tree(tree, "/workspace"))
+    out = names(tar_out)
     assert out["workspace/test_a.py"] == TEST and "workspace/tests" not in out
     assert out["workspace/tests/t.py"] == b"t"
 
@@ -94,7 +115,7 @@ def test_bytecode_and_special_files_are_dropped_and_hard_links_made_regular() ->
         ("pipe", b"", "fifo"),
         ("c.py", b"a.py", "hardlink"),
     )
-    out = names(write_tree(read_tree(tar, "/workspace"), "/workspace"))
+    out = names(rewrite(tar, {}, ())[1])
     assert out == {"workspace/a.py": b"A", "workspace/c.py": b"A"}
 
 

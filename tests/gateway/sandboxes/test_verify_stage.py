@@ -1,6 +1,10 @@
-"""The manager's verify stage over the in-memory backend: the copy, the events, which sandboxes live."""
+"""The manager's verify stage over the in-memory backend: the copy, the events, which sandboxes live, the
+cap on the working directory's size, and the memory the copy takes."""
 
 from __future__ import annotations
+
+import os
+import tracemalloc
 
 import pytest
 
@@ -68,3 +72,44 @@ async def test_on_tamper_fail_runs_no_verifier_and_keep_keeps_the_agent_sandbox(
     assert env.backend.sandboxes == [env.manager.sandbox_id(sid)]  # kept for inspection
     [(_, data)] = env.events(sid, "protected_path_modified")
     assert (data["path"], data["change"], data["action"]) == ("test_hello.py", "modified", "fail")
+
+
+async def test_a_workspace_over_the_cap_is_not_verified_and_nothing_else_is_touched(
+    make_env: EnvFactory,
+) -> None:
+    seen: list[list[str]] = []
+    env = await make_env(verifier(seen), max_workspace_bytes=64 * 1024)
+    sid, other = await env.session(), await env.session("s2")
+    await env.manager.write_file(sid, "hello.py", b"return 'hello, world'")
+    await env.manager.write_file(sid, "big.bin", b"\0" * (4 << 20))
+    outcome = await env.manager.verify(sid, PLAN)
+    verdict = (outcome.verified, outcome.exit_code, outcome.reason, seen)
+    assert verdict == (False, None, "workspace_too_large", [])
+    summary = outcome.summary()
+    assert summary["max_workspace_bytes"] == 64 * 1024
+    assert 64 * 1024 < summary["workspace_bytes"] < 4 << 20  # the copy stopped early
+    assert "over sandbox.max_workspace_bytes" in outcome.output
+    assert len(env.backend.ops("create")) == 2  # the two agents' sandboxes; no verifier's
+    [(_, data)] = env.events(sid, "workspace_too_large")
+    assert data["max_workspace_bytes"] == 64 * 1024
+    assert (await env.manager.exec(other, "echo fine")).stdout == "fine\n"  # the other session goes on
+
+
+async def test_the_copy_streams_through_the_gateway(make_env: EnvFactory) -> None:
+    """A 32 MiB working directory: the gateway never holds more than a few pieces of it besides the fake
+    verify sandbox's own copy of the files (before streaming, about four copies: the archive, the tree,
+    the rewritten archive and its bytes)."""
+    size, files = 32 << 20, 8
+    env = await make_env(verifier([]))
+    sid = await env.session()
+    for i in range(files):
+        await env.manager.write_file(sid, f"data/{i}.bin", os.urandom(size // files))
+    await env.manager.write_file(sid, "hello.py", b"return 'hello, world'")
+    tracemalloc.start()
+    try:
+        outcome = await env.manager.verify(sid, PLAN)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert outcome.verified and outcome.reason is None
+    assert peak - size < size // 4, f"peak {peak >> 20} MiB for a {size >> 20} MiB working directory"
