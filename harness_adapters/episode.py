@@ -9,12 +9,15 @@ A task is a directory::
       tests/           optional hidden tests (also hidden/): with verify.sh, never in the agent's sandbox
       task.json        optional: {"max_turns": 30, "timeout_s": 600, "image": "belayer-sandbox-python",
                                   "setup": ["pip install -e ."], "protected_paths": ["test_*.py"],
-                                  "on_tamper": "reset", "verify_timeout_s": 300}
+                                  "on_tamper": "reset", "verify_timeout_s": 300,
+                                  "setup_network": false, "setup_cap_add": []}
 
 An episode runs in three stages:
 
 - **setup**: the task's image (the base image + repo/ + the ``setup`` commands) is built once and cached
-  by content hash (`sandbox.task_images`); an episode starts a sandbox from it (``task_start_s``);
+  by content hash (`sandbox.task_images`); an episode starts a sandbox from it (``task_start_s``). The
+  setup commands run under a sandbox's limits: no network unless ``setup_network``, no capability but
+  ``setup_cap_add``;
 - **agent**: the harness works in that sandbox, which holds the repository and nothing of the verifier;
 - **verify**: the gateway copies the agent's /workspace out (its processes frozen), resets the
   ``protected_paths`` (``protected_path_modified`` events; ``on_tamper: fail`` gives reward 0 instead),
@@ -86,7 +89,10 @@ OUT_DIR = "/tmp/belayer-harness"
 HOME = "/root"
 
 
-TASK_KEYS = {"max_turns", "timeout_s", "image", "setup", "protected_paths", "on_tamper", "verify_timeout_s"}
+TASK_KEYS = {
+    "max_turns", "timeout_s", "image", "setup", "protected_paths", "on_tamper", "verify_timeout_s",
+    "setup_network", "setup_cap_add",
+}  # fmt: skip
 HIDDEN_DIRS = ("tests", "hidden")
 
 
@@ -104,6 +110,8 @@ class Task:
     protected_paths: tuple[str, ...] = ()
     on_tamper: Literal["reset", "fail"] = "reset"
     verify_timeout_s: float = 300.0
+    setup_network: bool = False
+    setup_cap_add: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, root: Path) -> Task:
@@ -156,7 +164,9 @@ def _options(path: Path) -> dict[str, Any]:
         raise TaskError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(TASK_KEYS)})")
     if options.get("on_tamper", "reset") not in ("reset", "fail"):
         raise TaskError(f"{path}: on_tamper must be 'reset' or 'fail', not {options['on_tamper']!r}")
-    for key in ("setup", "protected_paths"):
+    if not isinstance(options.get("setup_network", False), bool):
+        raise TaskError(f"{path}: setup_network must be true or false")
+    for key in ("setup", "protected_paths", "setup_cap_add"):
         value = options.get(key, [])
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise TaskError(f"{path}: {key} must be a list of strings")
@@ -432,7 +442,10 @@ def build_task_image(task: Task, base: str | None = None) -> TaskImage:
 
     with DockerSandboxBackend(DockerBackendConfig()) as backend:
         base = base or task.image or ensure_python_image(backend)
-        return ensure_task_image(backend, task.name, base, task.files(), list(task.setup))
+        return ensure_task_image(
+            backend, task.name, base, task.files(), list(task.setup), setup_network=task.setup_network,
+            setup_cap_add=task.setup_cap_add,
+        )  # fmt: skip
 
 
 def _verdict_report(verdict: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Task images on a real Docker engine (`sandbox.task_images`): built once by content hash, reused,
-pruned by count and age."""
+pruned by count and age; the setup runs under a sandbox's limits (no network, no capability, unless the
+task asks)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,24 @@ def test_prune_keeps_the_newest_and_drops_the_old(backend: DockerSandboxBackend,
     finally:
         for name in names:
             backend.remove_image(name)
+
+
+PROBE = ["ls /sys/class/net | tr '\\n' ' '; echo", "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status"]
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_setup_has_no_network_and_no_capability_unless_the_task_asks(
+    backend: DockerSandboxBackend, busybox_image: str, asked: bool
+) -> None:
+    files = [("nonce", str(time.monotonic_ns()).encode(), 0o644)]  # a new image every run
+    image = ensure_task_image(
+        backend, "limits", busybox_image, files, PROBE, setup_network=asked,
+        setup_cap_add=("CHOWN",) if asked else (),
+    )  # fmt: skip
+    try:
+        nets, cap_eff, no_new_privs = image.setup_output.splitlines()
+        assert nets.split() == (["eth0", "lo"] if asked else ["lo"])
+        assert cap_eff.split() == ["CapEff:", "0000000000000001" if asked else "0000000000000000"]
+        assert no_new_privs.split() == ["NoNewPrivs:", "1"]
+    finally:
+        backend.remove_image(image.name)
