@@ -6,13 +6,20 @@ list of parts. An item of a type this gateway cannot
 render (``item_reference``, ``web_search_call``, ``computer_call_output``, …), a content part that is
 not text, a tool that is not a function, validate as ``Other*`` models, so that serving can reject them
 with a 400 naming the item and its index.
+
+Items follow OpenAI's per-type and per-role schemas (``check_input``, run before the model validates):
+an item that carries a field only another item type has, a message without its role or content, or a
+message part its role cannot send (``input_text`` in an assistant message, ``output_text`` in a user's)
+gets the 400 OpenAI gives, in its wording, ``param`` and ``code``.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from core.errors import InvalidRequest
 
 
 class _Wire(BaseModel):
@@ -164,6 +171,13 @@ class ResponsesRequest(_Wire):
     metadata: dict[str, str] | None = None
     user: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _per_role(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_input(data.get("input"))
+        return data
+
 
 # Fields that would change the result and that Belayer does not implement: reject rather than ignore.
 UNSUPPORTED: dict[str, str] = {
@@ -173,3 +187,70 @@ UNSUPPORTED: dict[str, str] = {
     "prompt": "stored prompt templates ('prompt') are not supported; send 'instructions' and 'input'",
     "context_management": "'context_management' (server-side compaction) is not supported; remove it",
 }
+
+
+# --- per-role item schemas ---------------------------------------------------------------------------
+# Each input item type's fields (the openai SDK's ResponseInputItemParam members). A field of another
+# item type is refused as OpenAI refuses an unknown one; ``name`` on any item (chat-style clients send
+# it) and a field no item type has are let through, and a null field counts as absent.
+ITEM_FIELDS: dict[str, frozenset[str]] = {
+    "message": frozenset({"type", "role", "content", "id", "status", "phase", "name"}),
+    "function_call": frozenset({"type", "call_id", "name", "arguments", "id", "status", "namespace"}),
+    "function_call_output": frozenset({"type", "call_id", "output", "id", "status"}),
+    "reasoning": frozenset({"type", "id", "summary", "content", "encrypted_content", "status"}),
+}
+_ITEM_ONLY = frozenset().union(*ITEM_FIELDS.values())
+INPUT_PARTS = ("input_text", "input_image", "input_file")
+OUTPUT_PARTS = ("output_text", "refusal")
+"""What a user, system or developer message sends, and what an assistant's does (``text`` passes in
+either: this gateway's own leniency; other types are serving's 400 for a text-only model)."""
+
+
+def check_input(items: Any) -> None:
+    """Each input item against its type's and its role's schema, with OpenAI's 400 for the first fault:
+
+    >>> check_input([{"role": "assistant", "content": [{"type": "input_text", "text": "hi"}]}])
+    Traceback (most recent call last):
+    ...
+    core.errors.InvalidRequest: Invalid value: 'input_text'. Supported values are: 'output_text' and 'refusal'.
+    """
+    if not isinstance(items, list):
+        return
+    for i, item in enumerate(items):
+        kind = _item_type(item)
+        if kind != "other":
+            _check_item(item, kind, f"input[{i}]")
+
+
+def _check_item(item: dict[str, Any], kind: str, where: str) -> None:
+    for key in sorted(_ITEM_ONLY - ITEM_FIELDS[kind] - {"name"}):
+        if item.get(key) is not None:
+            raise InvalidRequest(
+                f"Unknown parameter: '{where}.{key}'.", f"{where}.{key}", "unknown_parameter"
+            )
+    if kind != "message":
+        return
+    for key in ("role", "content"):
+        if key not in item:
+            raise InvalidRequest(
+                f"Missing required parameter: '{where}.{key}'.",
+                f"{where}.{key}",
+                "missing_required_parameter",
+            )
+    content = item["content"]
+    if item["role"] not in ("user", "system", "developer", "assistant") or not isinstance(content, list):
+        return  # the model's 400
+    allowed, refused = (
+        (OUTPUT_PARTS, INPUT_PARTS) if item["role"] == "assistant" else (INPUT_PARTS, OUTPUT_PARTS)
+    )
+    for j, part in enumerate(content):
+        part_type = part.get("type") if isinstance(part, dict) else None
+        if isinstance(part_type, str) and part_type in refused:
+            supported = " and ".join(f"'{t}'" for t in allowed)
+            if len(allowed) > 2:
+                supported = ", ".join(f"'{t}'" for t in allowed[:-1]) + f", and '{allowed[-1]}'"
+            raise InvalidRequest(
+                f"Invalid value: '{part_type}'. Supported values are: {supported}.",
+                f"{where}.content[{j}]",
+                "invalid_value",
+            )

@@ -429,3 +429,81 @@ async def test_any_json_where_a_role_or_type_goes_is_a_400(
     r = await gateway.client.post(path, json=body)
     assert r.status_code == 400, r.text
     fuzzing.check_answer("POST", path, r, path)
+
+
+# --- Responses: each input item's type and role ------------------------------------------------------
+
+
+def inputs(*items: dict[str, Any]) -> dict[str, Any]:
+    return {"model": "policy", "input": [*items, {"role": "user", "content": "go on"}]}
+
+
+FC = {"type": "function_call", "call_id": "call_1", "name": "bash", "arguments": "{}"}
+FCO = {"type": "function_call_output", "call_id": "call_1", "output": "a.py"}
+RESPONSES: list[tuple[str, dict[str, Any], str, str, str]] = [
+    ("assistant with an input_text part", inputs({"role": "assistant", "content": [
+        {"type": "input_text", "text": "x"}]}), "input[0].content[0]", "invalid_value",
+     "Invalid value: 'input_text'. Supported values are: 'output_text' and 'refusal'."),
+    ("user with an output_text part", inputs({"role": "user", "content": [{"type": "output_text", "text": "x"}]}),
+     "input[0].content[0]", "invalid_value",
+     "Invalid value: 'output_text'. Supported values are: 'input_text', 'input_image', and 'input_file'."),
+    ("developer with a refusal part", inputs({"type": "message", "role": "developer", "content": [
+        {"type": "refusal", "refusal": "no"}]}), "input[0].content[0]", "invalid_value",
+     "Invalid value: 'refusal'. Supported values are: 'input_text', 'input_image', and 'input_file'."),
+    ("message without content", inputs({"type": "message", "role": "user"}), "input[0].content",
+     "missing_required_parameter", "Missing required parameter: 'input[0].content'."),
+    ("message without role", inputs({"type": "message", "content": "x"}), "input[0].role",
+     "missing_required_parameter", "Missing required parameter: 'input[0].role'."),
+    ("message with call_id", inputs({"role": "user", "content": "x", "call_id": "call_1"}), "input[0].call_id",
+     "unknown_parameter", "Unknown parameter: 'input[0].call_id'."),
+    ("function_call with output", inputs({**FC, "output": "a.py"}, FCO), "input[0].output", "unknown_parameter",
+     "Unknown parameter: 'input[0].output'."),
+    ("function_call_output with arguments", inputs(FC, {**FCO, "arguments": "{}"}), "input[1].arguments",
+     "unknown_parameter", "Unknown parameter: 'input[1].arguments'."),
+    ("function_call_output with role", inputs(FC, {**FCO, "role": "tool"}), "input[1].role", "unknown_parameter",
+     "Unknown parameter: 'input[1].role'."),
+    ("reasoning with arguments", inputs({"type": "reasoning", "summary": [], "arguments": "{}"}),
+     "input[0].arguments", "unknown_parameter", "Unknown parameter: 'input[0].arguments'."),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "param", "code", "message"), RESPONSES, ids=[c[0] for c in RESPONSES]
+)
+async def test_responses_item_schemas(
+    gateway: GatewayHarness, name: str, body: dict[str, Any], param: str, code: str, message: str
+) -> None:
+    r = await gateway.client.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json() == {
+        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+    }
+    assert gateway.engine.requests == []
+
+
+async def test_responses_function_call_round_trip_as_codex_sends_it(gateway: GatewayHarness) -> None:
+    """Codex sends its history back: developer and user messages of input_text parts, the assistant's
+    output_text, the reasoning item, the function call with its id and status, and its output."""
+    gateway.queue_replies(CALL_TEXT, "done")
+    tools = [
+        {"type": "function", "name": "bash", "description": "run", "parameters": SCHEMA, "strict": False}
+    ]
+    first = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "be careful"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list"}]},
+    ]
+    body = {"model": "policy", "input": first, "tools": tools, "store": False}
+    r = await gateway.client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    output = r.json()["output"]
+    [fc] = [o for o in output if o["type"] == "function_call"]
+    said = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "ok", "annotations": []}],
+    }
+    result = {"type": "function_call_output", "call_id": fc["call_id"], "output": "a.py"}
+    body["input"] = [*first, {"type": "reasoning", "summary": [], "content": None, "encrypted_content": None},
+                     said, *output, result]  # fmt: skip
+    r = await gateway.client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
