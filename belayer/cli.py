@@ -95,6 +95,8 @@ SERVE_FLAGS = (
     Flag("--checkpoint-policy", "sandbox.policy.mode"),
     Flag("--sandbox-port", "sandbox.sandbox_port"),
     Flag("--keep-sandboxes", "sandbox.keep_on_shutdown", const=True),
+    Flag("--max-workspace-bytes", "sandbox.max_workspace_bytes", metavar="BYTES"),
+    Flag("--sandbox-disk-quota", "sandbox.disk_quota_bytes", metavar="BYTES"),
     Flag("--admin-token", "admin_token"),
     Flag("--admin-token-file", "admin_token_file", metavar="FILE"),
     Flag("--api-token", "api_token"),

@@ -2,12 +2,16 @@
 
 `VerifyStage.run` takes the session's sandbox (the agent stage) and:
 
-1. copies its working directory out as a tar, with every process in it frozen (`SandboxBackend.archive`);
-   the agent's sandbox is then destroyed, or kept for inspection;
-2. rewrites that copy: regular files, directories and symbolic links only (no devices, fifos or
-   hard links), no ``__pycache__``/``*.pyc`` (bytecode the agent could have forged), and every
-   *protected* path back to the task's original content. Each protected path the agent changed, added
-   or deleted is a ``protected_path_modified`` event (with the size of the diff);
+1. copies its working directory out as a tar, with every process in it frozen (`SandboxBackend.archive`),
+   into a temporary file (`WorkspaceCopy`); the agent's sandbox is then destroyed, or kept for
+   inspection. A copy over `SandboxConfig.max_workspace_bytes` stops there and is not verified
+   (``reason="workspace_too_large"``, a ``workspace_too_large`` event);
+2. rewrites that copy as it goes to the verifier (`AgentTree`, `protect`, `write_tree`): regular files,
+   directories and symbolic links only (no devices, fifos or hard links), no ``__pycache__``/``*.pyc``
+   (bytecode the agent could have forged), and every *protected* path back to the task's original
+   content. Each protected path the agent changed, added or deleted is a ``protected_path_modified``
+   event (with the size of the diff). The gateway holds a piece of the copy at a time
+   (`sandbox.backend.CHUNK_BYTES`), never the whole: a large working directory costs disk, not memory;
 3. with ``on_tamper="fail"`` and any such change, stops there: not verified;
 4. starts a **new** sandbox from the clean image (the task's image: nothing the agent installed or
    planted outside the working directory, and none of its processes), with no network; empties its
@@ -379,8 +383,10 @@ class VerifyStage:
         spool = tempfile.SpooledTemporaryFile(SPOOL_MEMORY_BYTES, prefix="belayer-verify-")  # noqa: SIM115 - judge closes it
         try:
             size = await self.io.op(backend.archive, agent_box, workdir, spool, max_bytes=limit)
-        except BaseException:
+        except BaseException as exc:
             spool.close()
+            if isinstance(exc, OSError) and not isinstance(exc, SandboxError):  # the gateway's own disk
+                raise SandboxError(f"could not copy {workdir} out to a temporary file: {exc}") from exc
             raise
         copy = WorkspaceCopy(spool, size, limit)
         if copy.too_large:
@@ -396,7 +402,7 @@ class VerifyStage:
         try:
             if copy.too_large:
                 return _too_large(copy, spec.workdir, time.monotonic() - started, kept)
-            tree = AgentTree(copy.tar, spec.workdir)
+            tree = await self.io.op(AgentTree, copy.tar, spec.workdir)  # reads the file: off the loop
             changes = await self.io.op(protect, tree, plan.originals, plan.protected)
             action: Literal["none", "reset", "fail"] = "none" if not changes else plan.on_tamper
             for change in changes:
