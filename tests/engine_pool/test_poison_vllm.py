@@ -60,7 +60,7 @@ async def test_a_poison_request_kills_no_launched_worker(tmp_path: Path, tiny_mo
         )
         app = build_app(config, pool=pool)
         async with app.router.lifespan_context(app):
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw", timeout=120)
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=120)
             pids = [m.process.pid for m in pool.members if m.process is not None]
             assert len(pids) == 2
             body = {"model": "policy", "messages": [{"role": "user", "content": POISON}], "max_tokens": 4}

@@ -27,7 +27,7 @@ async def test_plain_requests_leave_no_affinity_and_closed_sessions_are_forgotte
     app = build_app(GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db")), pool=pool)
     body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     async with http, app.router.lifespan_context(app):
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw")
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost")
         for _ in range(30):  # one-request sessions: nothing to route back to
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         assert pool.remembered_sessions == 0

@@ -65,7 +65,7 @@ async def gateway(
 async def test_openai_calls_pass_through_litellm(gateway: tuple[httpx.AsyncClient, Gateway, object]) -> None:
     client, gw, _ = gateway
     sid = (await client.post("/api/sessions", json={})).json()["id"]
-    sdk = openai.AsyncOpenAI(base_url=f"http://gw/s/{sid}/v1", api_key="x", http_client=client)
+    sdk = openai.AsyncOpenAI(base_url=f"http://localhost/s/{sid}/v1", api_key="x", http_client=client)
     messages = [{"role": "user", "content": "Is this patch right?"}]
     reply = await sdk.chat.completions.create(model="judge-v1", messages=messages)  # type: ignore[arg-type]
     text = reply.choices[0].message.content
@@ -82,8 +82,8 @@ async def test_anthropic_calls_pass_through_litellm(
 ) -> None:
     client, gw, app = gateway
     sid = (await client.post("/api/sessions", json={})).json()["id"]
-    http = sdk_http.AsyncClient(transport=sdk_http.ASGITransport(app), base_url="http://gw")
-    sdk = anthropic.AsyncAnthropic(base_url=f"http://gw/s/{sid}", api_key="x", http_client=http)
+    http = sdk_http.AsyncClient(transport=sdk_http.ASGITransport(app), base_url="http://localhost")
+    sdk = anthropic.AsyncAnthropic(base_url=f"http://localhost/s/{sid}", api_key="x", http_client=http)
     reply = await sdk.messages.create(
         model="judge-v1", max_tokens=16, messages=[{"role": "user", "content": "Is this patch right?"}]
     )

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector, Script
-from gateway.access import bearer_matches
+from gateway.access import STATE_CHANGING, bearer_matches
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.tokenization import ChatTokenizer
 from tests.gateway import fuzzing
@@ -699,7 +699,7 @@ def test_sandbox_routes_answer_sandboxes_disabled(fuzz: FuzzGateway, method: str
             headers = {"content-type": content_type}
             r = fuzz.call(method, url, content=b'{"image": "x", "command": "\\ud800"}', headers=headers)
             body = check_answer(method, url, r, f"{method} {url}")
-            if content_type == "text/plain" and method in ("POST", "PUT"):  # refused before any route
+            if content_type == "text/plain" and method in STATE_CHANGING:  # refused before any route
                 assert r.status_code == 415 and body["error"]["code"] == "unsupported_media_type", r.text
             else:
                 assert r.status_code == 404 and body["error"]["code"] == "sandboxes_disabled", r.text
@@ -711,7 +711,6 @@ FOREIGN: dict[str, list[str]] = {
     "sec-fetch-site": ["cross-site", "same-site"],
     "content-type": [""],  # left out, with a body
 }
-STATE_CHANGING = ("POST", "PUT", "PATCH", "DELETE")
 
 
 @st.composite

@@ -41,7 +41,7 @@ async def test_a_recomputation_running_at_shutdown_is_joined_before_the_store_cl
         pool.add_remote("http://fake-engine")
         app = build_app(GatewayConfig(model=str(tiny_model_dir), store_path=str(db)), pool=pool)
         async with app.router.lifespan_context(app):
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw")
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost")
             tok = app.state.gateway.tokenizer
             eos = tok.encode(tok.eos_token)
             engine.outputs += [tok.encode("one") + eos, tok.encode("two") + eos]
