@@ -349,6 +349,7 @@ BENCHES = {
     "store": "belayer.bench.store",
     "task-start": "belayer.bench.task_start",
     "sandbox-restart": "belayer.bench.sandbox_restart",
+    "verify-copy": "belayer.bench.verify_copy",
 }
 
 
