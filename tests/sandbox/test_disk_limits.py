@@ -84,15 +84,19 @@ async def test_the_copy_streams_through_the_gateway(
     size = 32 * MiB
     manager = make_manager(backend)
     sid = await session(manager, "s1", verify_image)
-    await manager.exec(sid, f"head -c {size} /dev/urandom > /workspace/big.bin && echo ok > /workspace/a")
-    check = f'test "$(wc -c < big.bin)" -eq {size} && test "$(cat a)" = ok'.encode()
+    await manager.exec(sid, f"head -c {size} /dev/urandom > big.bin && echo ok > a && echo cheat > test_a.py")
+    check = f'test "$(wc -c < big.bin)" -eq {size} && test "$(cat a)" = ok && test "$(cat test_a.py)" = orig'
+    plan = VerifyPlan(
+        files={"verify.sh": (check.encode(), 0o644)}, originals={"test_a.py": (b"orig\n", 0o644)},
+        protected=("test_*.py",),
+    )  # fmt: skip
     tracemalloc.start()
     try:
-        outcome = await manager.verify(sid, VerifyPlan(files={"verify.sh": (check, 0o644)}))
+        outcome = await manager.verify(sid, plan)  # the protected file is reset on the way
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert outcome.verified, outcome.output
+    assert outcome.verified and [c.path for c in outcome.changes] == ["test_a.py"], outcome.output
     assert peak < size // 4, f"peak {peak / MiB:.1f} MiB for a {size // MiB} MiB working directory"
 
 
