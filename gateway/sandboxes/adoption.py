@@ -328,7 +328,8 @@ class Adoption:
             log.warning("could not remove leaked sandbox %s: %s", box.id, exc)
             return
         report.removed.append(box.id)
-        log.warning("removed sandbox %s of session %s: no open session holds it", box.id, session_tag(session_id))
+        tag = session_tag(session_id) if session_id else None
+        log.warning("removed sandbox %s of session %s: no open session holds it", box.id, tag)
         if session is None or session.status == "open":
             return  # unknown, or an open session's stale container: its checkpoints are the slot's
         rec = self._recorded(session.id)
