@@ -456,6 +456,7 @@ def _verdict_report(verdict: dict[str, Any]) -> dict[str, Any]:
         "verifier_timed_out": verdict["timed_out"],
         "protected_path_changes": verdict["changes"],
         "tamper_action": verdict["tamper_action"],
+        "verify_reason": verdict.get("reason"),  # why there is no verdict: workspace_too_large
     }
 
 
@@ -475,7 +476,7 @@ def _file(path: str, data: bytes, mode: int) -> dict[str, Any]:
 def _reward_info(verdict: dict[str, Any]) -> dict[str, Any]:
     """The verdict without the verifier's output (the reward is part of what a trainer reads back)."""
     keys = ("verified", "exit_code", "timed_out", "tamper_action", "protected_paths_modified", "seconds")
-    return {f"verify_{k}": verdict[k] for k in keys}
+    return {**{f"verify_{k}": verdict[k] for k in keys}, "verify_reason": verdict.get("reason")}
 
 
 # --------------------------------------------------------------------------- the report
