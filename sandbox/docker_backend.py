@@ -13,6 +13,11 @@ directory), adds a unique nonce file (identical dumps otherwise fail with "conte
 moby#42900), and starts it with `POST /containers/{id}/start?checkpoint=criu`. The process dump refers
 to files by path, so it needs this host's filesystem access to Docker's data-root.
 
+Every container (sandboxes, the verify stage's, task-image builds) gets the same isolation
+(`_host_config`): capabilities dropped, no-new-privileges, memory, process and CPU limits, and
+`DockerBackendConfig.disk_quota_bytes` as ``--storage-opt size`` where the storage driver takes one
+(`disk_quota` asks once). Archives stream both ways in pieces (`sandbox.backend.CHUNK_BYTES`).
+
 Only this module imports `docker`; its errors are translated in `docker_errors`.
 
 Example::
@@ -721,10 +726,7 @@ class DockerSandboxBackend(SandboxBackend):
         """A raw engine call for what docker-py lacks (checkpoints); errors become DockerExceptions."""
         url = f"{self._api.base_url}/v{self._api.api_version}{path}"
         response = self._api.post(url, json=json_body, params=params, timeout=self._config.api_timeout_s)
-        try:
-            response.raise_for_status()
-        except requests.HTTPError as exc:
-            raise docker.errors.create_api_error_from_http_exception(exc) from exc
+        _raise_for_status(response)
 
     def _inspect_image(self, name: str) -> dict[str, Any]:
         image: dict[str, Any] = self._api.inspect_image(name)  # type: ignore[no-untyped-call,unused-ignore]
@@ -755,6 +757,7 @@ class DockerSandboxBackend(SandboxBackend):
 
 
 def _raise_for_status(response: requests.Response) -> None:
+    """An engine's error answer as docker-py's exception (`docker_errors` translates it)."""
     try:
         response.raise_for_status()
     except requests.HTTPError as exc:
