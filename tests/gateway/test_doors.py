@@ -4,6 +4,7 @@ or cross-site request on the defaults, and a read-only ``GET /api/export``."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from gateway.access import is_plain
 from gateway.config import ConfigLoader, GatewayConfig
 from gateway.runtime import Gateway
 from gateway.store import SessionQuery
-from tests.support import asgi_gateway
+from tests.support import REPO, asgi_gateway
 
 TOKEN = {"authorization": "Bearer t0ken"}
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -354,3 +355,20 @@ async def test_a_weights_path_outside_the_weights_root_is_a_400(tmp_path: Path, 
             assert (r.status_code, r.json()["error"]["param"]) == (400, "path"), r.text
             assert "outside the weights root" in r.json()["error"]["message"]
         assert app.state.gateway.pool.weight_version == "base"
+
+
+def test_every_row_of_the_readme_threat_model_names_tests_that_exist() -> None:
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("**Who may do what (threat model).**") :].split("\n\n", 2)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| who")]
+    assert len(rows) == 7, rows
+    for row in rows:
+        shown_by = row.rstrip(" |").rsplit(" | ", 1)[1]
+        refs = re.findall(r"`([\w/.]*?)(?:::(\w+))?`", shown_by)
+        assert refs, row
+        file = None
+        for path, name in refs:
+            file = REPO / "tests" / path if path else file
+            assert file is not None and file.is_file(), (row[:40], path)
+            if name:
+                assert re.search(rf"^(async )?def {name}\(", file.read_text(), re.M), (file.name, name)
