@@ -218,7 +218,10 @@ def _warn_open(config: GatewayConfig) -> None:
             config.port,
         )
     if config.host in ("0.0.0.0", "::") and not (config.public_url or config.allowed_hosts):
-        log.warning("listening on all addresses: set --public-url so that session base_urls are reachable")
+        log.warning(
+            "listening on all addresses: set --public-url so that session base_urls are reachable; until "
+            "then only IP addresses and the loopback names are answered as Host (--allowed-hosts adds names)"
+        )
 
 
 def build_app(
