@@ -168,7 +168,8 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), "an object")
 
 
-def _one_of(values: tuple[str, ...]) -> str:
+def one_of(values: tuple[str, ...]) -> str:
+    """OpenAI's list of supported values: ``'a'``, ``'a' and 'b'``, ``'a', 'b', and 'c'``."""
     quoted = [f"'{v}'" for v in values]
     if len(quoted) < 3:
         return " and ".join(quoted)
@@ -189,7 +190,9 @@ def _invalid_type(param: str, expected: str, value: Any) -> InvalidRequest:
 
 def _invalid_value(param: str, value: Any, supported: tuple[str, ...]) -> InvalidRequest:
     return InvalidRequest(
-        f"Invalid value: {value!r}. Supported values are: {_one_of(supported)}.", param, "invalid_value"
+        f"Invalid value: {repr(value)[:200]}. Supported values are: {one_of(supported)}.",
+        param,
+        "invalid_value",
     )
 
 

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from core.errors import InvalidRequest
+from gateway.openai.protocol import one_of
 
 
 class _Wire(BaseModel):
@@ -246,11 +247,8 @@ def _check_item(item: dict[str, Any], kind: str, where: str) -> None:
     for j, part in enumerate(content):
         part_type = part.get("type") if isinstance(part, dict) else None
         if isinstance(part_type, str) and part_type in refused:
-            supported = " and ".join(f"'{t}'" for t in allowed)
-            if len(allowed) > 2:
-                supported = ", ".join(f"'{t}'" for t in allowed[:-1]) + f", and '{allowed[-1]}'"
             raise InvalidRequest(
-                f"Invalid value: '{part_type}'. Supported values are: {supported}.",
+                f"Invalid value: '{part_type}'. Supported values are: {one_of(allowed)}.",
                 f"{where}.content[{j}]",
                 "invalid_value",
             )
