@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import httpx
 from starlette.applications import Starlette
+from starlette.routing import Route
 
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
@@ -78,6 +79,20 @@ async def asgi_gateway(
             ) as client,
         ):
             yield app, client
+
+
+def app_routes(app: Starlette, prefix: str = "/") -> list[tuple[str, str]]:
+    """Every (method, path) of the app's routes under `prefix`, HEAD left out, with sample values for
+    the path parameters (a session, an engine, a response)."""
+    samples = {"{session_id}": "ses_x", "{name}": "remote-0", "{response_id}": "resp_x"}
+    out = []
+    for route in app.routes:
+        if isinstance(route, Route) and route.path.startswith(prefix):
+            path = route.path
+            for param, value in samples.items():
+                path = path.replace(param, value)
+            out += [(method, path) for method in sorted(route.methods or ()) if method != "HEAD"]
+    return out
 
 
 def client_root(config: GatewayConfig) -> str:

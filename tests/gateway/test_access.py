@@ -9,11 +9,10 @@ from typing import Any
 import httpx
 import pytest
 from starlette.applications import Starlette
-from starlette.routing import Route
 
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
-from tests.support import asgi_gateway
+from tests.support import app_routes, asgi_gateway
 
 TOKEN = {"authorization": "Bearer t0ken"}
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -33,18 +32,9 @@ async def locked(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[tuple[St
         yield pair
 
 
-def api_routes(app: Starlette) -> list[tuple[str, str]]:
-    out = []
-    for route in app.routes:
-        if isinstance(route, Route) and route.path.startswith("/api/"):
-            path = route.path.replace("{session_id}", "ses_x").replace("{name}", "remote-0")
-            out += [(method, path) for method in sorted(route.methods or ()) if method != "HEAD"]
-    return out
-
-
 async def test_every_api_route_needs_the_token(locked: tuple[Starlette, httpx.AsyncClient]) -> None:
     app, client = locked
-    routes = api_routes(app)
+    routes = app_routes(app, "/api/")
     assert len(routes) >= 15 and ("GET", "/api/sessions") in routes
     for method, path in routes:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic t0ken"}):

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 from starlette.applications import Starlette
-from starlette.routing import Route
 
 from belayer.cli import main
 from core.errors import ConfigError
@@ -22,7 +21,7 @@ from gateway.access import is_plain
 from gateway.config import ConfigLoader, GatewayConfig
 from gateway.runtime import Gateway
 from gateway.store import SessionQuery
-from tests.support import REPO, asgi_gateway
+from tests.support import REPO, app_routes, asgi_gateway
 
 TOKEN = {"authorization": "Bearer t0ken"}
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -97,15 +96,6 @@ async def test_an_auxiliary_call_for_an_open_session_is_forwarded_and_recorded(r
 # --- door 2: every plain route, taken from the router, obeys plain_v1 ------------------------------
 
 
-def plain_routes(app: Starlette) -> list[tuple[str, str]]:
-    out = []
-    for route in app.routes:
-        if isinstance(route, Route) and route.path.startswith("/v1/"):
-            path = route.path.replace("{response_id}", "resp_x")
-            out += [(m, path) for m in sorted(route.methods or ()) if m != "HEAD"]
-    return out
-
-
 @pytest.mark.parametrize("plain_v1", ["off", "token"])
 async def test_every_plain_route_from_the_router_obeys_plain_v1(
     tmp_path: Path, tiny_model_dir: Path, plain_v1: str
@@ -115,7 +105,7 @@ async def test_every_plain_route_from_the_router_obeys_plain_v1(
     )
     engine = FakeEngine(max_model_len=4096, script=lambda prompt: [11, 12])
     async with asgi_gateway(config, httpx.ASGITransport(engine.app())) as (app, client):
-        routes = plain_routes(app)
+        routes = app_routes(app, "/v1/")
         assert {
             ("POST", "/v1/responses"),
             ("GET", "/v1/responses/resp_x"),
@@ -143,21 +133,11 @@ async def default_gw(
         yield pair
 
 
-def every_route(app: Starlette) -> list[tuple[str, str]]:
-    out = []
-    for route in app.routes:
-        if isinstance(route, Route):
-            path = route.path.replace("{session_id}", "ses_x").replace("{name}", "remote-0")
-            path = path.replace("{response_id}", "resp_x")
-            out += [(m, path) for m in sorted(route.methods or ()) if m != "HEAD"]
-    return out
-
-
 async def test_a_rebound_name_reaches_no_route_on_the_defaults(
     default_gw: tuple[Starlette, httpx.AsyncClient],
 ) -> None:
     app, client = default_gw
-    routes = every_route(app)
+    routes = app_routes(app)
     assert len(routes) > 30
     for method, path in routes:
         r = await client.request(method, path, headers={"host": "rebind.attacker.example"}, json={})
