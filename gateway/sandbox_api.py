@@ -19,7 +19,8 @@ The harness's routes, under the session's capability URL (no token: the session 
 as for ``/s/{id}/v1/*``), for a harness beside its sandbox that runs its tool calls there: the same
 handlers, for that session's sandbox only::
 
-    GET    /s/{id}/sandbox                          state (after a 409 sandbox_restored: where to go on)
+    GET    /s/{id}/sandbox                          state (after a 409 sandbox_restored, `last_restore`:
+                                                    where to go on); no checkpoints, no parent session
     POST   /s/{id}/sandbox/exec
     GET    /s/{id}/sandbox/files?path=P
     PUT    /s/{id}/sandbox/files
@@ -70,6 +71,12 @@ from sandbox.backend import SandboxBackend, SandboxSpec
 log = logging.getLogger("belayer.sandbox")
 CAPABILITY_ROOT = "/s/{session_id}/sandbox"
 """The session's sandbox under its capability URL: no token, that session's sandbox only."""
+HARNESS_STATE = frozenset(
+    {"session_id", "status", "failure", "image", "network", "harness_inside", "recovery", "journaled_calls",
+     "last_restore"}
+)  # fmt: skip
+"""What ``GET /s/{id}/sandbox`` shows of `SandboxManager.describe`: never ``forked_from`` (a fork
+child's harness would hold its parent's capability) nor the checkpoints (ids, host paths)."""
 
 
 @contextlib.asynccontextmanager
@@ -192,9 +199,13 @@ def _manager(request: Request) -> tuple[SandboxManager, str]:
     gw = gateway_of(request)
     manager = manager_of(gw)
     session = gw.sessions.get(request.path_params["session_id"])
-    if request.url.path.startswith("/s/"):
+    if _is_capability(request):
         _check_capability(request, session)
     return manager, session.id
+
+
+def _is_capability(request: Request) -> bool:
+    return request.url.path.startswith("/s/")
 
 
 def _check_capability(request: Request, session: SessionRecord) -> None:
@@ -251,7 +262,10 @@ async def create_for(manager: SandboxManager, sid: str, body: dict[str, Any]) ->
 
 async def get_sandbox(request: Request) -> Response:
     manager, sid = _manager(request)
-    return JSONResponse(manager.describe(sid))
+    state = manager.describe(sid)
+    if _is_capability(request):  # not the sessions it forked from, nor where its checkpoints lie
+        state = {k: v for k, v in state.items() if k in HARNESS_STATE}
+    return JSONResponse(state)
 
 
 async def delete_sandbox(request: Request) -> Response:

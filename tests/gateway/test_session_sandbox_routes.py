@@ -84,7 +84,25 @@ async def test_a_harness_runs_its_tool_calls_with_only_its_session_id(rig: Rig) 
     state = (await rig.client.get(f"/s/{sid}/sandbox")).json()
     assert (state["session_id"], state["status"], state["journaled_calls"]) == (sid, "running", 3)
     trainer = (await rig.client.get(f"/api/sessions/{sid}/sandbox", headers=TOKEN)).json()
-    assert trainer == state  # the same handler, the same sandbox
+    assert state == {k: v for k, v in trainer.items() if k in state}  # the same handler, the same sandbox
+    assert {"checkpoints", "forked_from", "sandbox_id"} <= set(trainer) - set(state)  # the trainer's only
+
+
+async def test_a_fork_childs_sandbox_state_does_not_name_its_parent(rig: Rig) -> None:
+    """A harness beside a fork child's sandbox would otherwise hold its parent's capability."""
+    parent = await rig.session()
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (await rig.client.post(f"/s/{parent}/v1/chat/completions", json=chat)).status_code == 200
+    assert (
+        await rig.client.post(f"/api/sessions/{parent}/sandbox/checkpoints", headers=TOKEN)
+    ).status_code == 201
+    r = await rig.client.post(f"/api/sessions/{parent}/fork", json={"at_turn": 0}, headers=TOKEN)
+    assert r.status_code == 201, r.text
+    [child] = [c["id"] for c in r.json()["data"]]
+    trainer = (await rig.client.get(f"/api/sessions/{child}/sandbox", headers=TOKEN)).json()
+    assert trainer["forked_from"] == parent
+    r = await rig.client.get(f"/s/{child}/sandbox")
+    assert r.status_code == 200 and r.json()["session_id"] == child and parent not in r.text, r.text
 
 
 async def test_the_trainers_sandbox_routes_still_need_the_token(rig: Rig) -> None:
