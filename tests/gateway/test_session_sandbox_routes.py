@@ -79,6 +79,7 @@ async def test_a_harness_runs_its_tool_calls_with_only_its_session_id(rig: Rig) 
     r = await rig.exec(sid, "cd /workspace && cat notes.txt && export X=2")
     assert r.status_code == 200 and (r.json()["exit_code"], r.json()["stdout"]) == (0, "one\n"), r.text
     r = await rig.exec(sid, 'echo "$X" > x.txt')  # the shell session persists, as under /api/
+    assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
     r = await rig.client.get(f"/s/{sid}/sandbox/files", params={"path": "/workspace/x.txt"})
     assert r.status_code == 200 and r.json()["content"] == "2\n", r.text
     state = (await rig.client.get(f"/s/{sid}/sandbox")).json()
