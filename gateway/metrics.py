@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import contextvars
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -308,14 +309,21 @@ class GatewayMetrics:
         self.replayed.inc(e.data.get("replayed", 0))
 
 
+_SANDBOX_PATH = re.compile(r"/s/[^/]+/sandbox(/|$)")
+
+
 def protocol_of(path: str) -> str:
     """The protocol label of a request path.
 
     >>> [protocol_of(p) for p in ("/s/x/v1/messages", "/v1/chat/completions", "/api/sessions", "/metrics")]
     ['anthropic', 'openai', 'api', 'metrics']
+    >>> protocol_of("/s/x/sandbox/exec"), protocol_of("/s/x/v1/models")
+    ('sandbox', 'openai')
     """
     if "/v1/messages" in path:
         return "anthropic"
+    if _SANDBOX_PATH.match(path):  # a harness's tool calls, not model requests
+        return "sandbox"
     if path.startswith(("/v1/", "/s/")):
         return "openai"
     if path.startswith("/api/"):
