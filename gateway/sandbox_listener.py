@@ -4,8 +4,9 @@ It listens on the host's address on the sandbox network (`SandboxNetwork.gateway
 network's firewall lets sandboxes reach that port and nothing else. It serves the same app, but a
 request must come from a sandbox and name that sandbox's own session: ``/s/{its session}/…`` (and
 ``/health``). Everything else, the admin, sandbox and sessions APIs and other sessions included, is
-refused with a 403 in the protocol's error JSON. The request's source address tells the sandbox
-(`SandboxManager.owner_of`); sandboxes cannot spoof it, since they have no capabilities. It is the TCP
+refused with a 403 in the protocol's error JSON (so is its own sandbox API, ``/s/{its
+session}/sandbox``, by `gateway.sandbox_api`: a harness inside runs its commands itself). The
+request's source address tells the sandbox (`SandboxManager.owner_of`); sandboxes cannot spoof it, since they have no capabilities. It is the TCP
 peer's address, never a header's: proxy headers are off (uvicorn would otherwise let ``X-Forwarded-For``
 rename the client, from any peer with ``FORWARDED_ALLOW_IPS=*`` in the environment). Nor does the
 listener log what a request carries: no access line (uvicorn writes one, full URL and all, whenever
