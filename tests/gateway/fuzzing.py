@@ -715,6 +715,7 @@ ROUTES: dict[str, RouteSpec] = {
     "health": RouteSpec("GET", "/health"),
     "dashboard-state": RouteSpec("GET", "/api/dashboard/state"),
     "export": RouteSpec("GET", "/api/export"),
+    "export-mark": RouteSpec("POST", "/api/export"),
     "finished": RouteSpec("GET", "/api/finished"),
     "metrics": RouteSpec("GET", "/metrics"),
     "engine-metrics": RouteSpec("GET", "/metrics/engines"),
@@ -788,7 +789,7 @@ def plans(draw: st.DrawFn, routes: list[str]) -> Plan:
         plan = dataclasses.replace(plan, auth=auth)
     elif name == "list-sessions":
         plan = dataclasses.replace(plan, query=draw(list_queries))
-    elif name == "export":
+    elif name in ("export", "export-mark"):
         fmt = draw(st.sampled_from(["format=jsonl", "format=parquet", "format=csv", "", "format=%ff"]))
         plan = dataclasses.replace(plan, query="&".join(q for q in (fmt, draw(list_queries)) if q))
     elif name == "finished":  # follow=false last, always: a followed feed never ends in-process
