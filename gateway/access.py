@@ -13,7 +13,8 @@ token, the harness side holds a capability URL, and a web page holds nothing.**
 - **No DNS rebinding.** A request whose ``Host`` is not an allowed host is refused (400
   ``invalid_host``). Unless ``allowed_hosts`` is set, the allowed hosts are the loopback names, the
   listening address, ``public_url``'s host, and any IP literal (a rebinding page reaches the gateway
-  only under a name of its own, never an address). Session base_urls come from ``public_url``, the
+  only under a name of its own, never an address); a request with no ``Host`` (an HTTP/1.0 health
+  check; a browser always sends one) is answered too. Session base_urls come from ``public_url``, the
   Host checked against an explicit ``allowed_hosts``, or the listening address; never an unchecked Host.
 - **No cross-site requests.** On every state-changing method (POST, PUT, PATCH, DELETE), a request
   that a browser marks as coming from another site (``Sec-Fetch-Site`` other than ``same-origin`` or
@@ -80,8 +81,8 @@ class HostRule:
 
     >>> rule = HostRule(GatewayConfig.model_construct(allowed_hosts=[], public_url="https://gw.example:8443",
     ...                                               host="0.0.0.0"))
-    >>> [rule.allows(h) for h in ("localhost:8000", "10.1.2.3:80", "[::1]:8000", "gw.example", "evil.example")]
-    [True, True, True, True, False]
+    >>> [rule.allows(h) for h in ("localhost:8000", "10.1.2.3:80", "[::1]:8000", "gw.example", "evil.example", "")]
+    [True, True, True, True, False, True]
     """
 
     def __init__(self, config: GatewayConfig) -> None:
@@ -93,6 +94,8 @@ class HostRule:
 
     def allows(self, host_header: str) -> bool:
         name = host_name(host_header)
+        if not name:  # no Host: an HTTP/1.0 health check (HAProxy's httpchk); a browser always sends one
+            return not self.explicit
         return name in self.names or (not self.explicit and _is_ip(name))
 
     def describe(self) -> str:

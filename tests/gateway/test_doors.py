@@ -148,6 +148,34 @@ async def test_a_rebound_name_reaches_no_route_on_the_defaults(
         assert (await client.get("/api/sessions", headers={"host": host})).status_code == 200, host
 
 
+async def test_a_request_without_a_host_is_answered_on_the_defaults_only(
+    default_gw: tuple[Starlette, httpx.AsyncClient], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """HAProxy's ``option httpchk`` sends ``GET /health HTTP/1.0`` with no Host; no browser does."""
+
+    async def status_without_host(app: Starlette) -> int:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.0", "method": "GET",
+            "scheme": "http", "path": "/health", "raw_path": b"/health", "query_string": b"", "root_path": "",
+            "headers": [], "client": ("127.0.0.1", 9), "server": ("127.0.0.1", 8000),
+        }  # fmt: skip
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return int(sent[0]["status"])
+
+    assert await status_without_host(default_gw[0]) == 200
+    config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "x.db"), allowed_hosts=["gw"])
+    async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (app, _):
+        assert await status_without_host(app) == 400  # base_urls come from the Host there: it must be given
+
+
 async def test_the_public_url_host_is_answered_and_others_are_not(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
