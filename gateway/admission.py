@@ -1,6 +1,7 @@
 """The first steps every generating route takes, in one place: read the JSON body, refuse what the
 protocol does not support, validate, route the model (an external auxiliary model is forwarded to its
-provider here, once the session's URL has been checked like a policy call's), bound the prompt cheaply before any templating, and find the request's session.
+provider here, once the session's URL has been checked like a policy call's), bound the prompt cheaply
+before any templating, and find the request's session.
 
 Example::
 

@@ -145,18 +145,6 @@ OPENAI: list[tuple[str, dict[str, Any], str, str | None, str]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "body", "param", "code", "message"), OPENAI, ids=[c[0] for c in OPENAI])
-async def test_openai_message_schemas(
-    gateway: GatewayHarness, name: str, body: dict[str, Any], param: str, code: str | None, message: str
-) -> None:
-    r = await gateway.client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400, r.text
-    assert r.json() == {
-        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}
-    }
-    assert gateway.engine.requests == []
-
-
 def messages(*msgs: dict[str, Any]) -> dict[str, Any]:
     return {"model": "policy", "max_tokens": 16, "messages": [*msgs, {"role": "user", "content": "go on"}]}
 
@@ -467,13 +455,26 @@ RESPONSES: list[tuple[str, dict[str, Any], str, str, str]] = [
 ]  # fmt: skip
 
 
+OPENAI_ROUTES = [("/v1/chat/completions", *case) for case in OPENAI] + [
+    ("/v1/responses", *case) for case in RESPONSES
+]
+
+
 @pytest.mark.parametrize(
-    ("name", "body", "param", "code", "message"), RESPONSES, ids=[c[0] for c in RESPONSES]
+    ("url", "name", "body", "param", "code", "message"),
+    OPENAI_ROUTES,
+    ids=[f"{c[0]}:{c[1]}" for c in OPENAI_ROUTES],
 )
-async def test_responses_item_schemas(
-    gateway: GatewayHarness, name: str, body: dict[str, Any], param: str, code: str, message: str
+async def test_openai_message_and_item_schemas(
+    gateway: GatewayHarness,
+    url: str,
+    name: str,
+    body: dict[str, Any],
+    param: str,
+    code: str | None,
+    message: str,
 ) -> None:
-    r = await gateway.client.post("/v1/responses", json=body)
+    r = await gateway.client.post(url, json=body)
     assert r.status_code == 400, r.text
     assert r.json() == {
         "error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}
