@@ -63,7 +63,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core.errors import EngineUnavailable
-from engine_pool.pool import READY, SHADOW, STARTING, PoolMember
+from engine_pool.member import PoolMember
+from engine_pool.states import READY, SHADOW, STARTING
 from engine_pool.worker import VllmWorker, WorkerSpec, _group_alive, _signal_group
 
 log = logging.getLogger("belayer.engine_pool.ray")

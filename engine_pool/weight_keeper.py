@@ -16,24 +16,26 @@ way:
   shared weights (`restore_shared`);
 - a launched worker that mapped a CPU owner holds that owner's version (`adopt_mapped_version`).
 
-It works on its pool's workers, versions, tasks and update lock (``EnginePool``), which own them; the
-pool asks it at the points above. Split out of ``EnginePool``, which had grown past 900 lines.
+It works on the pool's members and background work (``engine_pool.roster``), its weight version and
+update lock (``engine_pool.versions``) and its settings, and fences a worker through the callable it is
+given (``EnginePool.report_failure``); the pool asks it at the points above.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from core import shm_weights
 from core.errors import ConfigError, EngineError, EngineUnavailable
+from engine_pool.member import PoolMember
+from engine_pool.roster import Roster
+from engine_pool.settings import PoolSettings
 from engine_pool.states import READY, SHADOW
+from engine_pool.versions import WeightVersions
 from engine_pool.weight_cache import GpuWeightCache
 from engine_pool.weight_owner import WeightOwner, maps_owner
-
-if TYPE_CHECKING:
-    from engine_pool.pool import EnginePool, PoolMember
 
 log = logging.getLogger("belayer.engine_pool")
 
@@ -41,8 +43,16 @@ log = logging.getLogger("belayer.engine_pool")
 class WeightKeeper:
     """Its pool's weight owner, and the owner's one background job at a time (`busy`)."""
 
-    def __init__(self, pool: EnginePool) -> None:
-        self.pool = pool
+    def __init__(
+        self,
+        settings: PoolSettings,
+        roster: Roster,
+        versions: WeightVersions,
+        fence: Callable[[PoolMember, Exception], None],
+    ) -> None:
+        self.settings, self.roster, self.versions = settings, roster, versions
+        self.fence = fence
+        """Fences a worker that failed (``EnginePool.report_failure``)."""
         self.owner: WeightOwner | GpuWeightCache | None = None
         """The current owner: it changes with updates (a CPU owner's successor)."""
         self.restart_delay = 0.0
@@ -65,25 +75,23 @@ class WeightKeeper:
         self.owner.unpublish()  # a pointer a killed gateway left
         if (
             isinstance(self.owner, WeightOwner)
-            and self.pool.weights_path is not None
-            and self.pool.weight_version != self.pool.base_version  # `adopt_version`
+            and self.versions.path is not None
+            and self.versions.version != self.versions.base  # `adopt_version`
         ):
             try:
-                self.owner = self.owner.successor(
-                    self.pool.weights_path, self.pool.weight_version, "weight-owner"
-                )
+                self.owner = self.owner.successor(self.versions.path, self.versions.version, "weight-owner")
             except ConfigError as e:
                 log.error("weight owner: %s; it holds the launch weights", e)
         owner = self.owner
         self.busy = True
         try:
-            await owner.start(self.pool.start_timeout)
-            owner.publish(owner.version or self.pool.base_version)
+            await owner.start(self.settings.start_timeout)
+            owner.publish(owner.version or self.versions.base)
         except EngineUnavailable as e:
             log.error("weight owner: %s; workers load their weights from disk until it is up", e)
             self.retry_at = time.monotonic() + 5.0
         else:
-            self.pool.telemetry.publish(
+            self.settings.telemetry.publish(
                 "weight_owner", {"state": "ready", "seconds": owner.ready_s, "version": owner.version}
             )
         finally:
@@ -95,28 +103,28 @@ class WeightKeeper:
         owner = self.owner
         if owner is None or owner.healthy():
             return True
-        if self.busy or self.pool._closing:  # (re)starting, or stopping
+        if self.busy or self.roster.closing:  # (re)starting, or stopping
             return False
         now = time.monotonic()
         if self.down_since is None:
             self.down_since = now
             log.warning("weight owner is down (checked: %s): workers launched meanwhile load from disk", why)
-            self.pool.telemetry.publish("weight_owner", {"state": "down", "why": why})
+            self.settings.telemetry.publish("weight_owner", {"state": "down", "why": why})
         if now >= max(self.retry_at, self.down_since + self.restart_delay):
             self.busy = True
-            self.pool._tasks.spawn(self._keep(), "restart-weight-owner")
+            self.roster.tasks.spawn(self._keep(), "restart-weight-owner")
         return False
 
     def follow(self) -> str | None:
         """After an update: the owner is brought to the new weights in the background (`_keep`;
         one already running picks the new version up when it is done)."""
-        if self.owner is None or self.pool._closing:
+        if self.owner is None or self.roster.closing:
             return None
         if not self.owner.follows_updates:  # updated in place, through its mappers
             return "in_place"
         if not self.busy:
             self.busy = True
-            self.pool._tasks.spawn(self._keep(), "follow-weight-owner")
+            self.roster.tasks.spawn(self._keep(), "follow-weight-owner")
         return "following"
 
     async def _keep(self) -> None:
@@ -127,10 +135,10 @@ class WeightKeeper:
         the old one stays (restarted if it died) and workers launched meanwhile catch up from disk."""
         tried: set[str] = set()
         try:
-            while not self.pool._closing:
-                owner, version, path = self.owner, self.pool.weight_version, self.pool.weights_path
+            while not self.roster.closing:
+                owner, version, path = self.owner, self.versions.version, self.versions.path
                 assert owner is not None
-                held = owner.version or self.pool.base_version
+                held = owner.version or self.versions.base
                 if (
                     isinstance(owner, WeightOwner)
                     and held != version
@@ -143,11 +151,11 @@ class WeightKeeper:
                         continue
                 if owner.healthy():
                     return
-                await owner.restart(self.pool.start_timeout)
+                await owner.restart(self.settings.start_timeout)
                 owner.publish(held)
                 self.down_since = None
                 log.info("weight owner: restarted in %.1f s (version %r)", owner.ready_s or 0.0, held)
-                self.pool.telemetry.publish(
+                self.settings.telemetry.publish(
                     "weight_owner", {"state": "restarted", "seconds": owner.ready_s, "version": held}
                 )
         except (EngineUnavailable, OSError) as e:
@@ -164,8 +172,8 @@ class WeightKeeper:
             new = old.successor(path, version, f"weight-owner-{self.count}")
         except ConfigError as e:
             log.error("weight owner: cannot hold version %r (%s); the owner of %r stays", version, e,
-                      old.version or self.pool.base_version)  # fmt: skip
-            self.pool.telemetry.publish(
+                      old.version or self.versions.base)  # fmt: skip
+            self.settings.telemetry.publish(
                 "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
             )
             return False
@@ -174,14 +182,14 @@ class WeightKeeper:
             return True
         current = False
         try:
-            await new.start(self.pool.start_timeout)
+            await new.start(self.settings.start_timeout)
             new.publish(version)
             self.owner, current = new, True
         except (EngineUnavailable, OSError) as e:
             log.error("weight owner: the owner for version %r did not start (%s); the owner of %r stays, "
                       "and workers launched meanwhile catch up from disk", version, e,
-                      old.version or self.pool.base_version)  # fmt: skip
-            self.pool.telemetry.publish(
+                      old.version or self.versions.base)  # fmt: skip
+            self.settings.telemetry.publish(
                 "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
             )
             return False
@@ -191,7 +199,7 @@ class WeightKeeper:
         self.down_since = None
         log.info("weight owner: version %r in shared memory in %.1f s; the old owner is stopped",
                  version, new.ready_s or 0.0)  # fmt: skip
-        self.pool.telemetry.publish(
+        self.settings.telemetry.publish(
             "weight_owner", {"state": "updated", "version": version, "seconds": new.ready_s}
         )
         await old.stop()
@@ -208,9 +216,9 @@ class WeightKeeper:
             return
         remapped: list[str] = []
         failed: list[str] = []
-        for m in list(self.pool.members):
-            async with self.pool._update_lock:
-                if self.pool._closing or owner is not self.owner or owner.version != self.pool.weight_version:
+        for m in list(self.roster.members):
+            async with self.versions.lock:
+                if self.roster.closing or owner is not self.owner or owner.version != self.versions.version:
                     break
                 p = m.process
                 up = m.state in (READY, SHADOW) and m.weight_version == owner.version
@@ -235,7 +243,7 @@ class WeightKeeper:
                                 m.name, owner.version, results)  # fmt: skip
         if remapped or failed:
             log.info("weight owner: %d worker(s) back on its pages, %d not", len(remapped), len(failed))
-            self.pool.telemetry.publish(
+            self.settings.telemetry.publish(
                 "weight_owner",
                 {"state": "remapped", "version": owner.version, "workers": len(remapped), "failed": failed},
             )
@@ -243,7 +251,7 @@ class WeightKeeper:
     async def adopt_mapped_version(self, m: PoolMember) -> None:
         """A launched worker that mapped the weight owner's weights holds the version the owner held
         (its loader's report, ``shm_weights.find_load_report``): recorded, and named in vLLM too
-        (``/weight_info``, which `EnginePool._observe_version` reads), so that `EnginePool._sync` does
+        (``/weight_info``, which `WeightVersions.observe` reads), so that `WeightUpdater.sync` does
         not load it from disk."""
         owner, p = self.owner, m.process
         if not isinstance(owner, WeightOwner) or p is None or p.pid is None:
@@ -260,7 +268,7 @@ class WeightKeeper:
             )
             return
         m.weight_version = version
-        self.pool.telemetry.publish(
+        self.settings.telemetry.publish(
             "worker_weights", {"worker": m.name, "version": version, "source": "owner"}
         )
 
@@ -271,20 +279,20 @@ class WeightKeeper:
         before over whatever the failed load left); one that cannot load it is fenced."""
         if not isinstance(self.owner, GpuWeightCache) or failed.process is None:
             return
-        devices, path = failed.process.spec.devices, self.pool.weights_path or failed.process.spec.model
-        for m in self.pool.members:
+        devices, path = failed.process.spec.devices, self.versions.path or failed.process.spec.model
+        for m in self.roster.members:
             if m is failed or m.process is None or m.process.spec.devices != devices:
                 continue
             if m.state not in (READY, SHADOW):
                 continue
             try:
-                await m.client.update_weights(path, self.pool.weight_version)
+                await m.client.update_weights(path, self.versions.version)
             except EngineError as e:
                 log.warning("worker %s: restoring weight version %r after a failed update failed: %s",
-                            m.name, self.pool.weight_version, e)  # fmt: skip
-                self.pool.report_failure(m, e)
+                            m.name, self.versions.version, e)  # fmt: skip
+                self.fence(m, e)
             else:
-                self.pool.telemetry.publish(
+                self.settings.telemetry.publish(
                     "worker_weights",
-                    {"worker": m.name, "version": self.pool.weight_version, "source": "restored"},
+                    {"worker": m.name, "version": self.versions.version, "source": "restored"},
                 )

@@ -111,7 +111,7 @@ def config_of(argv: list[str]) -> GatewayConfig:
 def launched(config: GatewayConfig, n: int) -> list[PoolMember]:
     """The pool's first `n` launched members (made, not started)."""
     pool = build_pool(config, httpx.AsyncClient())
-    return [pool._new_launched() for _ in range(n)]
+    return [pool.factory.new() for _ in range(n)]
 
 
 def test_gpus_are_split_into_a_group_per_worker_and_shadow(tiny_model_dir: Path) -> None:
@@ -232,7 +232,7 @@ async def until(pool: EnginePool, done: object, timeout: float = 60.0) -> None:
     assert callable(done)
     async with asyncio.timeout(timeout):
         while not done():
-            await pool._wait_change(1.0)
+            await pool.roster.wait_change(1.0)
 
 
 async def test_launched_workers_get_their_devices_and_a_replacement_gets_the_fenced_ones(

@@ -46,7 +46,7 @@ async def test_affinity_is_bounded_least_recently_used_first() -> None:
         await pool.start()
         for sid in ["a", "b", "c", "a", "d"]:
             await pool.acquire(sid)
-        assert pool.remembered_sessions == 3 and set(pool._affinity) == {"a", "c", "d"}
+        assert pool.remembered_sessions == 3 and set(pool.router.sessions) == {"a", "c", "d"}
         await pool.stop()
 
 

@@ -41,7 +41,7 @@ async def test_an_engine_still_loading_is_waited_for(
         pool = app.state.gateway.pool
         async with asyncio.timeout(15):
             while not pool.ready():
-                await pool._wait_change(1.0)
+                await pool.roster.wait_change(1.0)
         assert (await client.get("/health")).json()["status"] == "ok"
         assert (await client.post("/v1/chat/completions", json=HI)).status_code == 200
     assert "remote-0: starting -> ready (answering after" in caplog.text

@@ -65,7 +65,7 @@ def test_each_device_group_gets_a_daemon_and_shadows_share_the_groups(tiny_model
     cache = pool.weight_owner
     assert isinstance(cache, GpuWeightCache) and pool.colocate
     assert sorted(cache.daemons) == [(0,), (1,)]
-    members = [pool._new_launched(shadow=i >= 2) for i in range(4)]
+    members = [pool.factory.new(shadow=i >= 2) for i in range(4)]
     placed = []
     for m in members:
         assert m.process is not None
@@ -105,7 +105,7 @@ def test_a_memory_share_given_by_the_user_is_kept_and_tensor_parallel_groups_hol
     assert isinstance(pool.weight_owner, GpuWeightCache)
     assert sorted(pool.weight_owner.daemons) == [(0, 1), (2, 3)]
     assert pool.weight_owner.daemons[(2, 3)].env()["CUDA_VISIBLE_DEVICES"] == "2,3"
-    [m] = [pool._new_launched()]
+    [m] = [pool.factory.new()]
     assert m.process is not None
     argv = m.process.spec.argv()
     assert [a for a in argv if a.startswith("--gpu-memory-utilization")] == ["--gpu-memory-utilization=0.4"]
@@ -119,7 +119,7 @@ def test_without_a_gpu_weight_cache_nothing_changes(tiny_model_dir: Path) -> Non
     )
     pool = build_pool(config, httpx.AsyncClient())
     assert pool.weight_owner is None and not pool.colocate
-    m = pool._new_launched()
+    m = pool.factory.new()
     assert m.process is not None and "--load-format" not in m.process.spec.argv()
 
 
@@ -176,7 +176,7 @@ async def test_the_pool_checks_its_daemons_each_probe_round_and_replacements_map
             os.killpg(daemon.pid, signal.SIGKILL)
             async with asyncio.timeout(60):
                 while not any(k == "weight_owner" and d.get("state") == "restarted" for k, d in events):
-                    await pool._wait_change(0.2)
+                    await pool.roster.wait_change(0.2)
             assert ("weight_owner", {"state": "down", "why": "probe"}) in events
             assert cache.healthy() and cache.restarts == 1
 
@@ -185,7 +185,7 @@ async def test_the_pool_checks_its_daemons_each_probe_round_and_replacements_map
             async with asyncio.timeout(60):
                 while not (shadow.state == READY and active.state == DEAD and len(pool.members) == 3
                            and pool.members[2].state == SHADOW):  # fmt: skip
-                    await pool._wait_change(1.0)
+                    await pool.roster.wait_change(1.0)
             replacement = pool.members[2].process
             assert replacement is not None and replacement.spec.devices == (6,)
             argv = replacement.spec.argv()

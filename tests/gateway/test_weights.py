@@ -437,7 +437,7 @@ async def test_a_second_update_while_one_runs_is_refused(tmp_path: Path, tiny_mo
 
 
 async def _updating(rig: Rig) -> bool:
-    return rig.gw.pool._update_lock.locked()
+    return rig.gw.pool.versions.lock.locked()
 
 
 async def test_a_worker_lost_during_an_update_is_brought_up_when_it_returns(

@@ -1,0 +1,47 @@
+"""The pool's settings (`PoolSettings`): how many workers, where they run, how they are probed.
+
+`EnginePool` is built from them (they are its constructor's keyword arguments, and stay its attributes,
+which may be changed before it starts), and each of its parts reads the ones it needs from them, live::
+
+    settings = PoolSettings(probe_interval=0.1, probe_failures=2)
+    settings.probe_interval = 0.05  # read at the next probe round
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from core.telemetry import Telemetry
+from engine_pool.member import WorkerLauncher
+from engine_pool.worker import WorkerSpec
+
+
+@dataclass(slots=True, kw_only=True)
+class PoolSettings:
+    """What the pool is asked to be; the parts of ``EnginePool`` read these (and only these) of it."""
+
+    log_dir: str = "logs"
+    spec_factory: Callable[[], WorkerSpec] | None = None
+    active: int = 1
+    """Active launched workers (with a ``spec_factory``); registered engines add to the target."""
+    shadows: int = 0
+    probe_interval: float = 0.5
+    probe_timeout: float = 2.0
+    probe_failures: int = 3  # consecutive failed probes before a live worker counts as hung
+    start_timeout: float = 300.0
+    device_groups: tuple[tuple[int, ...], ...] = ()
+    """Devices for launched workers, a group each (``engine_pool.launch.device_groups``); a new worker
+    gets a group no live worker holds (or, with `colocate`, the group fewest live workers hold)."""
+    colocate: bool = False
+    """Shadows share the active workers' device groups: they map the group's weight cache over CUDA
+    IPC, which works only on the device the memory is on (``engine_pool.weight_cache``)."""
+    max_affinity: int = 65536
+    """Sessions whose last worker is remembered (least recently used forgotten first)."""
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    """Where state changes, promotions, replacements and cold starts are published."""
+    catch_up_backoff: float = 0.5
+    """Seconds before a failed catch-up (a worker brought up to the version) is tried again; doubles
+    after each failure, up to 30 s."""
+    launcher: WorkerLauncher | None = None
+    """Launches workers elsewhere (a Ray cluster: ``belayer serve --ray``); None: local processes."""
