@@ -56,8 +56,10 @@ def test_engine_errors_are_translated_as_with_httpx(tmp_path: Path, name: str) -
     async def run(url: str, pid: int) -> None:
         async with httpx.AsyncClient(transport=TRANSPORTS[name](LIMITS), timeout=None) as http:
             slow = EngineClient(url, "fake", http, read_timeout=0.05)
-            with pytest.raises(EngineTimeout):  # 0.2 s between tokens: a stall
-                await _tokens(slow, 5)
+            # 0.2 s between tokens: a stall. 50 tokens, so that a client paused for a while (a loaded
+            # machine) and then reading buffered tokens still meets a 0.2 s gap before the end.
+            with pytest.raises(EngineTimeout):
+                await _tokens(slow, 50)
             engine = EngineClient(url, "fake", http)
             got: list[int] = []
             with pytest.raises(EngineUnavailable):  # kill -9 mid-stream

@@ -151,7 +151,9 @@ async def test_parquet_carries_every_jsonl_column_and_value(gateway: GatewayHarn
     started = time.perf_counter()
     jsonl = export_rows(db, tmp_path / "t.jsonl", "jsonl")
     parquet = export_rows(db, tmp_path / "t.parquet", "parquet")  # loaded with `datasets`
-    assert time.perf_counter() - started < 10
+    # A hang or a per-row cost gone wrong, not a speed: importing `datasets` alone takes seconds on a
+    # loaded machine.
+    assert time.perf_counter() - started < 60
     assert len(jsonl) == 4 and parquet == jsonl  # the same columns, in the same order, with the same values
     assert list(parquet[0]) == pq.read_schema(tmp_path / "t.parquet").names
     assert parquet[3]["metadata"] == {"seed": None, "tags": None, "task": None}

@@ -96,7 +96,9 @@ def test_a_session_started_on_a_continues_on_b_with_exact_prefix_reuse(
         via_b = _trajectory(b.url, sid)["turns"]  # B reads the whole session too
         # a trainer follows the finished feed on B; the session closes on A: B's feed has it at once
         waited = _close_seen_by_follower(b.url, lambda: httpx.post(f"{a.url}/api/sessions/{sid}/close"))
-        assert waited < 5.0  # not at the feed's next 15 s heartbeat: A's close woke B (NOTIFY)
+        # Not at the feed's next 15 s heartbeat: A's close woke B (NOTIFY). 10 s leaves a loaded machine
+        # seconds of scheduling delay and still tells the two apart.
+        assert waited < 10.0
 
     t1, t2 = turns
     first = [{"role": "user", "content": "list the files"}]
@@ -253,20 +255,19 @@ def test_kill_9_of_a_mid_stream_b_sweeps_its_turn_interrupted_with_no_request_to
             os.kill(a.proc.pid, signal.SIGKILL)  # gateway A itself, by its PID, mid-stream
             a.proc.wait(timeout=30)
             poll(lambda: _connections(store, "gw-a") == 0 or None, "A's database connections closed")
-            gone = time.monotonic()
 
             def interrupted() -> list[tuple[int, str, int]] | None:
                 turns = _stored(store, sid)
                 return turns if turns[1][1] != "running" else None
 
-            # B's next sweep (at most one period away), scheduling on a loaded machine aside
-            after = poll(interrupted, "B's sweep marking A's turn interrupted", timeout=SWEEP_S + 5.0)
-            waited = time.monotonic() - gone
+            # B's next sweep, at most SWEEP_S away; 30 s is many sweeps, for a loaded machine: the test
+            # shows that B marks it, not how soon (a bound of SWEEP_S + 5 s did not tell the configured
+            # period from the 5 s default either).
+            after = poll(interrupted, "B's sweep marking A's turn interrupted", timeout=30.0)
             traj = _trajectory(b.url, sid)
             metrics = httpx.get(f"{b.url}/metrics").text
             assert b.proc.poll() is None
 
-    assert waited < SWEEP_S + 5.0
     (_, s1, _), (_, s2, kept) = after
     assert (s1, s2) == ("complete", "interrupted") and kept >= received >= 40
     t2 = traj["turns"][1]

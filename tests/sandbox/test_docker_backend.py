@@ -58,7 +58,9 @@ def test_timeout_kills_only_the_command(backend: DockerSandboxBackend, box: Sand
     started = time.monotonic()
     with pytest.raises(SandboxTimeout) as caught:
         backend.exec(box.id, "echo started; sleep 1000", timeout_s=1)
-    assert 1.0 <= time.monotonic() - started < 3.0
+    # Ended by its timeout, not by the command (which sleeps 1000 s): the bound is generous because a
+    # loaded machine delays `docker exec` and the kill by seconds.
+    assert 1.0 <= time.monotonic() - started < 60
     assert caught.value.stdout == "started\n"
     # the shell survived (X is still set) and so did the earlier background process
     result = backend.exec(box.id, 'echo "$X"; kill -0 "$(cat /workspace/bg.pid)" && echo bg-alive')
@@ -70,7 +72,7 @@ def test_timeout_in_a_builtin_loop_respawns_the_session(backend: DockerSandboxBa
     started = time.monotonic()
     with pytest.raises(SandboxTimeout):
         backend.exec(box.id, "while :; do :; done", timeout_s=1)
-    assert time.monotonic() - started < 4.0
+    assert time.monotonic() - started < 60  # the loop never ends: the timeout ended it (see above)
     # exported variables and cwd are resumed; plain shell variables die with the shell
     assert backend.exec(box.id, 'echo "$KEEP-$LOST-$(pwd)"').stdout == "yes--/tmp\n"
 
