@@ -208,18 +208,18 @@ def _serve(args: argparse.Namespace) -> int:
     config = loader.load()
     setup_logging(config.log_level, config.log_format)
     if config.processes > 1:
-        from gateway.processes import check_processes
+        from gateway.serve.processes import check_processes
 
         check_processes(config, loader.name)
     loader.preflight(config)
     if config.processes > 1:
         import functools
 
-        from gateway.processes import serve_processes
+        from gateway.serve.processes import serve_processes
 
         return serve_processes(config, functools.partial(setup_logging, config.log_level, config.log_format))
     from gateway.app import build_app
-    from gateway.server import serve
+    from gateway.serve.server import serve
 
     serve(build_app(config), config)
     return 0
@@ -269,9 +269,9 @@ def _export(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from gateway.export import export
-    from gateway.store import SessionQuery
-    from gateway.store.factory import is_url, open_store
+    from store import SessionQuery
+    from store.export import export
+    from store.factory import is_url, open_store
 
     if not is_url(args.store) and not Path(args.store).is_file():  # opening it would create an empty store
         raise ConfigError(f"--store {args.store}: no such file; give the store `belayer serve --store` wrote")
@@ -312,7 +312,7 @@ def _store_prune(args: argparse.Namespace) -> int:
     from datetime import datetime
     from pathlib import Path
 
-    from gateway.store.factory import is_url, open_store
+    from store.factory import is_url, open_store
 
     if not is_url(args.store) and not Path(args.store).is_file():  # opening it would create an empty store
         raise ConfigError(f"--store {args.store}: no such file; give the store `belayer serve --store` wrote")

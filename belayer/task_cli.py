@@ -63,7 +63,8 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace, max_age_s: float | None) -> int:
-    from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+    from sandbox.config import DockerBackendConfig
+    from sandbox.docker_backend import DockerSandboxBackend
     from sandbox.task_images import prune_task_images
 
     with DockerSandboxBackend(DockerBackendConfig()) as backend:

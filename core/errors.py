@@ -45,14 +45,14 @@
     ├── TaskError (ValueError)         a task directory is not usable
     │
     │   raised outside this module, by the layer that owns them:
-    ├── Preempted                      gateway.failover: a weight update cut a stream; the turn resumes
+    ├── Preempted                      gateway.turns.failover: a weight update cut a stream; the turn resumes
     ├── ClientError                    belayer.client: the gateway answered the trainer's client with an error
     │   └── GatewayUnreachable (ConnectionError)     no answer, or the connection broke
     └── DemoFailed                     belayer.demo: the demo could not show what it shows
 
 Foreign errors are translated at one boundary each: httpx in ``engine_pool.client`` (and, for
-auxiliary providers, ``gateway.auxiliary``), Docker in ``sandbox.docker_backend.docker_errors``. The
-gateway maps this tree to OpenAI and Anthropic error JSON in one table, ``gateway.errors``.
+auxiliary providers, ``gateway.turns.auxiliary``), Docker in ``sandbox.docker_backend.docker_errors``. The
+gateway maps this tree to OpenAI and Anthropic error JSON in one table, ``gateway.http.errors``.
 
 >>> issubclass(PathEscapeError, BelayerError) and issubclass(PathEscapeError, ValueError)
 True

@@ -7,7 +7,7 @@ answers instead, so that what a client or the store sees stays the same:
 - `dumps` falls back to ``json.dumps`` for what ``orjson`` refuses (an integer beyond 64 bits, a key
   that is not a string) and for non-finite floats, which ``orjson`` writes as ``null``;
 - `loads` is for engine output only (token ids and logprobs); ``orjson`` reads an integer beyond 64
-  bits as a float, so request bodies keep ``json.loads`` (`gateway.bodies`).
+  bits as a float, so request bodies keep ``json.loads`` (`gateway.http.bodies`).
 
 Output is compact (``separators=(",", ":")``) UTF-8, as ``json.dumps(..., ensure_ascii=False)``.
 

@@ -33,37 +33,35 @@ from engine_pool.transport import engine_transport
 from engine_pool.weight_cache import GpuWeightCache
 from engine_pool.weight_owner import WeightOwner, loader_args
 from engine_pool.worker import WorkerSpec, free_port
-from gateway import (
-    engine_metrics,
-    engines_api,
-    export_api,
-    finished_api,
-    observe_api,
-    sandbox_api,
-    sessions_api,
-    weights,
-    weights_api,
-)
-from gateway.access import Access
-from gateway.anthropic import routes as anthropic_routes
+from gateway.api import engine_metrics
+from gateway.api import engines as engines_api
+from gateway.api import export as export_api
+from gateway.api import finished as finished_api
+from gateway.api import observe as observe_api
+from gateway.api import sandbox as sandbox_api
+from gateway.api import sessions as sessions_api
+from gateway.api import weights as weights_api
+from gateway.api.anthropic import routes as anthropic_routes
+from gateway.api.openai import responses_routes
+from gateway.api.openai import routes as openai_routes
+from gateway.api.sandbox_listener import serve_sandboxes
 from gateway.config import GatewayConfig, gateway_identity, gpu_weight_cache, launch_devices
-from gateway.dashboard import routes as dashboard_routes
-from gateway.errors import UnexpectedErrors, handlers
-from gateway.event_log import log_event
-from gateway.metrics import GatewayMetrics
-from gateway.observers import TurnObserver
-from gateway.openai import responses_routes
-from gateway.openai import routes as openai_routes
-from gateway.orphan_sweep import OrphanSweeper
-from gateway.recorder import Recorder
-from gateway.request_log import RequestObserver
-from gateway.runtime import Gateway, gateway_of
-from gateway.sandbox_listener import serve_sandboxes
-from gateway.sessions import SessionManager
-from gateway.store.factory import open_store
-from gateway.tokenization import ChatTokenizer
-from gateway.turn_runner import TurnRunner
+from gateway.gateway import Gateway, gateway_of
+from gateway.http.access import Access
+from gateway.http.errors import UnexpectedErrors, handlers
+from gateway.observe.dashboard import routes as dashboard_routes
+from gateway.observe.event_log import log_event
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.recorder import Recorder
+from gateway.observe.request_log import RequestObserver
+from gateway.policy import weights
+from gateway.policy.tokenization import ChatTokenizer
+from gateway.turns.observers import TurnObserver
+from gateway.turns.orphan_sweep import OrphanSweeper
+from gateway.turns.runner import TurnRunner
+from gateway.turns.sessions import SessionManager
 from sandbox.backend import SandboxBackend
+from store.factory import open_store
 
 log = logging.getLogger("belayer.gateway")
 

@@ -51,9 +51,9 @@ from core.errors import ConfigError
 from core.logs import LogFormat
 from core.shm_weights import DEFAULT_BASE as DEFAULT_SHM_BASE
 from engine_pool.launch import Profile, check_device_count, device_groups, names_option, vllm_args
-from gateway.parsers import ReasoningParserName, ToolParserName
-from gateway.sandboxes.policy import PolicySettings
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.parsers import ReasoningParserName, ToolParserName
+from gateway.policy.tokenization import ChatTokenizer
+from sandbox.config import SandboxConfig
 
 ENV_PREFIX = "BELAYER_"
 ENV_NESTING = "__"
@@ -79,7 +79,7 @@ class FailoverConfig(BaseModel):
 
 class InflightConfig(BaseModel):
     """A running turn's generated tokens reach the store while it streams, batched, so a crash of the
-    gateway keeps them (``gateway.inflight``); a write is due after ``flush_interval_s`` or
+    gateway keeps them (``gateway.turns.inflight``); a write is due after ``flush_interval_s`` or
     ``flush_tokens`` new tokens, whichever comes first."""
 
     model_config = ConfigDict(extra="forbid")
@@ -98,79 +98,13 @@ class InflightConfig(BaseModel):
         gt=0,
         description=(
             "seconds between sweeps that mark interrupted the running turns of a replica that died "
-            "(replicated gateways on PostgreSQL: gateway.orphan_sweep)"
+            "(replicated gateways on PostgreSQL: gateway.turns.orphan_sweep)"
         ),
     )
-
-
-class SandboxConfig(BaseModel):
-    """Per-session Docker sandboxes with checkpoints in inference bubbles (off unless ``enabled``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = Field(
-        default=False, description="per-session Docker sandboxes with checkpoints (needs Docker + CRIU)"
-    )
-    docker_url: str | None = Field(default=None, description="engine address; None reads DOCKER_HOST")
-    checkpoint_dir: str = Field(
-        default="/var/lib/belayer/checkpoints", description="where sandbox checkpoints go"
-    )
-    policy: PolicySettings = Field(default_factory=PolicySettings)
-    keep_checkpoints: int = Field(default=3, ge=1, description="checkpoints kept per session (retention)")
-    exec_grace_s: float = Field(
-        default=15.0, gt=0, description="a tool call unanswered timeout_s + this long has hung the sandbox"
-    )
-    auto_restore: bool = Field(default=True, description="restore the newest checkpoint on a failure")
-    watch_interval_s: float = Field(
-        default=0.5, gt=0, description="how often idle sandboxes are checked for a stopped container"
-    )
-    exec_threads: int = Field(
-        default=128,
-        ge=1,
-        description="threads for tool-call execs (one per exec in flight, as long as it runs)",
-    )
-    op_threads: int = Field(
-        default=16,
-        ge=1,
-        description="threads for short sandbox operations (checkpoint, restore, files, status)",
-    )
-    sandbox_port: int | None = Field(
-        default=0,
-        ge=0,
-        le=65535,
-        description=(
-            "port of the listener that network=gateway sandboxes reach (on the sandbox network's host "
-            "address; it serves only each sandbox's own session); 0: any free port, -1: none"
-        ),
-    )
-
-    keep_on_shutdown: bool = Field(
-        default=False,
-        description="leave the sandboxes and their checkpoints as they are when the gateway shuts down: "
-        "the next gateway on the same store adopts them (off: they are removed)",
-    )
-    max_workspace_bytes: int = Field(
-        default=1 << 30,
-        ge=1,
-        description="the verify stage copies at most this much of a sandbox's working directory (its tar); "
-        "a larger one is not verified (reason workspace_too_large, reward 0)",
-    )
-    disk_quota_bytes: int = Field(
-        default=10 << 30,
-        ge=0,
-        description="each sandbox's disk quota (its writable layer), where the storage driver takes one; "
-        "elsewhere a checkpoint of a larger layer is refused. 0: none",
-    )
-
-    @field_validator("sandbox_port", mode="before")
-    @classmethod
-    def _minus_one_is_none(cls, value: object) -> object:
-        # TOML and the environment have no null: -1 turns the listener off there (and on the flag).
-        return None if value in (-1, "-1") else value
 
 
 class ServerConfig(BaseModel):
-    """The HTTP server's limits (``gateway.server``): slow, silent or too many clients cannot hold the
+    """The HTTP server's limits (``gateway.serve.server``): slow, silent or too many clients cannot hold the
     gateway, and a shutdown ends within its grace period."""
 
     model_config = ConfigDict(extra="forbid")
@@ -501,7 +435,7 @@ class GatewayConfig(BaseSettings):
         le=256,
         description=(
             "gateway processes sharing the port (SO_REUSEPORT), each its own event loop; more than one "
-            "needs a postgresql:// store and --engine-url engines (gateway.processes)"
+            "needs a postgresql:// store and --engine-url engines (gateway.serve.processes)"
         ),
     )
     public_url: str | None = Field(
@@ -635,7 +569,8 @@ class ConfigLoader:
         self._check_launch(config)
         self._check_listen(config.host, config.port)
         if config.sandbox.enabled:
-            from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+            from sandbox.config import DockerBackendConfig
+            from sandbox.docker_backend import DockerSandboxBackend
 
             # Raises SandboxUnavailable when Docker does not answer; the CLI says how to start it.
             DockerSandboxBackend(DockerBackendConfig(base_url=config.sandbox.docker_url)).close()
@@ -760,7 +695,7 @@ def gpu_weight_cache(config: GatewayConfig) -> bool:
 
 def gateway_identity(config: GatewayConfig) -> str:
     """The gateway's id among replicas (`GatewayConfig.gateway_id`): given, or this host's name and the
-    port, so that a replica restarted where it ran finds its own sandboxes (`gateway.sandboxes.adoption`)."""
+    port, so that a replica restarted where it ran finds its own sandboxes (`sandbox.sessions.adoption`)."""
     return config.gateway_id or f"{socket.gethostname()}:{config.port}"
 
 

@@ -32,7 +32,7 @@ from core.errors import HarnessError
 @dataclass(frozen=True, slots=True)
 class SandboxRef:
     """The session's sandbox, for a harness beside it that runs its commands there: through the routes
-    under the session's capability URL, ``{gateway}/s/{session_id}/sandbox/...`` (`gateway.sandbox_api`),
+    under the session's capability URL, ``{gateway}/s/{session_id}/sandbox/...`` (`gateway.api.sandbox`),
     which need no API token. A harness is never given the token."""
 
     gateway: str  # the gateway's root URL

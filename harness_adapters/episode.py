@@ -22,7 +22,7 @@ An episode runs in three stages:
 - **verify**: the gateway copies the agent's /workspace out (its processes frozen), resets the
   ``protected_paths`` (``protected_path_modified`` events; ``on_tamper: fail`` gives reward 0 instead),
   and runs verify.sh with the hidden tests in a new sandbox from the clean task image, with no network
-  and a clean environment (`gateway.sandboxes.verify`). The verdict goes to the reward (a summary, no
+  and a clean environment (`sandbox.sessions.verify`). The verdict goes to the reward (a summary, no
   output) and the report (with the verifier's output); nothing of it to the trajectory.
 
 A harness with ``inside = True`` (Claude Code) runs in the sandbox, on the ``network="gateway"``
@@ -34,7 +34,7 @@ Docker, under the task image); the others run here with their commands executed 
 verify stage, reward, close, and the commands that launch and watch a harness inside) go to ``/api/``
 with `api_token` (``belayer run-episode`` reads ``BELAYER_API_TOKEN``). A harness gets only its
 session's capability URLs: ``/s/{id}/v1`` for the model, ``/s/{id}/sandbox/...`` for its tool calls
-(`gateway.sandbox_api`). Its environment is built from scratch (`HarnessAdapter.env`), so the token
+(`gateway.api.sandbox`). Its environment is built from scratch (`HarnessAdapter.env`), so the token
 never reaches it, nor the sandbox.
 
 **Forking** (``fork_at=K, siblings=N``; ``belayer run-episode --fork-at K --siblings N``), for a harness
@@ -81,8 +81,8 @@ from typing import Any, Literal
 import httpx
 
 from core.errors import HarnessError, TaskError
-from gateway.sandboxes.verify import is_protected
 from harness_adapters.base import Episode, HarnessAdapter, Outcome, SandboxRef
+from sandbox.sessions.verify import is_protected
 from sandbox.task_images import TaskImage, ensure_task_image
 
 OUT_DIR = "/tmp/belayer-harness"
@@ -333,7 +333,8 @@ class EpisodeRunner:
         the harness's image for a harness inside the sandbox."""
         if not inside:
             return build_task_image(task)
-        from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+        from sandbox.config import DockerBackendConfig
+        from sandbox.docker_backend import DockerSandboxBackend
         from sandbox.images import ensure_harness_image
 
         with DockerSandboxBackend(DockerBackendConfig()) as backend:
@@ -392,7 +393,7 @@ class EpisodeRunner:
             return self.adapter.run(episode, base_url)
 
     def _verify(self, sid: str, task: Task, keep: bool) -> dict[str, Any]:
-        """The verify stage, run by the gateway (`gateway.sandboxes.verify`)."""
+        """The verify stage, run by the gateway (`sandbox.sessions.verify`)."""
         body = {
             "files": [_file(p, d, m) for p, d, m in task.verifier_files()],
             "originals": [_file(p, d, m) for p, d, m in task.originals()],
@@ -437,7 +438,8 @@ class EpisodeRunner:
 def build_task_image(task: Task, base: str | None = None) -> TaskImage:
     """`task`'s image on `base` (default: task.json's ``image``, else the python sandbox image), from
     the cache or built now, on this host's Docker engine."""
-    from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+    from sandbox.config import DockerBackendConfig
+    from sandbox.docker_backend import DockerSandboxBackend
     from sandbox.images import ensure_python_image
 
     with DockerSandboxBackend(DockerBackendConfig()) as backend:

@@ -45,7 +45,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from engine_pool.fake import FakeEngine
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 
 ASSISTANT = "<|im_start|>assistant\n"
 FALLBACK = "OK."

@@ -235,7 +235,7 @@ class SandboxBackend(abc.ABC):
 
     def list_sandboxes(self, labels: Mapping[str, str]) -> list[Sandbox]:
         """The sandboxes (running or stopped) whose spec carries every one of `labels`: after a restart,
-        a gateway finds its own this way (`gateway.sandboxes.adoption`); [] when the backend cannot
+        a gateway finds its own this way (`sandbox.sessions.adoption`); [] when the backend cannot
         tell."""
         return []
 
@@ -262,7 +262,7 @@ class SandboxBackend(abc.ABC):
     def disk_quota(self) -> tuple[bool, str]:
         """Whether the storage driver enforces `disk_quota_bytes` (writes past it fail with ENOSPC), and
         why or why not. Not enforced, it is only checked before each checkpoint
-        (`gateway.sandboxes.checkpoints`)."""
+        (`sandbox.sessions.checkpoints`)."""
         return False, "this backend cannot limit a sandbox's disk"
 
     def processes(self, sandbox_id: str) -> list[str]:

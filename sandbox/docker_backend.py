@@ -49,7 +49,6 @@ from urllib.parse import quote
 import docker
 import docker.errors
 import requests
-from pydantic import BaseModel, ConfigDict
 
 from core.errors import (
     CheckpointError,
@@ -79,6 +78,7 @@ from sandbox.backend import (
     copy_bounded,
     resolve_in_root,
 )
+from sandbox.config import DockerBackendConfig
 from sandbox.docker_network import GatewayNetwork
 from sandbox.network import SandboxNetwork
 
@@ -89,29 +89,6 @@ _SPEC_LABEL = "belayer.spec"
 _MAX_ARG_BYTES = 100_000  # one argv string may not exceed 128 KiB (MAX_ARG_STRLEN)
 _GO_MODE_DIR = 1 << 31
 _GO_MODE_SYMLINK = 1 << 27
-
-
-class DockerBackendConfig(BaseModel):
-    """Where the engine is and where checkpoints go."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    base_url: str | None = None
-    """Engine address, e.g. `unix:///var/run/docker.sock`; None reads DOCKER_HOST like the CLI."""
-    checkpoint_dir: Path = Path("/var/lib/belayer/checkpoints")
-    busybox: Path = Path("/bin/busybox")
-    """A *static* busybox on the host; it is copied into every sandbox to run the supervisor."""
-    api_timeout_s: float = 120.0
-    max_image_layers: int = 100
-    """Flatten a sandbox's snapshot image before its layer chain reaches Docker's limit of 125."""
-    name_prefix: str = "belayer-sbx"
-    checkpoint_repository: str = "belayer-checkpoint"
-    gateway_network: str = "belayer-gateway"
-    """The internal network of `network="gateway"` sandboxes (see `sandbox.network`)."""
-    gateway_bridge: str = "belayer-gw0"
-    disk_quota_bytes: int | None = None
-    """Each sandbox's writable-layer quota (``--storage-opt size``), where the storage driver has one
-    (see `DockerSandboxBackend.disk_quota_enforced`); None: no quota."""
 
 
 @contextlib.contextmanager

@@ -159,7 +159,8 @@ def _add(
 
 def main(argv: list[str]) -> int:
     """CLI: `python -m sandbox.images [busybox|python|all]` against the local engine."""
-    from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+    from sandbox.config import DockerBackendConfig
+    from sandbox.docker_backend import DockerSandboxBackend
 
     which = argv[0] if argv else "all"
     if which not in ("busybox", "python", "all"):

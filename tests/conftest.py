@@ -13,7 +13,7 @@ import pytest
 
 from engine_pool.fake import FakeEngine
 from gateway.config import FailoverConfig, GatewayConfig
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from tests.store_backends import postgres, store_backend  # noqa: F401  (fixtures: both stores)
 from tests.support import REPO, GatewayHarness, asgi_gateway
 

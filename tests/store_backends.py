@@ -19,9 +19,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from gateway.store import TrajectoryStore
-from gateway.store.postgres import PostgresStore
-from gateway.store.sqlite import SqliteStore
+from store import TrajectoryStore
+from store.postgres import PostgresStore
+from store.sqlite import SqliteStore
 from tests.postgres_server import PostgresServer, postgres_server
 
 

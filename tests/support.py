@@ -38,10 +38,10 @@ from starlette.routing import Route
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from engine_pool.worker import free_port
-from gateway.access import HostRule
 from gateway.app import build_app
 from gateway.config import GatewayConfig
-from gateway.runtime import Gateway
+from gateway.gateway import Gateway
+from gateway.http.access import HostRule
 
 REPO = Path(__file__).resolve().parent.parent
 

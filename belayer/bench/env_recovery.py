@@ -37,13 +37,13 @@ from belayer.services import progress
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.config import GatewayConfig, SandboxConfig
-from gateway.runtime import Gateway
-from gateway.sandboxes.manager import CheckpointInfo
-from gateway.sandboxes.policy import Mode, PolicySettings
+from gateway.config import GatewayConfig
+from gateway.gateway import Gateway
 from sandbox.backend import SandboxSpec
-from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+from sandbox.config import DockerBackendConfig, Mode, PolicySettings, SandboxConfig
+from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import PYTHON_IMAGE, ensure_python_image
+from sandbox.sessions.manager import CheckpointInfo
 from sandbox.workloads import PYTHON_COUNTER_QUERY as QUERY
 from sandbox.workloads import PYTHON_COUNTER_SERVER as SERVER
 

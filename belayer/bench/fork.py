@@ -36,10 +36,10 @@ from belayer.services import progress
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.config import GatewayConfig, SandboxConfig
-from gateway.runtime import Gateway
-from gateway.sandboxes.policy import PolicySettings
+from gateway.config import GatewayConfig
+from gateway.gateway import Gateway
 from sandbox.backend import SandboxBackend
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.fake import FakeSandboxBackend
 from sandbox.images import PYTHON_IMAGE
 
@@ -158,7 +158,8 @@ async def run(opts: argparse.Namespace) -> bool:
 def sandbox_backend(kind: str, tmp: Path) -> SandboxBackend:
     if kind == "fake":
         return FakeSandboxBackend()
-    from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+    from sandbox.config import DockerBackendConfig
+    from sandbox.docker_backend import DockerSandboxBackend
     from sandbox.images import ensure_python_image
 
     backend = DockerSandboxBackend(DockerBackendConfig(checkpoint_dir=tmp / "checkpoints"))

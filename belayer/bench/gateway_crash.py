@@ -211,7 +211,7 @@ async def _start(
 
 async def _settled(http: httpx.AsyncClient, url: str, sid: str, timeout: float) -> dict[str, Any]:
     """The session's trajectory once its interrupted turn reads as such: a replica marks a dead one's
-    running turns when the retry begins its turn, or at its next sweep (`gateway.orphan_sweep`)."""
+    running turns when the retry begins its turn, or at its next sweep (`gateway.turns.orphan_sweep`)."""
     deadline = time.monotonic() + timeout
     while True:
         traj: dict[str, Any] = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()

@@ -25,15 +25,14 @@ from pathlib import Path
 
 from belayer.bench import emit as _emit
 from belayer.services import progress
-from gateway.config import SandboxConfig
-from gateway.sandboxes.manager import SandboxManager
-from gateway.sandboxes.policy import PolicySettings
-from gateway.store import SessionRecord, SqliteStore
 from sandbox.backend import SandboxSpec
-from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+from sandbox.config import DockerBackendConfig, PolicySettings, SandboxConfig
+from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import ensure_python_image
+from sandbox.sessions.manager import SandboxManager
 from sandbox.workloads import PYTHON_COUNTER_QUERY as QUERY
 from sandbox.workloads import PYTHON_COUNTER_SERVER as SERVER
+from store import SessionRecord, SqliteStore
 
 
 def emit(name: str, value: float | int | str) -> None:

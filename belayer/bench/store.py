@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from belayer.bench import emit
-from gateway.store import SessionRecord, SqliteStore, TrajectoryStore, TurnRecord
-from gateway.store.base import TURN_COMPLETE
+from store import SessionRecord, SqliteStore, TrajectoryStore, TurnRecord
+from store.base import TURN_COMPLETE
 
 V1_SCHEMA = """
 CREATE TABLE sessions (
@@ -211,7 +211,7 @@ def write_through(
 
 def run_postgres(url: str, episodes: list[list[TurnRecord]], sqlite_bytes: int) -> bool:
     """The same episodes through `PostgresStore` (fresh session ids); its figures. True: exact."""
-    from gateway.store.postgres import PostgresStore
+    from store.postgres import PostgresStore
 
     renamed = [
         [replace(t, session_id=f"pg{time.time_ns()}_{t.session_id}") for t in turns] for turns in episodes

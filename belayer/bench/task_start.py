@@ -25,7 +25,8 @@ from pathlib import Path
 
 from harness_adapters.episode import Task
 from sandbox.backend import SandboxSpec
-from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+from sandbox.config import DockerBackendConfig
+from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import ensure_python_image
 from sandbox.task_images import ensure_task_image, task_image_key, task_image_name
 

@@ -24,14 +24,13 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from gateway.config import SandboxConfig
-from gateway.sandboxes.manager import SandboxManager
-from gateway.sandboxes.policy import PolicySettings
-from gateway.sandboxes.verify import VerifyPlan
-from gateway.store import SessionRecord, SqliteStore
 from sandbox.backend import SandboxSpec
-from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+from sandbox.config import DockerBackendConfig, PolicySettings, SandboxConfig
+from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import ensure_busybox_image
+from sandbox.sessions.manager import SandboxManager
+from sandbox.sessions.verify import VerifyPlan
+from store import SessionRecord, SqliteStore
 
 IMAGE = "belayer-bench-verify:busybox"
 

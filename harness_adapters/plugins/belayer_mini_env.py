@@ -6,7 +6,7 @@ library; mini-swe-agent itself is unchanged:
     mini ... -c environment.environment_class=belayer_mini_env.BelayerEnvironment \\
              -c environment.gateway=http://127.0.0.1:8000 -c environment.session=ses_1
 
-A sandbox failure during a call is handled by the gateway (restore + replay, see ``gateway.sandboxes.manager``);
+A sandbox failure during a call is handled by the gateway (restore + replay, see ``sandbox.sessions.manager``);
 a refused call (422, 409, 408 timeout) comes back to the agent as the command's output.
 """
 

@@ -13,7 +13,7 @@ import pytest
 from belayer.cli import SERVE_FLAGS, main
 from belayer.tiny_model import MARKER, check_target
 from core.errors import ConfigError
-from gateway.store import SqliteStore
+from store import SqliteStore
 
 DOCKER_DOWN = (
     "Docker is not running (nothing answers at unix:///nonexistent/docker.sock); start it with "

@@ -25,7 +25,7 @@ from engine_pool.pool import EnginePool
 from engine_pool.worker import free_port
 from gateway.app import build_app
 from gateway.config import GatewayConfig
-from gateway.server import build_server
+from gateway.serve.server import build_server
 
 TOKEN = "secret"
 QUICK = Backoff(first=0.05, most=0.5, attempts=60)

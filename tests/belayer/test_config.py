@@ -9,7 +9,7 @@ import pytest
 
 from core.errors import ConfigError
 from gateway.config import ConfigLoader, FailoverConfig, GatewayConfig, InflightConfig
-from gateway.sandboxes.policy import PolicySettings
+from sandbox.config import PolicySettings
 
 NAMES = {"port": "--port", "workers": "--workers", "model": "--model", "config_file": "--config"}
 TOML = """

@@ -46,7 +46,7 @@ class PoisonOnTheWire(httpx.AsyncBaseTransport):
 
 
 async def test_a_poison_request_kills_no_launched_worker(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from gateway.tokenization import ChatTokenizer
+    from gateway.policy.tokenization import ChatTokenizer
 
     poison = ChatTokenizer.load(tiny_model_dir).encode(POISON)
     wire = PoisonOnTheWire(poison)

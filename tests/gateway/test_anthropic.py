@@ -14,7 +14,7 @@ import pytest
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
 from gateway.config import FailoverConfig, GatewayConfig
-from gateway.errors import anthropic_error
+from gateway.http.errors import anthropic_error
 from tests.support import GatewayHarness, asgi_gateway, post_body, sdk_http
 
 TOOLS: Any = [

@@ -15,7 +15,7 @@ import pytest
 
 from engine_pool.fake import FakeEngine
 from gateway.config import FailoverConfig, GatewayConfig
-from gateway.runtime import Gateway
+from gateway.gateway import Gateway
 from tests.support import asgi_gateway, sdk_http
 
 AUX = {

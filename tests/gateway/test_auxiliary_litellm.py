@@ -21,7 +21,7 @@ from belayer.services import (
 )
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
-from gateway.runtime import Gateway
+from gateway.gateway import Gateway
 from tests.support import asgi_gateway, sdk_http
 
 pytestmark = pytest.mark.external

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from engine_pool.fake import fake_logprob
-from gateway.store import SqliteStore
+from store import SqliteStore
 from tests.support import GatewayHarness
 
 TOOLS = [

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.sandboxes.policy import AdaptivePolicy, PolicySettings
+from sandbox.config import PolicySettings
+from sandbox.sessions.policy import AdaptivePolicy
 
 PRIORS = PolicySettings(
     margin=1.0, max_deferred_turns=2, alpha=0.5, prior_prefill_tps=1000.0, prior_decode_tps=50.0,

@@ -11,7 +11,7 @@ import pytest
 
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
-from gateway.dashboard.routes import STATIC
+from gateway.observe.dashboard.routes import STATIC
 from tests.support import asgi_gateway
 
 

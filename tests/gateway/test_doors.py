@@ -17,10 +17,10 @@ from starlette.applications import Starlette
 from belayer.cli import main
 from core.errors import ConfigError
 from engine_pool.fake import FakeEngine
-from gateway.access import is_plain
 from gateway.config import ConfigLoader, GatewayConfig
-from gateway.runtime import Gateway
-from gateway.store import SessionQuery
+from gateway.gateway import Gateway
+from gateway.http.access import is_plain
+from store import SessionQuery
 from tests.support import REPO, app_routes, asgi_gateway
 
 TOKEN = {"authorization": "Bearer t0ken"}

@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 from engine_pool.fake import FakeEngine, FaultInjector
 from engine_pool.pool import DEAD, READY
 from gateway.config import FailoverConfig, GatewayConfig
-from gateway.runtime import Gateway
+from gateway.gateway import Gateway
 from tests.support import asgi_gateway
 
 POISON = "please crash"

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_pool.client import EngineClient
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import PoolMember
+from gateway.api.engine_metrics import UP, relabel, scrape
 from gateway.config import GatewayConfig
-from gateway.engine_metrics import UP, relabel, scrape
 from tests.support import asgi_gateway
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import core.errors as errors
-from gateway.errors import TABLE, entry_for, for_exception
+from gateway.http.errors import TABLE, entry_for, for_exception
 
 # Errors that never reach a client: start-up, harness programs and task directories (CLI-side).
 OFFLINE = {errors.BelayerError, errors.ConfigError, errors.HarnessError, errors.TaskError}

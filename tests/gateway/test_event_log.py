@@ -13,7 +13,7 @@ from core.logs import JsonFormatter
 from core.telemetry import Event
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
 from gateway.config import GatewayConfig
-from gateway.event_log import describe, log_event
+from gateway.observe.event_log import describe, log_event
 from tests.support import asgi_gateway
 
 

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from belayer.cli import main as cli
-from gateway.export import encode_rows, matching_sessions, session_rows
-from gateway.store import SessionQuery, SqliteStore, TurnRecord
+from store import SessionQuery, SqliteStore, TurnRecord
+from store.export import encode_rows, matching_sessions, session_rows
 from tests.support import GatewayHarness
 
 CALL = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'

@@ -14,7 +14,7 @@ import pytest
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
 from gateway.config import FailoverConfig, GatewayConfig
-from gateway.runtime import Gateway
+from gateway.gateway import Gateway
 from tests.support import asgi_gateway
 
 HOSTS = ["e0", "e1", "e2"]

@@ -12,7 +12,7 @@ import pytest
 
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
-from gateway.store import SessionRecord
+from store import SessionRecord
 from tests.store_backends import StoreBackend
 from tests.support import asgi_gateway
 

@@ -19,15 +19,15 @@ import pytest
 
 from core.errors import RestoreError
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
-from gateway.config import FailoverConfig, GatewayConfig, SandboxConfig
-from gateway.export import session_rows
-from gateway.runtime import Gateway
-from gateway.sandbox_listener import SandboxFacing
-from gateway.sandboxes.policy import PolicySettings
-from gateway.store import SessionRecord, SqliteStore, TurnRecord, schema
-from gateway.store.schema import SCHEMA_VERSION, version
+from gateway.api.sandbox_listener import SandboxFacing
+from gateway.config import FailoverConfig, GatewayConfig
+from gateway.gateway import Gateway
 from sandbox.backend import Checkpoint, Sandbox
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.fake import FakeSandboxBackend
+from store import SessionRecord, SqliteStore, TurnRecord, schema
+from store.export import session_rows
+from store.schema import SCHEMA_VERSION, version
 from tests.support import asgi_gateway, post_body
 
 Messages = list[dict[str, Any]]

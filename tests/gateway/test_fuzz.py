@@ -41,9 +41,9 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector, Script
-from gateway.access import STATE_CHANGING, bearer_matches
 from gateway.config import FailoverConfig, GatewayConfig
-from gateway.tokenization import ChatTokenizer
+from gateway.http.access import STATE_CHANGING, bearer_matches
+from gateway.policy.tokenization import ChatTokenizer
 from tests.gateway import fuzzing
 from tests.gateway.fuzzing import ROUTES, SANDBOX_ROUTES, Plan, check_answer, is_json_media
 from tests.support import asgi_gateway

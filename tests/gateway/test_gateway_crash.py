@@ -22,7 +22,7 @@ import pytest
 
 from engine_pool.fake import FakeEngine, autoregressive, fake_logprob
 from engine_pool.worker import free_port
-from gateway.store import SqliteStore
+from store import SqliteStore
 from tests.support import belayer_server, poll, spawn, stop, wait_healthy
 
 pytestmark = pytest.mark.chaos

@@ -1,7 +1,7 @@
 """Values that cannot round-trip are refused at the edge, on every JSON route, and nothing is stored.
 
 Each case here answered a 500 (and some poisoned the store for every later reader) before the body
-check in ``gateway.bodies``.
+check in ``gateway.http.bodies``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from engine_pool.worker import free_port
 from gateway.app import build_app
-from gateway.config import GatewayConfig, SandboxConfig
+from gateway.config import GatewayConfig
+from sandbox.config import SandboxConfig
 from sandbox.fake import FakeSandboxBackend
 from tests.support import GatewayHarness, asgi_gateway, post_body
 

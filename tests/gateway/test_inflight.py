@@ -1,5 +1,5 @@
-"""Running turns' tokens reach the store while they stream (``gateway.inflight``), and logprob
-recomputations are marked pending until done (``gateway.recompute``), so a gateway that dies loses
+"""Running turns' tokens reach the store while they stream (``gateway.turns.inflight``), and logprob
+recomputations are marked pending until done (``gateway.turns.recompute``), so a gateway that dies loses
 neither. The crash itself, with real processes, is in ``test_gateway_crash.py``."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import httpx
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector, fake_logprob
 from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
-from gateway.inflight import InflightWriter
-from gateway.store import EventRecord, OutputPart, SessionRecord, SqliteStore, TurnRecord
-from gateway.store.base import TURN_COMPLETE, TrajectoryStore
+from gateway.turns.inflight import InflightWriter
+from store import EventRecord, OutputPart, SessionRecord, SqliteStore, TurnRecord
+from store.base import TURN_COMPLETE, TrajectoryStore
 from tests.store_backends import StoreBackend
 from tests.support import asgi_gateway
 

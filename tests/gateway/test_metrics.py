@@ -14,9 +14,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector, autoregressive
-from gateway.config import FailoverConfig, GatewayConfig, SandboxConfig
-from gateway.runtime import Gateway
-from gateway.sandboxes.policy import PolicySettings
+from gateway.config import FailoverConfig, GatewayConfig
+from gateway.gateway import Gateway
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.fake import FakeSandboxBackend
 from tests.support import asgi_gateway
 

@@ -171,7 +171,7 @@ async def test_export_over_http_pages_the_filtered_sessions_and_is_counted(confi
 
     import pyarrow.parquet as pq
 
-    from gateway.export import session_rows
+    from store.export import session_rows
 
     async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (app, client):
         ids = []
@@ -203,7 +203,7 @@ async def test_export_over_http_pages_the_filtered_sessions_and_is_counted(confi
 async def test_an_open_feed_does_not_hold_up_shutdown(config: GatewayConfig) -> None:
     """A dashboard left open must not make the gateway wait out its whole grace period: the feed
     ends with a ``shutdown`` event as soon as shutdown starts."""
-    from gateway.server import build_server
+    from gateway.serve.server import build_server
 
     config = config.model_copy(update={"port": free_port()})
     config.server.shutdown_grace_s = 60.0

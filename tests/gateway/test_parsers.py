@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.parsers import (
+from gateway.policy.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
     ContentDelta,
@@ -29,9 +29,9 @@ from gateway.parsers import (
     make_reasoning_parser,
     make_tool_parser,
 )
-from gateway.parsing import StopTrimmer, tool_choice_prefix
-from gateway.tokenization import ChatTokenizer
-from gateway.turn_runner import _OutputState
+from gateway.policy.streaming import StopTrimmer, tool_choice_prefix
+from gateway.policy.tokenization import ChatTokenizer
+from gateway.turns.runner import _OutputState
 from tests.support import REPO
 
 TOOLS = [
@@ -332,7 +332,7 @@ def test_names_match_the_config_and_vllm() -> None:
 def test_the_parsers_import_neither_vllm_nor_torch() -> None:
     """The gateway stays light: its parsers (and the gateway app) load without vLLM or torch."""
     code = (
-        "import sys, gateway.parsers, gateway.app; "
+        "import sys, gateway.policy.parsers, gateway.app; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

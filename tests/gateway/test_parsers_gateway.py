@@ -18,10 +18,10 @@ from tokenizers import AddedToken, Tokenizer
 from belayer.tiny_model import QWEN3_CODER_TEMPLATE, build_tiny
 from core.errors import ConfigError
 from engine_pool.fake import FakeEngine
+from gateway.api.openai.protocol import Message
+from gateway.api.openai.serving import normalize_messages
 from gateway.config import FailoverConfig, GatewayConfig
-from gateway.openai.protocol import Message
-from gateway.openai.serving import normalize_messages
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from tests.support import GatewayHarness, asgi_gateway, serve_config
 
 TOOLS: list[dict[str, Any]] = [

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.parsing import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
+from gateway.policy.streaming import ContentDelta, HermesToolParser, MalformedToolCall, StopTrimmer, ToolCall
 
 CALL = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
 

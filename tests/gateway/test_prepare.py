@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.runtime import INLINE_PREPARE_BYTES
+from gateway.gateway import INLINE_PREPARE_BYTES
 from tests.support import GatewayHarness
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from engine_pool.fake import FakeEngine, autoregressive
 from engine_pool.worker import free_port
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from tests.postgres_server import PostgresServer
 from tests.support import belayer_argv, belayer_server, held_engine, poll
 

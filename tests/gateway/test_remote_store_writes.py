@@ -20,7 +20,7 @@ import pytest
 
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
-from gateway.store import SqliteStore, TurnRecord
+from store import SqliteStore, TurnRecord
 from tests.support import asgi_gateway
 
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}

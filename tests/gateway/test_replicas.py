@@ -25,7 +25,7 @@ import pytest
 
 from belayer.services import haproxy_service, running
 from engine_pool.fake import FakeEngine, autoregressive
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from tests.postgres_server import PostgresServer
 from tests.support import belayer_server, held_engine, poll
 

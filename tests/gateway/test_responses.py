@@ -15,10 +15,10 @@ import openai
 import pytest
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector, fake_logprob
+from gateway.api.openai.responses import response_id_of
 from gateway.config import FailoverConfig, GatewayConfig
-from gateway.openai.responses import response_id_of
-from gateway.runtime import Gateway
-from gateway.store import layout
+from gateway.gateway import Gateway
+from store import layout
 from tests.support import GatewayHarness, asgi_gateway
 
 TOOLS: Any = [

@@ -16,14 +16,13 @@ import pytest
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.access import SANDBOX_SCOPE_KEY
-from gateway.config import SandboxConfig
-from gateway.sandbox_listener import serve_sandboxes
-from gateway.sandboxes.manager import SandboxManager
-from gateway.sandboxes.policy import PolicySettings
-from gateway.store import SessionRecord, SqliteStore
+from gateway.api.sandbox_listener import serve_sandboxes
+from gateway.http.access import SANDBOX_SCOPE_KEY
 from sandbox.backend import SandboxSpec
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.fake import FakeNetwork, FakeSandboxBackend
+from sandbox.sessions.manager import SandboxManager
+from store import SessionRecord, SqliteStore
 
 
 class LoopbackNetwork(FakeNetwork):

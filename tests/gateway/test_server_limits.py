@@ -1,5 +1,5 @@
 """Slow, silent or too many clients cannot hold a real ``belayer serve``, and a SIGTERM ends it within
-its grace period, recording the turns it had to cut as interrupted (``gateway.server``).
+its grace period, recording the turns it had to cut as interrupted (``gateway.serve.server``).
 
 Each server is a real process over a fake engine, on loopback. Before these limits, a slow-header,
 slow-body or silent connection stayed open indefinitely, 400 half-open connections under a descriptor
@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from engine_pool.worker import free_port
-from gateway.store import SqliteStore
+from store import SqliteStore
 from tests.support import REPO, ServerProcess, belayer_argv, belayer_server, spawn, wait_healthy
 
 HEADER_TIMEOUT = 1.0
@@ -210,7 +210,7 @@ def test_400_half_open_connections_get_a_clear_503_and_leave_the_gateway_serving
 def test_the_connection_limit_fits_the_open_file_limit() -> None:
     """Under a descriptor limit of 256, 1024 connections cannot be served: the limit is lowered so
     that half the descriptors stay free for engine connections."""
-    code = "from gateway.config import ServerConfig; from gateway.server import connection_budget; "
+    code = "from gateway.config import ServerConfig; from gateway.serve.server import connection_budget; "
     code += "print(connection_budget(ServerConfig(max_connections=1024)))"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,

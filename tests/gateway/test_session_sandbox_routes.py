@@ -12,11 +12,12 @@ import httpx
 import pytest
 
 from engine_pool.fake import FakeEngine
-from gateway.config import GatewayConfig, SandboxConfig
-from gateway.runtime import Gateway
-from gateway.sandbox_listener import SandboxFacing
-from gateway.sandboxes.manager import SandboxManager
+from gateway.api.sandbox_listener import SandboxFacing
+from gateway.config import GatewayConfig
+from gateway.gateway import Gateway
+from sandbox.config import SandboxConfig
 from sandbox.fake import FakeSandboxBackend
+from sandbox.sessions.manager import SandboxManager
 from tests.support import asgi_gateway
 
 TOKEN = {"authorization": "Bearer t0ken"}

@@ -12,7 +12,7 @@ from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
 from gateway.config import GatewayConfig
-from gateway.store import SqliteStore
+from store import SqliteStore
 
 
 class HeldPromptLogprobs(httpx.AsyncBaseTransport):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields
 
-from gateway.store import OutputPart, SessionRecord, TurnRecord
+from store import OutputPart, SessionRecord, TurnRecord
 from tests.store_backends import StoreBackend
 
 

@@ -15,8 +15,8 @@ import pytest
 from core.errors import StoreError
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
-from gateway.export import export
-from gateway.store import EventRecord, SessionRecord, SqliteStore, TurnRecord
+from store import EventRecord, SessionRecord, SqliteStore, TurnRecord
+from store.export import export
 from tests.support import asgi_gateway
 
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}

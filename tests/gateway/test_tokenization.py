@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from belayer.tiny_model import CONTEXT_WINDOW
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 
 
 def test_template_renders_tools_hermes_style(tokenizer: ChatTokenizer) -> None:

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from belayer.tiny_model import QWEN3_CODER_TEMPLATE
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from tests.support import belayer_server
 
 pytestmark = pytest.mark.vllm

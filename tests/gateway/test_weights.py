@@ -23,8 +23,8 @@ from engine_pool.fake import FakeEngine, Fault, FaultInjector
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
 from gateway.config import FailoverConfig, GatewayConfig
-from gateway.failover import add_tokens
-from gateway.runtime import Gateway
+from gateway.gateway import Gateway
+from gateway.turns.failover import add_tokens
 
 ADMIN = "admin-s3cret"
 AUTH = {"authorization": f"Bearer {ADMIN}"}

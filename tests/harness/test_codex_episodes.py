@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from harness_adapters.codex import Codex
 from harness_adapters.episode import EpisodeRunner
 from harness_adapters.scripted_engine import tool_call

@@ -35,7 +35,7 @@ import httpx
 import pytest
 
 from engine_pool.worker import free_port
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from harness_adapters.base import HarnessAdapter
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.episode import EpisodeRunner, Task

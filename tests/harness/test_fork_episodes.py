@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.episode import EpisodeRunner
 from harness_adapters.scripted_engine import tool_call

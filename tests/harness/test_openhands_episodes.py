@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from harness_adapters.openhands import OpenHands
 from harness_adapters.scripted_engine import tool_call
 from tests.harness.test_episodes import (

@@ -11,7 +11,7 @@ import pytest
 
 from engine_pool.client import engine_request_id, session_of_request
 from engine_pool.fake import FakeEngine
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from harness_adapters.scripted_engine import Script, ScriptedEngine
 from tests.support import GatewayHarness
 

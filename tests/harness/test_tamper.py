@@ -1,5 +1,5 @@
 """A scripted cheating agent cannot win an episode without fixing the code (`belayer run-episode`, the
-verify stage of `gateway.sandboxes.verify`).
+verify stage of `sandbox.sessions.verify`).
 
 mini-swe-agent, unchanged, runs beside a real sandbox and plays scripted tool calls from one scripted
 engine behind ``belayer serve --sandboxes``; one episode per attack, on ``tasks/fix-greet`` (protected

@@ -18,7 +18,8 @@ import pytest
 
 from core.errors import SandboxError, SandboxUnavailable
 from sandbox.backend import Sandbox, SandboxSpec
-from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+from sandbox.config import DockerBackendConfig
+from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import ensure_busybox_image, ensure_python_image
 
 SETUP = Path(__file__).resolve().parents[2] / "deploy" / "host" / "setup_sandbox_host.sh"

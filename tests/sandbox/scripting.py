@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from gateway.tokenization import ChatTokenizer
+from gateway.policy.tokenization import ChatTokenizer
 from sandbox.workloads import SHELL_COUNTER_SERVER as COUNTER_SERVER
 
 __all__ = ["COUNTER_SERVER", "TOOLS", "scripted", "step_of"]

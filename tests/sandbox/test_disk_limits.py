@@ -1,7 +1,7 @@
 """The disk limits on a real Docker engine: the verify stage's copy of /workspace streams through the
-gateway and stops at ``max_workspace_bytes`` (`gateway.sandboxes.verify`); the sandboxes' disk quota is
+gateway and stops at ``max_workspace_bytes`` (`sandbox.sessions.verify`); the sandboxes' disk quota is
 enforced by the storage driver, or else checked before each checkpoint. The logic is tested fast in
-tests/gateway/sandboxes/ (test_verify_stage.py, test_checkpoints.py)."""
+tests/sandbox/sessions/ (test_verify_stage.py, test_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 
 from core.errors import CheckpointError
-from gateway.config import SandboxConfig
-from gateway.sandboxes.manager import SandboxManager
-from gateway.sandboxes.policy import PolicySettings
-from gateway.sandboxes.verify import VerifyPlan
-from gateway.store import SessionRecord, SqliteStore
 from sandbox.backend import SandboxSpec
-from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+from sandbox.config import DockerBackendConfig, PolicySettings, SandboxConfig
+from sandbox.docker_backend import DockerSandboxBackend
+from sandbox.sessions.manager import SandboxManager
+from sandbox.sessions.verify import VerifyPlan
+from store import SessionRecord, SqliteStore
 
 pytestmark = pytest.mark.docker
 

@@ -14,7 +14,8 @@ from core.errors import (
     SandboxTimeout,
 )
 from sandbox.backend import Sandbox, SandboxSpec
-from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+from sandbox.config import DockerBackendConfig
+from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.workloads import PYTHON_COUNTER_QUERY as PY_GET
 from sandbox.workloads import PYTHON_COUNTER_SERVER as SERVER
 from sandbox.workloads import SHELL_COUNTER_SERVER as COUNTER_SERVER

@@ -21,12 +21,12 @@ from core.errors import RestoreError
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.config import GatewayConfig, SandboxConfig
-from gateway.runtime import Gateway
-from gateway.sandboxes.adoption import STORE_LABEL
-from gateway.sandboxes.policy import PolicySettings
+from gateway.config import GatewayConfig
+from gateway.gateway import Gateway
 from sandbox.backend import Checkpoint, Sandbox
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.docker_backend import DockerSandboxBackend
+from sandbox.sessions.adoption import STORE_LABEL
 
 pytestmark = pytest.mark.docker
 

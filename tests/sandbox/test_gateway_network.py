@@ -17,7 +17,8 @@ import pytest
 
 from core.errors import SandboxUnavailable
 from sandbox.backend import Sandbox, SandboxSpec
-from sandbox.docker_backend import DockerBackendConfig, DockerSandboxBackend
+from sandbox.config import DockerBackendConfig
+from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.docker_network import CHAIN, ICC, LABELS
 
 pytestmark = pytest.mark.docker

@@ -1,5 +1,5 @@
 """Sandboxes outlive the gateway, on real Docker + CRIU: a ``belayer serve --sandboxes`` process is killed
-with SIGKILL and started again on the same store and checkpoint directory (`gateway.sandboxes.adoption`).
+with SIGKILL and started again on the same store and checkpoint directory (`sandbox.sessions.adoption`).
 
 - A running sandbox is adopted: the same container, its files, and a background process's in-memory
   counter intact; exec, a process inside calling the gateway through the sandbox listener, checkpoint
@@ -26,10 +26,10 @@ import pytest
 
 from core.errors import SandboxNotFound
 from engine_pool.worker import free_port
-from gateway.store import SqliteStore
 from sandbox.backend import SandboxSpec
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.workloads import PYTHON_COUNTER_QUERY, PYTHON_COUNTER_SERVER
+from store import SqliteStore
 from tests.support import ServerProcess, belayer_server
 
 pytestmark = pytest.mark.docker

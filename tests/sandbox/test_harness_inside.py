@@ -33,10 +33,10 @@ import pytest
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.config import FailoverConfig, GatewayConfig, SandboxConfig
-from gateway.runtime import Gateway
-from gateway.sandboxes.policy import PolicySettings
-from gateway.tokenization import ChatTokenizer
+from gateway.config import FailoverConfig, GatewayConfig
+from gateway.gateway import Gateway
+from gateway.policy.tokenization import ChatTokenizer
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.docker_backend import DockerSandboxBackend
 from tests.sandbox.scripting import TOOLS, scripted, step_of
 

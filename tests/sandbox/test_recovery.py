@@ -28,9 +28,9 @@ import pytest
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
-from gateway.config import FailoverConfig, GatewayConfig, SandboxConfig
-from gateway.runtime import Gateway
-from gateway.sandboxes.policy import PolicySettings
+from gateway.config import FailoverConfig, GatewayConfig
+from gateway.gateway import Gateway
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.docker_backend import DockerSandboxBackend
 from tests.sandbox.scripting import COUNTER_SERVER, TOOLS, scripted
 

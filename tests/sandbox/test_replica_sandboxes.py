@@ -1,6 +1,6 @@
 """Replicas on one store share its identity; each gateway's containers also carry its own id
 (``--gateway-id``), so that a restarted replica takes back only its own, on a real Docker engine
-(`gateway.sandboxes.adoption`). The logic is tested fast in tests/gateway/sandboxes/test_adoption.py;
+(`sandbox.sessions.adoption`). The logic is tested fast in tests/sandbox/sessions/test_adoption.py;
 this checks Docker's label filter and the containers themselves.
 """
 
@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import SandboxConfig
-from gateway.sandboxes.manager import SandboxManager
-from gateway.sandboxes.policy import PolicySettings
-from gateway.store import SessionRecord, SqliteStore
 from sandbox.backend import SandboxSpec
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.docker_backend import DockerSandboxBackend
+from sandbox.sessions.manager import SandboxManager
+from store import SessionRecord, SqliteStore
 
 pytestmark = pytest.mark.docker
 

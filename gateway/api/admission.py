@@ -1,0 +1,74 @@
+"""The first steps every generating route takes, in one place: read the JSON body, refuse what the
+protocol does not support, validate, route the model (an external auxiliary model is forwarded to its
+provider here, once the session's URL has been checked like a policy call's), bound the prompt cheaply
+before any templating, and find the request's session.
+
+Example::
+
+    admitted = await admit(request, lambda raw: validate(ChatCompletionRequest, raw), reject_unsupported,
+                           "chat/completions", "messages")
+    if isinstance(admitted, Response):  # forwarded to an auxiliary model's provider
+        return admitted
+    gen, top = await admitted.gw.prepare(request, chat_request, admitted.req, admitted.raw, ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.responding import session_for
+from gateway.gateway import Gateway, gateway_of
+from gateway.http.bodies import read_json
+from gateway.turns import auxiliary
+from gateway.turns.auxiliary import Endpoint
+from store import SessionRecord
+
+
+class _NamesAModel(Protocol):
+    @property
+    def model(self) -> str: ...
+
+
+R = TypeVar("R", bound=_NamesAModel)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted(Generic[R]):
+    """A request the policy will serve: its gateway, raw body, validated form and session."""
+
+    gw: Gateway
+    raw: dict[str, Any]
+    req: R
+    session: SessionRecord
+
+
+async def admit(
+    request: Request,
+    parse: Callable[[dict[str, Any]], R],
+    reject_unsupported: Callable[[dict[str, Any]], None],
+    endpoint: Endpoint,
+    *prompt_fields: str,
+) -> Admitted[R] | Response:
+    """The admitted request, or the provider's response when `request` names an external auxiliary
+    model (forwarded to its ``endpoint``). `prompt_fields` are the body's fields that become the prompt
+    (bounded before templating). An auxiliary model the policy serves goes to the side session."""
+    gw = gateway_of(request)
+    raw = await read_json(request, gw.config.max_body_bytes)
+    reject_unsupported(raw)
+    req = parse(raw)
+    route = gw.route_model(req.model)
+    if route is not None and route.kind == "external":
+        # the same admission as the policy's: an open session's URL (or an allowed plain route, which
+        # `gateway.http.access` decided), before the provider or the store sees anything
+        sid = request.path_params.get("session_id")
+        if sid is not None:
+            gw.sessions.get_open(sid)
+        return await auxiliary.forward(gw.aux_http_client(), gw.store, route, raw, endpoint, request)
+    gw.bound_prompt(*(raw.get(f) for f in prompt_fields))
+    session = await session_for(gw, request, auxiliary_model=req.model if route else None)
+    return Admitted(gw, raw, req, session)

@@ -1,0 +1,82 @@
+"""The engine pool's API: list the workers, and (admin) register a running vLLM server.
+
+::
+
+    GET    /api/engines                  every worker: state, load, process, context window
+    POST   /api/engines {"url": ...}     admin: register a running engine; probed, then routed to
+                                         (an invalid URL, or one outside --engine-allow, is a 400;
+                                         one already in the pool a 409)
+    DELETE /api/engines/{name}           admin: drain a worker (no new requests; in-flight ones may
+                                         finish for ?drain_s=60 seconds), then remove it
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from core.errors import InvalidRequest
+from engine_pool.pool import PoolMember
+from gateway.config import engine_allowed
+from gateway.gateway import gateway_of
+from gateway.http.access import require_admin
+from gateway.http.bodies import read_json, validate
+
+
+def _engine_json(m: PoolMember, request: Request) -> dict[str, Any]:
+    return m.view(gateway_of(request).pool.start_timeout)
+
+
+async def engines(request: Request) -> Response:
+    gw = gateway_of(request)
+    return JSONResponse({"data": [_engine_json(m, request) for m in gw.pool.members]})
+
+
+class RegisterEngine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+
+
+async def register_engine(request: Request) -> Response:
+    """Register a running vLLM server by URL; the pool probes it and routes to it once it answers."""
+    gw = gateway_of(request)
+    require_admin(gw.config, request)
+    req = validate(RegisterEngine, await read_json(request, gw.config.max_body_bytes))
+    if not engine_allowed(req.url, gw.config.engine_allow):
+        raise InvalidRequest(
+            f"{req.url} is not an engine this gateway may use; the allowed ones are {gw.config.engine_allow} "
+            "(--engine-allow)",
+            "url",
+            "engine_not_allowed",
+        )
+    member = await gw.pool.register(req.url)
+    return JSONResponse(_engine_json(member, request), status_code=201)
+
+
+async def remove_engine(request: Request) -> Response:
+    """Drain a worker, then remove it from the pool (a launched one is stopped)."""
+    gw = gateway_of(request)
+    require_admin(gw.config, request)
+    raw = request.query_params.get("drain_s", "60")
+    try:
+        drain_s = float(raw)
+    except ValueError:
+        drain_s = -1.0
+    if not 0 <= drain_s <= 3600:
+        raise InvalidRequest(
+            f"drain_s must be seconds between 0 and 3600, not {raw!r}", "drain_s", "invalid_value"
+        )
+    member = await gw.pool.remove(request.path_params["name"], drain_timeout=drain_s)
+    return JSONResponse(_engine_json(member, request))
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/api/engines", engines, methods=["GET"]),
+        Route("/api/engines", register_engine, methods=["POST"]),
+        Route("/api/engines/{name}", remove_engine, methods=["DELETE"]),
+    ]

@@ -1,0 +1,335 @@
+"""Prometheus metrics (``GET /metrics``), through prometheus-client, on the gateway's own registry.
+
+Most metrics are counted from the live feed (`core.telemetry`): each event that a layer publishes
+(a worker's state change, a failover, a checkpoint, a restore, a finished turn) moves its counters
+and histograms, so a metric and the event it counts cannot disagree. Two things are observed directly,
+because they happen per token or per request and are not worth an event each: the inter-token gaps
+of a turn (`observe_gaps`) and the gateway's own added time per request (`RequestClock`, set by the
+request middleware and charged by the turn runner). States (workers, sandboxes, open sessions, the
+store's size) are read when Prometheus scrapes.
+
+Every name starts with ``belayer_``; no label holds a session id or any other unbounded value. The
+catalogue is `GatewayMetrics` below; ``deploy/observability/`` holds a scrape configuration and a
+Grafana dashboard built on it.
+
+Example::
+
+    metrics = GatewayMetrics(telemetry, pool, store, lambda: [], version="0.1.0")
+    text = metrics.render()          # what GET /metrics answers
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from core.telemetry import Event, Telemetry
+from engine_pool.pool import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY, EnginePool
+from store import SessionQuery, TrajectoryStore
+
+WORKER_STATES = (STARTING, READY, SHADOW, UNHEALTHY, DRAINING, DEAD)
+SANDBOX_STATES = ("running", "restoring", "failed")
+# Latency buckets (seconds): from sub-millisecond gateway work to multi-minute agent turns.
+FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(slots=True)
+class RequestClock:
+    """One request's time inside the engines, charged by the turn runner (see `REQUEST_CLOCK`)."""
+
+    engine_seconds: float = 0.0
+    engine_calls: int = 0
+
+    def charge(self, seconds: float) -> None:
+        self.engine_seconds += seconds
+        self.engine_calls += 1
+
+
+REQUEST_CLOCK: contextvars.ContextVar[RequestClock | None] = contextvars.ContextVar(
+    "belayer_request_clock", default=None
+)
+"""Set by the request middleware for each HTTP request; the turn runner (in the same context, even
+while a streamed body is produced) charges its engine time to it."""
+
+
+class _States(Collector):
+    """What is read at scrape time: workers, sandboxes, open sessions, the store's size."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        store: TrajectoryStore,
+        sandboxes: Callable[[], list[dict[str, Any]]],
+    ) -> None:
+        self.pool, self.store, self.sandboxes = pool, store, sandboxes
+
+    def collect(self) -> Iterator[Metric]:
+        workers = GaugeMetricFamily("belayer_workers", "Engine workers by state.", labels=["state"])
+        for state in WORKER_STATES:
+            workers.add_metric([state], sum(1 for m in self.pool.members if m.state == state))
+        yield workers
+        boxes = GaugeMetricFamily("belayer_sandboxes", "Session sandboxes by state.", labels=["state"])
+        views = self.sandboxes()
+        for state in SANDBOX_STATES:
+            boxes.add_metric([state], sum(1 for v in views if v["state"] == state))
+        yield boxes
+        _, open_sessions = self.store.query_sessions(SessionQuery(status="open", limit=0))
+        yield GaugeMetricFamily("belayer_sessions_open", "Sessions open (not closed).", value=open_sessions)
+        yield GaugeMetricFamily(
+            "belayer_store_size_bytes", "The trajectory store's size on disk.", value=self.store.size_bytes()
+        )
+        yield CounterMetricFamily(
+            "belayer_store_failures", "Store operations that failed (disk full, read-only, ...).",
+            value=self.store.failures,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "belayer_affinity_sessions", "Sessions whose last worker the pool remembers.",
+            value=self.pool.remembered_sessions,
+        )  # fmt: skip
+        version = GaugeMetricFamily(
+            "belayer_weight_version_info", "The policy weight version the pool serves (one series: the current one).",
+            labels=["version"],
+        )  # fmt: skip
+        version.add_metric([self.pool.weight_version], 1)
+        yield version
+        live = [m for m in self.pool.members if m.state not in (DEAD, DRAINING)]
+        yield GaugeMetricFamily(
+            "belayer_workers_stale_weights", "Live workers not on the served weight version (not routed to).",
+            value=sum(1 for m in live if m.weight_version != self.pool.weight_version),
+        )  # fmt: skip
+
+
+class GatewayMetrics:
+    """The gateway's metrics (module docstring); `render` is the exposition."""
+
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        pool: EnginePool,
+        store: TrajectoryStore,
+        sandboxes: Callable[[], list[dict[str, Any]]],
+        version: str,
+    ) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "belayer_http_requests", "HTTP requests by protocol, route template, method and status.",
+            ["protocol", "route", "method", "status"], registry=r,
+        )  # fmt: skip
+        self.request_seconds = Histogram(
+            "belayer_http_request_duration_seconds", "HTTP request duration, to the last byte.",
+            ["protocol", "route"], buckets=SLOW, registry=r,
+        )  # fmt: skip
+        self.added = Histogram(
+            "belayer_gateway_added_seconds",
+            "The gateway's own time per model request: its duration minus the time inside engines.",
+            ["protocol"], buckets=FAST, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "belayer_time_to_first_token_seconds", "Time to a turn's first token.", buckets=SLOW, registry=r
+        )
+        self.itl = Histogram(
+            "belayer_inter_token_latency_seconds", "Time between a turn's tokens.", buckets=TOKEN, registry=r
+        )
+        self.turn_seconds = Histogram(
+            "belayer_turn_duration_seconds", "A turn's duration, end to end.", buckets=SLOW, registry=r
+        )
+        self.tokens = Counter(
+            "belayer_tokens", "Tokens by kind: prompt (all), reused (prefix reused from the session), generated.",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.turns = Counter("belayer_turns", "Turns by outcome.", ["outcome"], registry=r)
+        self.prompts = Counter(
+            "belayer_prompts", "Turn prompts by how they were built: prefix_reuse, fresh_prompt, branch.",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.transitions = Counter(
+            "belayer_worker_transitions", "Worker state changes.", ["from_state", "to_state"], registry=r
+        )
+        self.failovers = Counter(
+            "belayer_failovers", "Mid-stream failovers by cause: dead, stall, error.", ["cause"], registry=r
+        )
+        self.failover_detect = Histogram(
+            "belayer_failover_detection_seconds", "From a lost worker's last token to noticing the loss.",
+            ["cause"], buckets=SLOW, registry=r,
+        )  # fmt: skip
+        self.failover_lost = Histogram(
+            "belayer_failover_lost_seconds", "From a lost worker's last token to the next worker's first.",
+            ["cause"], buckets=SLOW, registry=r,
+        )  # fmt: skip
+        self.failover_tokens = Counter(
+            "belayer_failover_resumed_tokens", "Tokens kept and resubmitted by failovers.", registry=r
+        )
+        self.promotions = Counter("belayer_shadow_promotions", "Shadows promoted to active.", registry=r)
+        self.replacements = Counter(
+            "belayer_worker_replacements", "Replacement workers launched after a failure.", registry=r
+        )
+        self.cold_start = Histogram(
+            "belayer_worker_cold_start_seconds", "A launched worker's start, to its first healthy probe.",
+            buckets=SLOW, registry=r,
+        )  # fmt: skip
+        self.checkpoints = Counter(
+            "belayer_checkpoints", "Sandbox checkpoints by result: taken, deferred, skipped, failed.",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.in_bubble = Counter(
+            "belayer_checkpoints_in_bubble", "Checkpoints taken inside an inference bubble.", registry=r
+        )
+        self.checkpoint_seconds = Histogram(
+            "belayer_checkpoint_duration_seconds", "A checkpoint's duration (filesystem and processes).",
+            buckets=SLOW, registry=r,
+        )  # fmt: skip
+        self.restores = Counter("belayer_restores", "Sandbox restores by mode.", ["mode"], registry=r)
+        self.restore_seconds = Histogram(
+            "belayer_restore_duration_seconds", "A restore's duration.", ["mode"], buckets=SLOW, registry=r
+        )
+        self.replayed = Counter(
+            "belayer_tool_calls_replayed", "Tool calls run again after a replay restore.", registry=r
+        )
+        self.discarded = Counter("belayer_turns_discarded", "Turns discarded by restores.", registry=r)
+        self.interrupted = Counter(
+            "belayer_turns_interrupted",
+            "Running turns of a gone gateway (a dead replica) marked interrupted by this one.",
+            registry=r,
+        )
+        self.recomputations = Counter(
+            "belayer_logprob_recomputations", "Logprob recomputations by result.", ["result"], registry=r
+        )
+        self.exports = Counter("belayer_exports", "Trajectory exports by format.", ["format"], registry=r)
+        self.weight_updates = Counter(
+            "belayer_weight_updates", "Weight updates (POST /api/weights) by result: ok, failed.", ["result"],
+            registry=r,
+        )  # fmt: skip
+        self.weight_switches = Counter(
+            "belayer_weight_switches",
+            "Turns cut by a weight update and resumed on the new weights.",
+            registry=r,
+        )
+        Gauge("belayer_build_info", "The gateway's version.", ["version"], registry=r).labels(version).set(1)
+        Gauge("belayer_start_time_seconds", "When the gateway started (unix time).", registry=r).set(
+            telemetry.started_at
+        )
+        r.register(_States(pool, store, sandboxes))
+        self._handlers: dict[str, Callable[[Event], None]] = {
+            "turn_finished": self._turn_finished,
+            "prefix_reuse": self._prompt,
+            "fresh_prompt": self._prompt,
+            "branch": self._prompt,
+            "failover": self._failover,
+            "worker_state": self._worker_state,
+            "shadow_promoted": lambda e: self.promotions.inc(),
+            "replacement_started": lambda e: self.replacements.inc(),
+            "worker_cold_start": lambda e: self.cold_start.observe(e.data["seconds"]),
+            "sandbox_checkpoint": self._checkpoint,
+            "sandbox_checkpoint_decision": self._decision,
+            "sandbox_checkpoint_skipped": lambda e: self.checkpoints.labels("skipped").inc(),
+            "sandbox_checkpoint_failed": lambda e: self.checkpoints.labels("failed").inc(),
+            "sandbox_restored": self._restored,
+            "turns_discarded": lambda e: self.discarded.inc(len(e.data["turn_indices"])),
+            "turns_interrupted": lambda e: self.interrupted.inc(len(e.data["turn_indices"])),
+            "recomputed_logprobs": lambda e: self.recomputations.labels("ok").inc(),
+            "recompute_failed": lambda e: self.recomputations.labels("failed").inc(),
+            "export": lambda e: self.exports.labels(e.data["format"]).inc(),
+            "weights_updated": lambda e: self.weight_updates.labels("ok").inc(),
+            "weights_update_failed": lambda e: self.weight_updates.labels("failed").inc(),
+            "weight_switch": lambda e: self.weight_switches.inc(),
+        }
+        telemetry.listen(self.on_event)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def on_event(self, event: Event) -> None:
+        handler = self._handlers.get(event.kind)
+        if handler is not None:
+            handler(event)
+
+    def observe_gaps(self, gaps: list[float]) -> None:
+        """A turn's inter-token gaps (a chunk of n tokens after t seconds counts n gaps of t/n)."""
+        for gap in gaps:
+            self.itl.observe(gap)
+
+    def observe_request(
+        self, protocol: str, route: str, method: str, status: int, seconds: float, clock: RequestClock
+    ) -> None:
+        self.requests.labels(protocol, route, method, str(status)).inc()
+        self.request_seconds.labels(protocol, route).observe(seconds)
+        if clock.engine_calls:
+            self.added.labels(protocol).observe(max(0.0, seconds - clock.engine_seconds))
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _turn_finished(self, e: Event) -> None:
+        d = e.data
+        self.turns.labels(d["status"]).inc()
+        self.tokens.labels("prompt").inc(d["prompt_tokens"])
+        self.tokens.labels("reused").inc(d["reused_tokens"])
+        self.tokens.labels("generated").inc(d["output_tokens"])
+        if d.get("ttft_ms") is not None:
+            self.ttft.observe(d["ttft_ms"] / 1000)
+        if d.get("total_ms") is not None:
+            self.turn_seconds.observe(d["total_ms"] / 1000)
+
+    def _prompt(self, e: Event) -> None:
+        self.prompts.labels(e.kind).inc()
+
+    def _failover(self, e: Event) -> None:
+        d = e.data
+        cause = d.get("cause", "dead")
+        self.failovers.labels(cause).inc()
+        self.failover_detect.labels(cause).observe(d["detect_ms"] / 1000)
+        self.failover_lost.labels(cause).observe(d["lost_ms"] / 1000)
+        self.failover_tokens.inc(d["token_index"])
+
+    def _worker_state(self, e: Event) -> None:
+        self.transitions.labels(e.data["from"], e.data["to"]).inc()
+
+    def _checkpoint(self, e: Event) -> None:
+        self.checkpoints.labels("taken").inc()
+        self.checkpoint_seconds.observe(e.data["seconds"])
+        if e.data.get("in_bubble"):
+            self.in_bubble.inc()
+
+    def _decision(self, e: Event) -> None:
+        if e.data["action"] in ("defer", "busy"):
+            self.checkpoints.labels("deferred").inc()
+
+    def _restored(self, e: Event) -> None:
+        mode = e.data.get("mode", "truncate")
+        self.restores.labels(mode).inc()
+        self.restore_seconds.labels(mode).observe(e.data["seconds"])
+        self.replayed.inc(e.data.get("replayed", 0))
+
+
+_SANDBOX_PATH = re.compile(r"/s/[^/]+/sandbox(/|$)")
+
+
+def protocol_of(path: str) -> str:
+    """The protocol label of a request path.
+
+    >>> [protocol_of(p) for p in ("/s/x/v1/messages", "/v1/chat/completions", "/api/sessions", "/metrics")]
+    ['anthropic', 'openai', 'api', 'metrics']
+    >>> protocol_of("/s/x/sandbox/exec"), protocol_of("/s/x/v1/models")
+    ('sandbox', 'openai')
+    """
+    if "/v1/messages" in path:
+        return "anthropic"
+    if _SANDBOX_PATH.match(path):  # a harness's tool calls, not model requests
+        return "sandbox"
+    if path.startswith(("/v1/", "/s/")):
+        return "openai"
+    if path.startswith("/api/"):
+        return "api"
+    if path.startswith("/metrics"):
+        return "metrics"
+    if path.startswith("/dashboard"):
+        return "dashboard"
+    return "other"

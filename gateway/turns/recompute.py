@@ -1,0 +1,104 @@
+"""Logprobs for history a harness rewrote, computed in the background.
+
+When a harness changes an earlier assistant message (compaction, a re-serialized tool call), the new
+prompt's tokens for it were never sampled, so they have no logprobs. After the turn, one
+prompt-logprobs pass on a worker supplies the engine's own logprobs for those spans, recorded as a
+``recomputed_logprobs`` event (``recompute_failed`` when it could not be done). The work belongs to
+a ``TaskOwner``: ``close`` lets it finish for a grace period at shutdown, then cancels it, and each
+cancelled pass says so in its trajectory, all before the pool and the store close.
+
+Each pass is marked pending in the store when it is scheduled, and the mark is dropped with its
+outcome (`TrajectoryStore.end_recomputation`). A pass cancelled at shutdown, or lost with a gateway
+that died, keeps its mark: ``resume`` (at start-up) schedules them again.
+
+Example::
+
+    recomputer = LogprobRecomputer(store, pool, no_worker_wait=120.0)
+    recomputer.resume()                          # at start-up: what a previous gateway left pending
+    recomputer.schedule(turn, spans=[(40, 57)])
+    await recomputer.close(grace=5.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from core.errors import StoreError
+from core.tasks import TaskOwner
+from engine_pool.pool import EnginePool
+from store import EventRecord, TrajectoryStore, TurnRecord
+
+log = logging.getLogger("belayer.gateway")
+
+
+class LogprobRecomputer:
+    """Runs and owns the background prompt-logprobs passes; see the module docstring."""
+
+    def __init__(self, store: TrajectoryStore, pool: EnginePool, no_worker_wait: float) -> None:
+        self.store = store
+        self.pool = pool
+        self.no_worker_wait = no_worker_wait
+        self._tasks = TaskOwner("logprob-recompute")
+
+    def schedule(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
+        """Recompute the logprobs of `turn`'s prompt tokens in `spans` (start, end), in the background."""
+        with contextlib.suppress(StoreError):  # logged by the store: the pass runs, only not resumable
+            self.store.schedule_recomputation(turn, spans)
+        self._tasks.spawn(self._run(turn, spans), f"turn-{turn.id}")
+
+    def resume(self) -> int:
+        """Schedule again the passes the store holds as pending (a previous gateway died, or shut down,
+        before they were done); how many. A pass whose turn is gone (its session deleted) is dropped."""
+        resumed = 0
+        for turn_id, spans in self.store.pending_recomputations():
+            turn = self.store.get_turn(turn_id)
+            if turn is None:
+                self.store.end_recomputation(turn_id, None)
+                continue
+            self._event(turn, "recompute_resumed", {"spans": spans})
+            self._tasks.spawn(self._run(turn, spans), f"turn-{turn.id}")
+            resumed += 1
+        if resumed:
+            log.info("resuming %d logprob recomputations left pending by the previous gateway", resumed)
+        return resumed
+
+    async def _run(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
+        try:
+            async with self.pool.lease(turn.session_id, wait=self.no_worker_wait) as member:
+                values = await member.client.prompt_logprobs(turn.prompt_ids[: max(b for _, b in spans)])
+                worker = member.name
+        except asyncio.CancelledError:  # the gateway shuts down: say so in the trajectory, then stop
+            error = "cancelled at shutdown (redone at the next start)"
+            self._event(turn, "recompute_failed", {"spans": spans, "error": error})
+            raise
+        except Exception as e:
+            log.warning("turn %s: logprob recomputation failed: %s", turn.id, e)
+            self._end(turn, "recompute_failed", {"spans": spans, "error": f"{type(e).__name__}: {e}"})
+            return
+        runs = [[a, values[a:b]] for a, b in spans]
+        data = {"runs": runs, "worker": worker, "tokens": sum(b - a for a, b in spans)}
+        self._end(turn, "recomputed_logprobs", data)
+
+    def _event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
+        self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+
+    def _end(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
+        """The pass's outcome, and its pending mark dropped, in one write."""
+        self.store.end_recomputation(turn.id, EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+
+    async def idle(self) -> None:
+        """Wait until no pass is running (tests)."""
+        await self._tasks.join()
+
+    async def close(self, grace: float = 5.0) -> None:
+        """Give running passes `grace` seconds, then cancel the rest; no new one starts afterwards."""
+        try:
+            async with asyncio.timeout(grace):
+                await self._tasks.join()
+        except TimeoutError:
+            log.warning("shutdown: cancelling %d logprob recomputations", self._tasks.running)
+        await self._tasks.close()

@@ -1,0 +1,597 @@
+"""One turn, protocol-independent: prompt ids → engine → text deltas and tool calls → trajectory.
+
+The OpenAI and Anthropic front ends build a ``GenerationRequest`` and consume the ``Delta`` and ``Done``
+events of ``TurnRunner.run``. The turn is written to the store before the engine is called (status
+running, prompt ids) and finished, durably, before ``Done`` is yielded, so a client never holds a
+response whose turn is not on disk. When a worker is lost mid-turn, the runner resubmits the prompt plus
+the tokens generated so far to another worker (``gateway.turns.failover``); the client's stream goes on.
+
+Logprobs for history a harness rewrote are recomputed in the background (``gateway.turns.recompute``). While
+a turn streams, its tokens reach the store in batches (``gateway.turns.inflight``), so a crash of the gateway
+keeps them: the turn reads as ``interrupted`` with them after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from core.errors import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineRequestFailed,
+    EngineServerError,
+    EngineTimeout,
+    EngineUnavailable,
+    InvalidRequest,
+    StoreError,
+)
+from core.tasks import TaskOwner
+from core.telemetry import Telemetry
+from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
+from engine_pool.pool import EnginePool, PoolMember
+from gateway.config import FailoverConfig, InflightConfig
+from gateway.observe.metrics import REQUEST_CLOCK, GatewayMetrics
+from gateway.policy.parsers import (
+    SPECIAL_TAGS,
+    ContentDelta,
+    MalformedToolCall,
+    ReasoningDelta,
+    ReasoningParser,
+    ToolCall,
+    ToolParser,
+    forced_call_prefix,
+    make_reasoning_parser,
+    make_tool_parser,
+)
+from gateway.policy.streaming import StopTrimmer
+from gateway.policy.tokenization import ChatTokenizer, IncrementalDetokenizer
+from gateway.turns.failover import Failure, Preempted, add_tokens, stall_guarded
+from gateway.turns.inflight import InflightWriter
+from gateway.turns.observers import TurnObserver
+from gateway.turns.recompute import LogprobRecomputer
+from gateway.turns.sessions import PromptPlan, chain_keys
+from store import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
+from store.base import TURN_ABORTED, TURN_COMPLETE, TURN_ERROR, TURN_INTERRUPTED
+
+log = logging.getLogger("belayer.gateway")
+
+
+def parse_arguments(arguments: str | dict[str, Any]) -> Any:
+    """Tool-call arguments as an object when they are JSON (how the template renders them)."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    session: SessionRecord
+    plan: PromptPlan
+    params: SamplingParams
+    request: dict[str, Any]
+    received_at: float
+    max_tokens: int | None = None
+    messages: list[dict[str, Any]] | None = None  # None for raw completions
+    tools: list[dict[str, Any]] | None = None
+    message_keys: list[str] = field(default_factory=list)
+    forced_prefix: str = ""  # text the assistant turn is forced to start with (tool_choice)
+    parse_tools: bool = True
+    stream: bool = True  # stream from the engine (the client streams, or wants per-token progress)
+    turn: TurnRecord | None = None
+    """The turn, once `TurnRunner.run` has stored it (before its first event): a formatter that names
+    the response after its turn (the Responses API's ids) reads it here."""
+
+
+@dataclass(slots=True)
+class _OutputState:
+    """Per-turn output pipeline (detokenizer → stop strings → reasoning parser → tool parser) and
+    failover bookkeeping."""
+
+    detok: IncrementalDetokenizer
+    trimmer: StopTrimmer
+    parser: ToolParser
+    reasoner: ReasoningParser | None = None
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    finish: str = "stop"
+    failovers: int = 0
+    last_token_at: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    """Inter-token gaps (seconds), for the metrics."""
+    refused_by: list[str] = field(default_factory=list)
+    """Healthy workers that answered this turn with an error (a second one makes it the request's)."""
+    version: str | None = None
+    """The weight version of the turn's latest tokens: a failover stays on it (None: no tokens yet)."""
+
+    def parse(self, text: str, final: bool = False) -> list[Any]:
+        """The parsers' events for the next visible text (``final``: and what they held back)."""
+        if self.reasoner is None:
+            return self.parser.feed(text) + (self.parser.finish() if final else [])
+        events: list[Any] = []
+        for ev in self.reasoner.feed(text) + (self.reasoner.finish() if final else []):
+            events += [ev] if isinstance(ev, ReasoningDelta) else self.parser.feed(ev.text)
+        return events + (self.parser.finish() if final else [])
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine event added: visible text, finished tool calls, and the raw tokens."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    reasoning: str = ""  # text a reasoning parser split off (``reasoning_content``, thinking blocks)
+
+
+@dataclass(slots=True)
+class Done:
+    turn: TurnRecord
+    finish_reason: str
+    content: str
+    tool_calls: list[ToolCall]
+    prompt_tokens: int
+    completion_tokens: int
+    stop_sequence: str | None = None  # the stop string that ended the turn, if one did
+    reasoning: str = ""
+
+
+class TurnRunner:
+    """Runs one turn against the pool and records it."""
+
+    def __init__(
+        self,
+        store: TrajectoryStore,
+        pool: EnginePool,
+        tokenizer: ChatTokenizer,
+        default_max_tokens: int | None = None,
+        observers: list[TurnObserver] | None = None,
+        failover: FailoverConfig | None = None,
+        max_tokens_cap: int | None = None,
+        telemetry: Telemetry | None = None,
+        metrics: GatewayMetrics | None = None,
+        inflight: InflightConfig | None = None,
+        tool_call_parser: str = "hermes",
+        reasoning_parser: str | None = None,
+    ) -> None:
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        """vLLM's names of the model family's formats (``gateway.policy.parsers``)."""
+        self.max_tokens_cap = max_tokens_cap
+        self.telemetry = telemetry or Telemetry()
+        """Where each turn's start and end are published (``turn_started``, ``turn_finished``)."""
+        self.metrics = metrics
+        self.failover = failover or FailoverConfig()
+        self.store = store
+        self.pool = pool
+        self.tok = tokenizer
+        self.default_max_tokens = default_max_tokens
+        self.observers = observers if observers is not None else []
+        self.recomputer = LogprobRecomputer(store, pool, self.failover.no_worker_wait)
+        self.inflight = InflightWriter(store, inflight or InflightConfig())
+        self._orphans = TaskOwner("orphaned-turns")
+        """Ends turns whose request was cancelled while the turn's first write ran (`_begun`)."""
+        self.interrupting = False
+        """Set by the server (``gateway.serve.server``) when its shutdown deadline passes, just before it
+        cancels the requests still running: a turn cancelled then is recorded ``interrupted`` (with its
+        tokens so far), not ``aborted`` as when its client goes away."""
+
+    def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
+        limit = self.pool.max_model_len
+        if not limit:
+            return max_tokens or self.default_max_tokens or 16
+        if prompt_len >= limit or (max_tokens is not None and prompt_len + max_tokens > limit):
+            asked = f" + {max_tokens} completion tokens" if max_tokens is not None else ""
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len} prompt tokens{asked}. Please reduce the length of the messages or completion.",
+                param="messages",
+            )
+        room = limit - prompt_len
+        wanted = max_tokens if max_tokens is not None else self.default_max_tokens
+        return min(x for x in (wanted, self.max_tokens_cap, room) if x is not None)
+
+    def prepare(self, req: GenerationRequest) -> tuple[list[int], SamplingParams]:
+        """Final prompt ids and sampling parameters; raises the 4xx errors before anything is stored."""
+        req.forced_prefix = forced_call_prefix(self.tool_call_parser, req.forced_prefix)  # the family's own
+        prompt_ids = req.plan.prompt_ids + (self.tok.encode(req.forced_prefix) if req.forced_prefix else [])
+        budget = self._budget(len(prompt_ids), req.max_tokens)  # first: it is cheap for any length
+        # Client-supplied token ids (raw completions) may be anything; templated prompts are ours.
+        raw_ids = prompt_ids if req.messages is None else []
+        bad = next((t for t in raw_ids if t < 0 or t >= self.tok.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} is outside the vocabulary (0..{self.tok.vocab_size - 1})", "prompt"
+            )
+        return prompt_ids, replace(req.params, max_tokens=budget)
+
+    def _begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
+        plan = req.plan
+
+        def first_event(turn: TurnRecord) -> tuple[str, dict[str, Any]]:
+            kind = "prefix_reuse" if plan.parent else "fresh_prompt"
+            data: dict[str, Any] = {"reason": plan.reason, "reused_tokens": plan.reused_tokens}
+            if plan.parent is not None:
+                data["parent_turn"] = plan.parent.index
+            if turn.index > 0 and (plan.parent is None or turn.branch != plan.parent.branch):
+                kind = "branch"
+            return kind, data
+
+        record = TurnRecord(
+            session_id=req.session.id,
+            prompt_ids=prompt_ids,
+            prompt_gen_spans=list(plan.gen_spans),
+            parent_id=plan.parent.id if plan.parent else None,
+            ext_key=None,
+            request=req.request,
+            received_at=req.received_at,
+        )
+        # One transaction: the (ephemeral) session, the turn and its first event. The plan's parent
+        # lets the store write the turn as a segment beyond it without reading it again.
+        new_session = req.session if req.session.ephemeral else None
+        return self.store.begin_turn(record, first_event, new_session, parent=plan.parent)
+
+    def _event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
+        self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+
+    async def _begun(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
+        """`_begin`, in a worker thread for a remote store (`TrajectoryStore.remote`): a commit is
+        milliseconds on PostgreSQL, and every stream of this gateway would wait for it on the event loop.
+        A request cancelled while the write runs (its client went away) still has its turn ended,
+        ``aborted``, once it is written: none stays running."""
+        if not self.store.remote:
+            return self._begin(req, prompt_ids)
+        written = asyncio.get_running_loop().run_in_executor(None, self._begin, req, prompt_ids)
+        try:
+            return await asyncio.shield(written)
+        except asyncio.CancelledError:
+            self._orphans.spawn(self._abort_when_written(written), "abort-orphaned-turn")
+            raise
+
+    async def _abort_when_written(self, written: asyncio.Future[TurnRecord]) -> None:
+        with contextlib.suppress(
+            Exception
+        ):  # the write failed: there is no turn to end (the store logged it)
+            turn = await written
+            turn.status, turn.error = (
+                TURN_ABORTED,
+                "the request was cancelled while its turn was being stored",
+            )
+            await asyncio.to_thread(self.store.finish_turn, turn)
+
+    async def run(self, req: GenerationRequest) -> AsyncGenerator[Delta | Done, None]:
+        prompt_ids, params = self.prepare(req)
+        t0 = time.monotonic()
+        turn = await self._begun(req, prompt_ids)
+        req.turn = turn
+        self.telemetry.publish(
+            "turn_started",
+            {"index": turn.index, "branch": turn.branch, "prompt_tokens": len(prompt_ids),
+             "reused_tokens": req.plan.reused_tokens},
+            turn.session_id, turn.id,
+        )  # fmt: skip
+        for obs in self.observers:
+            obs.turn_started(turn)
+        self.inflight.track(turn)
+        st = _OutputState(
+            self.tok.detokenizer(special=self.tool_call_parser in SPECIAL_TAGS and req.messages is not None),
+            StopTrimmer(params.stop),
+            make_tool_parser(self.tool_call_parser, req.tools, req.parse_tools),
+            # chat turns only (raw completions are raw text); a forced tool call starts with no reasoning
+            make_reasoning_parser(self.reasoning_parser if req.messages is not None else None)
+            if not req.forced_prefix
+            else None,
+        )
+        st.parser.feed(req.forced_prefix)
+        try:
+            async with contextlib.aclosing(self._generate(req, turn, params, st, t0)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            for obs in self.observers:  # the output is complete; its end may wait (gateway.turns.observers)
+                await obs.turn_ending(turn)
+        except EngineError as e:  # EngineRejected among them: answered as the client's error (400)
+            self._fail(turn, TURN_ERROR, str(e), t0)
+            self._published(turn, req, st)
+            raise
+        except BaseException as e:  # client went away (cancelled) or a bug: keep what was generated
+            if self.interrupting and not isinstance(e, Exception):  # cancelled by the shutdown deadline
+                self._fail(turn, TURN_INTERRUPTED, "the gateway shut down (its grace period ran out)", t0)
+            else:
+                self._fail(turn, TURN_ABORTED, repr(e), t0)
+            self._published(turn, req, st)
+            raise
+        finish = "stop" if st.trimmer.stopped else st.finish
+        finish = "tool_calls" if st.parser.calls and finish == "stop" else finish
+        try:
+            done = self._complete(
+                req, turn, finish, "".join(st.content), st.parser.calls, t0, "".join(st.reasoning)
+            )
+            if self.store.remote:  # off the loop, as the first; a cancellation meanwhile does not stop it
+                await asyncio.shield(asyncio.to_thread(self.store.finish_turn, turn))
+            else:
+                self.store.finish_turn(turn)  # a StoreError goes to the client: the turn is not on disk
+        finally:
+            self._notify_finished(turn)
+            self._published(turn, req, st)
+        if req.plan.rewritten:
+            self.recomputer.schedule(turn, req.plan.rewritten)
+        done.stop_sequence = st.trimmer.matched
+        yield done
+
+    async def _generate(
+        self, req: GenerationRequest, turn: TurnRecord, params: SamplingParams, st: _OutputState, t0: float
+    ) -> AsyncGenerator[Delta, None]:
+        """Submit to a worker and, after each lost worker, resubmit prompt + every token so far to
+        another one, until the turn is complete; then the parsers' tail."""
+        failure: Failure | None = None
+        while not self._done_after_failure(turn, st, params, failure):
+            lost = None
+            async with contextlib.aclosing(self._submit(req, turn, params, st, t0, failure)) as items:
+                async for item in items:
+                    if isinstance(item, Failure):
+                        lost = item
+                    else:
+                        yield item
+            failure = lost
+            if failure is None:
+                break
+        if failure is not None:  # the output was complete when the worker was lost
+            self._record_failover(turn, failure, None)
+        tail = self._delta(turn, st.parse(st.trimmer.finish(), final=True), st)
+        if tail.content or tail.tool_calls or tail.reasoning:
+            yield tail
+
+    async def _submit(
+        self,
+        req: GenerationRequest,
+        turn: TurnRecord,
+        params: SamplingParams,
+        st: _OutputState,
+        t0: float,
+        previous: Failure | None,
+    ) -> AsyncGenerator[Delta | Failure, None]:
+        """One submission to one leased worker, asking for the tokens still missing. Yields the deltas,
+        then a `Failure` when the worker was lost and another may take over (else the error is raised).
+        `previous`, the failure this submission recovers from, is recorded at its first token."""
+        fo = self.failover
+        remaining = replace(params, max_tokens=params.max_tokens - len(turn.output_ids))
+        affinity = None if req.session.ephemeral else req.session.id  # one-request sessions: not kept
+        wait = fo.no_worker_wait if fo.enabled else 0.0
+        # A failover stays on the weight version of the tokens so far; a turn cut by a weight update
+        # goes on with the new one (recorded: a new segment and a weight_switch event).
+        pinned = st.version if previous is None or previous.cause != "weights" else None
+        async with self.pool.lease(affinity, wait, frozenset(st.refused_by), pinned) as member:
+            turn.worker = member.name
+            version = member.weight_version
+            submitted = time.monotonic()
+            turn.timings.setdefault("queue_ms", (submitted - t0) * 1000)
+            stream = self._engine_stream(member, turn, remaining, req.stream)
+            clock = REQUEST_CLOCK.get()
+            first = True
+            try:
+                async for chunk in stream:
+                    if previous is not None:
+                        self._record_failover(turn, previous, member.name, version)
+                        previous = None
+                    turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
+                    start = len(turn.output_ids)
+                    delta = self._consume(turn, chunk, st)
+                    if len(turn.output_ids) > start:
+                        add_tokens(turn.weight_segments, start, len(turn.output_ids), version, first)
+                        first, st.version = False, version
+                    yield delta
+                    if st.trimmer.stopped:  # a stop string the engine could not see (split by a failover)
+                        break
+            except Preempted as e:
+                if previous is not None:  # the failover that brought the turn here, before the cut
+                    self._record_failover(turn, previous, member.name, version)
+                now = time.monotonic()
+                yield Failure(
+                    len(turn.output_ids), member.name, str(e), now, st.last_token_at, "weights", st.version
+                )
+            except (EngineUnavailable, EngineTimeout, EngineServerError) as e:
+                yield await self._lost(member, e, turn, st)
+            finally:
+                await stream.aclose()
+                if clock is not None:
+                    clock.charge(time.monotonic() - submitted)
+
+    async def _lost(
+        self, member: PoolMember, error: EngineError, turn: TurnRecord, st: _OutputState
+    ) -> Failure:
+        """A submission failed: the `Failure` to resubmit after, or the error to answer with.
+
+        A dead or stalled worker is reported (and fenced, if launched). A worker that *answered* with an
+        error is judged by a health probe: if it is healthy, the request is to blame, unless another
+        healthy worker serves it; a second refusal makes it the request's error, and no worker is fenced
+        for it."""
+        fo = self.failover
+        if not isinstance(error, EngineServerError):
+            self.pool.report_failure(member, error)
+        elif not await self.pool.confirm_failure(member):
+            st.refused_by.append(member.name)
+            others = self.pool.pick(None, frozenset(st.refused_by), st.version)
+            if len(st.refused_by) >= 2 or others is None or not fo.enabled:
+                workers = " and ".join(st.refused_by)
+                raise EngineRequestFailed(
+                    f"the engine failed on this request on {workers}, healthy worker(s) ({error})"
+                ) from error
+        if not fo.enabled or st.failovers >= fo.max_failovers:
+            raise error
+        st.failovers += 1
+        cause = (
+            "stall"
+            if isinstance(error, EngineTimeout)
+            else "error"
+            if isinstance(error, EngineServerError)
+            else "dead"
+        )
+        now, last = time.monotonic(), st.last_token_at
+        return Failure(len(turn.output_ids), member.name, str(error), now, last, cause, st.version)
+
+    def _done_after_failure(
+        self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: Failure | None
+    ) -> bool:
+        """Before a (re)submission: is the turn already complete? After a failure in the last token the
+        output may end with EOS, fill max_tokens, or contain a stop string: then nothing is resubmitted."""
+        if failure is None:
+            return False
+        if st.trimmer.stopped or (turn.output_ids and turn.output_ids[-1] in self.tok.eos_ids):
+            st.finish = "stop"
+            return True
+        if len(turn.output_ids) >= params.max_tokens:
+            st.finish = "length"
+            return True
+        return False
+
+    def _engine_stream(
+        self, member: PoolMember, turn: TurnRecord, params: SamplingParams, stream: bool
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """The engine's chunks for the turn's prompt plus what it generated so far (a resubmission after
+        a failover); with failover on, guarded against a stalled worker."""
+        rid = engine_request_id(turn.session_id, turn.index)
+        prompt = turn.prompt_ids + turn.output_ids
+        chunks = member.client.generate(prompt, params, stream=stream, request_id=rid)
+        if not self.failover.enabled:
+            return chunks  # not cut by a weight update either: the update waits for it
+
+        async def confirm() -> bool:
+            return await self.pool.confirm_failure(member)
+
+        return stall_guarded(chunks, member.name, self.failover.stall_timeout, confirm, self.pool.preemption)
+
+    def _consume(self, turn: TurnRecord, chunk: TokenChunk, st: _OutputState) -> Delta:
+        """Record a chunk's tokens and turn them into visible text. Tokens are taken one at a time so
+        that a stop string ends the output at exactly the token the engine itself would stop at."""
+        pieces = []
+        n = 0
+        for t in chunk.token_ids:
+            n += 1
+            pieces.append(st.trimmer.feed(st.detok.step(t)))
+            if st.trimmer.stopped:
+                break
+        ids, lps = chunk.token_ids[:n], chunk.logprobs[:n]
+        turn.output_ids += ids
+        turn.output_logprobs += lps
+        self.inflight.progressed(turn)
+        self.telemetry.tokens_streamed += n
+        now = time.monotonic()
+        if st.last_token_at is not None and n:
+            st.gaps += [(now - st.last_token_at) / n] * n
+        st.last_token_at = now
+        st.finish = chunk.finish_reason or st.finish
+        delta = self._delta(turn, st.parse("".join(pieces)), st)
+        delta.token_ids, delta.logprobs, delta.top_logprobs = ids, lps, chunk.top_logprobs[:n]
+        return delta
+
+    def _record_failover(
+        self, turn: TurnRecord, failure: Failure, to_worker: str | None, to_version: str | None = None
+    ) -> None:
+        """A ``failover`` event, or a ``weight_switch`` when a weight update cut the turn."""
+        greedy = turn.request.get("temperature") == 0
+        data = failure.event(to_worker=to_worker, now=time.monotonic(), greedy=greedy)
+        data |= {"from_version": failure.version, "to_version": to_version}
+        self._event(turn, "weight_switch" if failure.cause == "weights" else "failover", data)
+
+    def _delta(self, turn: TurnRecord, events: list[Any], st: _OutputState) -> Delta:
+        delta = Delta("", [], [], [], [])
+        for ev in events:
+            if isinstance(ev, ContentDelta):
+                delta.content += ev.text
+            elif isinstance(ev, ReasoningDelta):
+                delta.reasoning += ev.text
+            elif isinstance(ev, ToolCall):
+                delta.tool_calls.append(ev)
+            elif isinstance(ev, MalformedToolCall):
+                self._event(turn, "tool_call_parse_error", {"raw": ev.raw, "reason": ev.reason})
+        st.content.append(delta.content)
+        st.reasoning.append(delta.reasoning)
+        return delta
+
+    async def idle(self) -> None:
+        """Wait for background logprob recomputations (tests)."""
+        await self.recomputer.idle()
+
+    async def close(self, grace: float = 5.0) -> None:
+        """At shutdown, before the pool and the store close: recomputations get `grace` seconds."""
+        await self.recomputer.close(grace)
+        await self._orphans.join()  # a few writes: they end before the store closes
+        await self._orphans.close()
+        await self.inflight.close()
+
+    def _fail(self, turn: TurnRecord, status: str, error: str, t0: float) -> None:
+        turn.status = status
+        turn.error = error
+        turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
+        try:
+            self.store.finish_turn(turn)
+            self._event(turn, "turn_failed", {"status": status, "error": error})
+        except StoreError:
+            pass  # logged by the store, which keeps the turn's end and writes it later: the first error is the news
+        finally:
+            self._notify_finished(turn)
+
+    def _published(self, turn: TurnRecord, req: GenerationRequest, st: _OutputState) -> None:
+        """The turn's end on the live feed, and its token gaps to the metrics (every way a turn ends
+        comes here, after its final write: its in-flight writes stop)."""
+        self.inflight.untrack(turn)
+        self.telemetry.publish(
+            "turn_finished",
+            {
+                "index": turn.index, "status": turn.status, "prompt_tokens": len(turn.prompt_ids),
+                "reused_tokens": req.plan.reused_tokens, "output_tokens": len(turn.output_ids),
+                "worker": turn.worker, "ttft_ms": turn.timings.get("ttft_ms"),
+                "total_ms": turn.timings.get("total_ms"), "finish_reason": turn.finish_reason,
+                "failovers": st.failovers,
+            },
+            turn.session_id, turn.id,
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.observe_gaps(st.gaps)
+
+    def _notify_finished(self, turn: TurnRecord) -> None:
+        for obs in self.observers:
+            obs.turn_finished(turn)
+
+    def _complete(
+        self,
+        req: GenerationRequest,
+        turn: TurnRecord,
+        finish: str,
+        content: str,
+        calls: list[ToolCall],
+        t0: float,
+        reasoning: str = "",
+    ) -> Done:
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]
+        if req.messages is not None:
+            canon = {**message, "tool_calls": [
+                {"function": {"name": c.name, "arguments": parse_arguments(c.arguments)}} for c in calls
+            ]}  # fmt: skip
+            prev = req.message_keys[-1] if req.message_keys else None
+            turn.ext_key = chain_keys(req.tools, [canon], prev)[-1]
+        turn.response = {"message": message, "finish_reason": finish}
+        turn.finish_reason = finish
+        turn.status = TURN_COMPLETE
+        turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
+        return Done(
+            turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids), reasoning=reasoning
+        )

@@ -1,0 +1,125 @@
+"""Sandbox configuration, in one place: what the gateway's ``[sandbox]`` section sets (`SandboxConfig`, with
+the checkpoint policy's knobs, `PolicySettings`) and what the Docker backend needs (`DockerBackendConfig`).
+
+`backend_for` (in `sandbox.backends`) builds the backend a `SandboxConfig` describes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Mode = Literal["adaptive", "always", "never"]
+
+
+class PolicySettings(BaseModel):
+    """The policy's knobs and its priors (used until there is something observed)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    mode: Mode = "adaptive"
+    """`always`: every bubble; `never`: no automatic checkpoints (explicit ones still work)."""
+    margin: float = Field(default=1.2, gt=0)
+    """Checkpoint when the predicted bubble is at least `margin` times the predicted cost."""
+    max_deferred_turns: int = Field(default=4, ge=0)
+    """Turns a sandbox may go without a checkpoint before one is forced."""
+    alpha: float = Field(default=0.3, gt=0, le=1)
+    """Weight of the newest observation in every moving average."""
+    prior_prefill_tps: float = Field(default=4000.0, gt=0)
+    prior_decode_tps: float = Field(default=50.0, gt=0)
+    prior_output_tokens: float = Field(default=64.0, gt=0)
+    prior_fixed_cost_s: float = Field(default=0.3, ge=0)
+    prior_dump_bps: float = Field(default=200e6, gt=0)
+
+
+
+class SandboxConfig(BaseModel):
+    """Per-session Docker sandboxes with checkpoints in inference bubbles (off unless ``enabled``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=False, description="per-session Docker sandboxes with checkpoints (needs Docker + CRIU)"
+    )
+    docker_url: str | None = Field(default=None, description="engine address; None reads DOCKER_HOST")
+    checkpoint_dir: str = Field(
+        default="/var/lib/belayer/checkpoints", description="where sandbox checkpoints go"
+    )
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    keep_checkpoints: int = Field(default=3, ge=1, description="checkpoints kept per session (retention)")
+    exec_grace_s: float = Field(
+        default=15.0, gt=0, description="a tool call unanswered timeout_s + this long has hung the sandbox"
+    )
+    auto_restore: bool = Field(default=True, description="restore the newest checkpoint on a failure")
+    watch_interval_s: float = Field(
+        default=0.5, gt=0, description="how often idle sandboxes are checked for a stopped container"
+    )
+    exec_threads: int = Field(
+        default=128,
+        ge=1,
+        description="threads for tool-call execs (one per exec in flight, as long as it runs)",
+    )
+    op_threads: int = Field(
+        default=16,
+        ge=1,
+        description="threads for short sandbox operations (checkpoint, restore, files, status)",
+    )
+    sandbox_port: int | None = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description=(
+            "port of the listener that network=gateway sandboxes reach (on the sandbox network's host "
+            "address; it serves only each sandbox's own session); 0: any free port, -1: none"
+        ),
+    )
+
+    keep_on_shutdown: bool = Field(
+        default=False,
+        description="leave the sandboxes and their checkpoints as they are when the gateway shuts down: "
+        "the next gateway on the same store adopts them (off: they are removed)",
+    )
+    max_workspace_bytes: int = Field(
+        default=1 << 30,
+        ge=1,
+        description="the verify stage copies at most this much of a sandbox's working directory (its tar); "
+        "a larger one is not verified (reason workspace_too_large, reward 0)",
+    )
+    disk_quota_bytes: int = Field(
+        default=10 << 30,
+        ge=0,
+        description="each sandbox's disk quota (its writable layer), where the storage driver takes one; "
+        "elsewhere a checkpoint of a larger layer is refused. 0: none",
+    )
+
+    @field_validator("sandbox_port", mode="before")
+    @classmethod
+    def _minus_one_is_none(cls, value: object) -> object:
+        # TOML and the environment have no null: -1 turns the listener off there (and on the flag).
+        return None if value in (-1, "-1") else value
+
+
+
+class DockerBackendConfig(BaseModel):
+    """Where the engine is and where checkpoints go."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_url: str | None = None
+    """Engine address, e.g. `unix:///var/run/docker.sock`; None reads DOCKER_HOST like the CLI."""
+    checkpoint_dir: Path = Path("/var/lib/belayer/checkpoints")
+    busybox: Path = Path("/bin/busybox")
+    """A *static* busybox on the host; it is copied into every sandbox to run the supervisor."""
+    api_timeout_s: float = 120.0
+    max_image_layers: int = 100
+    """Flatten a sandbox's snapshot image before its layer chain reaches Docker's limit of 125."""
+    name_prefix: str = "belayer-sbx"
+    checkpoint_repository: str = "belayer-checkpoint"
+    gateway_network: str = "belayer-gateway"
+    """The internal network of `network="gateway"` sandboxes (see `sandbox.network`)."""
+    gateway_bridge: str = "belayer-gw0"
+    disk_quota_bytes: int | None = None
+    """Each sandbox's writable-layer quota (``--storage-opt size``), where the storage driver has one
+    (see `DockerSandboxBackend.disk_quota_enforced`); None: no quota."""

@@ -1,0 +1,106 @@
+"""What the sandbox manager hands out (`CheckpointInfo`, `RestoreInfo`) and records (`EventLog`).
+
+Each checkpoint is tagged with the session and a turn index, and with `keep_through`: the last turn the
+checkpoint is consistent with. A checkpoint taken in turn k's bubble holds the environment the harness
+had when it asked for turn k, so:
+
+- a harness outside the sandbox keeps turn k: it resumes by re-running turn k's tool calls;
+- a harness inside the sandbox is restored *waiting for* turn k; it will retry that call, so turn k is
+  discarded and the retry extends turn k-1 (prefix reuse ignores discarded turns).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sandbox.backend import Checkpoint
+from store import EventRecord, TrajectoryStore
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A checkpoint of a session's sandbox, tagged with the turn it belongs to."""
+
+    checkpoint: Checkpoint
+    session_id: str
+    turn_index: int
+    """The turn in whose bubble it was taken (or, outside a bubble, the last turn started); -1: none."""
+    in_bubble: bool
+    """Taken while turn `turn_index`'s LLM call ran."""
+    keep_through: int
+    """The last turn consistent with it: a restore discards the turns after this one."""
+    seconds: float
+    dump_bytes: int
+    trigger: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], checkpoint: Checkpoint) -> CheckpointInfo:
+        """Rebuild one from its `as_json` values (a ``sandbox_checkpoint`` event) and its checkpoint."""
+        return cls(
+            checkpoint, data["session_id"], data["turn_index"], data["in_bubble"], data["keep_through"],
+            data["seconds"], data["dump_bytes"], data["trigger"],
+        )  # fmt: skip
+
+    def as_json(self) -> dict[str, Any]:
+        c = self.checkpoint
+        return {
+            "id": c.id, "session_id": self.session_id, "turn_index": self.turn_index,
+            "in_bubble": self.in_bubble, "keep_through": self.keep_through, "trigger": self.trigger,
+            "seconds": round(self.seconds, 4), "fs_seconds": round(c.fs_seconds, 4),
+            "process_seconds": round(c.process_seconds, 4), "dump_bytes": self.dump_bytes,
+            "created_at": c.created_at, "location": c.location,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreInfo:
+    """What a restore did: which checkpoint, the new sandbox, and which turns it discarded."""
+
+    checkpoint_id: str
+    turn_index: int
+    keep_through: int
+    discarded_turns: list[int]
+    sandbox_id: str
+    seconds: float
+    reason: str
+    mode: str = "truncate"
+    replayed: int = 0
+    """Journaled tool calls run again after the restore (replay mode)."""
+    diverged: int = 0
+    """Of those, how many gave another exit code or output than the first time."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RestoreInfo:
+        """Rebuild one from its `as_json` values (a ``sandbox_restored`` event)."""
+        return cls(
+            data["checkpoint_id"], data["turn_index"], data["keep_through"], list(data["discarded_turns"]),
+            data["sandbox_id"], data["seconds"], data["reason"], data.get("mode", "truncate"),
+            data.get("replayed", 0), data.get("diverged", 0),
+        )  # fmt: skip
+
+    @property
+    def resume_hint(self) -> str:
+        return (
+            f"restored to the checkpoint of turn {self.turn_index}: continue after turn {self.keep_through} "
+            f"(turns {self.discarded_turns} were discarded)"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.checkpoint_id, "turn_index": self.turn_index,
+            "keep_through": self.keep_through, "discarded_turns": self.discarded_turns,
+            "sandbox_id": self.sandbox_id, "seconds": round(self.seconds, 4), "reason": self.reason,
+            "mode": self.mode, "replayed": self.replayed, "diverged": self.diverged,
+        }  # fmt: skip
+
+
+class EventLog:
+    """Writes the manager's trajectory events (``sandbox_*``) to the store."""
+
+    def __init__(self, store: TrajectoryStore) -> None:
+        self.store = store
+
+    def add(self, session_id: str, turn_id: int | None, kind: str, data: dict[str, Any]) -> None:
+        self.store.add_event(EventRecord(session_id, turn_id, time.time(), kind, data))

@@ -1,0 +1,264 @@
+"""Tool calls that survive their sandbox: run each call under the slot's lock, and on a failure restore.
+
+On a sandbox failure (the container is gone or stopped, the exec transport breaks, a tool call hangs
+past its deadline plus `exec_grace_s`), or on an explicit `restore`, the newest checkpoint is restored
+into a new sandbox and the session's later turns are marked discarded (`store.discard_turns_after`).
+What happens next depends on the sandbox's `recovery` mode:
+
+- ``"replay"`` (the default for a harness outside): the manager journals every tool call (exec, file
+  write) since the newest checkpoint (`journal`). It restores that checkpoint (or, with none, starts
+  again from the image), replays the journal, then runs the failed call again and returns its result:
+  the harness never notices, and no turn is discarded. A replayed call whose exit code or output
+  differs from the original is counted as diverged. A call that breaks the sandbox again is refused
+  (`SandboxCallFailed`) after a restore without replay.
+- ``"truncate"``: the session's later turns are discarded, and the call raises `SandboxRestored`,
+  which says after which turn to resume (for harnesses that can rebuild their history).
+
+A harness *inside* the sandbox is always truncated: its memory comes back with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import (
+    NoCheckpoint,
+    SandboxArgumentError,
+    SandboxCallFailed,
+    SandboxError,
+    SandboxFailed,
+    SandboxFileNotFound,
+    SandboxRestored,
+    SandboxTimeout,
+    SandboxUnavailable,
+)
+from sandbox.backend import ExecResult
+from sandbox.config import SandboxConfig
+from sandbox.sessions.checkpoints import Checkpointer
+from sandbox.sessions.io import SandboxIO
+from sandbox.sessions.journal import Call, fingerprint
+from sandbox.sessions.lifecycle import Lifecycle
+from sandbox.sessions.records import CheckpointInfo, EventLog, RestoreInfo
+from sandbox.sessions.state import Slot
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A sandbox failure: its kind (exited, oom, tool_hang, sandbox_error) and what happened."""
+
+    kind: str
+    detail: str
+
+
+class Recovery:
+    """Runs tool calls on slots' sandboxes and recovers the sandboxes that fail (see above)."""
+
+    def __init__(
+        self,
+        io: SandboxIO,
+        lifecycle: Lifecycle,
+        checkpointer: Checkpointer,
+        events: EventLog,
+        settings: SandboxConfig,
+    ) -> None:
+        self.io = io
+        self.lifecycle = lifecycle
+        self.checkpointer = checkpointer
+        self.events = events
+        self.settings = settings
+        self.restores = 0
+        self.replays = 0
+
+    # ------------------------------------------------------------------ tool calls
+    async def run(self, slot: Slot, call: Call, deadline: float | None) -> Any:
+        """Run `call` under the slot's lock; a failure of the sandbox restores it, then replays (and
+        returns the call's result) or raises `SandboxRestored`."""
+        async with slot.lock:
+            self._report_restore(slot)
+            failure = await self._attempt(slot, slot.live(), call, deadline)
+            if failure is None:
+                return call.take()
+            info = await self.recover(slot, failure)
+            if info.mode != "replay":
+                raise SandboxRestored(
+                    f"the sandbox failed ({failure.detail}); it was {info.resume_hint}", info
+                )
+            return await self._retry(slot, call, deadline, info)
+
+    def _report_restore(self, slot: Slot) -> None:
+        """A harness outside in truncate mode learns of a restore the watcher made from its next call."""
+        info, slot.restores.unreported = slot.restores.unreported, None
+        if info is not None and slot.recovery == "truncate" and not slot.harness_inside:
+            raise SandboxRestored(
+                f"the sandbox failed ({info.reason}) before this call and was {info.resume_hint}; "
+                "nothing of this call ran",
+                info,
+            )
+
+    async def _retry(self, slot: Slot, call: Call, deadline: float | None, replay: RestoreInfo) -> Any:
+        """Run the failed call again after a replay; if it breaks the sandbox again, restore without
+        replaying anything and refuse it."""
+        failure = await self._attempt(slot, replay.sandbox_id, call, deadline)
+        if failure is None:
+            return call.take()
+        self._failure_event(slot, failure, after_replay=True)
+        info = await self.restore(slot, None, f"failed again after a replay: {failure.detail}")
+        raise SandboxCallFailed(
+            f"this call broke the sandbox again after a restore and a replay of the "
+            f"{replay.replayed} tool calls before it ({failure.detail}); the sandbox was, without "
+            f"replaying, {info.resume_hint}"
+        )
+
+    async def _attempt(self, slot: Slot, box: str, call: Call, deadline: float | None) -> Failure | None:
+        """Run `call` once; None when the sandbox held up (the result is in `call.result`), else the
+        failure. The command's own errors (timeout, bad path...) propagate."""
+        try:
+            call.result = await self.io.call(call.run, box, long=call.long, deadline=deadline)
+        except SandboxTimeout:
+            self._journal(slot, call)  # it ran, and what it did until the kill is part of the state
+            raise
+        except (SandboxArgumentError, SandboxFileNotFound, SandboxUnavailable):
+            raise  # the caller's problem, or the engine's: the sandbox is fine
+        except TimeoutError:
+            return Failure("tool_hang", f"{call.op} did not return within {deadline:g}s")
+        except SandboxError as exc:
+            status = await self.io.status(box)
+            if status is not None and not status.running:
+                return Failure(status.failure_kind, f"{call.op} failed: {status.detail}")
+            return Failure("sandbox_error", f"{call.op} failed: {exc}")
+        self._journal(slot, call)
+        return None
+
+    def _journal(self, slot: Slot, call: Call) -> None:
+        """Journal a call that ran, in memory and in the store (``sandbox_call``: a restarted gateway
+        rebuilds the journal from these, `adoption`)."""
+        call.turn = slot.turns.last
+        slot.journal.record(call)
+        if call.journaled and call.args is not None:
+            data: dict[str, Any] = {"op": call.op, "args": call.args, "turn": call.turn}
+            if isinstance(call.result, ExecResult):
+                data["exit_code"], data["digest"] = fingerprint(call.result)
+            self.events.add(slot.session_id, None, "sandbox_call", data)
+
+    # ------------------------------------------------------------------ recovery
+    async def recover(self, slot: Slot, failure: Failure) -> RestoreInfo:
+        """Bring a failed sandbox back (the caller holds `slot.lock`): replay, or restore and truncate,
+        or, with nothing to restore, drop it and raise `SandboxFailed`."""
+        self._failure_event(slot, failure)  # logged from the live feed (gateway.observe.event_log)
+        reason = f"{failure.kind}: {failure.detail}"
+        # a fork child's journal starts at its fork: without its fork checkpoint, nothing to replay on
+        replayable = bool(slot.history.items) or not slot.lineage
+        if self.settings.auto_restore and slot.recovery == "replay" and replayable:
+            return await self.replay(slot, reason)
+        if self.settings.auto_restore and slot.history.items:
+            return await self.restore(slot, None, reason)
+        await self.lifecycle.drop(slot)
+        slot.failure = reason
+        raise SandboxFailed(
+            f"the sandbox failed ({failure.detail}) and there is no checkpoint to restore; "
+            "create a new sandbox or a new session"
+        )
+
+    async def restore(self, slot: Slot, checkpoint_id: str | None, reason: str) -> RestoreInfo:
+        """Restore the newest (or the given) checkpoint into a new sandbox and truncate the trajectory
+        after its `keep_through` (the caller holds `slot.lock`)."""
+        if not slot.history.items:
+            raise NoCheckpoint(f"session {slot.session_id} has no checkpoint to restore")
+        chosen, newer = slot.history.rollback_to(checkpoint_id)
+        await self.checkpointer.delete_all(slot.session_id, newer)
+        if chosen is None:
+            raise NoCheckpoint(f"session {slot.session_id} has no checkpoint {checkpoint_id!r}")
+        started = time.monotonic()
+        slot.restores.unreported = None
+        slot.journal.clear()
+        with slot.restores.running():
+            box = await self.lifecycle.replace(slot, chosen)
+        discarded = self.events.store.discard_turns_after(
+            slot.session_id, chosen.keep_through, f"sandbox restore: {reason}"
+        )
+        slot.turns.rewind(chosen.keep_through)
+        slot.history.turns_since = 0
+        info = RestoreInfo(
+            chosen.checkpoint.id, chosen.turn_index, chosen.keep_through, discarded, box,
+            time.monotonic() - started, reason,
+        )  # fmt: skip
+        self._restored(slot, info)
+        self.restores += 1
+        return info
+
+    async def replay(self, slot: Slot, reason: str) -> RestoreInfo:
+        """Restore the newest checkpoint (or, with none, start again from the image) and run the
+        journal again; the trajectory stays whole."""
+        chosen = slot.history.newest()
+        started = time.monotonic()
+        with slot.restores.running():
+            box = await self.lifecycle.replace(slot, chosen)
+            diverged = await self._replay_journal(slot, box)
+        info = RestoreInfo(
+            chosen.checkpoint.id if chosen else "", chosen.turn_index if chosen else -1, slot.turns.last,
+            [], box, time.monotonic() - started, reason, "replay", len(slot.journal), diverged,
+        )  # fmt: skip
+        self._restored(slot, info)
+        self.replays += 1
+        return info
+
+    async def _replay_journal(self, slot: Slot, box: str, calls: list[Call] | None = None) -> int:
+        """Run the journaled calls (or `calls`) on the new sandbox; return how many gave another result."""
+        diverged = 0
+        for call in slot.journal if calls is None else calls:
+            try:
+                again = await self.io.call(call.run, box, long=call.long, deadline=None)
+            except SandboxTimeout:
+                continue  # it timed out the first time too
+            diverged += call.diverged(again)
+        return diverged
+
+    # ------------------------------------------------------------------ forks
+    def fork_source(self, slot: Slot, at_turn: int) -> tuple[CheckpointInfo | None, list[Call]]:
+        """What a fork at turn `at_turn` restores (the caller holds `slot.lock`): the newest checkpoint
+        consistent with exactly that turn (``keep_through == at_turn``), else the nearest earlier one
+        (None: the image, when the sandbox never had one) and the journaled calls of the turns from it
+        up to `at_turn` to replay. Raises `NoCheckpoint` when that state cannot be rebuilt."""
+        exact = [c for c in slot.history.items if c.keep_through == at_turn]
+        if exact:
+            return exact[-1], []
+        if slot.harness_inside:
+            raise NoCheckpoint(
+                f"session {slot.session_id} has no checkpoint at turn {at_turn} (a harness inside its sandbox "
+                "is forked with its memory, which only a checkpoint holds); fork at a turn that has one: "
+                f"{sorted({c.keep_through for c in slot.history.items})}"
+            )
+        newest = slot.history.newest()
+        earlier = [c for c in slot.history.items if c.keep_through < at_turn]
+        since_start = newest is None and slot.restores.last is None
+        if not since_start and (not earlier or earlier[-1] is not newest):
+            raise NoCheckpoint(
+                f"session {slot.session_id} cannot be forked at turn {at_turn}: no checkpoint at or before it "
+                "from which the journaled tool calls reach it (the journal holds the calls since the newest "
+                f"checkpoint only; checkpoints at turns {sorted(c.keep_through for c in slot.history.items)})"
+            )
+        return newest, [c for c in slot.journal if c.turn < at_turn]
+
+    async def fork_into(
+        self, child: Slot, chosen: CheckpointInfo | None, calls: list[Call], at_turn: int
+    ) -> CheckpointInfo:
+        """Give `child` its sandbox: restored from `chosen` (or the image), then `calls` replayed, then
+        checkpointed (trigger ``"fork"``, consistent with turn `at_turn`). The child's journal starts at
+        its fork, so that checkpoint is its own base for a later recovery, which neither the parent's
+        retention nor its close can take away."""
+        child.turns.last = at_turn  # its next tool calls are turn k's, which the fork left to it
+        await self.lifecycle.replace(child, chosen)
+        await self._replay_journal(child, child.live(), calls)
+        return await self.checkpointer.take(child, "fork", None)
+
+    def _restored(self, slot: Slot, info: RestoreInfo) -> None:
+        slot.restores.done(info)
+        self.events.add(slot.session_id, None, "sandbox_restored", info.as_json())
+
+    def _failure_event(self, slot: Slot, failure: Failure, *, after_replay: bool = False) -> None:
+        data: dict[str, Any] = {"kind": failure.kind, "detail": failure.detail, "sandbox_id": slot.sandbox_id}
+        if after_replay:
+            data["after_replay"] = True
+        self.events.add(slot.session_id, None, "sandbox_failure", data)

@@ -1,0 +1,464 @@
+"""The verify stage of an episode: the agent's work, judged somewhere the agent never was.
+
+`VerifyStage.run` takes the session's sandbox (the agent stage) and:
+
+1. copies its working directory out as a tar, with every process in it frozen (`SandboxBackend.archive`),
+   into a temporary file (`WorkspaceCopy`); the agent's sandbox is then destroyed, or kept for
+   inspection. A copy over `SandboxConfig.max_workspace_bytes` stops there and is not verified
+   (``reason="workspace_too_large"``, a ``workspace_too_large`` event);
+2. rewrites that copy as it goes to the verifier (`AgentTree`, `protect`, `write_tree`): regular files,
+   directories and symbolic links only (no devices, fifos or hard links), no ``__pycache__``/``*.pyc``
+   (bytecode the agent could have forged), and every *protected* path back to the task's original
+   content. Each protected path the agent changed, added or deleted is a ``protected_path_modified``
+   event (with the size of the diff). The gateway holds a piece of the copy at a time
+   (`sandbox.backend.CHUNK_BYTES`), never the whole: a large working directory costs disk, not memory;
+3. with ``on_tamper="fail"`` and any such change, stops there: not verified;
+4. starts a **new** sandbox from the clean image (the task's image: nothing the agent installed or
+   planted outside the working directory, and none of its processes), with no network; empties its
+   working directory, unpacks the rewritten copy, then the verifier's files under ``/belayer-verify``
+   (a directory the agent never had), and runs ``/belayer-verify/verify.sh`` with ``/bin/sh`` under
+   ``env -i``: `VERIFY_ENV` only (system ``PATH``, ``PYTHONNOUSERSITE``, ``PYTHONSAFEPATH``...), with a
+   time limit;
+   Before the copy, what the agent left running (``agent_processes_left``) and what it changed
+   outside the working directory (``outside_workspace_modified``) are recorded: neither reaches
+   this stage;
+5. destroys the verifier's sandbox and returns the verdict and the output, which go to the caller
+   (the reward and the report), never to the trajectory.
+
+Example::
+
+    plan = VerifyPlan(files={"verify.sh": (b"exit 0", 0o644)}, protected=("test_*.py",),
+                      originals={"test_a.py": (b"...", 0o644)})
+    outcome = await manager.verify("ses_1", plan)
+    print(outcome.verified, [c.path for c in outcome.changes])
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import io
+import posixpath
+import shlex
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any, Literal
+
+from core.errors import SandboxError, SandboxTimeout
+from sandbox.backend import ExecResult, SandboxSpec, tar_chunks
+from sandbox.sessions.io import SandboxIO
+from sandbox.sessions.records import EventLog
+from sandbox.supervisor import ROOT as SUPERVISOR_ROOT
+
+VERIFY_DIR = "/belayer-verify"
+VERIFY_PYTHON = "/usr/bin/python3"
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+VERIFY_ENV = {
+    "PATH": SYSTEM_PATH,
+    "HOME": f"{VERIFY_DIR}/home",
+    "LANG": "C.UTF-8",
+    "PYTHONNOUSERSITE": "1",
+    "PYTHONSAFEPATH": "1",  # no script directory or cwd in front of sys.path
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "BELAYER_VERIFY": VERIFY_DIR,
+    "BELAYER_TESTS": f"{VERIFY_DIR}/tests",
+    "BELAYER_PYTHON": VERIFY_PYTHON,
+}
+SPOOL_MEMORY_BYTES = 1 << 20
+"""A copy of the working directory up to this size stays in memory; a larger one goes to a temporary
+file (the gateway holds a piece of it at a time, never the whole)."""
+DIFF_MAX_BYTES = 1 << 20
+"""A protected file's diff is counted when both versions are at most this size (else ``diff_lines`` is
+-1)."""
+OnTamper = Literal["reset", "fail"]
+Change = Literal["modified", "deleted", "added"]
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyPlan:
+    """What the verify stage needs from the task. Paths are relative: `files` to ``/belayer-verify``
+    (``verify.sh`` is required), `originals` and `protected` to the sandbox's working directory."""
+
+    files: dict[str, tuple[bytes, int]]
+    originals: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    """The task's original content (and mode) of every file that a `protected` pattern matches."""
+    protected: tuple[str, ...] = ()
+    """fnmatch patterns (``*`` also crosses ``/``); a pattern also protects everything under it."""
+    on_tamper: OnTamper = "reset"
+    timeout_s: float = 300.0
+    image: str | None = None
+    """The clean image to verify in; None: the image the agent's sandbox was created from."""
+    keep_agent_sandbox: bool = False
+    max_output_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ProtectedChange:
+    path: str
+    change: Change
+    diff_lines: int
+    """Lines added plus lines removed (a unified diff of the two versions, as text); -1: not counted,
+    a version is over `DIFF_MAX_BYTES`."""
+    bytes_before: int
+    bytes_after: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "change": self.change, "diff_lines": self.diff_lines,
+            "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOutcome:
+    verified: bool
+    exit_code: int | None
+    """None: the verifier did not run (tampering with ``on_tamper="fail"``) or ran out of time."""
+    output: str
+    timed_out: bool
+    changes: tuple[ProtectedChange, ...]
+    action: Literal["none", "reset", "fail"]
+    seconds: float
+    agent_sandbox_kept: bool
+    reason: str | None = None
+    """Why the verifier did not run, when it was for want of a verdict: ``workspace_too_large``."""
+    limits: dict[str, int] = field(default_factory=dict)
+    """With `reason`: the figures behind it (``workspace_bytes`` read, ``max_workspace_bytes``)."""
+
+    def summary(self) -> dict[str, Any]:
+        """The verdict without the verifier's output (for the reward)."""
+        return {
+            "verified": self.verified, "exit_code": self.exit_code, "timed_out": self.timed_out,
+            "tamper_action": self.action, "protected_paths_modified": [c.path for c in self.changes],
+            "seconds": round(self.seconds, 3), "reason": self.reason, **self.limits,
+        }  # fmt: skip
+
+
+# --------------------------------------------------------------------------- protected paths
+def is_protected(path: str, patterns: tuple[str, ...]) -> bool:
+    """Whether relative `path` is protected by one of `patterns`.
+
+    >>> is_protected("tests/unit/test_a.py", ("tests",)), is_protected("a/test_x.py", ("test_*.py",))
+    (True, False)
+    >>> is_protected("a/test_x.py", ("*/test_*.py",)), is_protected("test_x.py", ("test_*.py",))
+    (True, True)
+    """
+    for pattern in patterns:
+        pattern = pattern.strip("/")
+        if fnmatch.fnmatchcase(path, pattern) or path.startswith(pattern + "/"):
+            return True
+        parts = path.split("/")  # a pattern matching a directory protects what is under it
+        if any(fnmatch.fnmatchcase("/".join(parts[:i]), pattern) for i in range(1, len(parts))):
+            return True
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceCopy:
+    """The agent's working directory as copied out: a tar spooled to a temporary file (in memory only
+    while under `SPOOL_MEMORY_BYTES`), and how big it was. Over `limit`, the copy stopped there and
+    `tar` holds only its start. `VerifyStage.judge` closes it."""
+
+    tar: IO[bytes]
+    size: int
+    limit: int | None = None
+
+    @property
+    def too_large(self) -> bool:
+        return self.limit is not None and self.size > self.limit
+
+    def close(self) -> None:
+        self.tar.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Member:
+    rel: str
+    """The path relative to the working directory."""
+    info: tarfile.TarInfo
+    content: tarfile.TarInfo | None
+    """Where a file's bytes are: itself, or a hard link's target; None for directories and links."""
+    archive: tarfile.TarFile
+
+    def open(self) -> IO[bytes]:
+        stream = self.archive.extractfile(self.content) if self.content is not None else None
+        if stream is None:
+            raise SandboxError(f"{self.rel} has no content")
+        return stream
+
+    def head(self, limit: int) -> bytes:
+        """Up to `limit` bytes of a file; a symbolic link's target; nothing for a directory."""
+        return self.open().read(limit) if self.content is not None else self.info.linkname.encode()
+
+
+class AgentTree:
+    """The agent's working directory in its archive (`WorkspaceCopy.tar`, seekable), read one member at
+    a time, each time it is walked: never the whole tree in memory, files' bytes least of all.
+
+    Kept: directories, regular files (hard links become regular files with their target's bytes) and
+    symbolic links; nothing else, and no bytecode."""
+
+    def __init__(self, tar: IO[bytes], workdir: str) -> None:
+        self._tar = tar
+        self._top = posixpath.basename(workdir.rstrip("/"))
+        self._targets = {posixpath.normpath(m.linkname) for _, m in self._scan() if m.islnk()}
+        """Files that hard links point at (their headers are kept while walking; no others are)."""
+
+    def members(self) -> Iterator[_Member]:
+        held: dict[str, tarfile.TarInfo] = {}
+        for archive, member in self._scan():
+            name = posixpath.normpath(member.name)
+            if member.isreg() and name in self._targets:
+                held[name] = member
+            if name == self._top or not name.startswith(self._top + "/"):
+                continue
+            rel = name[len(self._top) + 1 :]
+            if rel.startswith("../") or "/../" in rel or _bytecode(rel):
+                continue
+            if member.isdir() or member.issym():
+                yield _Member(rel, member, None, archive)
+            elif member.isreg():
+                yield _Member(rel, member, member, archive)
+            elif member.islnk() and posixpath.normpath(member.linkname) in held:
+                yield _Member(rel, member, held[posixpath.normpath(member.linkname)], archive)
+
+    def _scan(self) -> Iterator[tuple[tarfile.TarFile, tarfile.TarInfo]]:
+        self._tar.seek(0)
+        with tarfile.open(fileobj=self._tar, mode="r:") as archive:
+            while (member := archive.next()) is not None:
+                archive.members.clear()  # type: ignore[attr-defined]  # else it keeps every header read
+                yield archive, member
+
+
+def protect(
+    tree: AgentTree, originals: dict[str, tuple[bytes, int]], patterns: tuple[str, ...]
+) -> list[ProtectedChange]:
+    """What the agent changed of the protected paths: each one that `write_tree` resets (a protected
+    file that differs from its original or has none, or an original that is missing)."""
+    changes: list[ProtectedChange] = []
+    seen: set[str] = set()
+    for member in tree.members():
+        if not is_protected(member.rel, patterns) and member.rel not in originals:
+            continue
+        original = originals.get(member.rel)
+        size = member.content.size if member.content is not None else len(member.info.linkname.encode())
+        if original is None:
+            if not member.info.isdir():
+                after = member.head(DIFF_MAX_BYTES + 1)
+                changes.append(ProtectedChange(member.rel, "added", _diff_lines(b"", after), 0, size))
+            continue
+        seen.add(member.rel)
+        data, _mode = original
+        if member.content is not None and size == len(data) and member.head(len(data)) == data:
+            continue
+        after = member.head(DIFF_MAX_BYTES + 1)
+        changes.append(ProtectedChange(member.rel, "modified", _diff_lines(data, after), len(data), size))
+    for rel in set(originals) - seen:
+        data = originals[rel][0]
+        changes.append(ProtectedChange(rel, "deleted", _diff_lines(data, b""), len(data), 0))
+    return sorted(changes, key=lambda change: change.path)
+
+
+def write_tree(
+    tree: AgentTree, workdir: str, originals: dict[str, tuple[bytes, int]], patterns: tuple[str, ...]
+) -> Iterator[bytes]:
+    """The tree as a tar to unpack at ``/`` (names under `workdir`), made as it is sent: the agent's
+    files, minus the protected paths (a protected directory stays), then every original. A file or
+    link where a parent directory of an original goes is dropped, so the original is written where
+    the verifier will read it."""
+    root = workdir.strip("/")
+    above = {"/".join(rel.split("/")[:i]) for rel in originals for i in range(1, rel.count("/") + 1)}
+
+    def members() -> Iterator[tuple[tarfile.TarInfo, IO[bytes] | None]]:
+        for member in tree.members():
+            protected = is_protected(member.rel, patterns) or member.rel in originals
+            if protected and not (member.info.isdir() and member.rel not in originals):
+                continue
+            if member.rel in above and not member.info.isdir():
+                continue
+            info = tarfile.TarInfo(f"{root}/{member.rel}")
+            info.mode, info.mtime = member.info.mode, member.info.mtime
+            if member.content is not None:
+                info.size = member.content.size
+            else:
+                info.type, info.linkname = member.info.type, member.info.linkname
+            yield info, member.open() if member.content is not None else None
+        now = int(time.time())
+        for rel, (data, mode) in sorted(originals.items()):
+            info = tarfile.TarInfo(f"{root}/{rel}")
+            info.size, info.mode, info.mtime = len(data), mode, now
+            yield info, io.BytesIO(data)
+
+    return tar_chunks(members())
+
+
+def verifier_tar(files: dict[str, tuple[bytes, int]]) -> bytes:
+    """The verifier's files under ``/belayer-verify`` (and its empty HOME)."""
+    buf = io.BytesIO()
+    root = VERIFY_DIR.strip("/")
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in (root, f"{root}/home"):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        for rel, (data, mode) in sorted(files.items()):
+            clean = posixpath.normpath(rel)
+            if clean.startswith(("/", "..")):
+                raise SandboxError(f"verifier file {rel!r} is not a relative path inside the task")
+            info = tarfile.TarInfo(f"{root}/{clean}")
+            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def verify_command(workdir: str) -> str:
+    """The verifier, run from `workdir` with nothing of the sandbox shell's environment."""
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in VERIFY_ENV.items())
+    return (
+        f"cd {shlex.quote(workdir)} && "
+        f"/usr/bin/env -i {env} BELAYER_WORKSPACE={shlex.quote(workdir)} /bin/sh {VERIFY_DIR}/verify.sh"
+    )
+
+
+def outside_changes(changes: list[tuple[str, str]], workdir: str) -> list[tuple[str, str]]:
+    """The changes outside `workdir` and the supervisor's directory, without the directories that
+    are only listed because something under them changed.
+
+    >>> outside_changes([("modified", "/usr"), ("added", "/usr/bin/x"), ("added", "/workspace/a"),
+    ...                  ("added", "/.belayer/ctl"), ("deleted", "/etc/motd")], "/workspace")
+    [('added', '/usr/bin/x'), ('deleted', '/etc/motd')]
+    """
+    skip = (workdir.rstrip("/"), SUPERVISOR_ROOT)
+    kept = [(k, p) for k, p in changes if not any(p == s or p.startswith(s + "/") for s in skip)]
+    paths = {p for _, p in kept}
+    return [(k, p) for k, p in kept if not any(q.startswith(p.rstrip("/") + "/") for q in paths)]
+
+
+def _bytecode(rel: str) -> bool:
+    return rel.endswith((".pyc", ".pyo")) or "__pycache__" in rel.split("/")
+
+
+def _diff_lines(before: bytes, after: bytes) -> int:
+    """Lines added plus removed; -1 (not counted) when a side is over `DIFF_MAX_BYTES`."""
+    if len(before) > DIFF_MAX_BYTES or len(after) > DIFF_MAX_BYTES:
+        return -1
+    a = before.decode(errors="replace").splitlines()
+    b = after.decode(errors="replace").splitlines()
+    return sum(
+        1
+        for line in difflib.unified_diff(a, b, lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    )
+
+
+# --------------------------------------------------------------------------- the stage
+class VerifyStage:
+    """Runs `VerifyPlan`s for the sandbox manager (it holds the session's slot lock meanwhile)."""
+
+    def __init__(self, io: SandboxIO, events: EventLog, labels: dict[str, str] | None = None) -> None:
+        self.io = io
+        self.events = events
+        self.labels = labels or {}
+        """Labels of the verify sandboxes too (the store's identity: one leaked by a crash is removed)."""
+
+    async def copy_out(self, session_id: str, agent_box: str, workdir: str) -> WorkspaceCopy:
+        """The agent's working directory, copied with its processes frozen, to a temporary file, up to
+        `SandboxIO.max_workspace_bytes` (a larger one is a ``workspace_too_large`` event, and stops the
+        copy). What the agent left running, and what it changed outside the working directory (neither
+        reaches the verify stage), are events."""
+        backend = self.io.backend
+        left = await self.io.op(backend.processes, agent_box)
+        if left:
+            self.events.add(
+                session_id, None, "agent_processes_left", {"count": len(left), "commands": left[:20]}
+            )
+        outside = outside_changes(await self.io.op(backend.changed_paths, agent_box), workdir)
+        if outside:
+            data = {"count": len(outside), "paths": [f"{kind} {path}" for kind, path in outside[:50]]}
+            self.events.add(session_id, None, "outside_workspace_modified", data)
+        limit = self.io.max_workspace_bytes
+        spool = tempfile.SpooledTemporaryFile(SPOOL_MEMORY_BYTES, prefix="belayer-verify-")  # noqa: SIM115 - judge closes it
+        try:
+            size = await self.io.op(backend.archive, agent_box, workdir, spool, max_bytes=limit)
+        except BaseException as exc:
+            spool.close()
+            if isinstance(exc, OSError) and not isinstance(exc, SandboxError):  # the gateway's own disk
+                raise SandboxError(f"could not copy {workdir} out to a temporary file: {exc}") from exc
+            raise
+        copy = WorkspaceCopy(spool, size, limit)
+        if copy.too_large:
+            data = {"workspace_bytes": size, "max_workspace_bytes": limit, "workdir": workdir}
+            self.events.add(session_id, None, "workspace_too_large", data)
+        return copy
+
+    async def judge(
+        self, session_id: str, spec: SandboxSpec, plan: VerifyPlan, copy: WorkspaceCopy, kept: bool
+    ) -> VerifyOutcome:
+        """Rewrite `copy` (protected paths reset) and run the verifier on it; `copy` is closed."""
+        started = time.monotonic()
+        try:
+            if copy.too_large:
+                return _too_large(copy, spec.workdir, time.monotonic() - started, kept)
+            tree = await self.io.op(AgentTree, copy.tar, spec.workdir)  # reads the file: off the loop
+            changes = await self.io.op(protect, tree, plan.originals, plan.protected)
+            action: Literal["none", "reset", "fail"] = "none" if not changes else plan.on_tamper
+            for change in changes:
+                data = {**change.as_json(), "action": plan.on_tamper}
+                self.events.add(session_id, None, "protected_path_modified", data)
+            if action == "fail":
+                return VerifyOutcome(
+                    False, None, "", False, tuple(changes), action, time.monotonic() - started, kept
+                )
+            workspace = write_tree(tree, spec.workdir, plan.originals, plan.protected)
+            verified, code, output, timed_out = await self._run(spec, plan, workspace)
+            return VerifyOutcome(
+                verified, code, output, timed_out, tuple(changes), action, time.monotonic() - started, kept
+            )
+        finally:
+            copy.close()
+
+    async def _run(
+        self, agent_spec: SandboxSpec, plan: VerifyPlan, workspace: Iterator[bytes]
+    ) -> tuple[bool, int | None, str, bool]:
+        backend = self.io.backend
+        spec = SandboxSpec(
+            image=plan.image or agent_spec.image, workdir=agent_spec.workdir, network="none",
+            memory_bytes=agent_spec.memory_bytes, pids_limit=agent_spec.pids_limit, cpus=agent_spec.cpus,
+            labels={**self.labels, "belayer.stage": "verify"},
+        )  # fmt: skip
+        box = await self.io.op(backend.create, spec)
+        try:
+            clear = f"find {shlex.quote(spec.workdir)} -mindepth 1 -delete"
+            await self.io.op(backend.exec, box.id, clear, timeout_s=120)
+            await self.io.op(backend.extract, box.id, workspace)
+            await self.io.op(backend.extract, box.id, verifier_tar(plan.files))
+            command = verify_command(spec.workdir)
+
+            def run(sandbox_id: str) -> ExecResult:
+                return backend.exec(
+                    sandbox_id, command, timeout_s=plan.timeout_s, session="verify",
+                    max_output_bytes=plan.max_output_bytes,
+                )  # fmt: skip
+
+            try:
+                result = await self.io.call(run, box.id, long=True, deadline=plan.timeout_s + 60)
+            except (SandboxTimeout, TimeoutError) as exc:
+                note = f"\n[belayer] the verifier ran over its time limit ({plan.timeout_s:g}s)"
+                return False, None, getattr(exc, "stdout", "") + note, True
+            return result.exit_code == 0, result.exit_code, result.stdout + result.stderr, False
+        finally:
+            await self.io.op(backend.destroy, box.id)
+
+
+def _too_large(copy: WorkspaceCopy, workdir: str, seconds: float, kept: bool) -> VerifyOutcome:
+    note = (
+        f"[belayer] not verified: {workdir} is over sandbox.max_workspace_bytes ({copy.limit} bytes); "
+        f"its copy was stopped after {copy.size} bytes"
+    )
+    limits = {"workspace_bytes": copy.size, "max_workspace_bytes": copy.limit or 0}
+    return VerifyOutcome(
+        False, None, note, False, (), "none", seconds, kept, reason="workspace_too_large", limits=limits
+    )

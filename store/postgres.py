@@ -1,0 +1,443 @@
+"""PostgreSQL trajectory store: several gateways (replicas) share one database.
+
+``belayer serve --store postgresql://user@host/db`` selects it; SQLite stays the embedded default. The
+turns are laid out as in the SQLite store (`store.layout`: a turn stores what it adds to its
+base; token ids as packed uint32 ``bytea``, logprobs as packed float64), fork children share their
+parent's rows, and every method commits before it returns, so any replica reads what another wrote:
+prefix reuse (`gateway.turns.sessions`) finds a session's turns in the store, whichever gateway served them.
+The queries are those of the SQLite store (`store.sql`), spelled for PostgreSQL; this module
+holds the connections, the schema, and what only replicas need (row and advisory locks, owners, NOTIFY).
+
+**Driver.** psycopg 3 with a *synchronous* connection pool (``psycopg_pool.ConnectionPool``): the
+store interface is synchronous and the gateway calls it from worker threads (``Gateway.offload``,
+``asyncio.to_thread``), so each call takes a pooled connection on its own thread and the event loop
+never waits on the database. An async driver would need every caller to become a coroutine, or a
+private event loop per call, for no gain. Connections are in autocommit mode; multi-statement writes
+run in explicit transactions.
+
+**Schema.** Created or brought up to date when a store opens, in one transaction under a
+transaction-level advisory lock, so two gateways starting at once do not race: the second waits, then
+finds the tables there. A column a later version adds is an ``ADD COLUMN IF NOT EXISTS`` in that same
+transaction (`_COLUMNS`); ``meta.schema_version`` refuses a database newer than this code.
+
+**Concurrency between replicas.** A turn's index and branch are chosen under the session's row lock
+(``SELECT … FOR UPDATE``), so two replicas starting turns in one session at once get consecutive
+indices; deleting a session takes the same lock. ``append_outputs`` is one conditional ``UPDATE`` per
+part (``status = 'running'``), so a streamed batch that loses the race with the turn's final write is
+skipped, never written over it.
+
+**The finished feed.** Event ids come from one sequence, and a sequence value is taken when a
+transaction asks for it, not when it commits: close X may take id 10, close Y id 11, and Y commit
+first; a reader at cursor 11 would then never see X. So `mark_closed` takes a transaction-level
+advisory lock (the feed lock) just before it inserts its ``session_closed`` event and holds it until
+its commit: closes allocate their ids one at a time, in commit order (PostgreSQL makes a commit
+visible before it releases the transaction's locks), and whoever reads id N can read every close
+below N. Only closes serialise on this lock; other events take ids freely (the feed reads only
+``session_closed`` events). A close also sends a ``NOTIFY`` (delivered at its commit): each store
+with a telemetry hub listens on a connection of its own and publishes ``feed_advanced`` for another
+replica's close, which wakes ``GET /api/finished?follow=true`` followers on every gateway.
+
+**Running turns of a dead gateway.** Each store instance is an *owner*: it holds a session-level
+advisory lock on its owner number, on a connection of its own, for as long as it is open, and marks
+the turns it starts with that number. PostgreSQL drops the lock when the owner's connection dies (its
+process crashed or was killed). Opening a store, starting a turn in a session (the retry that
+lands on another replica), ``prune``, and every live replica's periodic sweep (`sweep_orphans`, run by
+`gateway.turns.orphan_sweep`) mark as ``interrupted`` the running turns whose owner's lock can be taken, with
+a ``turns_interrupted`` event per session: their gateway is gone; ``delete_session`` does not wait for
+them. A live replica's running turns are left alone. Two replicas sweeping at once do not both mark a
+turn: the owner's lock is held to the commit by whichever took it. Until then (at most one sweep
+period), a dead gateway's turn reads as ``running``. Pending logprob recomputations carry their owner
+too, and `pending_recomputations` claims only those of dead owners. (If the owner's connection itself breaks
+while its process lives, its turns may be marked interrupted by another replica.)
+
+``vacuum`` runs a plain ``VACUUM`` (deleted rows' space is reused; the files shrink only at their end):
+``VACUUM FULL`` would lock out every replica.
+
+Example (each gateway replica opens its own instance on the same database)::
+
+    store = PostgresStore("postgresql://belayer@db.internal/trajectories")
+    store.get_turns(session_id)  # what any replica wrote
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import time
+import uuid
+from array import array
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from core.errors import StoreError
+from core.telemetry import Telemetry
+from store import schema
+from store.base import TURN_RUNNING, EventRecord, OutputPart, TurnRecord
+from store.sql import Dialect, SqlStore, Tx, dump_segments, log
+
+SCHEMA_VERSION = 1
+_SCHEMA_LOCK = 0x62656C61796572  # "belayer": the advisory lock key of schema creation
+_FEED_LOCK = 0x62656C61796566  # the finished feed's allocation lock (`mark_closed`)
+_OWNER_CLASS = 0x626C  # advisory locks (class, owner): an owner is alive while it holds its lock
+_FEED_CHANNEL = "belayer_feed"  # NOTIFY channel: a session closed (payload: the closing owner)
+
+_TABLES = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, created_at DOUBLE PRECISION NOT NULL, metadata TEXT NOT NULL,
+    status TEXT NOT NULL, reward DOUBLE PRECISION, reward_info TEXT, closed_at DOUBLE PRECISION,
+    ephemeral BOOLEAN NOT NULL DEFAULT FALSE, parent_session TEXT, fork_turn INTEGER
+)""",
+    """CREATE TABLE IF NOT EXISTS turns (
+    id BIGSERIAL PRIMARY KEY, session_id TEXT NOT NULL REFERENCES sessions(id),
+    idx INTEGER NOT NULL, branch INTEGER NOT NULL, parent_id BIGINT, ext_key TEXT,
+    status TEXT NOT NULL, prompt_ids BYTEA NOT NULL, prompt_gen_spans TEXT NOT NULL,
+    output_ids BYTEA NOT NULL, output_logprobs BYTEA NOT NULL, request TEXT NOT NULL, response TEXT,
+    finish_reason TEXT, worker TEXT, timings TEXT NOT NULL, error TEXT,
+    received_at DOUBLE PRECISION NOT NULL, base_id BIGINT, prompt_base INTEGER NOT NULL DEFAULT 0,
+    spans_base INTEGER NOT NULL DEFAULT 0, request_delta BOOLEAN NOT NULL DEFAULT FALSE,
+    weight_segments TEXT, owner INTEGER NOT NULL DEFAULT 0,
+    UNIQUE (session_id, idx)
+)""",
+    """CREATE TABLE IF NOT EXISTS events (
+    id BIGSERIAL PRIMARY KEY, session_id TEXT NOT NULL, turn_id BIGINT,
+    ts DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL
+)""",
+    "CREATE TABLE IF NOT EXISTS exported (session_id TEXT PRIMARY KEY, exported_at DOUBLE PRECISION NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS recomputations (
+    turn_id BIGINT PRIMARY KEY, session_id TEXT NOT NULL, spans TEXT NOT NULL,
+    scheduled_at DOUBLE PRECISION NOT NULL, owner INTEGER NOT NULL DEFAULT 0
+)""",
+    "CREATE INDEX IF NOT EXISTS turns_ext ON turns (session_id, ext_key)",
+    "CREATE INDEX IF NOT EXISTS turns_running ON turns (owner) WHERE status = 'running'",
+    "CREATE INDEX IF NOT EXISTS events_session ON events (session_id)",
+    "CREATE INDEX IF NOT EXISTS events_closed ON events (id) WHERE kind = 'session_closed'",
+    "CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at)",
+    "CREATE INDEX IF NOT EXISTS sessions_parent ON sessions (parent_session)",
+)
+_COLUMNS: tuple[tuple[str, str], ...] = ()
+"""(table, column definition) that a later version added: ``ADD COLUMN IF NOT EXISTS`` at every open."""
+
+_TABLE_NAMES = ("sessions", "turns", "events", "exported", "recomputations", "meta")
+
+
+# The metadata filter reads a top-level value as SQLite's json_extract gives it, as text: a string
+# without its quotes, true/false as 1/0, a number as written, an object or array as its JSON.
+_META_TEXT = (
+    "(CASE json_typeof(metadata::json -> ?) WHEN 'string' THEN metadata::json ->> ? "
+    "WHEN 'boolean' THEN CASE WHEN (metadata::json ->> ?)::boolean THEN '1' ELSE '0' END "
+    "WHEN 'null' THEN NULL ELSE metadata::jsonb ->> ? END)"
+)
+
+
+class PostgresStore(SqlStore):
+    """The store of replicated gateways. Safe to share between threads (a connection pool)."""
+
+    remote = True
+
+    dialect = Dialect(
+        marker="%s",
+        arrays=True,
+        booleans=True,
+        row_lock=" FOR UPDATE",
+        skip_locked=" FOR UPDATE SKIP LOCKED",
+        text_id='id COLLATE "C"',
+        sessions_order="created_at, id",
+        forks_order=" ORDER BY id",
+        id_param="?::bigint",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        telemetry: Telemetry | None = None,
+        recover: bool = True,
+        pool_size: int = 16,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        """``recover=False`` leaves other gateways' running turns as they are (a maintenance tool)."""
+        super().__init__(telemetry)
+        self.url = url
+        try:
+            self._owner_conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout))
+        except psycopg.Error as e:
+            raise StoreError(f"cannot open trajectory store {_redact(url)}: {e}") from e
+        try:
+            self._prepare()
+            self.owner = self._take_owner()
+        except psycopg.Error as e:
+            self._owner_conn.close()
+            raise StoreError(f"cannot open trajectory store {_redact(url)}: {e}") from e
+        except StoreError:
+            self._owner_conn.close()
+            raise
+        # the pool: one connection per thread the gateway calls the store from (`Gateway.offload`)
+        self._pool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=pool_size,
+            kwargs={"autocommit": True},
+            timeout=connect_timeout,
+            name="belayer-store",
+            open=True,
+        )
+        try:
+            self._pool.wait(connect_timeout)
+        except psycopg.Error as e:  # PoolTimeout is one
+            self._pool.close()
+            self._owner_conn.close()
+            raise StoreError(f"cannot open trajectory store {_redact(url)}: {e}") from e
+        if recover:
+            self._recover()
+        self._stopping = threading.Event()
+        self._listener: threading.Thread | None = None
+        if telemetry is not None:
+            listening = threading.Event()
+            self._listener = threading.Thread(
+                target=self._listen, args=(telemetry, listening), name="belayer-store-feed", daemon=True
+            )
+            self._listener.start()
+            listening.wait(connect_timeout)  # from now on, no other replica's close goes unheard
+
+    def _listen(self, telemetry: Telemetry, listening: threading.Event) -> None:
+        """Publish ``feed_advanced`` when another replica closes a session (its NOTIFY at commit), so a
+        finished-feed follower on this gateway reads the store at once, not at its next heartbeat."""
+        try:
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                conn.execute(f"LISTEN {_FEED_CHANNEL}")
+                listening.set()
+                while not self._stopping.is_set():
+                    for note in conn.notifies(timeout=0.5):
+                        if note.payload != str(self.owner):  # this store's own closes publish themselves
+                            telemetry.publish("feed_advanced", {"by": "replica"})
+        except psycopg.Error as e:  # followers fall back to their heartbeat's read of the store
+            listening.set()
+            if not self._stopping.is_set():
+                log.warning("trajectory store %s: feed listener stopped: %s", _redact(self.url), e)
+
+    # --- connections, transactions, errors ----------------------------------------------------------
+
+    def _prepare(self) -> None:
+        """Create or bring up to date the tables, under the schema lock (two gateways may start at once)."""
+        conn = self._owner_conn
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            for sql in _TABLES:
+                conn.execute(sql)
+            for table, column in _COLUMNS:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column}")
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            found = int(row[0]) if row else 0
+            if found > SCHEMA_VERSION:
+                raise StoreError(
+                    f"trajectory store {_redact(self.url)} has schema version {found}, newer than this "
+                    f"Belayer reads ({SCHEMA_VERSION}); use the Belayer version that wrote it"
+                )
+            conn.execute(
+                "INSERT INTO meta VALUES ('schema_version', %s) ON CONFLICT (key) DO UPDATE "
+                "SET value = EXCLUDED.value",
+                (str(SCHEMA_VERSION),),
+            )
+
+    def _take_owner(self) -> int:
+        """A free owner number, its lock held by this store's own connection until `close`."""
+        while True:
+            owner = secrets.randbelow(2**31 - 2) + 1
+            row = self._owner_conn.execute(
+                "SELECT pg_try_advisory_lock(%s, %s)", (_OWNER_CLASS, owner)
+            ).fetchone()
+            if row is not None and row[0]:
+                return owner
+
+    def _location(self) -> str:
+        return _redact(self.url)
+
+    @contextlib.contextmanager
+    def _statement(self) -> Iterator[Tx]:
+        try:
+            with self._pool.connection() as conn:
+                yield Tx(conn, self.dialect)
+        except psycopg.Error as e:
+            raise self._failed(e) from e
+
+    @contextlib.contextmanager
+    def _begin(self) -> Iterator[Tx]:
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                yield Tx(conn, self.dialect)
+        except psycopg.Error as e:
+            raise self._failed(e) from e
+
+    def _disconnect(self) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.join(5)
+        self._pool.close()
+        self._owner_conn.close()  # releases the owner lock: this store's running turns are orphans
+
+    # --- dead gateways' running turns ---------------------------------------------------------------
+
+    def _recover(self) -> int:
+        """Mark interrupted the running turns of every owner that is gone; how many."""
+        rows = self._rows(
+            "SELECT DISTINCT owner FROM turns WHERE status = %s AND owner <> %s", (TURN_RUNNING, self.owner)
+        )
+        marked = 0
+        for (owner,) in rows:
+            with self._transaction() as tx:
+                if _owner_gone(tx, owner):
+                    marked += self._interrupt(tx, "owner = ?", (owner,))
+        return marked
+
+    def sweep_orphans(self) -> int:
+        return self._recover()
+
+    def _sweep_session(self, tx: Tx, session_id: str, owners: list[int]) -> None:
+        """In a transaction: the running turns of this session whose owner is gone become interrupted."""
+        gone = [o for o in owners if _owner_gone(tx, o)]
+        if gone:
+            self._interrupt(tx, "session_id = ? AND owner = ANY(?)", (session_id, gone))
+
+    # --- the hooks of the shared queries ------------------------------------------------------------
+
+    def _insert_id(self, tx: Tx, sql: str, args: tuple[Any, ...]) -> int:
+        row = tx.execute(f"{sql} RETURNING id", args).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def _turn_extras(self) -> tuple[tuple[str, Any], ...]:
+        return (("owner", self.owner),)
+
+    def _next_numbers(self, tx: Tx, session_id: str) -> tuple[int, int]:
+        """Under the session's row lock. Also interrupts the session's running turns of dead owners."""
+        row = tx.execute(
+            "SELECT COALESCE(MAX(idx) + 1, 0), COALESCE(MAX(branch) + 1, 0), "
+            "array_agg(DISTINCT owner) FILTER (WHERE status = %s AND owner <> %s) "
+            "FROM turns WHERE session_id = %s",
+            (TURN_RUNNING, self.owner, session_id),
+        ).fetchone()
+        assert row is not None
+        if row[2]:
+            self._sweep_session(tx, session_id, list(row[2]))
+        return int(row[0]), int(row[1])
+
+    def _append_part(self, tx: Tx, part: OutputPart) -> int:
+        # one conditional update: a turn whose final write came first is no longer running
+        return tx.execute(
+            "UPDATE turns SET output_ids = substring(output_ids FROM 1 FOR %s) || %s, "
+            "output_logprobs = substring(output_logprobs FROM 1 FOR %s) || %s, "
+            "weight_segments = COALESCE(%s, weight_segments) "
+            "WHERE id = %s AND status = %s AND length(output_ids) >= %s",
+            (
+                4 * part.start,
+                array("I", part.ids).tobytes(),
+                8 * part.start,
+                array("d", part.logprobs).tobytes(),
+                dump_segments(part.weight_segments),
+                part.turn_id,
+                TURN_RUNNING,
+                4 * part.start,
+            ),
+        ).rowcount
+
+    def _running_keeps(self, tx: Tx, session_id: str) -> bool:
+        running = tx.execute(
+            "SELECT id, owner FROM turns WHERE session_id = %s AND status = %s", (session_id, TURN_RUNNING)
+        ).fetchall()
+        # a running turn of a live gateway keeps the session; a dead gateway's does not
+        gone = {o for o in {r[1] for r in running} if o != self.owner and _owner_gone(tx, o)}
+        return any(r[0] not in self._unwritten and r[1] not in gone for r in running)
+
+    def _metadata_text(self, key: str) -> tuple[str, list[Any]]:
+        return _META_TEXT, [key, key, key, key]
+
+    def _record_close(self, tx: Tx, event: EventRecord) -> None:
+        # the feed lock, held to the commit: closes take their event ids in commit order
+        tx.execute("SELECT pg_advisory_xact_lock(%s)", (_FEED_LOCK,))
+        self._insert_event(tx, event)
+        # delivered at the commit, to every replica's feed listener (`_listen`)
+        tx.execute("SELECT pg_notify(%s, %s)", (_FEED_CHANNEL, str(self.owner)))
+
+    def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:
+        self._recover()  # a dead gateway's running turns do not keep their sessions
+        return super().prune(closed_before, exported_only)
+
+    # --- what PostgreSQL spells its own way ---------------------------------------------------------
+
+    def schedule_recomputation(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
+        self._rows(
+            "INSERT INTO recomputations (turn_id, session_id, spans, scheduled_at, owner) "
+            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (turn_id) DO UPDATE SET spans = EXCLUDED.spans, "
+            "scheduled_at = EXCLUDED.scheduled_at, owner = EXCLUDED.owner",
+            (turn.id, turn.session_id, schema.dump_json([list(s) for s in spans]), time.time(), self.owner),
+        )
+
+    def pending_recomputations(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        """This store's own, and those of gone owners, which it claims (a live replica keeps its own)."""
+        owners = self._rows("SELECT DISTINCT owner FROM recomputations WHERE owner <> %s", (self.owner,))
+        for (owner,) in owners:
+            with self._transaction() as tx:
+                if _owner_gone(tx, owner):
+                    tx.execute("UPDATE recomputations SET owner = %s WHERE owner = %s", (self.owner, owner))
+        rows = self._rows(
+            "SELECT turn_id, spans FROM recomputations WHERE owner = %s ORDER BY scheduled_at, turn_id",
+            (self.owner,),
+        )
+        return [(int(r[0]), [(int(a), int(b)) for a, b in schema.load_json(r[1])]) for r in rows]
+
+    def mark_exported(self, session_ids: list[str]) -> None:
+        now = time.time()
+        with self._transaction() as tx:
+            tx.execute(
+                "INSERT INTO exported SELECT id, %s FROM sessions WHERE id = ANY(%s) AND status <> 'open' "
+                "ON CONFLICT (session_id) DO UPDATE SET exported_at = EXCLUDED.exported_at",
+                (now, session_ids),
+            )
+
+    def store_id(self) -> str:
+        # made by the first caller (a concurrent one keeps the first), kept in `meta`: every replica on
+        # this database gives the same id
+        self._rows(
+            "INSERT INTO meta (key, value) VALUES ('store_id', %s) ON CONFLICT (key) DO NOTHING",
+            (uuid.uuid4().hex,),
+        )
+        row = self._one("SELECT value FROM meta WHERE key = 'store_id'")
+        return str(row[0]) if row else ""
+
+    def last_event_id(self) -> int:
+        # the sequence's last value: ids of deleted (or rolled back) events are never given again
+        row = self._one("SELECT last_value, is_called FROM events_id_seq")
+        return int(row[0]) if row is not None and row[1] else 0
+
+    def size_bytes(self) -> int:
+        row = self._one(
+            "SELECT SUM(pg_total_relation_size(c.oid)) FROM pg_class c "
+            "WHERE c.relname = ANY(%s) AND c.relkind = 'r' AND pg_table_is_visible(c.oid)",
+            (list(_TABLE_NAMES),),
+        )
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def vacuum(self) -> None:
+        """A plain VACUUM (space reused, files shrink only at their end): VACUUM FULL would lock out
+        every gateway on the database."""
+        self._rows(f"VACUUM {', '.join(_TABLE_NAMES)}")
+
+
+def _owner_gone(tx: Tx, owner: int) -> bool:
+    """Whether `owner`'s store is closed or its process dead: its lock can be taken (until the commit)."""
+    row = tx.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", (_OWNER_CLASS, owner)).fetchone()
+    return bool(row and row[0])
+
+
+def _redact(url: str) -> str:
+    """The URL without its password (it goes into logs and errors)."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.Error:
+        return "postgresql://…"
+    info.pop("password", None)
+    return psycopg.conninfo.make_conninfo("", **info)
