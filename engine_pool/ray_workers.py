@@ -22,7 +22,7 @@ actor still waiting for a node that has left the cluster is dropped and placed a
 
 When a node that was lost comes back, `RayLauncher.misplaced` names a shadow that shares a node with an
 active worker while a node with room holds neither: the pool starts a new shadow (placed there), then
-removes the misplaced one (``EnginePool._rebalance``).
+removes the misplaced one (``Supervisor._rebalance``).
 
 Trust. Actors are created with ``max_restarts=0``: Ray never restarts a worker under the same handle.
 A worker that dies (its process, its actor, its node) is fenced and replaced by the pool, and a

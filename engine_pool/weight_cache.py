@@ -26,7 +26,7 @@ replaced after an update (a CPU owner is: ``engine_pool.weight_owner``). An upda
 worker writes the new weights into the shared memory in place, which is consistent because the pool
 drains every worker before an update and then loads the same weights on every worker; a catch-up
 later writes the same bits again. Workers launched after an update are recorded at the launch version
-and caught up (``EnginePool._sync``) before they are routed to: the daemon's fingerprint names the launch
+and caught up (``WeightUpdater.sync``) before they are routed to: the daemon's fingerprint names the launch
 checkpoint, and the pool cannot see whether a worker mapped the daemon or fell back to disk.
 
 Nothing here has run on a GPU yet: CI has none, and ``deploy/gpu/cuda_ipc_check.py`` checks the CUDA IPC
