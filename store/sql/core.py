@@ -1,0 +1,146 @@
+"""The base of the shared SQL store: the hooks a backend gives, and statements, transactions, errors
+and events on top of them (`store.sql`)."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+from core.errors import StoreError
+from core.telemetry import Telemetry
+from store import schema
+from store.base import (
+    TURN_INTERRUPTED,
+    TURN_RUNNING,
+    EventRecord,
+    OutputPart,
+    SessionRecord,
+    TrajectoryStore,
+    TurnRecord,
+)
+from store.schema import dump_json
+from store.sql.dialect import Dialect, Tx
+from store.sql.rows import Fork
+
+log = logging.getLogger("belayer.store")
+
+
+class SqlCore(TrajectoryStore):
+    """A `TrajectoryStore` in SQL; a backend gives its `dialect`, its connections and the hooks below."""
+
+    dialect: ClassVar[Dialect]
+
+    def __init__(self, telemetry: Telemetry | None) -> None:
+        self.telemetry = telemetry
+        """Where each committed event (and session change) is also published, for the live feed."""
+        self._forks: dict[str, Fork] = {}
+        """Fork children's shared turns as writing needs them (they never change once forked)."""
+        self._unwritten: dict[int, TurnRecord] = {}
+        """Finished turns whose final write failed (disk full, read-only, connection lost): kept here,
+        shown to readers, and written by the next write that succeeds, so no turn stays ``running``."""
+        self.failures = 0
+        """Store operations that failed (each is logged with its cause)."""
+
+    # --- what a backend provides --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _statement(self) -> contextlib.AbstractContextManager[Tx]:
+        """One statement, committed on its own; a database error becomes `_failed`'s."""
+
+    @abc.abstractmethod
+    def _begin(self) -> contextlib.AbstractContextManager[Tx]:
+        """A transaction: committed when the block ends, rolled back when it raises; a database error
+        becomes `_failed`'s."""
+
+    @abc.abstractmethod
+    def _location(self) -> str:
+        """The store as logs and errors name it (no password)."""
+
+    @abc.abstractmethod
+    def _insert_id(self, tx: Tx, sql: str, args: tuple[Any, ...]) -> int:
+        """Run an ``INSERT`` of one turn; the id it was given."""
+
+    @abc.abstractmethod
+    def _next_numbers(self, tx: Tx, session_id: str) -> tuple[int, int]:
+        """In `begin_turn`'s transaction: the session's next free (index, branch)."""
+
+    @abc.abstractmethod
+    def _append_part(self, tx: Tx, part: OutputPart) -> int:
+        """In a transaction: write one streamed part (`append_outputs`); 1 if written, else 0."""
+
+    @abc.abstractmethod
+    def _running_keeps(self, tx: Tx, session_id: str) -> bool:
+        """In `delete_session`'s transaction: whether a running turn keeps the session."""
+
+    @abc.abstractmethod
+    def _metadata_text(self, key: str) -> tuple[str, list[Any]]:
+        """A top-level metadata value as text (as SQLite's ``json_extract`` gives it), and its arguments."""
+
+    @abc.abstractmethod
+    def _disconnect(self) -> None:
+        """Close the connections (`close`, once the unwritten turns had their last try)."""
+
+    def _turn_extras(self) -> tuple[tuple[str, Any], ...]:
+        """Columns (name, value) a backend adds to each new turn."""
+        return ()
+
+    def _record_close(self, tx: Tx, event: EventRecord) -> None:
+        """In `mark_closed`'s transaction: record the ``session_closed`` event."""
+        self._insert_event(tx, event)
+
+    # --- statements, transactions, errors, events ---------------------------------------------------
+
+    def _failed(self, error: Exception) -> StoreError:
+        """The StoreError for `error`, with the database's own cause in it (disk full, read-only, gone)."""
+        self.failures += 1
+        where = self._location()
+        log.error("trajectory store %s failed: %s", where, error)
+        return StoreError(f"trajectory store error: {error} ({where})")
+
+    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """One statement (committed on its own), its rows."""
+        with self._statement() as tx:
+            cur = tx.execute(sql, args)
+            return cur.fetchall() if cur.description is not None else []
+
+    def _one(self, sql: str, args: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        rows = self._rows(sql, args)
+        return rows[0] if rows else None
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[Tx]:
+        """Several statements committed together (or not at all); their events published after."""
+        with self._begin() as tx:
+            yield tx
+        if self.telemetry is not None:  # after the commit, outside SQLite's lock: listeners may read
+            for ev in tx.events:
+                self.telemetry.publish(ev.kind, ev.data, ev.session_id, ev.turn_id, ev.ts)
+
+    def _publish_session(self, kind: str, session: SessionRecord) -> None:
+        if self.telemetry is not None and not session.ephemeral:
+            data = {"status": session.status, "reward": session.reward, "metadata": session.metadata}
+            self.telemetry.publish(kind, data, session.id)
+
+    def _interrupt(self, tx: Tx, where: str = "", args: tuple[Any, ...] = ()) -> int:
+        """In a transaction: the running turns that match become interrupted, with the tokens they had,
+        and each session gets a ``turns_interrupted`` event; how many."""
+        rows = tx.execute(
+            f"UPDATE turns SET status = ? WHERE status = ?{' AND ' + where if where else ''} "
+            "RETURNING session_id, idx, length(output_ids) / 4",
+            (TURN_INTERRUPTED, TURN_RUNNING, *args),
+        ).fetchall()
+        for event in schema.interrupted_events(rows):
+            self._insert_event(tx, event)
+        return len(rows)
+
+    @staticmethod
+    def _insert_event(tx: Tx, event: EventRecord) -> None:
+        """In a transaction: the event is published once that commits."""
+        tx.execute(
+            "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
+            (event.session_id, event.turn_id, event.ts, event.kind, dump_json(event.data)),
+        )
+        tx.events.append(event)
