@@ -242,7 +242,8 @@ def belayer_server(
 
 def serve_config(*argv: str) -> GatewayConfig:
     """What ``belayer serve ARGV`` configures (the flags as `belayer.cli` gathers them)."""
-    from belayer.cli import SERVE_FLAGS, parser
+    from belayer.cli import parser
+    from belayer.cli.serve import SERVE_FLAGS
     from gateway.config import ConfigLoader
 
     args = parser().parse_args(["serve", *argv])

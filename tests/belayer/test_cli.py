@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from belayer.cli import SERVE_FLAGS, main
+from belayer.cli import main
+from belayer.cli.serve import SERVE_FLAGS
 from belayer.tiny_model import MARKER, check_target
 from core.errors import ConfigError
 from store import SqliteStore

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from belayer import cli, demo
+from belayer import cli
+from belayer.cli import demo
 
 
 def _findings(out: str) -> dict[str, str]:

@@ -1,0 +1,83 @@
+"""``belayer run-episode``: one real harness episode on a task directory through a running gateway,
+then the task's verifier (`harness_adapters.episode`); forked at a turn into siblings with ``--fork-at``.
+
+Example::
+
+    belayer run-episode --harness mini-swe-agent --task tasks/fix-greet --gateway http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_arguments(r: argparse.ArgumentParser) -> None:
+    """The flags of ``belayer run-episode``."""
+    r.add_argument(
+        "--harness", required=True, help="claude-code | codex | mini-swe-agent | opencode | openhands"
+    )
+    r.add_argument(
+        "--task", required=True, help="directory with instruction.md, repo/, verify.sh (+ tests/, task.json)"
+    )
+    r.add_argument("--gateway", default="http://127.0.0.1:8000", help="a running `belayer serve --sandboxes`")
+    r.add_argument("--model", default="policy", help="the served model name the harness asks for")
+    where = r.add_mutually_exclusive_group()
+    where.add_argument(
+        "--inside", dest="inside", action="store_true", default=None, help="run it in the sandbox"
+    )
+    where.add_argument(
+        "--beside", dest="inside", action="store_false", help="run it here, commands in the sandbox"
+    )
+    r.add_argument(
+        "--keep", action="store_true", help="keep the session open and the agent's sandbox (for inspection)"
+    )
+    r.add_argument("--cache", default=".cache/harness", help="where harnesses are installed")
+    r.add_argument("--out", help="also write the JSON report here")
+    r.add_argument(
+        "--fork-at",
+        type=int,
+        metavar="K",
+        help="fork the episode at turn K (a harness inside; the gateway with --checkpoint-policy always)",
+    )
+    r.add_argument("--siblings", type=int, default=2, metavar="N", help="how many siblings a fork makes")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from core.errors import HarnessError, TaskError
+    from harness_adapters.episode import EpisodeRunner, Task
+    from harness_adapters.registry import adapter
+
+    def progress(message: str) -> None:
+        print(f"[episode] {message}", file=sys.stderr, flush=True)
+
+    try:
+        task = Task.load(Path(args.task))
+        harness = adapter(args.harness, Path(args.cache), model=args.model)
+        token = os.environ.get("BELAYER_API_TOKEN")  # the gateway's --api-token, if it has one
+        runner = EpisodeRunner(args.gateway, harness, progress=progress, api_token=token)
+        report = runner.run(
+            task, inside=args.inside, keep=args.keep, fork_at=args.fork_at, siblings=args.siblings
+        )
+    except (TaskError, HarnessError) as exc:
+        print(f"belayer run-episode: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    progress(
+        f"verified={report['verified']} turns={report['turns']} prefix_reuse={report['prefix_reuse']} "
+        f"branches={report['branches']} failovers={report['failovers']}"
+    )
+    for sibling in report.get("fork", {}).get("siblings", []):
+        progress(
+            f"sibling {sibling['session_id']}: verified={sibling['verified']} turns={sibling['turns']} "
+            f"reused_output_tokens={sibling['reused_output_tokens']} "
+            f"reused_tool_calls={sibling['reused_tool_calls']}"
+        )
+    return 0
