@@ -26,13 +26,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core import __version__
+from core.net import free_port
 from core.telemetry import Telemetry
 from engine_pool.launch import colocated_utilization, model_context_length, names_option
 from engine_pool.pool import STARTING, EnginePool, WorkerLauncher
 from engine_pool.transport import engine_transport
 from engine_pool.weight_cache import GpuWeightCache
 from engine_pool.weight_owner import WeightOwner, loader_args
-from engine_pool.worker import WorkerSpec, free_port
+from engine_pool.worker import WorkerSpec
 from gateway.api import engine_metrics
 from gateway.api import engines as engines_api
 from gateway.api import export as export_api
@@ -58,6 +59,7 @@ from gateway.policy import weights
 from gateway.policy.tokenization import ChatTokenizer
 from gateway.turns.observers import TurnObserver
 from gateway.turns.orphan_sweep import OrphanSweeper
+from gateway.turns.protocol import TurnSettings
 from gateway.turns.runner import TurnRunner
 from gateway.turns.sessions import SessionManager
 from sandbox.backend import SandboxBackend
@@ -190,9 +192,8 @@ async def open_gateway(
         views = sandboxes.views if sandboxes is not None else list
         metrics = GatewayMetrics(telemetry, the_pool, store, views, __version__)
     runner = TurnRunner(
-        store, the_pool, tok, config.default_max_tokens, watchers, config.failover, config.max_tokens_cap,
-        telemetry, metrics, config.inflight, config.tool_call_parser, config.reasoning_parser,
-    )  # fmt: skip
+        store, the_pool, tok, TurnSettings.of(config), observers=watchers, telemetry=telemetry, metrics=metrics
+    )
     stack.push_async_callback(runner.close)
     runner.recomputer.resume()  # what a gateway before this one left pending (it died, or shut down)
     sweeper = OrphanSweeper(store, config.inflight.sweep_interval_s)  # a dead replica's running turns

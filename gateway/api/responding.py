@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.gateway import Gateway
 from gateway.turns import auxiliary
-from gateway.turns.runner import Delta, Done, GenerationRequest
+from gateway.turns.protocol import Delta, Done, GenerationRequest
 from store import SessionRecord
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}

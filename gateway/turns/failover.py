@@ -1,4 +1,7 @@
-"""Mid-stream failover's two pieces: noticing that a worker is lost, and recording that it was.
+"""Mid-stream failover, in one place: noticing that a worker is lost, deciding what follows, and
+recording that it happened. `Failover` holds the decisions the turn runner asks for (guard a stream,
+judge a lost submission, say whether the output was already complete, name the event); the runner keeps
+the loop that resubmits.
 
 A turn's tokens come from a worker through ``stall_guarded``: a pump task reads the engine while the
 turn waits with a deadline, so a worker that stops sending tokens (hung, not dead) is noticed after
@@ -24,13 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.errors import BelayerError, EngineTimeout
+from core.errors import (
+    BelayerError,
+    EngineError,
+    EngineRequestFailed,
+    EngineServerError,
+    EngineTimeout,
+)
 from engine_pool.client import TokenChunk, merge_chunks
-from engine_pool.pool import Preemption
+from engine_pool.pool import EnginePool, PoolMember, Preemption
+from gateway.config import FailoverConfig
 
 GREEDY = "greedy: bit-identical"
 SAMPLED = "sampled: prefix kept exactly, continuation re-sampled (seeded RNG restarts on the new worker)"
@@ -169,3 +180,94 @@ async def stall_guarded(
         pump.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pump
+
+
+@dataclass(slots=True)
+class FailoverState:
+    """One turn's failover bookkeeping."""
+
+    failovers: int = 0
+    refused_by: list[str] = field(default_factory=list)
+    """Healthy workers that answered this turn with an error (a second one makes it the request's)."""
+    version: str | None = None
+    """The weight version of the turn's latest tokens: a failover stays on it (None: no tokens yet)."""
+
+
+class Failover:
+    """The failover decisions of every turn, on one pool, under one `FailoverConfig` (``config``; tests
+    replace it)."""
+
+    def __init__(self, config: FailoverConfig, pool: EnginePool) -> None:
+        self.config = config
+        self.pool = pool
+
+    @property
+    def worker_wait(self) -> float:
+        """How long a submission waits for a worker: ``no_worker_wait``, none with failover off."""
+        return self.config.no_worker_wait if self.config.enabled else 0.0
+
+    def guard(
+        self, chunks: AsyncGenerator[TokenChunk, None], member: PoolMember
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """A worker's stream, guarded against a stall (and cut by a weight update) with failover on."""
+        if not self.config.enabled:
+            return chunks  # not cut by a weight update either: the update waits for it
+
+        async def confirm() -> bool:
+            return await self.pool.confirm_failure(member)
+
+        return stall_guarded(chunks, member.name, self.config.stall_timeout, confirm, self.pool.preemption)
+
+    async def lost(
+        self, member: PoolMember, error: EngineError, produced: int, last_token_at: float | None,
+        state: FailoverState,
+    ) -> Failure:  # fmt: skip
+        """A submission failed after `produced` output tokens: the `Failure` to resubmit after, or the
+        error to answer with.
+
+        A dead or stalled worker is reported (and fenced, if launched). A worker that *answered* with an
+        error is judged by a health probe: if it is healthy, the request is to blame, unless another
+        healthy worker serves it; a second refusal makes it the request's error, and no worker is fenced
+        for it."""
+        if not isinstance(error, EngineServerError):
+            self.pool.report_failure(member, error)
+        elif not await self.pool.confirm_failure(member):
+            state.refused_by.append(member.name)
+            others = self.pool.pick(None, frozenset(state.refused_by), state.version)
+            if len(state.refused_by) >= 2 or others is None or not self.config.enabled:
+                workers = " and ".join(state.refused_by)
+                raise EngineRequestFailed(
+                    f"the engine failed on this request on {workers}, healthy worker(s) ({error})"
+                ) from error
+        if not self.config.enabled or state.failovers >= self.config.max_failovers:
+            raise error
+        state.failovers += 1
+        cause = (
+            "stall"
+            if isinstance(error, EngineTimeout)
+            else "error"
+            if isinstance(error, EngineServerError)
+            else "dead"
+        )
+        return Failure(produced, member.name, str(error), time.monotonic(), last_token_at, cause, state.version)
+
+
+def finished_before(
+    output_ids: list[int], stopped: bool, eos_ids: frozenset[int] | set[int], max_tokens: int
+) -> str | None:
+    """After a failure in the last token the output may already be complete (a stop string, EOS, or
+    ``max_tokens`` filled): its finish reason then, and nothing is resubmitted; else None."""
+    if stopped or (output_ids and output_ids[-1] in eos_ids):
+        return "stop"
+    if len(output_ids) >= max_tokens:
+        return "length"
+    return None
+
+
+def switch_event(
+    request: dict[str, Any], failure: Failure, to_worker: str | None, to_version: str | None
+) -> tuple[str, dict[str, Any]]:
+    """The event a resumed turn records: ``failover``, or ``weight_switch`` when a weight update cut it."""
+    data = failure.event(to_worker=to_worker, now=time.monotonic(), greedy=request.get("temperature") == 0)
+    data |= {"from_version": failure.version, "to_version": to_version}
+    return ("weight_switch" if failure.cause == "weights" else "failover"), data

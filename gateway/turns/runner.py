@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -25,7 +24,6 @@ from typing import Any
 from core.errors import (
     ContextLengthExceeded,
     EngineError,
-    EngineRequestFailed,
     EngineServerError,
     EngineTimeout,
     EngineUnavailable,
@@ -36,7 +34,6 @@ from core.tasks import TaskOwner
 from core.telemetry import Telemetry
 from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
 from engine_pool.pool import EnginePool, PoolMember
-from gateway.config import FailoverConfig, InflightConfig
 from gateway.observe.metrics import REQUEST_CLOCK, GatewayMetrics
 from gateway.policy.parsers import (
     SPECIAL_TAGS,
@@ -52,50 +49,30 @@ from gateway.policy.parsers import (
 )
 from gateway.policy.streaming import StopTrimmer
 from gateway.policy.tokenization import ChatTokenizer, IncrementalDetokenizer
-from gateway.turns.failover import Failure, Preempted, add_tokens, stall_guarded
+from gateway.turns.failover import (
+    Failover,
+    FailoverState,
+    Failure,
+    Preempted,
+    add_tokens,
+    finished_before,
+    switch_event,
+)
 from gateway.turns.inflight import InflightWriter
 from gateway.turns.observers import TurnObserver
+from gateway.turns.protocol import Delta, Done, GenerationRequest, TurnSettings, parse_arguments
 from gateway.turns.recompute import LogprobRecomputer
-from gateway.turns.sessions import PromptPlan, chain_keys
-from store import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
+from gateway.turns.sessions import chain_keys
+from store import EventRecord, TrajectoryStore, TurnRecord
 from store.base import TURN_ABORTED, TURN_COMPLETE, TURN_ERROR, TURN_INTERRUPTED
 
 log = logging.getLogger("belayer.gateway")
 
 
-def parse_arguments(arguments: str | dict[str, Any]) -> Any:
-    """Tool-call arguments as an object when they are JSON (how the template renders them)."""
-    if not isinstance(arguments, str):
-        return arguments
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    session: SessionRecord
-    plan: PromptPlan
-    params: SamplingParams
-    request: dict[str, Any]
-    received_at: float
-    max_tokens: int | None = None
-    messages: list[dict[str, Any]] | None = None  # None for raw completions
-    tools: list[dict[str, Any]] | None = None
-    message_keys: list[str] = field(default_factory=list)
-    forced_prefix: str = ""  # text the assistant turn is forced to start with (tool_choice)
-    parse_tools: bool = True
-    stream: bool = True  # stream from the engine (the client streams, or wants per-token progress)
-    turn: TurnRecord | None = None
-    """The turn, once `TurnRunner.run` has stored it (before its first event): a formatter that names
-    the response after its turn (the Responses API's ids) reads it here."""
-
-
 @dataclass(slots=True)
 class _OutputState:
     """Per-turn output pipeline (detokenizer → stop strings → reasoning parser → tool parser) and
-    failover bookkeeping."""
+    failover bookkeeping (`FailoverState`)."""
 
     detok: IncrementalDetokenizer
     trimmer: StopTrimmer
@@ -104,14 +81,10 @@ class _OutputState:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     finish: str = "stop"
-    failovers: int = 0
     last_token_at: float | None = None
     gaps: list[float] = field(default_factory=list)
     """Inter-token gaps (seconds), for the metrics."""
-    refused_by: list[str] = field(default_factory=list)
-    """Healthy workers that answered this turn with an error (a second one makes it the request's)."""
-    version: str | None = None
-    """The weight version of the turn's latest tokens: a failover stays on it (None: no tokens yet)."""
+    fo: FailoverState = field(default_factory=FailoverState)
 
     def parse(self, text: str, final: bool = False) -> list[Any]:
         """The parsers' events for the next visible text (``final``: and what they held back)."""
@@ -123,30 +96,6 @@ class _OutputState:
         return events + (self.parser.finish() if final else [])
 
 
-@dataclass(slots=True)
-class Delta:
-    """What one engine event added: visible text, finished tool calls, and the raw tokens."""
-
-    content: str
-    tool_calls: list[ToolCall]
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    reasoning: str = ""  # text a reasoning parser split off (``reasoning_content``, thinking blocks)
-
-
-@dataclass(slots=True)
-class Done:
-    turn: TurnRecord
-    finish_reason: str
-    content: str
-    tool_calls: list[ToolCall]
-    prompt_tokens: int
-    completion_tokens: int
-    stop_sequence: str | None = None  # the stop string that ended the turn, if one did
-    reasoning: str = ""
-
-
 class TurnRunner:
     """Runs one turn against the pool and records it."""
 
@@ -155,31 +104,23 @@ class TurnRunner:
         store: TrajectoryStore,
         pool: EnginePool,
         tokenizer: ChatTokenizer,
-        default_max_tokens: int | None = None,
+        settings: TurnSettings | None = None,
+        *,
         observers: list[TurnObserver] | None = None,
-        failover: FailoverConfig | None = None,
-        max_tokens_cap: int | None = None,
         telemetry: Telemetry | None = None,
         metrics: GatewayMetrics | None = None,
-        inflight: InflightConfig | None = None,
-        tool_call_parser: str = "hermes",
-        reasoning_parser: str | None = None,
     ) -> None:
-        self.tool_call_parser = tool_call_parser
-        self.reasoning_parser = reasoning_parser
-        """vLLM's names of the model family's formats (``gateway.policy.parsers``)."""
-        self.max_tokens_cap = max_tokens_cap
+        self.settings = settings = settings or TurnSettings()
         self.telemetry = telemetry or Telemetry()
         """Where each turn's start and end are published (``turn_started``, ``turn_finished``)."""
         self.metrics = metrics
-        self.failover = failover or FailoverConfig()
+        self.failover = Failover(settings.failover, pool)
         self.store = store
         self.pool = pool
         self.tok = tokenizer
-        self.default_max_tokens = default_max_tokens
         self.observers = observers if observers is not None else []
-        self.recomputer = LogprobRecomputer(store, pool, self.failover.no_worker_wait)
-        self.inflight = InflightWriter(store, inflight or InflightConfig())
+        self.recomputer = LogprobRecomputer(store, pool, settings.failover.no_worker_wait)
+        self.inflight = InflightWriter(store, settings.inflight)
         self._orphans = TaskOwner("orphaned-turns")
         """Ends turns whose request was cancelled while the turn's first write ran (`_begun`)."""
         self.interrupting = False
@@ -190,7 +131,7 @@ class TurnRunner:
     def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.pool.max_model_len
         if not limit:
-            return max_tokens or self.default_max_tokens or 16
+            return max_tokens or self.settings.default_max_tokens or 16
         if prompt_len >= limit or (max_tokens is not None and prompt_len + max_tokens > limit):
             asked = f" + {max_tokens} completion tokens" if max_tokens is not None else ""
             raise ContextLengthExceeded(
@@ -199,12 +140,12 @@ class TurnRunner:
                 param="messages",
             )
         room = limit - prompt_len
-        wanted = max_tokens if max_tokens is not None else self.default_max_tokens
-        return min(x for x in (wanted, self.max_tokens_cap, room) if x is not None)
+        wanted = max_tokens if max_tokens is not None else self.settings.default_max_tokens
+        return min(x for x in (wanted, self.settings.max_tokens_cap, room) if x is not None)
 
     def prepare(self, req: GenerationRequest) -> tuple[list[int], SamplingParams]:
         """Final prompt ids and sampling parameters; raises the 4xx errors before anything is stored."""
-        req.forced_prefix = forced_call_prefix(self.tool_call_parser, req.forced_prefix)  # the family's own
+        req.forced_prefix = forced_call_prefix(self.settings.tool_call_parser, req.forced_prefix)  # the family's own
         prompt_ids = req.plan.prompt_ids + (self.tok.encode(req.forced_prefix) if req.forced_prefix else [])
         budget = self._budget(len(prompt_ids), req.max_tokens)  # first: it is cheap for any length
         # Client-supplied token ids (raw completions) may be anything; templated prompts are ours.
@@ -285,11 +226,13 @@ class TurnRunner:
             obs.turn_started(turn)
         self.inflight.track(turn)
         st = _OutputState(
-            self.tok.detokenizer(special=self.tool_call_parser in SPECIAL_TAGS and req.messages is not None),
+            self.tok.detokenizer(
+                special=self.settings.tool_call_parser in SPECIAL_TAGS and req.messages is not None
+            ),
             StopTrimmer(params.stop),
-            make_tool_parser(self.tool_call_parser, req.tools, req.parse_tools),
+            make_tool_parser(self.settings.tool_call_parser, req.tools, req.parse_tools),
             # chat turns only (raw completions are raw text); a forced tool call starts with no reasoning
-            make_reasoning_parser(self.reasoning_parser if req.messages is not None else None)
+            make_reasoning_parser(self.settings.reasoning_parser if req.messages is not None else None)
             if not req.forced_prefix
             else None,
         )
@@ -364,14 +307,13 @@ class TurnRunner:
         """One submission to one leased worker, asking for the tokens still missing. Yields the deltas,
         then a `Failure` when the worker was lost and another may take over (else the error is raised).
         `previous`, the failure this submission recovers from, is recorded at its first token."""
-        fo = self.failover
         remaining = replace(params, max_tokens=params.max_tokens - len(turn.output_ids))
         affinity = None if req.session.ephemeral else req.session.id  # one-request sessions: not kept
-        wait = fo.no_worker_wait if fo.enabled else 0.0
+        wait = self.failover.worker_wait
         # A failover stays on the weight version of the tokens so far; a turn cut by a weight update
         # goes on with the new one (recorded: a new segment and a weight_switch event).
-        pinned = st.version if previous is None or previous.cause != "weights" else None
-        async with self.pool.lease(affinity, wait, frozenset(st.refused_by), pinned) as member:
+        pinned = st.fo.version if previous is None or previous.cause != "weights" else None
+        async with self.pool.lease(affinity, wait, frozenset(st.fo.refused_by), pinned) as member:
             turn.worker = member.name
             version = member.weight_version
             submitted = time.monotonic()
@@ -389,7 +331,7 @@ class TurnRunner:
                     delta = self._consume(turn, chunk, st)
                     if len(turn.output_ids) > start:
                         add_tokens(turn.weight_segments, start, len(turn.output_ids), version, first)
-                        first, st.version = False, version
+                        first, st.fo.version = False, version
                     yield delta
                     if st.trimmer.stopped:  # a stop string the engine could not see (split by a failover)
                         break
@@ -398,62 +340,24 @@ class TurnRunner:
                     self._record_failover(turn, previous, member.name, version)
                 now = time.monotonic()
                 yield Failure(
-                    len(turn.output_ids), member.name, str(e), now, st.last_token_at, "weights", st.version
+                    len(turn.output_ids), member.name, str(e), now, st.last_token_at, "weights", st.fo.version
                 )
             except (EngineUnavailable, EngineTimeout, EngineServerError) as e:
-                yield await self._lost(member, e, turn, st)
+                yield await self.failover.lost(member, e, len(turn.output_ids), st.last_token_at, st.fo)
             finally:
                 await stream.aclose()
                 if clock is not None:
                     clock.charge(time.monotonic() - submitted)
 
-    async def _lost(
-        self, member: PoolMember, error: EngineError, turn: TurnRecord, st: _OutputState
-    ) -> Failure:
-        """A submission failed: the `Failure` to resubmit after, or the error to answer with.
-
-        A dead or stalled worker is reported (and fenced, if launched). A worker that *answered* with an
-        error is judged by a health probe: if it is healthy, the request is to blame, unless another
-        healthy worker serves it; a second refusal makes it the request's error, and no worker is fenced
-        for it."""
-        fo = self.failover
-        if not isinstance(error, EngineServerError):
-            self.pool.report_failure(member, error)
-        elif not await self.pool.confirm_failure(member):
-            st.refused_by.append(member.name)
-            others = self.pool.pick(None, frozenset(st.refused_by), st.version)
-            if len(st.refused_by) >= 2 or others is None or not fo.enabled:
-                workers = " and ".join(st.refused_by)
-                raise EngineRequestFailed(
-                    f"the engine failed on this request on {workers}, healthy worker(s) ({error})"
-                ) from error
-        if not fo.enabled or st.failovers >= fo.max_failovers:
-            raise error
-        st.failovers += 1
-        cause = (
-            "stall"
-            if isinstance(error, EngineTimeout)
-            else "error"
-            if isinstance(error, EngineServerError)
-            else "dead"
-        )
-        now, last = time.monotonic(), st.last_token_at
-        return Failure(len(turn.output_ids), member.name, str(error), now, last, cause, st.version)
-
     def _done_after_failure(
         self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: Failure | None
     ) -> bool:
-        """Before a (re)submission: is the turn already complete? After a failure in the last token the
-        output may end with EOS, fill max_tokens, or contain a stop string: then nothing is resubmitted."""
+        """Before a (re)submission: is the turn already complete (`finished_before`)?"""
         if failure is None:
             return False
-        if st.trimmer.stopped or (turn.output_ids and turn.output_ids[-1] in self.tok.eos_ids):
-            st.finish = "stop"
-            return True
-        if len(turn.output_ids) >= params.max_tokens:
-            st.finish = "length"
-            return True
-        return False
+        finish = finished_before(turn.output_ids, st.trimmer.stopped, self.tok.eos_ids, params.max_tokens)
+        st.finish = finish or st.finish
+        return finish is not None
 
     def _engine_stream(
         self, member: PoolMember, turn: TurnRecord, params: SamplingParams, stream: bool
@@ -462,14 +366,7 @@ class TurnRunner:
         a failover); with failover on, guarded against a stalled worker."""
         rid = engine_request_id(turn.session_id, turn.index)
         prompt = turn.prompt_ids + turn.output_ids
-        chunks = member.client.generate(prompt, params, stream=stream, request_id=rid)
-        if not self.failover.enabled:
-            return chunks  # not cut by a weight update either: the update waits for it
-
-        async def confirm() -> bool:
-            return await self.pool.confirm_failure(member)
-
-        return stall_guarded(chunks, member.name, self.failover.stall_timeout, confirm, self.pool.preemption)
+        return self.failover.guard(member.client.generate(prompt, params, stream=stream, request_id=rid), member)
 
     def _consume(self, turn: TurnRecord, chunk: TokenChunk, st: _OutputState) -> Delta:
         """Record a chunk's tokens and turn them into visible text. Tokens are taken one at a time so
@@ -499,10 +396,7 @@ class TurnRunner:
         self, turn: TurnRecord, failure: Failure, to_worker: str | None, to_version: str | None = None
     ) -> None:
         """A ``failover`` event, or a ``weight_switch`` when a weight update cut the turn."""
-        greedy = turn.request.get("temperature") == 0
-        data = failure.event(to_worker=to_worker, now=time.monotonic(), greedy=greedy)
-        data |= {"from_version": failure.version, "to_version": to_version}
-        self._event(turn, "weight_switch" if failure.cause == "weights" else "failover", data)
+        self._event(turn, *switch_event(turn.request, failure, to_worker, to_version))
 
     def _delta(self, turn: TurnRecord, events: list[Any], st: _OutputState) -> Delta:
         delta = Delta("", [], [], [], [])
@@ -553,7 +447,7 @@ class TurnRunner:
                 "reused_tokens": req.plan.reused_tokens, "output_tokens": len(turn.output_ids),
                 "worker": turn.worker, "ttft_ms": turn.timings.get("ttft_ms"),
                 "total_ms": turn.timings.get("total_ms"), "finish_reason": turn.finish_reason,
-                "failovers": st.failovers,
+                "failovers": st.fo.failovers,
             },
             turn.session_id, turn.id,
         )  # fmt: skip

@@ -165,7 +165,7 @@ async def test_no_worker_left_waits_then_503(rig: Rig) -> None:
 
 async def test_request_waits_for_a_worker_to_come_back(rig: Rig) -> None:
     pool = rig.gw.pool
-    rig.gw.runner.failover = FailoverConfig(
+    rig.gw.runner.failover.config = FailoverConfig(
         stall_timeout=0.3, no_worker_wait=30.0
     )  # robust on a busy machine
     for m in pool.members[1:]:
@@ -202,7 +202,7 @@ async def test_engine_4xx_is_not_retried(rig: Rig) -> None:
 
 
 async def test_failover_disabled_fails_the_request(rig: Rig) -> None:
-    rig.gw.runner.failover = FailoverConfig(enabled=False)
+    rig.gw.runner.failover.config = FailoverConfig(enabled=False)
     rig.faults.faults["e0"] = [Fault("drop_after", 3)]
     sid = (await rig.client.post("/api/sessions", json={})).json()["id"]
     r = await rig.client.post(

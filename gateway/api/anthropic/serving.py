@@ -52,7 +52,7 @@ from gateway.api.anthropic.protocol import (
 from gateway.http.errors import anthropic_error, for_exception
 from gateway.policy.streaming import ToolCall, tool_choice_prefix
 from gateway.policy.tokenization import ChatTokenizer
-from gateway.turns.runner import Delta, Done, GenerationRequest, parse_arguments
+from gateway.turns.protocol import Delta, Done, GenerationRequest, parse_arguments
 from gateway.turns.sessions import SessionManager
 from store import SessionRecord
 

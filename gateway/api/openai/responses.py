@@ -53,7 +53,7 @@ from gateway.api.openai.responses_protocol import (
 from gateway.api.openai.serving import sampling
 from gateway.policy.parsers import think_text
 from gateway.policy.streaming import tool_choice_prefix
-from gateway.turns.runner import GenerationRequest, parse_arguments
+from gateway.turns.protocol import GenerationRequest, parse_arguments
 from gateway.turns.sessions import SessionManager
 from store import SessionRecord, TrajectoryStore, TurnRecord
 from store.base import TURN_ABORTED, TURN_COMPLETE, TURN_DISCARDED, TURN_RUNNING

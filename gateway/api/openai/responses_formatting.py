@@ -38,7 +38,7 @@ from gateway.api.openai.responses import (
 from gateway.http.errors import for_exception
 from gateway.policy.streaming import ToolCall
 from gateway.policy.tokenization import ChatTokenizer
-from gateway.turns.runner import Delta, Done, GenerationRequest
+from gateway.turns.protocol import Delta, Done, GenerationRequest
 from store import TurnRecord
 
 Event = dict[str, Any]

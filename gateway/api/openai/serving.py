@@ -22,7 +22,7 @@ from gateway.http.errors import for_exception
 from gateway.policy.parsers import think_text
 from gateway.policy.streaming import ToolCall, tool_choice_prefix
 from gateway.policy.tokenization import ChatTokenizer
-from gateway.turns.runner import Delta, Done, GenerationRequest, parse_arguments
+from gateway.turns.protocol import Delta, Done, GenerationRequest, parse_arguments
 from gateway.turns.sessions import PromptPlan, SessionManager
 from store import SessionRecord
 

@@ -1,0 +1,100 @@
+"""What a protocol's front end and the turn runner exchange, and the runner's settings.
+
+The OpenAI and Anthropic front ends (``gateway.api``) build a `GenerationRequest` and consume the `Delta`
+and `Done` events of ``TurnRunner.run`` (``gateway.turns.runner``); they import these types from here, not
+the runner.
+
+Example::
+
+    req = GenerationRequest(session, plan, params, request=body, received_at=time.time(), messages=msgs)
+    async for event in runner.run(req):
+        if isinstance(event, Delta): ...       # visible text, finished tool calls, raw tokens
+        else: ...                              # Done: the turn, stored, and its totals
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_pool.client import SamplingParams
+from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
+from gateway.policy.parsers import ToolCall
+from gateway.turns.sessions import PromptPlan
+from store import SessionRecord, TurnRecord
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSettings:
+    """Every setting of the turn runner, from the gateway's configuration (`of`)."""
+
+    default_max_tokens: int | None = None
+    max_tokens_cap: int | None = None
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
+    inflight: InflightConfig = field(default_factory=InflightConfig)
+    tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
+    """vLLM's names of the model family's formats (``gateway.policy.parsers``)."""
+
+    @classmethod
+    def of(cls, config: GatewayConfig) -> TurnSettings:
+        return cls(
+            config.default_max_tokens, config.max_tokens_cap, config.failover, config.inflight,
+            config.tool_call_parser, config.reasoning_parser,
+        )  # fmt: skip
+
+
+def parse_arguments(arguments: str | dict[str, Any]) -> Any:
+    """Tool-call arguments as an object when they are JSON (how the template renders them)."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    session: SessionRecord
+    plan: PromptPlan
+    params: SamplingParams
+    request: dict[str, Any]
+    received_at: float
+    max_tokens: int | None = None
+    messages: list[dict[str, Any]] | None = None  # None for raw completions
+    tools: list[dict[str, Any]] | None = None
+    message_keys: list[str] = field(default_factory=list)
+    forced_prefix: str = ""  # text the assistant turn is forced to start with (tool_choice)
+    parse_tools: bool = True
+    stream: bool = True  # stream from the engine (the client streams, or wants per-token progress)
+    turn: TurnRecord | None = None
+    """The turn, once `TurnRunner.run` has stored it (before its first event): a formatter that names
+    the response after its turn (the Responses API's ids) reads it here."""
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine event added: visible text, finished tool calls, and the raw tokens."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    reasoning: str = ""  # text a reasoning parser split off (``reasoning_content``, thinking blocks)
+
+
+@dataclass(slots=True)
+class Done:
+    """The turn's end: its record (stored, ``complete``), why it ended, and what a response reports."""
+
+    turn: TurnRecord
+    finish_reason: str
+    content: str
+    tool_calls: list[ToolCall]
+    prompt_tokens: int
+    completion_tokens: int
+    stop_sequence: str | None = None  # the stop string that ended the turn, if one did
+    reasoning: str = ""
