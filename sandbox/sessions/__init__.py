@@ -1,11 +1,20 @@
-"""The gateway's session-aware sandbox layer: one sandbox per session, checkpoints in the session's
-inference bubbles, and recovery that keeps environment and trajectory on the same prefix.
+"""The session-aware sandbox layer: one sandbox per session, checkpoints in the session's inference
+bubbles, and recovery that keeps environment and trajectory on the same prefix.
 
-Why here and not in ``sandbox/``: everything this layer decides is about a *session*. It reads turns
-(the bubble starts and ends with a turn), writes trajectory events, and truncates the trajectory on a
-restore. ``sandbox/`` stays a container library that knows nothing of sessions or trajectories (the
-backend ABC, Docker with CRIU, images, the gateway network), so it can be used and tested alone, and
-imports flow one way: ``sandbox.sessions`` → ``sandbox`` → ``core``. An interface for the store
-owned by ``sandbox/`` would have kept the manager down there, but only by re-declaring the store's
-turn and event records one layer lower for a single user.
+It sits beside the backends it drives (``sandbox.backend`` and its implementations, their configuration
+in ``sandbox.config``), so everything about sandboxes has one home. Everything this layer decides is
+about a *session*: it reads turns (the bubble starts and ends with a turn), writes trajectory events,
+and truncates the trajectory on a restore, through the trajectory store (``store``), which sits below
+it. The backends themselves know nothing of sessions or trajectories, and imports flow one way:
+``sandbox.sessions`` → ``sandbox`` backends → ``store`` → ``core``. The HTTP routes are with the
+gateway's other routes (``gateway.api.sandbox``, ``gateway.api.sandbox_listener``).
+
+- `manager`: `SandboxManager`, the face the gateway holds; `state`: its per-session slots;
+- `bubbles` and `policy`: checkpoints in inference bubbles, and when one is worth taking;
+- `checkpoints`: taking, tagging and retiring them; `journal`: the tool calls since the newest one;
+- `recovery`: a tool call that survives its sandbox (restore, then replay or truncate); `watcher`: a
+  sandbox that stops between calls is restored at once;
+- `lifecycle`: start, replace, remove; `adoption`: a new gateway takes back its store's sandboxes;
+- `verify`: the verify stage, in a clean sandbox; `io`: the blocking backend on bounded thread pools;
+  `records`: what the manager hands out and records.
 """
