@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@echo "[setup] environment ready"
 
-$(MODEL)/model.safetensors: $(STAMP) belayer/tiny_model.py
+$(MODEL)/model.safetensors: $(STAMP) belayer/testing/tiny_model.py
 	@echo "[setup] building the tiny model in $(MODEL)"
 	@$(VENV)/bin/belayer model build-tiny $(MODEL)
 

@@ -53,7 +53,6 @@ import functools
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -63,6 +62,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core.errors import EngineUnavailable
+from core.net import free_port
 from engine_pool.member import PoolMember
 from engine_pool.states import READY, SHADOW, STARTING
 from engine_pool.worker import VllmWorker, WorkerSpec, _group_alive, _signal_group
@@ -118,12 +118,6 @@ class NodeView:
 # -- the actor (runs on a Ray node) -----------------------------------------------------------------------
 
 
-def free_port_on(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class EngineHost:
     """The Ray actor that runs one engine server on its node (in the node's Ray worker process).
 
@@ -138,7 +132,7 @@ class EngineHost:
         import ray
 
         host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        spec = dataclasses.replace(spec, host=host, port=free_port_on(host), python=sys.executable)
+        spec = dataclasses.replace(spec, host=host, port=free_port(host), python=sys.executable)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             self._proc = subprocess.Popen(

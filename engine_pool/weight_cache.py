@@ -49,7 +49,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from core.errors import EngineUnavailable
-from engine_pool.worker import WorkerSpec, free_port, launch_group, stop_group
+from core.net import free_port
+from engine_pool.worker import WorkerSpec, launch_group, stop_group
 
 LOAD_FORMAT = "belayer_ipc"
 HEALTH_TIMEOUT = 0.25  # seconds a loopback /health may take before the daemon counts as down

@@ -131,14 +131,6 @@ def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout: float, what: 
     raise EngineUnavailable(f"the {what} did not answer {url} within {timeout:.0f}s")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class VllmWorker:
     """One launched vLLM server process group."""
 

@@ -24,7 +24,7 @@ def tiny_model_dir() -> Path:
     # absolute: server processes the tests start run in the repository, whatever pytest's cwd
     path = Path(os.environ.get("BELAYER_TINY_MODEL", REPO / ".cache" / "tiny-model")).resolve()
     if not (path / "model.safetensors").exists():
-        from belayer.tiny_model import build_tiny
+        from belayer.testing.tiny_model import build_tiny
 
         build_tiny(path)
     return path

@@ -35,9 +35,9 @@ import httpx
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from core.net import free_port
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
-from engine_pool.worker import free_port
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.gateway import Gateway

@@ -1,5 +1,5 @@
 """Benchmarks run from the command line (``belayer bench gateway``). Each prints its figures on stdout
-as ``name: value`` lines (`emit`) and its progress on stderr (`belayer.services.progress`)."""
+as ``name: value`` lines (`emit`) and its progress on stderr (`belayer.testing.services.progress`)."""
 
 
 def emit(name: str, value: float | int | str, digits: int = 3) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from belayer.bench import emit
-from belayer.services import progress
+from belayer.testing.services import progress
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
@@ -290,7 +290,7 @@ def main(argv: list[str]) -> int:
     opts = parse_args(argv)
     DockerSandboxBackend(DockerBackendConfig()).close()  # Docker down: SandboxUnavailable, before any work
     if not (Path(opts.model) / "tokenizer.json").exists():
-        from belayer.tiny_model import build_tiny
+        from belayer.testing.tiny_model import build_tiny
 
         build_tiny(opts.model)
     asyncio.run(run(opts))

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from belayer.bench import emit
-from belayer.services import progress
+from belayer.testing.services import progress
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
@@ -196,7 +196,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     opts = parse_args(argv)
     if not (Path(opts.model) / "model.safetensors").exists():
-        from belayer.tiny_model import build_tiny
+        from belayer.testing.tiny_model import build_tiny
 
         build_tiny(opts.model)
     return 0 if asyncio.run(run(opts)) else 1

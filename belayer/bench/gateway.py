@@ -17,7 +17,7 @@ proxy in front of the same engine. The load generator runs here (asyncio + httpx
   throughput windows, per streamed token (``gateway_cpu_us_per_token``);
 * with ``--baseline-src DIR`` (a source tree of another commit, e.g. ``git archive HEAD | tar -x -C DIR``),
   a gateway run from it is one more path (``gateway_before``): before and after a change, in one run;
-* with ``--processes-compare`` (needs PostgreSQL's binaries, `belayer.postgres_local`), streamed
+* with ``--processes-compare`` (needs PostgreSQL's binaries, `belayer.testing.postgres_local`), streamed
   throughput through one and two gateway processes (``--processes 2``) on one PostgreSQL store.
 
 Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from belayer.bench import emit
-from belayer.services import (
+from belayer.testing.services import (
     DEFAULT_LITELLM_SPEC,
     DEFAULT_LITELLM_VENV,
     FAKE_MODEL,
@@ -72,7 +72,7 @@ from belayer.services import (
 )
 
 if TYPE_CHECKING:
-    from belayer.postgres_local import PostgresServer
+    from belayer.testing.postgres_local import PostgresServer
 
 DEFAULT_MODEL_DIR = ".cache/tiny-model"
 RUN_BUDGET_S = 60.0
@@ -488,7 +488,7 @@ def _postgres(wanted: bool) -> Iterator[PostgresServer | None]:
     if not wanted:
         yield None
         return
-    from belayer.postgres_local import postgres_server
+    from belayer.testing.postgres_local import postgres_server
 
     with postgres_server() as server:
         yield server

@@ -18,7 +18,7 @@ In one run:
   - ``first_token_after_crash_s``: the kill → each client's first token of its retry (median; max too),
     gateway restart included.
 * with ``--replicas 2`` (and ``--store postgresql://...``, or ``--postgres auto``: a throwaway local
-  server, `belayer.postgres_local`), the same again behind a load balancer, in the same run: two
+  server, `belayer.testing.postgres_local`), the same again behind a load balancer, in the same run: two
   ``belayer serve`` replicas share the PostgreSQL store behind Debian's HAProxy (everything to replica A
   while it is up), A is killed with ``kill -9`` under the same streams and is *not* restarted, and the
   clients' retries go through the balancer to B, which finds each session in the store and marks A's
@@ -48,16 +48,16 @@ import httpx
 
 from belayer.bench import emit
 from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, ensure_model, throughput
-from belayer.services import (
+from belayer.testing.services import (
     BenchError,
     Service,
     base_url,
     fake_engine_service,
-    free_port,
     haproxy_service,
     progress,
     running,
 )
+from core.net import free_port
 
 
 def _gateway(
@@ -295,7 +295,7 @@ def crash(workdir: Path, opts: argparse.Namespace) -> None:
         engine.wait_ready(60)
         asyncio.run(_crash_run(workdir, opts, base_url(engine), services))
         if opts.replicas > 1:
-            from belayer.postgres_local import database_url
+            from belayer.testing.postgres_local import database_url
 
             with database_url(opts.store) as store:
                 asyncio.run(_crash_run(workdir, opts, base_url(engine), services, store))

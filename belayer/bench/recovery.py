@@ -12,7 +12,7 @@ In one run:
   - ``full_strength_s``: the kill → the replacement shadow is ready too;
 * ``cold_start_s``: each replacement worker, from process start to its first generated token;
 * with ``--ray``: the same pool on a 3-node Ray cluster of its own on 127.0.0.2-4
-  (``belayer.ray_local``, stopped by the pids it recorded); ``--node-kills`` times, while ``--sessions``
+  (``belayer.testing.ray_local``, stopped by the pids it recorded); ``--node-kills`` times, while ``--sessions``
   sessions stream, every process of the (non-head) node of an active worker is SIGKILLed, and
   - ``node_loss_resumed_s``: the kill → every interrupted session's first resumed token;
   - ``node_loss_full_strength_s``: the kill → ``--workers`` ready + ``--shadows`` shadows again, all on
@@ -39,7 +39,8 @@ import httpx
 
 from belayer.bench import emit, weight_owner
 from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, ensure_model, throughput
-from belayer.services import Service, base_url, fake_engine_service, free_port, progress, running
+from belayer.testing.services import Service, base_url, fake_engine_service, progress, running
+from core.net import free_port
 
 
 def _gateway(workdir: Path, name: str, model: str, extra: list[str]) -> Service:
@@ -265,7 +266,7 @@ async def lose_node(url: str, cluster: Any, opts: argparse.Namespace) -> dict[st
 
 
 def node_loss(workdir: Path, opts: argparse.Namespace) -> None:
-    from belayer.ray_local import local_ray_cluster
+    from belayer.testing.ray_local import local_ray_cluster
 
     with (
         tempfile.TemporaryDirectory(prefix="br-", dir="/tmp") as short,  # Ray's socket paths must be short

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from belayer.bench import emit as _emit
-from belayer.services import progress
+from belayer.testing.services import progress
 from sandbox.backend import SandboxSpec
 from sandbox.config import DockerBackendConfig, PolicySettings, SandboxConfig
 from sandbox.docker_backend import DockerSandboxBackend

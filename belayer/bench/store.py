@@ -12,7 +12,7 @@ The same episodes are written
 and each file's size (after a WAL checkpoint) is divided by the generated tokens. The old file is then
 opened with `SqliteStore`, which migrates it in place; its trajectories must read back exactly.
 
-With ``--postgres URL`` (or ``auto``: a throwaway local server, `belayer.postgres_local`, with fsync on)
+With ``--postgres URL`` (or ``auto``: a throwaway local server, `belayer.testing.postgres_local`, with fsync on)
 the same episodes are also written through `PostgresStore`, in the same run: its write and read
 times (``pg_*``) next to SQLite's (``new_*``), its bytes, whether it reads back exactly, and the write
 time per turn of two store instances (two gateway replicas) writing half the episodes each at once.
@@ -302,7 +302,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> bool:
     ok = ratio >= 10 and exact and migrated_exact
     emit("target_10x_smaller", "pass" if ok else "fail")
     if opts.postgres is not None:
-        from belayer.postgres_local import database_url
+        from belayer.testing.postgres_local import database_url
 
         with database_url(opts.postgres) as url:
             ok = run_postgres(url, episodes, new_bytes) and ok

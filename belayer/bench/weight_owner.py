@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from belayer.bench import emit
-from belayer.services import Service, base_url, progress, running
+from belayer.testing.services import Service, base_url, progress, running
 from core import shm_weights
 
 MIB = 1024 * 1024
@@ -167,7 +167,7 @@ def ensure_sized_model(opts: argparse.Namespace, default_model: str) -> None:
     if opts.model == default_model:
         opts.model = f".cache/model-{opts.model_size}"
     if not (Path(opts.model) / "config.json").exists():
-        from belayer.tiny_model import build_tiny
+        from belayer.testing.tiny_model import build_tiny
 
         progress(f"building the {opts.model_size} model in {opts.model} (once)")
         build_tiny(opts.model, size=opts.model_size)

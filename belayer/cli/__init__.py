@@ -40,7 +40,7 @@ from core.errors import ConfigError, SandboxUnavailable
 
 
 def _build_tiny(args: argparse.Namespace) -> int:
-    from belayer.tiny_model import build_tiny
+    from belayer.testing.tiny_model import build_tiny
 
     # refuses a directory holding anything else
     summary = build_tiny(args.dir, template=args.template, size=args.size)

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from core.errors import BelayerError
-from engine_pool.worker import free_port
+from core.net import free_port
 
 Json = dict[str, Any]
 
@@ -537,7 +537,7 @@ def _keep_open(gw: GatewayRun) -> None:
 
 def run(opts: argparse.Namespace) -> int:
     """The whole demo: returns 0 when it showed everything, 1 when a check failed, 130 on Ctrl-C."""
-    from belayer.tiny_model import build_tiny, is_tiny
+    from belayer.testing.tiny_model import build_tiny, is_tiny
 
     t0 = time.monotonic()
     if opts.worker_kind == "vllm" and not (

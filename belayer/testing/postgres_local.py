@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psycopg
 
-from engine_pool.worker import free_port
+from core.net import free_port
 
 
 def _bindir() -> Path:

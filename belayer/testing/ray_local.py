@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_pool.worker import free_port
+from core.net import free_port
 
 # Ray's GCS marks a node dead after health_check_failure_threshold missed checks, one every
 # health_check_period_ms (3 s x 5 by default): shorter here, so a lost node is noticed in ~3 s.

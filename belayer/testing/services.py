@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from core.errors import BelayerError
+from core.net import free_port
 
 DEFAULT_LITELLM_VENV = ".cache/litellm-venv"
 DEFAULT_LITELLM_SPEC = "litellm[proxy]"
@@ -40,12 +40,6 @@ class BenchError(BelayerError):
 
 def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- the server processes ---------------------------------------------------------------------------

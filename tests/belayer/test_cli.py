@@ -12,7 +12,7 @@ import pytest
 
 from belayer.cli import main
 from belayer.cli.serve import SERVE_FLAGS
-from belayer.tiny_model import MARKER, check_target
+from belayer.testing.tiny_model import MARKER, check_target
 from core.errors import ConfigError
 from store import SqliteStore
 

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from belayer.client import AsyncBelayer, Backoff, Belayer, ClientError, Finished
+from core.net import free_port
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
-from engine_pool.worker import free_port
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.serve.server import build_server

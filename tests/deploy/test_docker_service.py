@@ -36,7 +36,7 @@ import openai
 import pytest
 import yaml
 
-from engine_pool.worker import free_port
+from core.net import free_port
 from tests.support import REPO
 
 DEPLOY = REPO / "deploy"

@@ -1,4 +1,4 @@
-"""The one Ray cluster the ``ray`` tests share: three nodes on 127.0.0.2-4 (``belayer.ray_local``), started
+"""The one Ray cluster the ``ray`` tests share: three nodes on 127.0.0.2-4 (``belayer.testing.ray_local``), started
 once per test session on first use and stopped by the pids it recorded. A test that kills a node brings
 it back before it ends, so the next test finds the cluster whole."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer.ray_local import LocalRayCluster, local_ray_cluster
+from belayer.testing.ray_local import LocalRayCluster, local_ray_cluster
 
 NODES = ("a", "b", "c")  # a is the head
 

@@ -14,9 +14,9 @@ from core.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from core.net import free_port
 from engine_pool.client import EngineClient, SamplingParams
 from engine_pool.fake import FakeEngine, fake_logprob
-from engine_pool.worker import free_port
 from gateway.config import GatewayConfig
 from tests.support import asgi_gateway
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
+from core.net import free_port
 from engine_pool.http11 import Http11Transport
-from engine_pool.worker import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 LIMITS = httpx.Limits(max_connections=4, max_keepalive_connections=2)

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from core.net import free_port
 from engine_pool.pool import READY, EnginePool
-from engine_pool.worker import WorkerSpec, free_port
+from engine_pool.worker import WorkerSpec
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 

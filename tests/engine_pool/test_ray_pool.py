@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from belayer.ray_local import LocalRayCluster
+from belayer.testing.ray_local import LocalRayCluster
 from tests.support import belayer_server, poll
 
 pytestmark = pytest.mark.ray

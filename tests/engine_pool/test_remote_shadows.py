@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_pool.worker import free_port
+from core.net import free_port
 from tests.support import belayer_server, spawn, stop, wait_healthy
 
 MAX_TOKENS = 150

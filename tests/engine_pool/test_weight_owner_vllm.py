@@ -24,9 +24,10 @@ import httpx
 import pytest
 
 from core import shm_weights
+from core.net import free_port
 from engine_pool.pool import READY, SHADOW, EnginePool, PoolMember
 from engine_pool.weight_owner import WeightOwner
-from engine_pool.worker import VllmWorker, WorkerSpec, free_port
+from engine_pool.worker import VllmWorker, WorkerSpec
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 
@@ -160,7 +161,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement_maps_them(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from belayer.tiny_model import build_tiny
+    from belayer.testing.tiny_model import build_tiny
 
     second = tmp_path / "tiny-seed-1"
     build_tiny(second, seed=1)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from belayer.services import (
+from belayer.testing.services import (
     DEFAULT_LITELLM_SPEC,
     base_url,
     ensure_litellm,

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.worker import free_port
+from core.net import free_port
 from tests.support import belayer_server
 
 

@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
+from core.net import free_port
 from engine_pool.fake import FakeEngine, autoregressive, fake_logprob
-from engine_pool.worker import free_port
 from store import SqliteStore
 from tests.support import belayer_server, poll, spawn, stop, wait_healthy
 

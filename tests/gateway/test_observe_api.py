@@ -13,9 +13,9 @@ import httpx
 import pytest
 import uvicorn
 
+from core.net import free_port
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import EnginePool
-from engine_pool.worker import free_port
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from tests.support import asgi_gateway

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from belayer.tiny_model import QWEN3_CODER_TEMPLATE, build_tiny
+from belayer.testing.tiny_model import QWEN3_CODER_TEMPLATE, build_tiny
 from core.errors import ConfigError
 from engine_pool.fake import FakeEngine
 from gateway.api.openai.protocol import Message

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from core.net import free_port
 from engine_pool.fake import FakeEngine, autoregressive
-from engine_pool.worker import free_port
 from gateway.policy.tokenization import ChatTokenizer
 from tests.postgres_server import PostgresServer
 from tests.support import belayer_argv, belayer_server, held_engine, poll

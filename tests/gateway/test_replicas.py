@@ -23,7 +23,7 @@ import openai
 import psycopg
 import pytest
 
-from belayer.services import haproxy_service, running
+from belayer.testing.services import haproxy_service, running
 from engine_pool.fake import FakeEngine, autoregressive
 from gateway.policy.tokenization import ChatTokenizer
 from tests.postgres_server import PostgresServer
@@ -118,7 +118,7 @@ def test_a_session_started_on_a_continues_on_b_with_exact_prefix_reuse(
 
 @contextlib.contextmanager
 def _haproxy(tmp_path: Path, a: str, b: str) -> Iterator[str]:
-    """HAProxy in front of gateways `a` and `b` (the bench's: ``belayer.services.HAPROXY_CFG``):
+    """HAProxy in front of gateways `a` and `b` (the bench's: ``belayer.testing.services.HAPROXY_CFG``):
     everything to A while it is up, a request whose connection A refuses redispatched to B."""
     lb = haproxy_service(tmp_path, [("a", a), ("b", b)])
     with running([lb]):

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.worker import free_port
+from core.net import free_port
 from store import SqliteStore
 from tests.support import REPO, ServerProcess, belayer_argv, belayer_server, spawn, wait_healthy
 

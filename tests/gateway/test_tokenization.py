@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from belayer.tiny_model import CONTEXT_WINDOW
+from belayer.testing.tiny_model import CONTEXT_WINDOW
 from gateway.policy.tokenization import ChatTokenizer
 
 
@@ -52,7 +52,7 @@ def test_roundtrip_and_token_bytes(tokenizer: ChatTokenizer) -> None:
 def test_context_window_and_determinism(tiny_model_dir: Path, tmp_path: Path) -> None:
     import json
 
-    from belayer.tiny_model import build_tiny
+    from belayer.testing.tiny_model import build_tiny
 
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
     assert cfg["max_position_embeddings"] == CONTEXT_WINDOW >= 65536

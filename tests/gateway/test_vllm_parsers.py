@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from belayer.tiny_model import QWEN3_CODER_TEMPLATE
+from belayer.testing.tiny_model import QWEN3_CODER_TEMPLATE
 from gateway.policy.tokenization import ChatTokenizer
 from tests.support import belayer_server
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from belayer.tiny_model import build_tiny
+from belayer.testing.tiny_model import build_tiny
 from tests.support import belayer_server
 
 pytestmark = pytest.mark.vllm

@@ -34,7 +34,7 @@ import docker
 import httpx
 import pytest
 
-from engine_pool.worker import free_port
+from core.net import free_port
 from gateway.policy.tokenization import ChatTokenizer
 from harness_adapters.base import HarnessAdapter
 from harness_adapters.claude_code import ClaudeCode

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.worker import free_port
+from core.net import free_port
 from harness_adapters.episode import EpisodeRunner, Task
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.scripted_engine import tool_call

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from core.errors import SandboxNotFound
-from engine_pool.worker import free_port
+from core.net import free_port
 from sandbox.backend import SandboxSpec
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.workloads import PYTHON_COUNTER_QUERY, PYTHON_COUNTER_SERVER
