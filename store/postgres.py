@@ -6,7 +6,8 @@ base; token ids as packed uint32 ``bytea``, logprobs as packed float64), fork ch
 parent's rows, and every method commits before it returns, so any replica reads what another wrote:
 prefix reuse (`gateway.turns.sessions`) finds a session's turns in the store, whichever gateway served them.
 The queries are those of the SQLite store (`store.sql`), spelled for PostgreSQL; this module
-holds the connections, the schema, and what only replicas need (row and advisory locks, owners, NOTIFY).
+holds the connections and what only replicas need (row and advisory locks, owners); the tables are in
+`store.postgres_schema`, the finished feed's lock and listener in `store.postgres_feed`.
 
 **Driver.** psycopg 3 with a *synchronous* connection pool (``psycopg_pool.ConnectionPool``): the
 store interface is synchronous and the gateway calls it from worker threads (``Gateway.offload``,
@@ -15,10 +16,8 @@ never waits on the database. An async driver would need every caller to become a
 private event loop per call, for no gain. Connections are in autocommit mode; multi-statement writes
 run in explicit transactions.
 
-**Schema.** Created or brought up to date when a store opens, in one transaction under a
-transaction-level advisory lock, so two gateways starting at once do not race: the second waits, then
-finds the tables there. A column a later version adds is an ``ADD COLUMN IF NOT EXISTS`` in that same
-transaction (`_COLUMNS`); ``meta.schema_version`` refuses a database newer than this code.
+**Schema.** Created or brought up to date when a store opens, under an advisory lock, so two gateways
+starting at once do not race (`store.postgres_schema`).
 
 **Concurrency between replicas.** A turn's index and branch are chosen under the session's row lock
 (``SELECT … FOR UPDATE``), so two replicas starting turns in one session at once get consecutive
@@ -26,16 +25,9 @@ indices; deleting a session takes the same lock. ``append_outputs`` is one condi
 part (``status = 'running'``), so a streamed batch that loses the race with the turn's final write is
 skipped, never written over it.
 
-**The finished feed.** Event ids come from one sequence, and a sequence value is taken when a
-transaction asks for it, not when it commits: close X may take id 10, close Y id 11, and Y commit
-first; a reader at cursor 11 would then never see X. So `mark_closed` takes a transaction-level
-advisory lock (the feed lock) just before it inserts its ``session_closed`` event and holds it until
-its commit: closes allocate their ids one at a time, in commit order (PostgreSQL makes a commit
-visible before it releases the transaction's locks), and whoever reads id N can read every close
-below N. Only closes serialise on this lock; other events take ids freely (the feed reads only
-``session_closed`` events). A close also sends a ``NOTIFY`` (delivered at its commit): each store
-with a telemetry hub listens on a connection of its own and publishes ``feed_advanced`` for another
-replica's close, which wakes ``GET /api/finished?follow=true`` followers on every gateway.
+**The finished feed.** `mark_closed` takes the feed lock to its commit, so closes take their event ids
+in commit order and a cursor never skips one, and sends a ``NOTIFY`` that every other replica's
+`FeedListener` turns into ``feed_advanced`` (`store.postgres_feed`).
 
 **Running turns of a dead gateway.** Each store instance is an *owner*: it holds a session-level
 advisory lock on its owner number, on a connection of its own, for as long as it is open, and marks
@@ -63,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import threading
 import time
 import uuid
 from array import array
@@ -77,53 +68,11 @@ from core.errors import StoreError
 from core.telemetry import Telemetry
 from store import schema
 from store.base import TURN_RUNNING, EventRecord, OutputPart, TurnRecord
-from store.sql import Dialect, SqlStore, Tx, dump_segments, log
+from store.postgres_feed import FEED_CHANNEL, FEED_LOCK, FeedListener
+from store.postgres_schema import TABLE_NAMES, prepare
+from store.sql import Dialect, SqlStore, Tx, dump_segments
 
-SCHEMA_VERSION = 1
-_SCHEMA_LOCK = 0x62656C61796572  # "belayer": the advisory lock key of schema creation
-_FEED_LOCK = 0x62656C61796566  # the finished feed's allocation lock (`mark_closed`)
 _OWNER_CLASS = 0x626C  # advisory locks (class, owner): an owner is alive while it holds its lock
-_FEED_CHANNEL = "belayer_feed"  # NOTIFY channel: a session closed (payload: the closing owner)
-
-_TABLES = (
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    """CREATE TABLE IF NOT EXISTS sessions (
-    id TEXT PRIMARY KEY, created_at DOUBLE PRECISION NOT NULL, metadata TEXT NOT NULL,
-    status TEXT NOT NULL, reward DOUBLE PRECISION, reward_info TEXT, closed_at DOUBLE PRECISION,
-    ephemeral BOOLEAN NOT NULL DEFAULT FALSE, parent_session TEXT, fork_turn INTEGER
-)""",
-    """CREATE TABLE IF NOT EXISTS turns (
-    id BIGSERIAL PRIMARY KEY, session_id TEXT NOT NULL REFERENCES sessions(id),
-    idx INTEGER NOT NULL, branch INTEGER NOT NULL, parent_id BIGINT, ext_key TEXT,
-    status TEXT NOT NULL, prompt_ids BYTEA NOT NULL, prompt_gen_spans TEXT NOT NULL,
-    output_ids BYTEA NOT NULL, output_logprobs BYTEA NOT NULL, request TEXT NOT NULL, response TEXT,
-    finish_reason TEXT, worker TEXT, timings TEXT NOT NULL, error TEXT,
-    received_at DOUBLE PRECISION NOT NULL, base_id BIGINT, prompt_base INTEGER NOT NULL DEFAULT 0,
-    spans_base INTEGER NOT NULL DEFAULT 0, request_delta BOOLEAN NOT NULL DEFAULT FALSE,
-    weight_segments TEXT, owner INTEGER NOT NULL DEFAULT 0,
-    UNIQUE (session_id, idx)
-)""",
-    """CREATE TABLE IF NOT EXISTS events (
-    id BIGSERIAL PRIMARY KEY, session_id TEXT NOT NULL, turn_id BIGINT,
-    ts DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL
-)""",
-    "CREATE TABLE IF NOT EXISTS exported (session_id TEXT PRIMARY KEY, exported_at DOUBLE PRECISION NOT NULL)",
-    """CREATE TABLE IF NOT EXISTS recomputations (
-    turn_id BIGINT PRIMARY KEY, session_id TEXT NOT NULL, spans TEXT NOT NULL,
-    scheduled_at DOUBLE PRECISION NOT NULL, owner INTEGER NOT NULL DEFAULT 0
-)""",
-    "CREATE INDEX IF NOT EXISTS turns_ext ON turns (session_id, ext_key)",
-    "CREATE INDEX IF NOT EXISTS turns_running ON turns (owner) WHERE status = 'running'",
-    "CREATE INDEX IF NOT EXISTS events_session ON events (session_id)",
-    "CREATE INDEX IF NOT EXISTS events_closed ON events (id) WHERE kind = 'session_closed'",
-    "CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at)",
-    "CREATE INDEX IF NOT EXISTS sessions_parent ON sessions (parent_session)",
-)
-_COLUMNS: tuple[tuple[str, str], ...] = ()
-"""(table, column definition) that a later version added: ``ADD COLUMN IF NOT EXISTS`` at every open."""
-
-_TABLE_NAMES = ("sessions", "turns", "events", "exported", "recomputations", "meta")
-
 
 # The metadata filter reads a top-level value as SQLite's json_extract gives it, as text: a string
 # without its quotes, true/false as 1/0, a number as written, an object or array as its JSON.
@@ -167,7 +116,7 @@ class PostgresStore(SqlStore):
         except psycopg.Error as e:
             raise StoreError(f"cannot open trajectory store {_redact(url)}: {e}") from e
         try:
-            self._prepare()
+            prepare(self._owner_conn, _redact(url))
             self.owner = self._take_owner()
         except psycopg.Error as e:
             self._owner_conn.close()
@@ -193,55 +142,12 @@ class PostgresStore(SqlStore):
             raise StoreError(f"cannot open trajectory store {_redact(url)}: {e}") from e
         if recover:
             self._recover()
-        self._stopping = threading.Event()
-        self._listener: threading.Thread | None = None
+        self._feed: FeedListener | None = None
         if telemetry is not None:
-            listening = threading.Event()
-            self._listener = threading.Thread(
-                target=self._listen, args=(telemetry, listening), name="belayer-store-feed", daemon=True
-            )
-            self._listener.start()
-            listening.wait(connect_timeout)  # from now on, no other replica's close goes unheard
-
-    def _listen(self, telemetry: Telemetry, listening: threading.Event) -> None:
-        """Publish ``feed_advanced`` when another replica closes a session (its NOTIFY at commit), so a
-        finished-feed follower on this gateway reads the store at once, not at its next heartbeat."""
-        try:
-            with psycopg.connect(self.url, autocommit=True) as conn:
-                conn.execute(f"LISTEN {_FEED_CHANNEL}")
-                listening.set()
-                while not self._stopping.is_set():
-                    for note in conn.notifies(timeout=0.5):
-                        if note.payload != str(self.owner):  # this store's own closes publish themselves
-                            telemetry.publish("feed_advanced", {"by": "replica"})
-        except psycopg.Error as e:  # followers fall back to their heartbeat's read of the store
-            listening.set()
-            if not self._stopping.is_set():
-                log.warning("trajectory store %s: feed listener stopped: %s", _redact(self.url), e)
+            self._feed = FeedListener(url, self.owner, telemetry, _redact(url))
+            self._feed.start(connect_timeout)  # from now on, no other replica's close goes unheard
 
     # --- connections, transactions, errors ----------------------------------------------------------
-
-    def _prepare(self) -> None:
-        """Create or bring up to date the tables, under the schema lock (two gateways may start at once)."""
-        conn = self._owner_conn
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            for sql in _TABLES:
-                conn.execute(sql)
-            for table, column in _COLUMNS:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column}")
-            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            found = int(row[0]) if row else 0
-            if found > SCHEMA_VERSION:
-                raise StoreError(
-                    f"trajectory store {_redact(self.url)} has schema version {found}, newer than this "
-                    f"Belayer reads ({SCHEMA_VERSION}); use the Belayer version that wrote it"
-                )
-            conn.execute(
-                "INSERT INTO meta VALUES ('schema_version', %s) ON CONFLICT (key) DO UPDATE "
-                "SET value = EXCLUDED.value",
-                (str(SCHEMA_VERSION),),
-            )
 
     def _take_owner(self) -> int:
         """A free owner number, its lock held by this store's own connection until `close`."""
@@ -273,9 +179,8 @@ class PostgresStore(SqlStore):
             raise self._failed(e) from e
 
     def _disconnect(self) -> None:
-        self._stopping.set()
-        if self._listener is not None:
-            self._listener.join(5)
+        if self._feed is not None:
+            self._feed.stop()
         self._pool.close()
         self._owner_conn.close()  # releases the owner lock: this store's running turns are orphans
 
@@ -357,10 +262,10 @@ class PostgresStore(SqlStore):
 
     def _record_close(self, tx: Tx, event: EventRecord) -> None:
         # the feed lock, held to the commit: closes take their event ids in commit order
-        tx.execute("SELECT pg_advisory_xact_lock(%s)", (_FEED_LOCK,))
+        tx.execute("SELECT pg_advisory_xact_lock(%s)", (FEED_LOCK,))
         self._insert_event(tx, event)
-        # delivered at the commit, to every replica's feed listener (`_listen`)
-        tx.execute("SELECT pg_notify(%s, %s)", (_FEED_CHANNEL, str(self.owner)))
+        # delivered at the commit, to every replica's feed listener (`FeedListener`)
+        tx.execute("SELECT pg_notify(%s, %s)", (FEED_CHANNEL, str(self.owner)))
 
     def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:
         self._recover()  # a dead gateway's running turns do not keep their sessions
@@ -417,14 +322,14 @@ class PostgresStore(SqlStore):
         row = self._one(
             "SELECT SUM(pg_total_relation_size(c.oid)) FROM pg_class c "
             "WHERE c.relname = ANY(%s) AND c.relkind = 'r' AND pg_table_is_visible(c.oid)",
-            (list(_TABLE_NAMES),),
+            (list(TABLE_NAMES),),
         )
         return int(row[0]) if row and row[0] is not None else 0
 
     def vacuum(self) -> None:
         """A plain VACUUM (space reused, files shrink only at their end): VACUUM FULL would lock out
         every gateway on the database."""
-        self._rows(f"VACUUM {', '.join(_TABLE_NAMES)}")
+        self._rows(f"VACUUM {', '.join(TABLE_NAMES)}")
 
 
 def _owner_gone(tx: Tx, owner: int) -> bool:

@@ -22,7 +22,8 @@ import pytest
 from core.telemetry import Event, Telemetry
 from store import OutputPart, SessionQuery, SessionRecord, SqliteStore, TurnRecord
 from store.base import TURN_COMPLETE, TURN_INTERRUPTED, TURN_RUNNING
-from store.postgres import _FEED_LOCK, _OWNER_CLASS, PostgresStore
+from store.postgres import _OWNER_CLASS, PostgresStore
+from store.postgres_feed import FEED_LOCK
 from tests.postgres_server import PostgresServer
 from tests.support import REPO
 
@@ -150,7 +151,7 @@ def test_a_close_that_commits_late_is_not_skipped_by_the_feed(url: str) -> None:
         a.create_session(SessionRecord(sid, time.time(), {}))
     with psycopg.connect(url) as slow:  # close X as mark_closed does, and hold the commit
         slow.execute("UPDATE sessions SET status = 'closed' WHERE id = 'x'")
-        slow.execute("SELECT pg_advisory_xact_lock(%s)", (_FEED_LOCK,))
+        slow.execute("SELECT pg_advisory_xact_lock(%s)", (FEED_LOCK,))
         slow.execute(
             "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES ('x', NULL, 0, 'session_closed', '{}')"
         )
