@@ -1,10 +1,13 @@
 """One owner for background work: every task has a name, a failure is logged, and close() cancels and
-joins what is left. The pool, the sandbox manager and the turn runner each hold one.
+joins what is left. The pool, the sandbox manager and the turn runner each hold one. Periodic work (a
+health probe, a sweep, a sampler) is `TaskOwner.every`: one loop that sleeps, runs a step, and outlives
+a step that fails.
 
 Example::
 
     owner = TaskOwner("engine-pool")
-    owner.spawn(probe_forever(), "probe")
+    owner.spawn(warm_up(), "warm-up")
+    owner.every(5.0, probe, "probe")   # await probe() every 5 s until close
     await owner.join()         # wait for what is running (tests, a drain)
     await owner.close()        # cancel what is left and wait for it
 
@@ -26,10 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 log = logging.getLogger("belayer.tasks")
+
+Step = Callable[[], Awaitable[object]]
+"""One round of periodic work (`TaskOwner.every`)."""
 
 
 class TaskOwner:
@@ -40,7 +46,7 @@ class TaskOwner:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self.failures = 0
-        """Tasks that ended with an exception (each one is logged)."""
+        """Tasks that ended with an exception, and steps of periodic work that raised (each one is logged)."""
 
     def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run `work` as a task named ``<owner>/<name>``. After `close`, the coroutine is closed unrun."""
@@ -51,6 +57,22 @@ class TaskOwner:
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
+
+    def every(self, interval_s: float, step: Step, name: str) -> asyncio.Task[None]:
+        """Await `step()` every `interval_s` seconds (the first time one interval from now) until `close`,
+        in a task named ``<owner>/<name>``. A step that raises is logged and counted in `failures`, and
+        the next one runs on time: one bad round does not end periodic work."""
+        return self.spawn(self._repeat(interval_s, step, name), name)
+
+    async def _repeat(self, interval_s: float, step: Step, name: str) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await step()
+            except Exception as exc:  # cancellation (close) is not an Exception: it ends the loop
+                self.failures += 1
+                log.error("periodic task %s/%s failed (next in %gs): %s", self.owner, name, interval_s, exc,
+                          exc_info=exc)  # fmt: skip
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -17,7 +17,6 @@ events so that open pages extend their charts live.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
@@ -123,15 +122,15 @@ class Recorder:
         return data
 
     def start(self, interval: float = 1.0) -> None:
-        async def every() -> None:
-            last = time.monotonic()
-            while True:
-                await asyncio.sleep(interval)
-                now = time.monotonic()
-                self.sample(now - last)
-                last = now
+        last = time.monotonic()
 
-        self._tasks.spawn(every(), "dashboard-sampler")
+        async def tick() -> None:
+            nonlocal last
+            now = time.monotonic()
+            self.sample(now - last)
+            last = now
+
+        self._tasks.every(interval, tick, "dashboard-sampler")
 
     async def close(self) -> None:
         await self._tasks.close()

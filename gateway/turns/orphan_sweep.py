@@ -41,12 +41,7 @@ class OrphanSweeper:
         """Turns this gateway's sweeps marked interrupted."""
 
     def start(self) -> None:
-        self._tasks.spawn(self._run(), "sweep")
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.sweep()
+        self._tasks.every(self.interval_s, self.sweep, "sweep")
 
     async def sweep(self) -> int:
         """One sweep now; the turns it marked (a store error is logged by the store: the next sweep

@@ -406,7 +406,7 @@ class SandboxManager:
     # ------------------------------------------------------------------ helpers
     def _ensure_watcher(self) -> None:
         if self._watch_task.running == 0:
-            self._watch_task.spawn(self.watcher.run(self.settings.watch_interval_s), "watcher")
+            self._watch_task.every(self.settings.watch_interval_s, self.watcher.sweep, "watcher")
 
 
 def _restorable(slot: Slot) -> dict[str, Any]:

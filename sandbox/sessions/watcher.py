@@ -9,12 +9,11 @@ back, so that the request is matched against the truncated trajectory.
 Example::
 
     watcher = Watcher(slots, io, recovery)
-    tasks.spawn(watcher.run(0.5), "watcher")    # or, in a test: await watcher.sweep()
+    tasks.every(0.5, watcher.sweep, "watcher")    # or, in a test: await watcher.sweep()
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from core.errors import SandboxError
@@ -34,11 +33,6 @@ class Watcher:
         self.slots = slots
         self.io = io
         self.recovery = recovery
-
-    async def run(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.sweep()
 
     async def sweep(self) -> None:
         """Check every idle sandbox once; recover those that stopped."""
