@@ -46,6 +46,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .cache/site
 
 test: setup sandbox-host browser-host postgres-host lint
 	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
