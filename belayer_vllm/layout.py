@@ -22,13 +22,14 @@ import torch
 import vllm
 
 from core import shm_weights
+from core.errors import BelayerError
 
 FORMAT = 1
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
                                torch.int32, torch.int64, torch.bool, torch.float64)}  # fmt: skip
 
 
-class LayoutUnavailable(Exception):
+class LayoutUnavailable(BelayerError):
     """The owner's layout cannot be used (no live owner, not written yet, another model or config)."""
 
 

@@ -1,9 +1,11 @@
-"""The project's one exception tree. Every error Belayer raises is a `BelayerError`.
+"""The project's one exception tree. Every error Belayer raises is a `BelayerError`; a builtin base in
+parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
 
 ::
 
     BelayerError
     ├── ConfigError                    a setting cannot work (start-up); the message says what to change
+    │   └── UnsafeStore (PermissionError)            core.shm_weights: a weight store others could write to
     ├── EngineError                    anything between the gateway and an inference worker
     │   ├── EngineUnavailable          connection refused/reset, worker died, no healthy worker
     │   ├── EngineTimeout              no answer (or no token) within a deadline
@@ -43,16 +45,22 @@
     │   └── ImageBuildError                          building a sandbox image failed
     ├── HarnessError                   a harness could not be installed or run
     ├── TaskError (ValueError)         a task directory is not usable
+    ├── BenchError (RuntimeError)      a benchmark (or a service it starts) could not run
     │
     │   raised outside this module, by the layer that owns them:
     ├── Preempted                      gateway.turns.failover: a weight update cut a stream; the turn resumes
     ├── ClientError                    belayer.client: the gateway answered the trainer's client with an error
     │   └── GatewayUnreachable (ConnectionError)     no answer, or the connection broke
-    └── DemoFailed                     belayer.demo: the demo could not show what it shows
+    ├── DemoFailed                     belayer.cli.demo: the demo could not show what it shows
+    └── LayoutUnavailable              belayer_vllm.layout: no weight owner's layout to map (load from disk)
+
+Outside the tree on purpose: ``sandbox.fake_shell._Exit`` (the fake shell's ``exit`` builtin, control
+flow its script runner always catches) and ``StepFailed`` in ``deploy/gpu/cuda_ipc_check.py`` (a
+script that needs only PyTorch, so it imports nothing of Belayer).
 
 Foreign errors are translated at one boundary each: httpx in ``engine_pool.client`` (and, for
-auxiliary providers, ``gateway.turns.auxiliary``), Docker in ``sandbox.docker_backend.docker_errors``. The
-gateway maps this tree to OpenAI and Anthropic error JSON in one table, ``gateway.http.errors``.
+auxiliary providers, ``gateway.turns.auxiliary``), Docker in ``sandbox.docker_backend.engine.docker_errors``.
+The gateway maps this tree to OpenAI and Anthropic error JSON in one table, ``gateway.http.errors``.
 
 >>> issubclass(PathEscapeError, BelayerError) and issubclass(PathEscapeError, ValueError)
 True
@@ -259,3 +267,7 @@ class HarnessError(BelayerError):
 
 class TaskError(BelayerError, ValueError):
     """A task directory is missing something or holds something invalid."""
+
+
+class BenchError(BelayerError, RuntimeError):
+    """A benchmark (or the service it needed) could not run: a server did not start, a path failed."""

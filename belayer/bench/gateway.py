@@ -60,7 +60,6 @@ from belayer.testing.services import (
     DEFAULT_LITELLM_VENV,
     FAKE_MODEL,
     SERVED_MODEL,
-    BenchError,
     Service,
     base_url,
     ensure_litellm,
@@ -70,6 +69,7 @@ from belayer.testing.services import (
     progress,
     running,
 )
+from core.errors import BenchError
 
 if TYPE_CHECKING:
     from belayer.testing.postgres_local import PostgresServer

@@ -49,7 +49,6 @@ import httpx
 from belayer.bench import emit
 from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, ensure_model, throughput
 from belayer.testing.services import (
-    BenchError,
     Service,
     base_url,
     fake_engine_service,
@@ -57,6 +56,7 @@ from belayer.testing.services import (
     progress,
     running,
 )
+from core.errors import BenchError
 from core.net import free_port
 
 
@@ -152,7 +152,7 @@ async def _session(
     except httpx.HTTPError:
         pass  # the gateway died: retry below
     else:
-        raise RuntimeError(f"session {s.sid}: the stream ended before the kill (raise --reply-tokens)")
+        raise BenchError(f"session {s.sid}: the stream ended before the kill (raise --reply-tokens)")
     deadline = time.monotonic() + opts.retry_deadline
     while time.monotonic() < deadline:  # the harness retries the same request, as the SDKs do
         s.retries += 1
@@ -168,7 +168,7 @@ async def _session(
                 return
         except httpx.HTTPError:
             await asyncio.sleep(0.05)  # the gateway is not back yet
-    raise RuntimeError(f"session {s.sid}: no retry succeeded within {opts.retry_deadline:.0f} s")
+    raise BenchError(f"session {s.sid}: no retry succeeded within {opts.retry_deadline:.0f} s")
 
 
 def _continued(traj: dict[str, Any]) -> tuple[bool, int]:

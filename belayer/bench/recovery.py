@@ -40,6 +40,7 @@ import httpx
 from belayer.bench import emit, weight_owner
 from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, ensure_model, throughput
 from belayer.testing.services import Service, base_url, fake_engine_service, progress, running
+from core.errors import BenchError
 from core.net import free_port
 
 
@@ -108,7 +109,7 @@ async def _wait_until(
         if states.count("ready") >= ready and states.count("shadow") >= shadows:
             return time.monotonic()
         await asyncio.sleep(0.02)
-    raise RuntimeError(f"the pool did not reach {ready} ready + {shadows} shadow workers in {timeout:.0f}s")
+    raise BenchError(f"the pool did not reach {ready} ready + {shadows} shadow workers in {timeout:.0f}s")
 
 
 async def kill_once(url: str, opts: argparse.Namespace) -> dict[str, float]:
@@ -205,7 +206,7 @@ async def _full_strength(
         if states == sorted(["ready"] * opts.workers + ["shadow"] * opts.shadows) and _hosts(live) <= on:
             return time.monotonic()
         await asyncio.sleep(0.02)
-    raise RuntimeError(f"the pool did not reach full strength on {sorted(on)} in {timeout:.0f}s")
+    raise BenchError(f"the pool did not reach full strength on {sorted(on)} in {timeout:.0f}s")
 
 
 async def lose_node(url: str, cluster: Any, opts: argparse.Namespace) -> dict[str, float]:
@@ -256,7 +257,7 @@ async def lose_node(url: str, cluster: Any, opts: argparse.Namespace) -> dict[st
                 arrivals[sid][e["data"]["token_index"]] - t_kill for e in events if e["kind"] == "failover"
             ]
         if not resumed:
-            raise RuntimeError("no stream was interrupted by the node's loss")
+            raise BenchError("no stream was interrupted by the node's loss")
         cluster.restart_node(next(n.name for n in cluster.nodes if n.ip == lost))
         return {
             "node_loss_resumed_s": max(resumed),

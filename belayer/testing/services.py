@@ -25,17 +25,13 @@ from pathlib import Path
 
 import httpx
 
-from core.errors import BelayerError
+from core.errors import BenchError
 from core.net import free_port
 
 DEFAULT_LITELLM_VENV = ".cache/litellm-venv"
 DEFAULT_LITELLM_SPEC = "litellm[proxy]"
 FAKE_MODEL = "fake"
 SERVED_MODEL = "policy"
-
-
-class BenchError(BelayerError):
-    """A benchmark (or the service it needed) could not run: a server did not start, a path failed."""
 
 
 def progress(message: str) -> None:

@@ -7,8 +7,8 @@ import inspect
 import core.errors as errors
 from gateway.http.errors import TABLE, entry_for, for_exception
 
-# Errors that never reach a client: start-up, harness programs and task directories (CLI-side).
-OFFLINE = {errors.BelayerError, errors.ConfigError, errors.HarnessError, errors.TaskError}
+# Errors that never reach a client: start-up, harness programs, task directories and benches (CLI-side).
+OFFLINE = {errors.BelayerError, errors.ConfigError, errors.HarnessError, errors.TaskError, errors.BenchError}
 
 
 def test_every_error_class_has_a_table_entry_and_no_instance_status() -> None:
