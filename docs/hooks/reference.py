@@ -200,24 +200,21 @@ def render_config() -> str:
         doc = _first_paragraph(inspect.getdoc(model) or "")
         if doc:
             lines += [doc, ""]
-        lines += [
-            "| key | type | default | environment / flag | description |",
-            "| --- | --- | --- | --- | --- |",
-        ]
+        lines += ["| setting | type, default | description |", "| --- | --- | --- |"]
         for name, field in model.model_fields.items():
             path = f"{prefix}.{name}" if prefix else name
             nested = _model_of(field.annotation)
             env = ENV_PREFIX + path.upper().replace(".", ENV_NESTING)
-            where = "<br>".join(x for x in (_code(env), _code(flags.get(path, ""))) if x)
+            setting = "<br>".join(x for x in (f"**`{name}`**", _code(env), _code(flags.get(path, ""))) if x)
+            about = _cell(field.description or "")
             if nested is not None:
                 anchor = f"[`[{path}]`](#{path.replace('.', '')}-{nested.__name__.lower()})"
-                about = _cell(field.description or "") or "a table of its own (JSON in the variable)"
-                lines.append(f"| `{name}` | {nested.__name__} | see {anchor} | {where} | {about} |")
-                continue
-            lines.append(
-                f"| `{name}` | {_code(_type(field.annotation))} | {_default(field)} "
-                f"| {where} | {_cell(field.description or '')} |"
-            )
+                about = about or "a table of its own (JSON in the variable)"
+                lines.append(f"| {setting} | {nested.__name__}, see {anchor} | {about} |")
+            else:
+                lines.append(
+                    f"| {setting} | {_code(_type(field.annotation))}<br>{_default(field)} | {about} |"
+                )
         lines.append("")
     return "\n".join(lines)
 
