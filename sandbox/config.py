@@ -122,4 +122,4 @@ class DockerBackendConfig(BaseModel):
     gateway_bridge: str = "belayer-gw0"
     disk_quota_bytes: int | None = None
     """Each sandbox's writable-layer quota (``--storage-opt size``), where the storage driver has one
-    (see `DockerSandboxBackend.disk_quota_enforced`); None: no quota."""
+    (see `DockerSandboxBackend.disk_quota`); None: no quota."""

@@ -8,7 +8,7 @@ sending as another. This is separate from `SandboxBackend` (containers): a backe
 has one, as `SandboxBackend.network`.
 
 Implementations: `sandbox.docker_backend.DockerNetwork` (an internal Docker bridge plus an iptables
-chain, see `sandbox.docker_network`) and `sandbox.fake.FakeNetwork`.
+chain, see `sandbox.docker_backend.network`) and `sandbox.fake.FakeNetwork`.
 
 Example::
 

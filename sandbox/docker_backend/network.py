@@ -19,7 +19,8 @@ accepts TCP to the gateway's listening ports only and resets or drops everything
 
 Rules are added and removed one by one (`iptables -C` first), so several gateways can share the network.
 
-It is the Docker side of `sandbox.network.SandboxNetwork` (`DockerSandboxBackend.network` wraps it).
+`DockerNetwork` is the Docker side of `sandbox.network.SandboxNetwork` (`DockerSandboxBackend.network`):
+it wraps `GatewayNetwork` and translates its Docker errors.
 
 Example::
 
@@ -41,10 +42,43 @@ import docker.errors
 
 from core.errors import SandboxUnavailable
 from sandbox import engine_check
+from sandbox.docker_backend.engine import docker_errors
+from sandbox.network import SandboxNetwork
 
 CHAIN = "BELAYER-GATEWAY"
 ICC = "com.docker.network.bridge.enable_icc"
 LABELS = {"belayer": "gateway-network"}
+
+
+class DockerNetwork(SandboxNetwork):
+    """`SandboxNetwork` on Docker: the internal bridge and firewall chain of `GatewayNetwork`."""
+
+    def __init__(self, api: docker.APIClient, name: str, bridge: str) -> None:
+        self._api = api
+        self._name = name
+        self._gateway = GatewayNetwork(api, name, bridge)
+
+    def address(self, sandbox_id: str) -> str | None:
+        with docker_errors():
+            networks = self._api.inspect_container(sandbox_id)["NetworkSettings"].get("Networks") or {}
+        ip = (networks.get(self._name) or {}).get("IPAddress")
+        return str(ip) if ip else None
+
+    def gateway_address(self) -> str:
+        with docker_errors(SandboxUnavailable):
+            return self.ensure()
+
+    def ensure(self) -> str:
+        """Create the network if needed (Docker errors propagate untranslated); the host's address."""
+        return self._gateway.ensure()
+
+    def open_gateway(self, port: int) -> None:
+        with docker_errors(SandboxUnavailable):
+            self._gateway.open(port)
+
+    def close_gateway(self, port: int) -> None:
+        with docker_errors(SandboxUnavailable):
+            self._gateway.close(port)
 
 
 class GatewayNetwork:

@@ -19,7 +19,7 @@ from core.errors import SandboxUnavailable
 from sandbox.backend import Sandbox, SandboxSpec
 from sandbox.config import DockerBackendConfig
 from sandbox.docker_backend import DockerSandboxBackend
-from sandbox.docker_network import CHAIN, ICC, LABELS
+from sandbox.docker_backend.network import CHAIN, ICC, LABELS
 
 pytestmark = pytest.mark.docker
 

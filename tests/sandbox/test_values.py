@@ -6,12 +6,8 @@ import pytest
 
 from core.errors import PathEscapeError, SandboxError, SandboxTimeout
 from sandbox.backend import Checkpoint, SandboxSpec, check_session_name, resolve_in_root
-from sandbox.docker_backend import (
-    build_script,
-    checkpoint_from_json,
-    checkpoint_to_json,
-    parse_client_output,
-)
+from sandbox.docker_backend.checkpoints import checkpoint_from_json, checkpoint_to_json
+from sandbox.docker_backend.exec import build_script, parse_client_output
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,182 @@
+"""The Docker backend's checkpoints: a snapshot image and a CRIU dump, taken together; restore from them.
+
+A checkpoint is two things taken while the container is paused, so they match:
+
+- the filesystem: `docker commit` into `<checkpoint_repository>:<checkpoint id>`; when the image's layer
+  chain nears Docker's limit (125) it is flattened instead (export + import);
+- the processes: a CRIU dump (`POST /containers/{id}/checkpoints`, leave running) written straight
+  into `<checkpoint_dir>/<checkpoint id>/criu`, next to `meta.json`.
+
+Restore creates a *new* container from the snapshot image, copies the dump into
+`<data-root>/containers/<new id>/checkpoints/criu/` (Docker cannot start from a custom checkpoint
+directory), adds a unique nonce file (identical dumps otherwise fail with "content already exists",
+moby#42900), and starts it with `POST /containers/{id}/start?checkpoint=criu`. The process dump refers
+to files by path, so it needs this host's filesystem access to Docker's data-root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import docker.errors
+
+from core.errors import CheckpointError, RestoreError, SandboxNotFound
+from sandbox.backend import Checkpoint, Sandbox, checkpoint_from_record, checkpoint_record
+from sandbox.docker_backend.containers import Containers
+from sandbox.docker_backend.engine import DockerEngine, docker_errors
+from sandbox.docker_backend.images import Images
+
+_CRIU_NAME = "criu"
+
+
+class Checkpoints:
+    """Checkpoints of sandboxes under `DockerBackendConfig.checkpoint_dir`, and restores from them."""
+
+    def __init__(self, engine: DockerEngine, containers: Containers, images: Images) -> None:
+        self._engine = engine
+        self._api = engine.api
+        self._config = engine.config
+        self._containers = containers
+        self._images = images
+
+    def take(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
+        spec = self._engine.spec(sandbox_id)
+        ckpt_id = uuid.uuid4().hex[:16]
+        location = self._config.checkpoint_dir / ckpt_id
+        location.mkdir(parents=True, exist_ok=False)
+        try:
+            with self._engine.lock(sandbox_id), docker_errors(CheckpointError):
+                info = self._api.inspect_container(sandbox_id)
+                with self._engine.paused(sandbox_id):
+                    started = time.monotonic()
+                    image = self._snapshot_filesystem(info, ckpt_id)
+                    fs_done = time.monotonic()
+                    self._dump_processes(info["Id"], location)
+                    dumped = time.monotonic()
+        except BaseException:
+            with contextlib.suppress(docker.errors.DockerException):
+                self._discard_snapshot(f"{self._config.checkpoint_repository}:{ckpt_id}", location)
+            raise
+        ckpt = Checkpoint(
+            id=ckpt_id, sandbox_id=sandbox_id, label=label, spec=spec, image=image,
+            location=str(location), created_at=time.time(),
+            fs_seconds=fs_done - started, process_seconds=dumped - fs_done,
+            env=tuple(info["Config"].get("Env") or ()), dump_bytes=_tree_bytes(location),
+        )  # fmt: skip
+        (location / "meta.json").write_text(checkpoint_to_json(ckpt))
+        return ckpt
+
+    def restore(self, checkpoint: Checkpoint) -> Sandbox:
+        dump = Path(checkpoint.location) / _CRIU_NAME
+        if not dump.is_dir():
+            raise SandboxNotFound(f"checkpoint {checkpoint.id}: no process dump at {dump}")
+        name = self._engine.new_name()
+        with docker_errors(RestoreError):
+            created = self._containers.create(name, checkpoint.spec, checkpoint.image, list(checkpoint.env))
+            try:
+                self._stage_dump(created, dump)
+                self._engine.post(f"/containers/{created}/start", params={"checkpoint": _CRIU_NAME})
+            except BaseException:
+                with contextlib.suppress(docker.errors.DockerException):
+                    self._api.remove_container(created, force=True, v=True)
+                raise
+        self._engine.remember(name, checkpoint.spec)
+        return Sandbox(id=name, spec=checkpoint.spec)
+
+    def delete(self, checkpoint: Checkpoint) -> None:
+        """Remove the dump and the snapshot image (Docker keeps an image that a sandbox still uses)."""
+        with docker_errors(CheckpointError):
+            self._discard_snapshot(checkpoint.image, Path(checkpoint.location))
+
+    def exists(self, checkpoint: Checkpoint) -> bool:
+        """Its process dump is on disk and its snapshot image in the engine."""
+        if not (Path(checkpoint.location) / _CRIU_NAME).is_dir():
+            return False
+        return self._images.has(checkpoint.image)
+
+    def load(self, checkpoint_id: str) -> Checkpoint:
+        """Read a checkpoint's record back from `checkpoint_dir` (e.g. after a restart)."""
+        meta = self._config.checkpoint_dir / checkpoint_id / "meta.json"
+        try:
+            return checkpoint_from_json(meta.read_text())
+        except FileNotFoundError as exc:
+            raise SandboxNotFound(f"no checkpoint {checkpoint_id}") from exc
+
+    def drop_orphan_snapshot(self, image: str) -> None:
+        """A restored sandbox kept its snapshot image alive after its checkpoint was deleted (409 in
+        `_discard_snapshot`); remove the image with the last such sandbox (Docker errors untranslated)."""
+        repo, _, tag = image.partition(":")
+        if repo != self._config.checkpoint_repository or (self._config.checkpoint_dir / tag).exists():
+            return
+        with contextlib.suppress(docker.errors.NotFound):
+            try:
+                self._api.remove_image(image)
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # still used by another restored sandbox
+                    raise
+
+    def _discard_snapshot(self, image: str, location: Path) -> None:
+        shutil.rmtree(location, ignore_errors=True)
+        try:
+            self._api.remove_image(image)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: a restored sandbox still uses it
+                raise
+
+    def _snapshot_filesystem(self, info: dict[str, Any], ckpt_id: str) -> str:
+        repo = self._config.checkpoint_repository
+        if self._images.layers(info["Image"]) + 1 >= self._config.max_image_layers:
+            chunks = self._api.export(info["Id"])
+            self._api.import_image(src=chunks, repository=repo, tag=ckpt_id, stream_src=True)
+        else:
+            self._api.commit(info["Id"], repository=repo, tag=ckpt_id, pause=False)
+        return f"{repo}:{ckpt_id}"
+
+    def _dump_processes(self, container_id: str, location: Path) -> None:
+        # Docker writes the dump to <CheckpointDir>/<CheckpointID>; the container keeps running.
+        body = {"CheckpointID": _CRIU_NAME, "CheckpointDir": str(location), "Exit": False}
+        try:
+            self._engine.post(f"/containers/{container_id}/checkpoints", json_body=body)
+        except docker.errors.APIError as exc:
+            raise CheckpointError(f"CRIU could not dump the processes: {criu_errors(str(exc))}") from exc
+
+    def _stage_dump(self, container_id: str, dump: Path) -> None:
+        dest = self._engine.data_root() / "containers" / container_id / "checkpoints" / _CRIU_NAME
+        shutil.copytree(dump, dest)
+        (dest / "nonce").write_text(uuid.uuid4().hex)  # moby#42900: make every restore unique
+
+
+def criu_errors(message: str, lines: int = 6) -> str:
+    """Docker's checkpoint error names CRIU's log (`path= …/criu-dump.log`); add its error lines."""
+    match = re.search(r"path= ?(\S+\.log)", message)
+    if match is None:
+        return message
+    try:
+        log = Path(match.group(1)).read_text(errors="replace").splitlines()
+    except OSError:
+        return message
+    errors = [line.strip() for line in log if "Error" in line][-lines:]
+    return f"{message} | CRIU: {' | '.join(errors)}" if errors else message
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def checkpoint_to_json(ckpt: Checkpoint) -> str:
+    """Serialise a checkpoint record (the inverse of `checkpoint_from_json`)."""
+    return json.dumps(checkpoint_record(ckpt), indent=1)
+
+
+def checkpoint_from_json(text: str) -> Checkpoint:
+    """Parse a record written by `checkpoint_to_json`."""
+    return checkpoint_from_record(json.loads(text))

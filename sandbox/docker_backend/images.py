@@ -1,0 +1,148 @@
+"""The Docker backend's images: what `sandbox.images` and `sandbox.task_images` build with (import a root
+filesystem, derive an image with a few files more, build one by running a setup script under a sandbox's
+limits) and what they look up, list and remove.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import docker.errors
+import requests
+
+from core.errors import ImageBuildError
+from sandbox.backend import SandboxSpec
+from sandbox.docker_backend.containers import Containers
+from sandbox.docker_backend.engine import DockerEngine, docker_errors
+
+
+class Images:
+    """The engine's images, by name (tag included)."""
+
+    def __init__(self, engine: DockerEngine, containers: Containers) -> None:
+        self._engine = engine
+        self._api = engine.api
+        self._containers = containers
+
+    def has(self, name: str) -> bool:
+        with docker_errors():
+            try:
+                self._engine.inspect_image(name)
+            except docker.errors.ImageNotFound:
+                return False
+        return True
+
+    def id_of(self, name: str) -> str:
+        with docker_errors():
+            return str(self._engine.inspect_image(name)["Id"])
+
+    def layers(self, name: str) -> int:
+        with docker_errors():
+            return len(self._engine.inspect_image(name)["RootFS"].get("Layers") or [])
+
+    def labelled(self, label: str) -> list[dict[str, Any]]:
+        """Images carrying `label`: name (first tag), id, created (epoch s), size (bytes), labels."""
+        with docker_errors():
+            found = self._api.images(filters={"label": label})
+        return [
+            {
+                "name": (img.get("RepoTags") or [img["Id"]])[0],
+                "id": img["Id"],
+                "created": float(img.get("Created") or 0),
+                "size": int(img.get("Size") or 0),
+                "labels": dict(img.get("Labels") or {}),
+            }
+            for img in found
+        ]
+
+    def remove(self, name: str) -> bool:
+        """Remove image `name`; False when a container still uses it (it is kept)."""
+        with docker_errors():
+            try:
+                self._api.remove_image(name)
+            except docker.errors.NotFound:
+                return True
+            except docker.errors.APIError as exc:
+                if exc.status_code == 409:
+                    return False
+                raise
+        return True
+
+    # ------------------------------------------------------------------ building
+    def import_rootfs(self, name: str, rootfs_tar: Path | bytes, changes: list[str]) -> None:
+        """`docker import` a root filesystem tarball (a path or bytes) as `name:latest`."""
+        with docker_errors(ImageBuildError):
+            if isinstance(rootfs_tar, Path):
+                with rootfs_tar.open("rb") as stream:
+                    self._import(stream, name, changes)
+            else:
+                self._import(io.BytesIO(rootfs_tar), name, changes)
+
+    def derive(self, name: str, base: str, files: dict[str, Path]) -> None:
+        """Build image `name` as `base` plus `files` (container path → host file)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for target, source in files.items():
+                info = tar.gettarinfo(str(source), arcname=target.lstrip("/"))
+                info.uid = info.gid = 0
+                info.uname = info.gname = "root"
+                with source.open("rb") as f:
+                    tar.addfile(info, f)
+        with docker_errors(ImageBuildError):
+            container = self._api.create_container(base, command=["true"], labels={"belayer": "image-build"})
+            try:
+                self._api.put_archive(container["Id"], "/", buf.getvalue())
+                repo, _, tag = name.partition(":")
+                self._api.commit(container["Id"], repository=repo, tag=tag or "latest")
+            finally:
+                self._api.remove_container(container["Id"], force=True)
+
+    def build(
+        self,
+        name: str,
+        base: str,
+        tar: bytes,
+        script: str,
+        *,
+        labels: dict[str, str],
+        workdir: str = "/workspace",
+        timeout_s: float = 1800.0,
+        network: bool = False,
+        cap_add: tuple[str, ...] = (),
+    ) -> str:
+        """See `DockerSandboxBackend.build_image`."""
+        spec = SandboxSpec(
+            image=base, workdir=workdir, network="full" if network else "none", cap_add=cap_add
+        )
+        with docker_errors(ImageBuildError):
+            container = self._api.create_container(
+                base, entrypoint=["/bin/sh", "-c", script], working_dir=workdir, user="0:0",
+                labels={"belayer": "image-build"}, host_config=self._containers.host_config(spec),
+            )  # fmt: skip
+            try:
+                self._api.put_archive(container["Id"], "/", tar)
+                self._api.start(container["Id"])
+                try:
+                    status = self._api.wait(container["Id"], timeout=timeout_s)
+                except requests.exceptions.ReadTimeout as exc:
+                    raise ImageBuildError(f"building {name}: setup ran over {timeout_s:g}s") from exc
+                logs: str = self._api.logs(container["Id"]).decode(errors="replace")
+                if status.get("StatusCode") != 0:
+                    raise ImageBuildError(
+                        f"building {name}: setup exited {status.get('StatusCode')}: {logs[-2000:]}"
+                    )
+                repo, _, tag = name.partition(":")
+                changes = [f"LABEL {k}={json.dumps(v)}" for k, v in labels.items()]
+                changes += [f"WORKDIR {workdir}", "ENTRYPOINT []", 'CMD ["/bin/sh"]']
+                self._api.commit(container["Id"], repository=repo, tag=tag or "latest", changes=changes)
+            finally:
+                self._api.remove_container(container["Id"], force=True)
+        return logs
+
+    def _import(self, stream: io.BufferedIOBase, name: str, changes: list[str]) -> None:
+        chunks = iter(lambda: stream.read(1 << 20), b"")
+        self._api.import_image(src=chunks, repository=name, tag="latest", changes=changes, stream_src=True)
