@@ -14,7 +14,7 @@ import pytest
 from engine_pool.fake import FakeEngine
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.policy.tokenization import ChatTokenizer
-from tests.store_backends import postgres, store_backend  # noqa: F401  (fixtures: both stores)
+from tests.store_backends import postgres, sql_store_backend, store_backend  # noqa: F401  (fixtures: every store)
 from tests.support import REPO, GatewayHarness, asgi_gateway
 
 

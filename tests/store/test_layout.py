@@ -101,8 +101,10 @@ def store(store_backend: StoreBackend) -> TrajectoryStore:
 
 @pytest.mark.parametrize("hint", [True, False])
 def test_a_linear_episode_stores_segments_and_reads_back_exactly(
-    store_backend: StoreBackend, store: TrajectoryStore, hint: bool
+    sql_store_backend: StoreBackend, hint: bool
 ) -> None:
+    store_backend = sql_store_backend
+    store = store_backend.open()
     ep = Episode(store)
     turn = ep.turn(list(range(100)), [500, 501, 502], _request([{"role": "user", "content": "go"}]))
     for k in range(20):
@@ -120,8 +122,9 @@ def test_a_linear_episode_stores_segments_and_reads_back_exactly(
     ep.check()
 
 
-def test_branches_and_rewrites(store_backend: StoreBackend, store: TrajectoryStore) -> None:
-    ep = Episode(store)
+def test_branches_and_rewrites(sql_store_backend: StoreBackend) -> None:
+    store_backend = sql_store_backend
+    ep = Episode(store_backend.open())
     root = ep.turn([1, 2, 3, 4], [5, 6], _request([{"role": "user", "content": "a"}]))
     second = ep.extend(root, [7, 8], [9])
     third = ep.extend(second, [10], [11])

@@ -1,8 +1,10 @@
 """The shared SQL layer (`store.sql`): its spelling per database, and one history written on
-both stores, which must give the same records, events, published events and errors."""
+both stores (and on the in-memory fake), which must give the same records, events, published events
+and errors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ from core.errors import Conflict, NotFound
 from core.telemetry import Event, Telemetry
 from store import OutputPart, SessionQuery, SessionRecord, SqliteStore, TrajectoryStore, TurnRecord
 from store.base import TURN_COMPLETE, EventRecord
+from store.memory import MemoryStore
 from store.postgres import PostgresStore
 from store.sql import Tx
 from tests.postgres_server import PostgresServer
@@ -119,20 +122,31 @@ def _history(store: TrajectoryStore, published: list[Event]) -> list[Any]:
     return seen
 
 
-@pytest.mark.postgres
-def test_one_history_reads_the_same_on_both_stores(postgres: PostgresServer, tmp_path: Path) -> None:
+def _same_history(
+    first: Callable[[Telemetry], TrajectoryStore], second: Callable[[Telemetry], TrajectoryStore]
+) -> None:
     results = []
-    for open_store in (
-        lambda t: SqliteStore(tmp_path / "t.db", telemetry=t),
-        lambda t: PostgresStore(postgres.new_database(), t),
-    ):
+    for open_store in (first, second):
         telemetry, published = Telemetry(), list[Event]()
         telemetry.listen(published.append)
         store = open_store(telemetry)
         results.append(_history(store, published))
         store.close()
-    lite, pg = results
-    assert len(lite) == len(pg)
-    for i, (a, b) in enumerate(zip(lite, pg, strict=True)):
+    lite, other = results
+    assert len(lite) == len(other)
+    for i, (a, b) in enumerate(zip(lite, other, strict=True)):
         assert a == b, f"item {i}"
     assert lite[0:2] == [1, 0] and lite[-2] == 0  # the history did what it says, with no failure
+
+
+@pytest.mark.postgres
+def test_one_history_reads_the_same_on_both_stores(postgres: PostgresServer, tmp_path: Path) -> None:
+    _same_history(
+        lambda t: SqliteStore(tmp_path / "t.db", telemetry=t),
+        lambda t: PostgresStore(postgres.new_database(), t),
+    )
+
+
+def test_the_memory_fake_reads_one_history_as_sqlite_does(tmp_path: Path) -> None:
+    """The fake (`store.memory`) gives the same records, ids, events, published events and errors."""
+    _same_history(lambda t: SqliteStore(tmp_path / "t.db", telemetry=t), lambda t: MemoryStore(telemetry=t))
