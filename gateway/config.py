@@ -569,11 +569,10 @@ class ConfigLoader:
         self._check_launch(config)
         self._check_listen(config.host, config.port)
         if config.sandbox.enabled:
-            from sandbox.config import DockerBackendConfig
-            from sandbox.docker_backend import DockerSandboxBackend
+            from sandbox.backends import backend_for
 
             # Raises SandboxUnavailable when Docker does not answer; the CLI says how to start it.
-            DockerSandboxBackend(DockerBackendConfig(base_url=config.sandbox.docker_url)).close()
+            backend_for(config.sandbox).close()
 
     def name(self, path: str) -> str:
         """How the setting at ``path`` was given: its flag, its variable, or the file and key; for a

@@ -333,11 +333,10 @@ class EpisodeRunner:
         the harness's image for a harness inside the sandbox."""
         if not inside:
             return build_task_image(task)
-        from sandbox.config import DockerBackendConfig
-        from sandbox.docker_backend import DockerSandboxBackend
+        from sandbox.backends import backend_for
         from sandbox.images import ensure_harness_image
 
-        with DockerSandboxBackend(DockerBackendConfig()) as backend:
+        with backend_for() as backend:
             version = getattr(self.adapter, "installed_version", lambda: None)() or "latest"
             base = ensure_harness_image(backend, self.adapter.name, version, self.adapter.image_files())
         return build_task_image(task, base)
@@ -438,11 +437,10 @@ class EpisodeRunner:
 def build_task_image(task: Task, base: str | None = None) -> TaskImage:
     """`task`'s image on `base` (default: task.json's ``image``, else the python sandbox image), from
     the cache or built now, on this host's Docker engine."""
-    from sandbox.config import DockerBackendConfig
-    from sandbox.docker_backend import DockerSandboxBackend
+    from sandbox.backends import backend_for
     from sandbox.images import ensure_python_image
 
-    with DockerSandboxBackend(DockerBackendConfig()) as backend:
+    with backend_for() as backend:
         base = base or task.image or ensure_python_image(backend)
         return ensure_task_image(
             backend, task.name, base, task.files(), list(task.setup), setup_network=task.setup_network,

@@ -7,7 +7,7 @@ both back in a new sandbox, even after the original is gone.
 
 Example::
 
-    backend: SandboxBackend = DockerSandboxBackend(DockerBackendConfig())
+    backend: SandboxBackend = backend_for(SandboxConfig(enabled=True))  # sandbox.backends
     box = backend.create(SandboxSpec(image="belayer-sandbox-python"))
     backend.exec(box.id, "cd /workspace && export N=1")
     ckpt = backend.checkpoint(box.id, label="turn-3")

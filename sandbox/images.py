@@ -159,14 +159,13 @@ def _add(
 
 def main(argv: list[str]) -> int:
     """CLI: `python -m sandbox.images [busybox|python|all]` against the local engine."""
-    from sandbox.config import DockerBackendConfig
-    from sandbox.docker_backend import DockerSandboxBackend
+    from sandbox.backends import backend_for
 
     which = argv[0] if argv else "all"
     if which not in ("busybox", "python", "all"):
         sys.stderr.write("usage: python -m sandbox.images [busybox|python|all]\n")
         return 2
-    with DockerSandboxBackend(DockerBackendConfig()) as backend:
+    with backend_for() as backend:
         for kind, build in (("busybox", ensure_busybox_image), ("python", ensure_python_image)):
             if which in (kind, "all"):
                 started = time.monotonic()

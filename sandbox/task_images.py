@@ -8,7 +8,7 @@ day are the same image. Images carry labels (``belayer.task``, ``belayer.task.ha
 
 Example::
 
-    with DockerSandboxBackend(DockerBackendConfig()) as backend:
+    with backend_for() as backend:
         image, cached = ensure_task_image(backend, "fix-greet", "belayer-sandbox-python", files, ["pip install -e ."])
         box = backend.create(SandboxSpec(image=image))       # /workspace holds the repository, set up
 """

@@ -40,7 +40,8 @@ from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.gateway import Gateway
 from sandbox.backend import SandboxSpec
-from sandbox.config import DockerBackendConfig, Mode, PolicySettings, SandboxConfig
+from sandbox.backends import backend_for
+from sandbox.config import Mode, PolicySettings, SandboxConfig
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import PYTHON_IMAGE, ensure_python_image
 from sandbox.sessions.manager import CheckpointInfo
@@ -213,8 +214,7 @@ def measure_checkpoint(
 async def run(opts: argparse.Namespace) -> bool:
     commands = tool_calls(opts.tool_calls, opts.work)
     workdir = Path(tempfile.mkdtemp(prefix="belayer-env-bench-"))
-    config = DockerBackendConfig(checkpoint_dir=workdir / "checkpoints")
-    with DockerSandboxBackend(config) as backend:
+    with backend_for(checkpoint_dir=workdir / "checkpoints") as backend:
         ensure_python_image(backend)
         results: dict[str, tuple[float, list[str], list[CheckpointInfo], list[dict[str, Any]]]] = {}
         for round_ in range(opts.rounds):
@@ -288,7 +288,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     opts = parse_args(argv)
-    DockerSandboxBackend(DockerBackendConfig()).close()  # Docker down: SandboxUnavailable, before any work
+    backend_for().close()  # Docker down: SandboxUnavailable, before any work
     if not (Path(opts.model) / "tokenizer.json").exists():
         from belayer.testing.tiny_model import build_tiny
 

@@ -158,11 +158,10 @@ async def run(opts: argparse.Namespace) -> bool:
 def sandbox_backend(kind: str, tmp: Path) -> SandboxBackend:
     if kind == "fake":
         return FakeSandboxBackend()
-    from sandbox.config import DockerBackendConfig
-    from sandbox.docker_backend import DockerSandboxBackend
+    from sandbox.backends import backend_for
     from sandbox.images import ensure_python_image
 
-    backend = DockerSandboxBackend(DockerBackendConfig(checkpoint_dir=tmp / "checkpoints"))
+    backend = backend_for(checkpoint_dir=tmp / "checkpoints")
     ensure_python_image(backend)
     return backend
 

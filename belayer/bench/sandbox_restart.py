@@ -26,8 +26,8 @@ from pathlib import Path
 from belayer.bench import emit as _emit
 from belayer.testing.services import progress
 from sandbox.backend import SandboxSpec
-from sandbox.config import DockerBackendConfig, PolicySettings, SandboxConfig
-from sandbox.docker_backend import DockerSandboxBackend
+from sandbox.backends import backend_for
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.images import ensure_python_image
 from sandbox.sessions.manager import SandboxManager
 from sandbox.workloads import PYTHON_COUNTER_QUERY as QUERY
@@ -62,7 +62,7 @@ async def prepare(manager: SandboxManager, store: SqliteStore, sid: str, image: 
 
 
 async def run(opts: argparse.Namespace, tmp: Path) -> None:
-    backend = DockerSandboxBackend(DockerBackendConfig(checkpoint_dir=tmp / "checkpoints"))
+    backend = backend_for(checkpoint_dir=tmp / "checkpoints")
     image = ensure_python_image(backend)
     store = SqliteStore(tmp / "traj.db")
     settings = SandboxConfig(enabled=True, policy=PolicySettings(mode="never"), watch_interval_s=3600.0)

@@ -25,8 +25,7 @@ from pathlib import Path
 
 from harness_adapters.episode import Task
 from sandbox.backend import SandboxSpec
-from sandbox.config import DockerBackendConfig
-from sandbox.docker_backend import DockerSandboxBackend
+from sandbox.backends import backend_for
 from sandbox.images import ensure_python_image
 from sandbox.task_images import ensure_task_image, task_image_key, task_image_name
 
@@ -38,7 +37,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--setup", action="append", default=[], help="an extra setup step (repeatable)")
     args = p.parse_args(argv)
     task = Task.load(Path(args.task))
-    with DockerSandboxBackend(DockerBackendConfig()) as backend:
+    with backend_for() as backend:
         base = task.image or ensure_python_image(backend)
         files, setup = task.files(), [*task.setup, *args.setup]
         name = task_image_name(task.name, task_image_key(backend.image_id(base), "/workspace", files, setup))

@@ -25,7 +25,8 @@ import tracemalloc
 from pathlib import Path
 
 from sandbox.backend import SandboxSpec
-from sandbox.config import DockerBackendConfig, PolicySettings, SandboxConfig
+from sandbox.backends import backend_for
+from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import ensure_busybox_image
 from sandbox.sessions.manager import SandboxManager
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="belayer bench verify-copy", description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=200, help="the workspace's size (default 200)")
     args = p.parse_args(argv)
-    with DockerSandboxBackend(DockerBackendConfig()) as backend, tempfile.TemporaryDirectory() as tmp:
+    with backend_for() as backend, tempfile.TemporaryDirectory() as tmp:
         if not backend.has_image(IMAGE):  # the verifier is started with /usr/bin/env
             backend.derive_image(IMAGE, ensure_busybox_image(backend), {"/usr/bin/env": Path("/bin/busybox")})
         store = SqliteStore(Path(tmp) / "traj.db")

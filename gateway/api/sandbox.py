@@ -94,16 +94,9 @@ async def open_sandboxes(
         return
     owned = backend is None
     if backend is None:
-        from pathlib import Path
+        from sandbox.backends import backend_for
 
-        from sandbox.config import DockerBackendConfig
-        from sandbox.docker_backend import DockerSandboxBackend
-
-        docker_config = DockerBackendConfig(
-            base_url=config.docker_url, checkpoint_dir=Path(config.checkpoint_dir),
-            disk_quota_bytes=config.disk_quota_bytes or None,
-        )  # fmt: skip
-        backend = DockerSandboxBackend(docker_config)
+        backend = backend_for(config)
 
     def engine_load() -> float:  # requests sharing a worker with a new one
         return 1.0 + sum(m.outstanding for m in pool.members) / max(1, len(pool.ready()))

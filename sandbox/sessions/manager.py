@@ -20,7 +20,8 @@ each:
 
 Example::
 
-    manager = SandboxManager(DockerSandboxBackend(DockerBackendConfig()), store, SandboxConfig(enabled=True))
+    config = SandboxConfig(enabled=True)
+    manager = SandboxManager(backend_for(config), store, config)
     await manager.create("ses_1", SandboxSpec(image="belayer-sandbox-python"))
     try:
         result = await manager.exec("ses_1", "pytest -q", timeout_s=120)

@@ -18,6 +18,7 @@ import pytest
 
 from core.errors import SandboxError, SandboxUnavailable
 from sandbox.backend import Sandbox, SandboxSpec
+from sandbox.backends import backend_for
 from sandbox.config import DockerBackendConfig
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import ensure_busybox_image, ensure_python_image
@@ -57,7 +58,7 @@ def docker_engine(docker_config: DockerBackendConfig) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def backend(docker_engine: None, docker_config: DockerBackendConfig) -> Iterator[DockerSandboxBackend]:
-    with DockerSandboxBackend(docker_config) as backend:
+    with backend_for(checkpoint_dir=docker_config.checkpoint_dir) as backend:
         yield backend
 
 

@@ -1,0 +1,46 @@
+"""`backend_for`: the one place where a sandbox backend is built from configuration.
+
+The gateway builds its backend from its ``[sandbox]`` section (`SandboxConfig`); the tools that need the
+local engine without a gateway configuration (image builds, the task CLI, harness episodes, benchmarks)
+call it without one. Tests of what sits above the seam pass `sandbox.fake.FakeSandboxBackend` instead.
+
+Example::
+
+    with backend_for(SandboxConfig(enabled=True, checkpoint_dir="/tmp/ckpt")) as backend:
+        box = backend.create(SandboxSpec(image="belayer-sandbox-busybox"))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sandbox.config import DockerBackendConfig, SandboxConfig
+from sandbox.docker_backend import DockerSandboxBackend
+
+
+def backend_for(
+    config: SandboxConfig | None = None, *, checkpoint_dir: Path | None = None
+) -> DockerSandboxBackend:
+    """The backend `config` describes: the Docker engine at ``docker_url`` (None: DOCKER_HOST, as the CLI
+    reads it), checkpoints under ``checkpoint_dir``, each sandbox's disk quota (0: none).
+
+    Without `config`: the engine DOCKER_HOST names, `DockerBackendConfig`'s defaults and no disk quota.
+    `checkpoint_dir`, when given, is where checkpoints go instead (a benchmark's temporary directory).
+    Raises `SandboxUnavailable` when the engine cannot be reached."""
+    return DockerSandboxBackend(docker_config(config, checkpoint_dir=checkpoint_dir))
+
+
+def docker_config(
+    config: SandboxConfig | None = None, *, checkpoint_dir: Path | None = None
+) -> DockerBackendConfig:
+    """What `backend_for` gives the Docker backend for `config`."""
+    settings: dict[str, object] = {}
+    if config is not None:
+        settings = {
+            "base_url": config.docker_url,
+            "checkpoint_dir": Path(config.checkpoint_dir),
+            "disk_quota_bytes": config.disk_quota_bytes or None,
+        }
+    if checkpoint_dir is not None:
+        settings["checkpoint_dir"] = checkpoint_dir
+    return DockerBackendConfig.model_validate(settings)
