@@ -63,11 +63,10 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace, max_age_s: float | None) -> int:
-    from sandbox.config import DockerBackendConfig
-    from sandbox.docker_backend import DockerSandboxBackend
+    from sandbox.backends import backend_for
     from sandbox.task_images import prune_task_images
 
-    with DockerSandboxBackend(DockerBackendConfig()) as backend:
+    with backend_for() as backend:
         removed, busy = prune_task_images(backend, keep=args.keep, max_age_s=max_age_s, task=args.task)
     sys.stdout.write(
         f"removed {len(removed)} task images" + (f": {', '.join(removed)}" if removed else "") + "\n"
