@@ -37,7 +37,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from core.errors import SandboxError
 from gateway.http.access import SANDBOX_SCOPE_KEY
-from gateway.http.errors import ANTHROPIC_PATH, anthropic_error, error_body
+from gateway.http.errors import error_body, for_route
 from sandbox.network import SandboxNetwork
 from sandbox.sessions.manager import SandboxManager
 
@@ -61,9 +61,7 @@ class SandboxFacing:
             refusal = self._refusal(scope["path"], owner)
             if refusal is not None:
                 body = error_body(refusal, "permission_error", None, "forbidden")
-                if ANTHROPIC_PATH.search(scope["path"]):
-                    body = anthropic_error(403, body)
-                await JSONResponse(body, status_code=403)(scope, receive, send)
+                await JSONResponse(for_route(scope["path"], 403, body), status_code=403)(scope, receive, send)
                 return
             scope = {**scope, SANDBOX_SCOPE_KEY: owner}
         elif scope["type"] != "lifespan":

@@ -7,7 +7,9 @@ status lives on an instance. A `RequestError` may refine the code and name the o
 Every error body is ``{"error": {"message", "type", "param", "code"}}`` and the message says what to
 change. Anything unexpected is logged with its traceback and answered with a 500 that says so.
 Under the Anthropic routes (``/v1/messages…``) the same status and message go out in Anthropic's shape,
-``{"type": "error", "error": {"type", "message"}}`` (``anthropic_error``).
+``{"type": "error", "error": {"type", "message"}}`` (``anthropic_error``); `for_route` is the one place
+that chooses the shape by path, for this table's handlers, the server's own refusals and the sandbox
+listener's.
 
 >>> for_exception(NoCheckpoint("session s has no checkpoint to restore"))
 (409, {'error': {'message': 'session s has no checkpoint to restore', 'type': 'invalid_request_error', 'param': 'checkpoint_id', 'code': 'no_checkpoint'}})
@@ -184,7 +186,13 @@ ANTHROPIC_ERROR_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
-ANTHROPIC_PATH = re.compile(r"/v1/messages(/|$)")
+_ANTHROPIC_PATH = re.compile(r"/v1/messages(/|$)")
+
+
+def is_anthropic_path(target: str) -> bool:
+    """Whether a request target (a path, maybe with its query) is one of the Anthropic routes, under any
+    prefix (``/v1/messages``, ``/s/<session>/v1/messages/count_tokens``)."""
+    return _ANTHROPIC_PATH.search(re.split(r"[?#]", target, maxsplit=1)[0]) is not None
 
 
 def anthropic_error(status: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -193,11 +201,21 @@ def anthropic_error(status: int, body: dict[str, Any]) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
 
 
+def for_route(target: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """An error `body` (OpenAI's shape) as the route of `target` answers it: in Anthropic's shape under
+    the Anthropic routes, unchanged elsewhere.
+
+    >>> for_route("/v1/messages?beta=true", 404, error_body("no such session", "not_found_error"))
+    {'type': 'error', 'error': {'type': 'not_found_error', 'message': 'no such session'}}
+    >>> for_route("/v1/chat/completions", 404, error_body("no such session", "not_found_error"))["error"]["type"]
+    'not_found_error'
+    """
+    return anthropic_error(status, body) if is_anthropic_path(target) else body
+
+
 async def _handle(request: Request, exc: Exception) -> Response:
     status, body = for_exception(exc)
-    if ANTHROPIC_PATH.search(request.url.path):
-        body = anthropic_error(status, body)
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(for_route(request.url.path, status, body), status_code=status)
 
 
 def handlers() -> dict[Any, Callable[[Request, Exception], Coroutine[Any, Any, Response]]]:

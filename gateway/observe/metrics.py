@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from core.telemetry import Event, Telemetry
 from engine_pool.pool import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY, EnginePool
+from gateway.http.errors import is_anthropic_path
 from store import SessionQuery, TrajectoryStore
 
 WORKER_STATES = (STARTING, READY, SHADOW, UNHEALTHY, DRAINING, DEAD)
@@ -320,7 +321,7 @@ def protocol_of(path: str) -> str:
     >>> protocol_of("/s/x/sandbox/exec"), protocol_of("/s/x/v1/models")
     ('sandbox', 'openai')
     """
-    if "/v1/messages" in path:
+    if is_anthropic_path(path):
         return "anthropic"
     if _SANDBOX_PATH.match(path):  # a harness's tool calls, not model requests
         return "sandbox"

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import resource
 import socket
 from collections.abc import Callable
@@ -51,7 +50,7 @@ from uvicorn.server import ServerState
 from core.errors import RequestTimeout
 from gateway.config import GatewayConfig, ServerConfig
 from gateway.gateway import Gateway
-from gateway.http.errors import ANTHROPIC_PATH, anthropic_error, error_body
+from gateway.http.errors import error_body, for_route
 
 log = logging.getLogger("belayer.gateway")
 
@@ -327,9 +326,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self.cycle.keep_alive = False
             return
         body = error_body(message, "invalid_request_error", None, code)
-        if ANTHROPIC_PATH.search(_path_of(self.url)):
-            body = anthropic_error(status, body)
-        self._answer_and_close(status, body)
+        self._answer_and_close(status, for_route(self.url.decode("latin-1"), status, body))
 
     def _refuse_connection(self) -> None:
         limit = self.limits.max_connections
@@ -425,8 +422,3 @@ class BodyTimeout:
             await send(message)
 
         await self.app(scope, timed_receive, closing_send)
-
-
-def _path_of(url: bytes) -> str:
-    """The path of a request target (maybe incomplete), for the error format of its route."""
-    return re.split(r"[?#]", url.decode("latin-1"), maxsplit=1)[0]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 
 import core.errors as errors
-from gateway.http.errors import TABLE, entry_for, for_exception
+from gateway.http.errors import TABLE, entry_for, error_body, for_exception, for_route, is_anthropic_path
+from gateway.observe.metrics import protocol_of
 
 # Errors that never reach a client: start-up, harness programs, task directories and benches (CLI-side).
 OFFLINE = {errors.BelayerError, errors.ConfigError, errors.HarnessError, errors.TaskError, errors.BenchError}
@@ -30,3 +31,15 @@ def test_the_most_specific_entry_wins() -> None:
     assert (status, body["error"]["param"], body["error"]["code"]) == (400, "messages", "invalid_json")
     status, body = for_exception(errors.SandboxTimeout("ran 5s", stdout="partial"))
     assert status == 408 and body["error"]["message"].endswith("Output before the kill: 'partial'")
+
+
+def test_one_function_chooses_the_error_shape_by_route() -> None:
+    """`for_route` serves the table's handlers (a request's path), the server's own refusals (the raw
+    request target, with its query) and the sandbox listener's (a session-prefixed path)."""
+    body = error_body("no", "invalid_request_error")
+    anthropic = {"type": "error", "error": {"type": "invalid_request_error", "message": "no"}}
+    for target in ("/v1/messages", "/v1/messages?beta=true", "/s/ses_1/v1/messages/count_tokens"):
+        assert is_anthropic_path(target) and for_route(target, 400, body) == anthropic, target
+    for target in ("/v1/chat/completions", "/s/a/v1/responses", "/v1/messagesx", "/health?x=/v1/messages"):
+        assert not is_anthropic_path(target) and for_route(target, 400, body) is body, target
+    assert protocol_of("/s/ses_1/v1/messages") == "anthropic" and protocol_of("/v1/messagesx") == "openai"

@@ -94,6 +94,12 @@ async def test_a_forwarded_for_header_cannot_borrow_another_sandboxs_address(lis
     assert r.status_code == 403 and "comes from none" in r.json()["error"]["message"]
 
 
+async def test_a_refusal_on_an_anthropic_route_is_in_anthropics_shape(listener: Listener) -> None:
+    r = await listener.get(listener.address("a"), "/s/b/v1/messages")
+    assert r.status_code == 403 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "permission_error" and "/s/a/" in r.json()["error"]["message"]
+
+
 async def test_the_listener_logs_no_query_string(
     listener: Listener, caplog: pytest.LogCaptureFixture
 ) -> None:
