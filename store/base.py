@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.errors import Conflict, NotFound
+
 TURN_RUNNING = "running"
 TURN_COMPLETE = "complete"
 TURN_ERROR = "error"
@@ -127,6 +129,32 @@ class EventRecord:
     ts: float
     kind: str
     data: dict[str, Any]
+
+
+def fork_point(parent_id: str, at_turn: int, turns: list[TurnRecord] | None) -> TurnRecord:
+    """The turn that `TrajectoryStore.fork` forks session `parent_id` at, among the session's `turns`
+    (None: there is no such session); raises as `fork` says, the same in every store."""
+    if turns is None:
+        raise NotFound(f"unknown session '{parent_id}'", "session_id", "session_not_found")
+    at = next((t for t in turns if t.index == at_turn), None)
+    if at is None:
+        raise NotFound(f"session '{parent_id}' has no turn {at_turn}", "at_turn", "turn_not_found")
+    if at.status != TURN_COMPLETE:
+        raise Conflict(
+            f"turn {at_turn} of session '{parent_id}' is {at.status}; fork at a complete turn",
+            "at_turn",
+            "turn_not_complete",
+        )
+    return at
+
+
+def has_forks(session_id: str, forks: list[str]) -> Conflict:
+    """`TrajectoryStore.delete_session`'s refusal of a session that fork children share turns with."""
+    return Conflict(
+        f"session '{session_id}' has fork children ({', '.join(forks)}) that share its turns; delete them first",
+        "session_id",
+        "session_has_forks",
+    )
 
 
 class TrajectoryStore(abc.ABC):

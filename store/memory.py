@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from core.errors import Conflict, NotFound, StoreError
+from core.errors import NotFound, StoreError
 from core.telemetry import Telemetry
 from store import schema
 from store.base import (
@@ -52,6 +52,8 @@ from store.base import (
     SessionRecord,
     TrajectoryStore,
     TurnRecord,
+    fork_point,
+    has_forks,
 )
 
 
@@ -419,18 +421,8 @@ class MemoryStore(TrajectoryStore):
 
     def fork(self, parent_id: str, at_turn: int, children: list[SessionRecord]) -> list[SessionRecord]:
         with self._transaction() as published:
-            if parent_id not in self.tables.sessions:
-                raise NotFound(f"unknown session '{parent_id}'", "session_id", "session_not_found")
-            turns = self.tables.turns_of(parent_id)
-            at = next((t for t in turns if t.index == at_turn), None)
-            if at is None:
-                raise NotFound(f"session '{parent_id}' has no turn {at_turn}", "at_turn", "turn_not_found")
-            if at.status != TURN_COMPLETE:
-                raise Conflict(
-                    f"turn {at_turn} of session '{parent_id}' is {at.status}; fork at a complete turn",
-                    "at_turn",
-                    "turn_not_complete",
-                )
+            known = parent_id in self.tables.sessions
+            at = fork_point(parent_id, at_turn, self.tables.turns_of(parent_id) if known else None)
             data = {"parent_session": parent_id, "fork_turn": at_turn, "fork_turn_id": at.id}
             self._insert_sessions([replace(c, parent_session=parent_id, fork_turn=at_turn) for c in children])
             for child in children:
@@ -446,12 +438,7 @@ class MemoryStore(TrajectoryStore):
         with self._transaction():
             forks = [s.id for s in self.tables.sessions.values() if s.parent_session == session_id]
             if forks:
-                raise Conflict(
-                    f"session '{session_id}' has fork children ({', '.join(forks)}) that share its turns; "
-                    "delete them first",
-                    "session_id",
-                    "session_has_forks",
-                )
+                raise has_forks(session_id, forks)
             if any(t.status == TURN_RUNNING for t in self.tables.own_turns(session_id)):
                 return None
             counts = self.tables.delete({session_id})

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import time
 
-from core.errors import Conflict, NotFound
-from store.base import TURN_COMPLETE, EventRecord, SessionRecord
+from store.base import EventRecord, SessionRecord, fork_point, has_forks
 from store.sql.core import log
 from store.sql.dialect import Tx
 from store.sql.writes import SqlWrites
@@ -17,17 +16,8 @@ class SqlStore(SqlWrites):
     `SqlCore`."""
 
     def fork(self, parent_id: str, at_turn: int, children: list[SessionRecord]) -> list[SessionRecord]:
-        if self.get_session(parent_id) is None:
-            raise NotFound(f"unknown session '{parent_id}'", "session_id", "session_not_found")
-        at = next((t for t in self.get_turns(parent_id) if t.index == at_turn), None)
-        if at is None:
-            raise NotFound(f"session '{parent_id}' has no turn {at_turn}", "at_turn", "turn_not_found")
-        if at.status != TURN_COMPLETE:
-            raise Conflict(
-                f"turn {at_turn} of session '{parent_id}' is {at.status}; fork at a complete turn",
-                "at_turn",
-                "turn_not_complete",
-            )
+        known = self.get_session(parent_id) is not None
+        at = fork_point(parent_id, at_turn, self.get_turns(parent_id) if known else None)
         data = {"parent_session": parent_id, "fork_turn": at_turn, "fork_turn_id": at.id}
         with self._transaction() as tx:
             for child in children:
@@ -70,12 +60,7 @@ class SqlStore(SqlWrites):
                 ).fetchall()
             ]
             if forks:
-                raise Conflict(
-                    f"session '{session_id}' has fork children ({', '.join(forks)}) that share its turns; "
-                    "delete them first",
-                    "session_id",
-                    "session_has_forks",
-                )
+                raise has_forks(session_id, forks)
             if self._running_keeps(tx, session_id):
                 return None
             counts = self._delete(tx, [session_id])
