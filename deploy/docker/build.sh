@@ -36,7 +36,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 # What the trainer-example image adds; downloaded with the gateway's dependencies.
 EXTRA_WHEELS=("openai>=1.50" "setuptools>=68" "wheel")
-PACKAGES=(belayer core gateway engine_pool sandbox harness_adapters)
+PACKAGES=(belayer core gateway engine_pool sandbox store harness_adapters)
 
 say() { printf '[images] %s\n' "$*" >&2; }
 die() { printf '[images] ERROR: %s\n' "$*" >&2; exit 1; }
