@@ -58,21 +58,22 @@ class TaskOwner:
         task.add_done_callback(self._done)
         return task
 
-    def every(self, interval_s: float, step: Step, name: str) -> asyncio.Task[None]:
+    def every(self, interval_s: float | Callable[[], float], step: Step, name: str) -> asyncio.Task[None]:
         """Await `step()` every `interval_s` seconds (the first time one interval from now) until `close`,
-        in a task named ``<owner>/<name>``. A step that raises is logged and counted in `failures`, and
-        the next one runs on time: one bad round does not end periodic work."""
-        return self.spawn(self._repeat(interval_s, step, name), name)
+        in a task named ``<owner>/<name>``; a callable `interval_s` is read before each sleep (a setting
+        that may change). A step that raises is logged and counted in `failures`, and the next one runs
+        on time: one bad round does not end periodic work."""
+        interval = interval_s if callable(interval_s) else lambda: interval_s
+        return self.spawn(self._repeat(interval, step, name), name)
 
-    async def _repeat(self, interval_s: float, step: Step, name: str) -> None:
+    async def _repeat(self, interval: Callable[[], float], step: Step, name: str) -> None:
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(interval())
             try:
                 await step()
             except Exception as exc:  # cancellation (close) is not an Exception: it ends the loop
                 self.failures += 1
-                log.error("periodic task %s/%s failed (next in %gs): %s", self.owner, name, interval_s, exc,
-                          exc_info=exc)  # fmt: skip
+                log.error("periodic task %s/%s failed: %s", self.owner, name, exc, exc_info=exc)
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -224,7 +224,8 @@ class EnginePool(PoolSettings):
             if not m.client.model:
                 m.client.model = m.info.name
             self.roster.set(m, self.supervisor.role(), "started")
-        self.roster.tasks.spawn(self.supervisor.probe_forever(), "engine-pool-probe")
+        # the interval is read each round: a live setting
+        self.roster.tasks.every(lambda: self.probe_interval, self.supervisor.probe, "engine-pool-probe")
 
     async def _admit(self, m: PoolMember) -> bool:
         """Ask a registered engine for its model; False while it does not answer (still loading)."""

@@ -75,11 +75,6 @@ class Supervisor:
 
     # -- health -------------------------------------------------------------------------------------
 
-    async def probe_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.probe_interval)
-            await self.probe()
-
     async def probe(self) -> None:
         """Probe every routable or suspect worker once, concurrently, and act on the results."""
         watched = [m for m in self.roster.members if m.state in (READY, SHADOW, UNHEALTHY)]

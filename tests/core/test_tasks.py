@@ -67,3 +67,23 @@ async def test_a_failed_task_is_logged_and_counted_and_a_closed_owner_spawns_not
     with pytest.raises(RuntimeError, match="test is closed"):
         owner.spawn(late, "late")
     assert inspect.getcoroutinestate(late) == inspect.CORO_CLOSED  # closed unrun: no "never awaited" warning
+
+
+async def test_a_callable_interval_is_read_before_each_sleep() -> None:
+    owner = TaskOwner("test")
+    order: list[str] = []
+    third = asyncio.Event()
+
+    def interval() -> float:  # a setting that may change while the work runs
+        order.append("read")
+        return 0.001
+
+    async def step() -> None:
+        order.append("step")
+        if order.count("step") == 3:
+            third.set()
+
+    owner.every(interval, step, "probe")
+    await asyncio.wait_for(third.wait(), 30)  # only turns a hang into a failure
+    await owner.close()
+    assert order[:6] == ["read", "step"] * 3
