@@ -43,18 +43,17 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from belayer.bench import emit
+from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, start
 from belayer.testing.services import (
     DEFAULT_LITELLM_SPEC,
     DEFAULT_LITELLM_VENV,
@@ -275,6 +274,34 @@ async def throughput(
     return tallies
 
 
+def streaming_rates(
+    workdir: Path, opts: argparse.Namespace, gateways: Callable[[str], list[Service]]
+) -> dict[str, float]:
+    """Streamed tokens/s through each of the `gateways` (built for the engine's URL), in alternating
+    rounds, in front of one fast fake engine (``opts``: stream_tokens, rounds, concurrency); the other
+    benches' failure-free overhead figures."""
+    services: list[Service] = []
+    with running(services):
+        engine = fake_engine_service(workdir, opts.stream_tokens)
+        start(services, engine, timeout=60)
+        gws = gateways(base_url(engine))
+        start(services, *gws, timeout=120)
+        targets = [Target(g.name, f"{base_url(g)}/v1/chat/completions", "policy") for g in gws]
+        ns = argparse.Namespace(
+            stream_tokens=opts.stream_tokens, stream_rounds=opts.rounds, concurrency=opts.concurrency,
+            stream_ramp=0.5, stream_seconds=2.0,
+        )  # fmt: skip
+
+        async def go() -> dict[str, float]:
+            conns = opts.concurrency * 2
+            limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
+            async with httpx.AsyncClient(limits=limits, timeout=30.0, trust_env=False) as http:
+                tallies = await throughput(http, targets, ns)
+            return {name: t.token_estimate / t.seconds for name, t in tallies.items()}
+
+        return asyncio.run(go())
+
+
 async def measure(targets: list[Target], extra: list[Target], opts: argparse.Namespace) -> None:
     """Latency over `targets`; throughput over them and the `extra` ones (the process comparison)."""
     conns = opts.concurrency * 2
@@ -411,17 +438,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # so that SIGTERM, like Ctrl-C, stops the servers on the way out
-
-
-def ensure_model(model_dir: str) -> None:
-    if not (Path(model_dir) / "tokenizer.json").exists():
-        progress(f"building the tiny model in {model_dir}")
-        build = [sys.executable, "-m", "belayer.cli", "model", "build-tiny", model_dir]
-        subprocess.run(build, check=True, stdout=sys.stderr)
-
-
 def _pid(service: Service) -> int:
     assert service.proc is not None
     return service.proc.pid
@@ -507,7 +523,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> float:
 
 def main(argv: list[str]) -> int:
     opts = parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = interrupt_on_sigterm()
     try:
         ensure_model(opts.model)
         if not opts.no_litellm:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -47,11 +46,12 @@ from typing import Any
 import httpx
 
 from belayer.bench import emit
-from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, ensure_model, throughput
+from belayer.bench.gateway import streaming_rates
+from belayer.bench.pool import streamed_tokens
+from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, serve_service, start
 from belayer.testing.services import (
     Service,
     base_url,
-    fake_engine_service,
     haproxy_service,
     progress,
     running,
@@ -70,43 +70,17 @@ def _gateway(
     store: str | None = None,
 ) -> Service:
     """A ``belayer serve`` on `port`: its own SQLite file, or the PostgreSQL `store` replicas share."""
-    argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model, "--engine-url", engine]
-    argv += ["--port", str(port), "--store", store or str(workdir / f"{name}.db"), "--log-level", "WARNING"]
     env: dict[str, str | None] = {"BELAYER_INFLIGHT__ENABLED": "true" if inflight else "false"}
-    return Service(name, argv, f"http://127.0.0.1:{port}/health", workdir / f"{name}.log", env)
+    return serve_service(workdir, name, model, ["--engine-url", engine], port=port, store=store, env=env)
 
 
 def overhead(workdir: Path, opts: argparse.Namespace) -> None:
-    services: list[Service] = []
-    with running(services):
-        engine = fake_engine_service(workdir, opts.stream_tokens)
-        services.append(engine)
-        engine.start()
-        engine.wait_ready(60)
-        url = base_url(engine)
-        gws = [
-            _gateway(workdir, "inflight-on", opts.model, url, free_port()),
-            _gateway(workdir, "inflight-off", opts.model, url, free_port(), inflight=False),
-        ]
-        for g in gws:
-            services.append(g)
-            g.start()
-        for g in gws:
-            g.wait_ready(120)
-        targets = [Target(g.name, f"{base_url(g)}/v1/chat/completions", "policy") for g in gws]
-        ns = argparse.Namespace(
-            stream_tokens=opts.stream_tokens, stream_rounds=opts.rounds, concurrency=opts.concurrency,
-            stream_ramp=0.5, stream_seconds=2.0,
-        )  # fmt: skip
+    def gateways(engine: str) -> list[Service]:
+        return [_gateway(workdir, "inflight-on", opts.model, engine, free_port()),
+                _gateway(workdir, "inflight-off", opts.model, engine, free_port(), inflight=False)]  # fmt: skip
 
-        async def go() -> dict[str, StreamTally]:
-            conns = opts.concurrency * 2
-            limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
-            async with httpx.AsyncClient(limits=limits, timeout=30.0, trust_env=False) as http:
-                return await throughput(http, targets, ns)
-
-        tallies = asyncio.run(go())
-    on, off = (tallies[n].token_estimate / tallies[n].seconds for n in ("inflight-on", "inflight-off"))
+    rates = streaming_rates(workdir, opts, gateways)
+    on, off = rates["inflight-on"], rates["inflight-off"]
     emit("stream_tokens_per_s_inflight_on", on)
     emit("stream_tokens_per_s_inflight_off", off)
     emit("inflight_flush_overhead_ratio", (off - on) / off)
@@ -120,13 +94,6 @@ class _Session:
     first_after_crash: float | None = None
     retries: int = 0
     reached: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def _tokens(line: str) -> int:
-    if not line.startswith("data: {"):
-        return 0
-    choices = json.loads(line[6:]).get("choices") or [{}]
-    return len(((choices[0].get("logprobs") or {}).get("content")) or [])
 
 
 async def _session(
@@ -146,7 +113,7 @@ async def _session(
         async with http.stream("POST", chat, json=body) as r:
             async for line in r.aiter_lines():
                 if not killed.is_set():
-                    s.received += _tokens(line)
+                    s.received += streamed_tokens(line)
                 if s.received >= opts.kill_after:
                     s.reached.set()
     except httpx.HTTPError:
@@ -163,7 +130,7 @@ async def _session(
                     await asyncio.sleep(0.05)
                     continue
                 async for line in r.aiter_lines():
-                    if s.first_after_crash is None and _tokens(line):
+                    if s.first_after_crash is None and streamed_tokens(line):
                         s.first_after_crash = time.monotonic()
                 return
         except httpx.HTTPError:
@@ -290,9 +257,7 @@ def crash(workdir: Path, opts: argparse.Namespace) -> None:
             str(opts.token_delay),
         ]
         engine = Service("engine", argv, f"http://127.0.0.1:{port}/health", workdir / "engine.log")
-        services.append(engine)
-        engine.start()
-        engine.wait_ready(60)
+        start(services, engine, timeout=60)
         asyncio.run(_crash_run(workdir, opts, base_url(engine), services))
         if opts.replicas > 1:
             from belayer.testing.postgres_local import database_url
@@ -333,7 +298,7 @@ def main(argv: list[str]) -> int:
         p.error("--replicas needs --store postgresql://... or --postgres auto")
     if opts.replicas < 1:
         p.error("--replicas must be at least 1")
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM, like Ctrl-C, stops the servers on the way out
+    interrupt_on_sigterm()
     ensure_model(opts.model)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="belayer-bench-gateway-crash-") as tmp:

@@ -26,10 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,132 +35,28 @@ from typing import Any
 import httpx
 
 from belayer.bench import emit, weight_owner
-from belayer.bench.gateway import StreamTally, Target, _raise_interrupt, ensure_model, throughput
-from belayer.testing.services import Service, base_url, fake_engine_service, progress, running
+from belayer.bench.gateway import streaming_rates
+from belayer.bench.pool import engines, kill_once, streamed_tokens
+from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, serve_service, start
+from belayer.testing.services import Service, base_url, progress, running
 from core.errors import BenchError
-from core.net import free_port
 
 
 def _gateway(workdir: Path, name: str, model: str, extra: list[str]) -> Service:
-    port = free_port()
-    argv = [sys.executable, "-m", "belayer.cli", "serve", "--model", model, "--port", str(port)]
-    argv += [
-        "--store",
-        str(workdir / f"{name}.db"),
-        "--log-dir",
-        str(workdir / name),
-        "--log-level",
-        "WARNING",
-        *extra,
-    ]
-    return Service(name, argv, f"http://127.0.0.1:{port}/health", workdir / f"{name}.log")
+    return serve_service(workdir, name, model, extra, log_dir=workdir / name)
 
 
 def overhead(workdir: Path, opts: argparse.Namespace) -> None:
-    services: list[Service] = []
-    with running(services):
-        engine = fake_engine_service(workdir, opts.stream_tokens)
-        services.append(engine)
-        engine.start()
-        engine.wait_ready(60)
-        url = base_url(engine)
-        gws = [_gateway(workdir, "failover-on", opts.model, ["--engine-url", url]),
-               _gateway(workdir, "failover-off", opts.model, ["--engine-url", url, "--no-failover"])]  # fmt: skip
-        for g in gws:
-            services.append(g)
-            g.start()
-        for g in gws:
-            g.wait_ready(120)
-        targets = [Target(g.name, f"{base_url(g)}/v1/chat/completions", "policy") for g in gws]
-        ns = argparse.Namespace(
-            stream_tokens=opts.stream_tokens, stream_rounds=opts.rounds, concurrency=opts.concurrency,
-            stream_ramp=0.5, stream_seconds=2.0,
-        )  # fmt: skip
+    def gateways(engine: str) -> list[Service]:
+        return [_gateway(workdir, "failover-on", opts.model, ["--engine-url", engine]),
+                _gateway(workdir, "failover-off", opts.model, ["--engine-url", engine, "--no-failover"])]  # fmt: skip
 
-        async def go() -> dict[str, StreamTally]:
-            limits = httpx.Limits(
-                max_connections=opts.concurrency * 2, max_keepalive_connections=opts.concurrency * 2
-            )
-            async with httpx.AsyncClient(limits=limits, timeout=30.0, trust_env=False) as http:
-                return await throughput(http, targets, ns)
-
-        tallies = asyncio.run(go())
-    on, off = (tallies[n].token_estimate / tallies[n].seconds for n in ("failover-on", "failover-off"))
+    rates = streaming_rates(workdir, opts, gateways)
+    on, off = rates["failover-on"], rates["failover-off"]
     emit("stream_tokens_per_s_failover_on", on)
     emit("stream_tokens_per_s_failover_off", off)
     emit("failover_overhead_pct", (off - on) / off * 100)
     emit("target_failover_overhead_le_2pct", "pass" if (off - on) / off * 100 <= 2 else "fail")
-
-
-async def _engines(http: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:
-    data: list[dict[str, Any]] = (await http.get(f"{url}/api/engines")).json()["data"]
-    return data
-
-
-async def _wait_until(
-    http: httpx.AsyncClient, url: str, ready: int, shadows: int, timeout: float, exclude: str = ""
-) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        states = [e["state"] for e in await _engines(http, url) if e["name"] != exclude]
-        if states.count("ready") >= ready and states.count("shadow") >= shadows:
-            return time.monotonic()
-        await asyncio.sleep(0.02)
-    raise BenchError(f"the pool did not reach {ready} ready + {shadows} shadow workers in {timeout:.0f}s")
-
-
-async def kill_once(url: str, opts: argparse.Namespace) -> dict[str, float]:
-    """Stream a long greedy reply, SIGKILL its worker after a few tokens, and time the recovery.
-
-    Tokens are counted exactly (the stream carries one logprob entry per token), so the client's first
-    token generated *after* the failover is known from the trajectory's failover event."""
-    async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
-        await _wait_until(http, url, opts.workers, opts.shadows, 900)
-        sid = (await http.post(f"{url}/api/sessions", json={})).json()["id"]
-        body = {"model": "policy", "messages": [{"role": "user", "content": "count"}], "temperature": 0,
-                "max_tokens": opts.kill_after + 400, "stream": True, "logprobs": True}  # fmt: skip
-        arrivals: list[float] = []  # arrival time of each token at the client
-        t_kill = 0.0
-        async with http.stream("POST", f"{url}/s/{sid}/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                n = len(((choices[0].get("logprobs") or {}).get("content")) or [])
-                arrivals += [time.monotonic()] * n
-                if not t_kill and len(arrivals) >= opts.kill_after:
-                    victim = next(e for e in await _engines(http, url) if e["outstanding"] > 0)
-                    t_kill = time.monotonic()
-                    os.killpg(victim["pid"], signal.SIGKILL)
-                    # polled alongside the stream: the pool is back at its configured ready count when?
-                    restored = asyncio.create_task(
-                        _wait_until(http, url, opts.workers, 0, 600, exclude=victim["name"])
-                    )
-                    full_task = asyncio.create_task(  # polled alongside too: not bounded by the stream's end
-                        _wait_until(http, url, opts.workers, opts.shadows, 900, exclude=victim["name"])
-                    )
-        capacity = await restored - t_kill
-        events = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()["events"]
-        [failover] = [e["data"] for e in events if e["kind"] == "failover"]
-        failover_s = arrivals[failover["token_index"]] - t_kill  # the first resumed token
-        full = await full_task - t_kill
-        cold = await cold_start(http, url)
-        return {
-            "failover_s": failover_s,
-            "capacity_restored_s": capacity,
-            "full_strength_s": full,
-            "cold_start_s": cold,
-        }
-
-
-async def cold_start(http: httpx.AsyncClient, url: str) -> float:
-    """The newest worker (the replacement just launched): process start → ready, plus its first (cold)
-    request's first token."""
-    newest = max(await _engines(http, url), key=lambda e: e["launched_at"] or 0)
-    t0 = time.monotonic()
-    body = {"model": "policy", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
-    (await http.post(f"{newest['url']}/v1/completions", json=body)).raise_for_status()
-    return float(newest["ready_at"] - newest["launched_at"] + time.monotonic() - t0)
 
 
 def recovery(workdir: Path, opts: argparse.Namespace) -> None:
@@ -172,9 +65,7 @@ def recovery(workdir: Path, opts: argparse.Namespace) -> None:
         extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600",
                  "--worker-kind", opts.worker_kind]  # fmt: skip
         gw = _gateway(workdir, "pool", opts.model, extra)
-        services.append(gw)
-        gw.start()
-        gw.wait_ready(900)
+        start(services, gw, timeout=900)
         url = base_url(gw)
         samples = []
         for k in range(opts.kills):
@@ -201,7 +92,7 @@ async def _full_strength(
     """When the pool has its workers and shadows again, none starting, all on nodes `on` (addresses)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        live = [e for e in await _engines(http, url) if e["state"] != "dead"]
+        live = [e for e in await engines(http, url) if e["state"] != "dead"]
         states = sorted(e["state"] for e in live)
         if states == sorted(["ready"] * opts.workers + ["shadow"] * opts.shadows) and _hosts(live) <= on:
             return time.monotonic()
@@ -227,18 +118,14 @@ async def lose_node(url: str, cluster: Any, opts: argparse.Namespace) -> dict[st
                     "max_tokens": opts.kill_after + 400, "stream": True, "logprobs": True}  # fmt: skip
             async with http.stream("POST", f"{url}/s/{sid}/v1/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    choices = json.loads(line[6:]).get("choices") or [{}]
-                    n = len(((choices[0].get("logprobs") or {}).get("content")) or [])
-                    arrivals[sid] += [time.monotonic()] * n
+                    arrivals[sid] += [time.monotonic()] * streamed_tokens(line)
                     if min(len(a) for a in arrivals.values()) >= opts.kill_after:
                         all_streaming.set()
 
         async def kill() -> str:
             nonlocal t_kill, full_task
             await all_streaming.wait()
-            busy = [e for e in await _engines(http, url) if e["state"] == "ready" and e["outstanding"] > 0]
+            busy = [e for e in await engines(http, url) if e["state"] == "ready" and e["outstanding"] > 0]
             victim = next(n for n in cluster.nodes[1:] if n.ip in _hosts(busy))
             t_kill = time.monotonic()
             cluster.kill_node(victim.name)
@@ -278,9 +165,7 @@ def node_loss(workdir: Path, opts: argparse.Namespace) -> None:
             extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600",
                      "--worker-kind", opts.worker_kind, "--ray", cluster.address, "--ray-node-ip", cluster.head.ip]  # fmt: skip
             gw = _gateway(workdir, "ray-pool", opts.model, extra)
-            services.append(gw)
-            gw.start()
-            gw.wait_ready(900)
+            start(services, gw, timeout=900)
             samples = []
             for k in range(opts.node_kills):
                 samples.append(asyncio.run(lose_node(base_url(gw), cluster, opts)))
@@ -313,7 +198,7 @@ def main(argv: list[str]) -> int:
     weight_owner.add_options(p)
     opts = p.parse_args(argv[1:] if argv[:1] == ["recovery"] else argv)
     weight_owner.ensure_sized_model(opts, p.get_default("model"))
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM, like Ctrl-C, stops the servers on the way out
+    interrupt_on_sigterm()
     ensure_model(opts.model)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="belayer-bench-recovery-") as tmp:

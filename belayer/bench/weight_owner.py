@@ -27,6 +27,8 @@ from pathlib import Path
 import httpx
 
 from belayer.bench import emit
+from belayer.bench.pool import engines, kill_once, wait_until
+from belayer.bench.stand_up import serve_service, start
 from belayer.testing.services import Service, base_url, progress, running
 from core import shm_weights
 
@@ -73,24 +75,22 @@ def slope(points: list[tuple[int, float]]) -> float:
 
 
 async def _measure(url: str, opts: argparse.Namespace, owner_dir: Path | None, kv: bool) -> dict[str, float]:
-    from belayer.bench.recovery import _engines, _wait_until, kill_once
-
     async with httpx.AsyncClient(timeout=900, trust_env=False) as http:
-        await _wait_until(http, url, opts.workers, opts.shadows, 1800)
-        engines = await _engines(http, url)
-        for e in engines:
+        await wait_until(http, url, opts.workers, opts.shadows, 1800)
+        pool = await engines(http, url)
+        for e in pool:
             await _warm(http, e["url"])
-        active = next(e for e in engines if e["state"] == "ready")
-        shadow = next(e for e in engines if e["state"] == "shadow")
+        active = next(e for e in pool if e["state"] == "ready")
+        shadow = next(e for e in pool if e["state"] == "shadow")
         w, s = group_memory(active["pid"], owner_dir), group_memory(shadow["pid"], owner_dir)
         out: dict[str, float] = {"worker_pss": w["pss"], "worker_uss": w["uss"], "shadow_pss": s["pss"], "shadow_uss": s["uss"],
                "shadow_mapped_pss": s["mapped_pss"]}  # fmt: skip
         killed = await kill_once(url, opts)
         out["failover_s"] = killed["failover_s"]
-        newest = max(await _engines(http, url), key=lambda e: e["launched_at"] or 0)
+        newest = max(await engines(http, url), key=lambda e: e["launched_at"] or 0)
         out["replacement_ready_s"] = float(newest["ready_at"] - newest["launched_at"])
         if kv:  # on the shadow promoted by the kill: what a failover's resubmission costs
-            promoted = next(e for e in await _engines(http, url) if e["name"] == shadow["name"])
+            promoted = next(e for e in await engines(http, url) if e["name"] == shadow["name"])
             for i, n in enumerate(opts.kv_contexts):  # the median of 3, each prompt a new one
                 runs = [await prefill_seconds(http, promoted["url"], n, seed=10 * i + r) for r in range(3)]
                 out[f"ttft_{n}"] = statistics.median(runs)
@@ -98,17 +98,13 @@ async def _measure(url: str, opts: argparse.Namespace, owner_dir: Path | None, k
 
 
 def _pool(workdir: Path, opts: argparse.Namespace, owner: bool) -> dict[str, float]:
-    from belayer.bench.recovery import _gateway
-
     name = "pool-owner" if owner else "pool-disk"
     extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "900",
              "--max-model-len", str(opts.owner_context), *(["--weight-owner"] if owner else [])]  # fmt: skip
     services: list[Service] = []
     with running(services):
-        gw = _gateway(workdir, name, opts.model, extra)
-        services.append(gw)
-        gw.start()
-        gw.wait_ready(1800)
+        gw = serve_service(workdir, name, opts.model, extra, log_dir=workdir / name)
+        start(services, gw, timeout=1800)
         owner_dir = shm_weights.owner_dir(shm_weights.DEFAULT_BASE, shm_weights.checkpoint_hash(opts.model))
         result = asyncio.run(_measure(base_url(gw), opts, owner_dir if owner else None, kv=owner))
     progress(f"{name}: { ({k: round(v, 3) for k, v in result.items()}) }")
