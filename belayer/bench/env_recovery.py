@@ -34,6 +34,7 @@ import httpx
 
 from belayer.bench import emit
 from belayer.testing.services import progress
+from core.errors import BenchError
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
@@ -172,7 +173,7 @@ def replay(backend: DockerSandboxBackend, box: str, commands: list[str], expecte
     for command, want in zip(commands, expected, strict=True):
         got = backend.exec(box, command, timeout_s=300).stdout
         if got != want:
-            raise RuntimeError(f"replay diverged at {command[:60]!r}: {got!r} != {want!r}")
+            raise BenchError(f"replay diverged at {command[:60]!r}: {got!r} != {want!r}")
 
 
 def measure_replay(
@@ -232,7 +233,7 @@ async def run(opts: argparse.Namespace) -> bool:
         t0, outputs0, _, _ = results["never"]
         t1, outputs1, ckpts, events = results["adaptive"]
         if outputs0 != outputs1:
-            raise RuntimeError("the two episodes' tool outputs differ")
+            raise BenchError("the two episodes' tool outputs differ")
         fail_at = len(commands) - 3
         progress(f"failure injected after tool call {fail_at - 1}; measuring both recoveries")
         replay_s = measure_replay(backend, commands, outputs1, fail_at)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from belayer.bench import emit as _emit
 from belayer.testing.services import progress
+from core.errors import BenchError
 from sandbox.backend import SandboxSpec
 from sandbox.backends import backend_for
 from sandbox.config import PolicySettings, SandboxConfig
@@ -47,7 +48,7 @@ async def counter(manager: SandboxManager, sid: str) -> str:
         if result.exit_code == 0:
             return result.stdout.strip()
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{sid}: the counter server never answered: {result.stderr}")
+            raise BenchError(f"{sid}: the counter server never answered: {result.stderr}")
         await asyncio.sleep(0.05)  # the server is starting: poll it
 
 
