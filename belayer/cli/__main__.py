@@ -4,4 +4,5 @@ import sys
 
 from belayer.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when collected or imported (pytest --doctest-modules imports it)
+    sys.exit(main())
