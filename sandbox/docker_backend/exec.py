@@ -15,7 +15,7 @@ import requests
 
 from core.errors import SandboxError, SandboxTimeout
 from sandbox import supervisor
-from sandbox.backend import DEFAULT_SESSION, ExecResult, SandboxSpec, check_env_name, check_exec_args
+from sandbox.backend import ExecResult, SandboxSpec, check_env_name, check_exec_args
 from sandbox.docker_backend.containers import Containers
 from sandbox.docker_backend.engine import DockerEngine, docker_errors
 from sandbox.docker_backend.files import Files
@@ -33,17 +33,10 @@ class Exec:
         self._files = files
 
     def run(
-        self,
-        sandbox_id: str,
-        command: str,
-        *,
-        timeout_s: float = 30.0,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        session: str = DEFAULT_SESSION,
-        max_output_bytes: int = 1 << 20,
-    ) -> ExecResult:
-        """See `SandboxBackend.exec`."""
+        self, sandbox_id: str, command: str, *, timeout_s: float, cwd: str | None, env: dict[str, str] | None,
+        session: str, max_output_bytes: int,
+    ) -> ExecResult:  # fmt: skip
+        """See `SandboxBackend.exec` (whose defaults `DockerSandboxBackend.exec` fills in)."""
         check_exec_args(session, timeout_s, max_output_bytes)
         spec = self._engine.spec(sandbox_id)
         script = build_script(command, cwd=cwd, env=env or {})

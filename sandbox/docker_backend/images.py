@@ -102,19 +102,10 @@ class Images:
                 self._api.remove_container(container["Id"], force=True)
 
     def build(
-        self,
-        name: str,
-        base: str,
-        tar: bytes,
-        script: str,
-        *,
-        labels: dict[str, str],
-        workdir: str = "/workspace",
-        timeout_s: float = 1800.0,
-        network: bool = False,
-        cap_add: tuple[str, ...] = (),
-    ) -> str:
-        """See `DockerSandboxBackend.build_image`."""
+        self, name: str, base: str, tar: bytes, script: str, *, labels: dict[str, str], workdir: str,
+        timeout_s: float, network: bool, cap_add: tuple[str, ...],
+    ) -> str:  # fmt: skip
+        """See `DockerSandboxBackend.build_image` (which fills in the defaults)."""
         spec = SandboxSpec(
             image=base, workdir=workdir, network="full" if network else "none", cap_add=cap_add
         )
