@@ -14,7 +14,9 @@ SCRIPT = REPO / "deploy" / "gpu" / "cuda_ipc_check.py"
 NO_GPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no device visible, even on a GPU machine
 
 
-def check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def check(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    # The timeout only turns a hang into a failure: the protocol run starts several processes that each
+    # import torch, which took over 120 s on a loaded 2-core machine.
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=NO_GPU_ENV, timeout=timeout
     )
