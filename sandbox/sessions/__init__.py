@@ -14,7 +14,8 @@ gateway's other routes (``gateway.api.sandbox``, ``gateway.api.sandbox_listener`
 - `checkpoints`: taking, tagging and retiring them; `journal`: the tool calls since the newest one;
 - `recovery`: a tool call that survives its sandbox (restore, then replay or truncate); `watcher`: a
   sandbox that stops between calls is restored at once;
-- `lifecycle`: start, replace, remove; `adoption`: a new gateway takes back its store's sandboxes;
+- `lifecycle`: start, replace, remove; `forks`: a sandbox copied into child sessions at a turn;
+  `adoption`: a new gateway takes back its store's sandboxes;
 - `verify`: the verify stage, in a clean sandbox; `io`: the blocking backend on bounded thread pools;
   `records`: what the manager hands out and records.
 """

@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -46,9 +45,10 @@ from sandbox.network import SandboxNetwork
 from sandbox.sessions.adoption import GATEWAY_LABEL, STORE_LABEL, Adoption, AdoptionReport
 from sandbox.sessions.bubbles import BubbleObserver
 from sandbox.sessions.checkpoints import Checkpointer
+from sandbox.sessions.forks import Forks, restorable
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.journal import Call, exec_call, write_call
-from sandbox.sessions.lifecycle import SESSION_LABEL, Lifecycle
+from sandbox.sessions.lifecycle import Lifecycle
 from sandbox.sessions.policy import AdaptivePolicy
 from sandbox.sessions.records import CheckpointInfo, EventLog, RestoreInfo
 from sandbox.sessions.recovery import Recovery
@@ -101,6 +101,7 @@ class SandboxManager:
             self._slots, self.io, self._lifecycle, self._checkpointer, self._recovery, events,
             self.settings.keep_checkpoints,
         )  # fmt: skip
+        self._forks = Forks(self._slots, self._lifecycle, self._checkpointer, self._recovery, events)
         self.adoption: AdoptionReport | None = None
         """What `adopt` did at start-up."""
 
@@ -124,7 +125,7 @@ class SandboxManager:
         self._slots.add(slot)
         data = {
             "sandbox_id": slot.sandbox_id, "image": spec.image, "network": spec.network, "address": slot.address,
-            **_restorable(slot),
+            **restorable(slot),
         }  # fmt: skip
         self._events.add(session_id, None, "sandbox_created", data)
         self._ensure_watcher()
@@ -150,53 +151,10 @@ class SandboxManager:
         return None
 
     async def fork(self, session_id: str, children: list[str], at_turn: int) -> None:
-        """Give each child session a sandbox restored from this session's state at turn `at_turn`: its
-        checkpoint consistent with that turn, or the nearest earlier one and the journaled tool calls
-        up to the turn replayed (`Recovery.fork_source`), then checkpointed (trigger ``"fork"``): the
-        child's own base for recovery, since its journal starts at the fork. All or nothing: when one
-        fails, the sandboxes and checkpoints made so far are removed and the error raised. Each child's
-        listener requests for its ancestors' sessions land in its own (`lineage_of`)."""
-        slot = self._slots.require(session_id)
-        taken = [c for c in children if c in self._slots]
-        if taken:
-            raise SandboxExists(f"sessions {taken} already have a sandbox")
-        async with slot.lock:
-            chosen, calls = self._recovery.fork_source(slot, at_turn)
-            made = [self._fork_slot(slot, child_id) for child_id in children]
-            for child in made:  # a restored process may call before the fork returns: `owner_of`
-                self._slots.add(child)  # waits for the restore in progress
-            results = await asyncio.gather(
-                *(self._fork_into(child, chosen, calls, at_turn) for child in made), return_exceptions=True
-            )
-            failed = [r for r in results if isinstance(r, BaseException)]
-            if failed:
-                for child in made:
-                    self._slots.remove(child)
-                    await self._lifecycle.drop(child)
-                    await self._checkpointer.delete_all(child.session_id, child.history.release())
-                raise failed[0]
-        for child in made:
-            data = {
-                "sandbox_id": child.sandbox_id, "parent_session": session_id, "fork_turn": at_turn,
-                "checkpoint_id": chosen.checkpoint.id if chosen else None, "replayed": len(calls),
-                "address": child.address, "lineage": list(child.lineage), **_restorable(child),
-            }  # fmt: skip
-            self._events.add(child.session_id, None, "sandbox_forked", data)
+        """Give each child session a sandbox restored from this session's state at turn `at_turn`
+        (`Forks.fork`: all or nothing)."""
+        await self._forks.fork(session_id, children, at_turn)
         self._ensure_watcher()
-
-    def _fork_slot(self, slot: Slot, child_id: str) -> Slot:
-        labels = {**slot.spec.labels, SESSION_LABEL: child_id}
-        return Slot(
-            child_id, slot.spec.model_copy(update={"labels": labels}), slot.harness_inside, slot.recovery,
-            None, lineage=(slot.session_id, *slot.lineage),
-        )  # fmt: skip
-
-    async def _fork_into(
-        self, child: Slot, chosen: CheckpointInfo | None, calls: list[Call], at_turn: int
-    ) -> None:
-        async with child.lock:
-            with child.restores.running():
-                await self._recovery.fork_into(child, chosen, calls, at_turn)
 
     def lineage_of(self, session_id: str) -> tuple[str, ...]:
         """The sessions a fork child's sandbox descends from, parent first (empty for any other)."""
@@ -408,13 +366,6 @@ class SandboxManager:
     def _ensure_watcher(self) -> None:
         if self._watch_task.running == 0:
             self._watch_task.every(self.settings.watch_interval_s, self.watcher.sweep, "watcher")
-
-
-def _restorable(slot: Slot) -> dict[str, Any]:
-    """What a ``sandbox_created`` or ``sandbox_forked`` event keeps so that a restarted gateway can
-    rebuild the slot (`sandbox.sessions.adoption`)."""
-    spec = slot.spec.model_dump(mode="json")
-    return {"spec": spec, "harness_inside": slot.harness_inside, "recovery": slot.recovery}
 
 
 def _recovery_mode(recovery: str) -> RecoveryMode:
