@@ -1,3 +1,4 @@
-"""One turn, protocol-independent: the runner (`runner`, its types in `protocol`), mid-stream failover
+"""One turn, protocol-independent: the runner (`runner`, its types in `protocol`, its record
+in `ledger`), mid-stream failover
 (`failover`), in-flight writes (`inflight`), prefix reuse (`sessions`), background logprob
 recomputation, auxiliary models, and the sweep for a dead replica's running turns."""

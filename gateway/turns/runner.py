@@ -1,8 +1,9 @@
 """One turn, protocol-independent: prompt ids → engine → text deltas and tool calls → trajectory.
 
 The OpenAI and Anthropic front ends build a ``GenerationRequest`` and consume the ``Delta`` and ``Done``
-events of ``TurnRunner.run``. The turn is written to the store before the engine is called (status
-running, prompt ids) and finished, durably, before ``Done`` is yielded, so a client never holds a
+events of ``TurnRunner.run`` (the types are in ``gateway.turns.protocol``). The turn is written to the
+store before the engine is called (status running, prompt ids) and finished, durably, before ``Done`` is
+yielded (the record is kept by ``gateway.turns.ledger``), so a client never holds a
 response whose turn is not on disk. When a worker is lost mid-turn, the runner resubmits the prompt plus
 the tokens generated so far to another worker (``gateway.turns.failover``); the client's stream goes on.
 
@@ -13,7 +14,6 @@ keeps them: the turn reads as ``interrupted`` with them after a restart.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -28,9 +28,7 @@ from core.errors import (
     EngineTimeout,
     EngineUnavailable,
     InvalidRequest,
-    StoreError,
 )
-from core.tasks import TaskOwner
 from core.telemetry import Telemetry
 from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
 from engine_pool.pool import EnginePool, PoolMember
@@ -59,11 +57,12 @@ from gateway.turns.failover import (
     switch_event,
 )
 from gateway.turns.inflight import InflightWriter
+from gateway.turns.ledger import TurnLedger
 from gateway.turns.observers import TurnObserver
 from gateway.turns.protocol import Delta, Done, GenerationRequest, TurnSettings, parse_arguments
 from gateway.turns.recompute import LogprobRecomputer
 from gateway.turns.sessions import chain_keys
-from store import EventRecord, TrajectoryStore, TurnRecord
+from store import TrajectoryStore, TurnRecord
 from store.base import TURN_ABORTED, TURN_COMPLETE, TURN_ERROR, TURN_INTERRUPTED
 
 log = logging.getLogger("belayer.gateway")
@@ -120,9 +119,9 @@ class TurnRunner:
         self.tok = tokenizer
         self.observers = observers if observers is not None else []
         self.recomputer = LogprobRecomputer(store, pool, settings.failover.no_worker_wait)
-        self.inflight = InflightWriter(store, settings.inflight)
-        self._orphans = TaskOwner("orphaned-turns")
-        """Ends turns whose request was cancelled while the turn's first write ran (`_begun`)."""
+        self.ledger = TurnLedger(
+            store, InflightWriter(store, settings.inflight), self.telemetry, metrics, self.observers
+        )
         self.interrupting = False
         """Set by the server (``gateway.serve.server``) when its shutdown deadline passes, just before it
         cancels the requests still running: a turn cancelled then is recorded ``interrupted`` (with its
@@ -157,74 +156,10 @@ class TurnRunner:
             )
         return prompt_ids, replace(req.params, max_tokens=budget)
 
-    def _begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
-        plan = req.plan
-
-        def first_event(turn: TurnRecord) -> tuple[str, dict[str, Any]]:
-            kind = "prefix_reuse" if plan.parent else "fresh_prompt"
-            data: dict[str, Any] = {"reason": plan.reason, "reused_tokens": plan.reused_tokens}
-            if plan.parent is not None:
-                data["parent_turn"] = plan.parent.index
-            if turn.index > 0 and (plan.parent is None or turn.branch != plan.parent.branch):
-                kind = "branch"
-            return kind, data
-
-        record = TurnRecord(
-            session_id=req.session.id,
-            prompt_ids=prompt_ids,
-            prompt_gen_spans=list(plan.gen_spans),
-            parent_id=plan.parent.id if plan.parent else None,
-            ext_key=None,
-            request=req.request,
-            received_at=req.received_at,
-        )
-        # One transaction: the (ephemeral) session, the turn and its first event. The plan's parent
-        # lets the store write the turn as a segment beyond it without reading it again.
-        new_session = req.session if req.session.ephemeral else None
-        return self.store.begin_turn(record, first_event, new_session, parent=plan.parent)
-
-    def _event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
-        self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
-
-    async def _begun(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
-        """`_begin`, in a worker thread for a remote store (`TrajectoryStore.remote`): a commit is
-        milliseconds on PostgreSQL, and every stream of this gateway would wait for it on the event loop.
-        A request cancelled while the write runs (its client went away) still has its turn ended,
-        ``aborted``, once it is written: none stays running."""
-        if not self.store.remote:
-            return self._begin(req, prompt_ids)
-        written = asyncio.get_running_loop().run_in_executor(None, self._begin, req, prompt_ids)
-        try:
-            return await asyncio.shield(written)
-        except asyncio.CancelledError:
-            self._orphans.spawn(self._abort_when_written(written), "abort-orphaned-turn")
-            raise
-
-    async def _abort_when_written(self, written: asyncio.Future[TurnRecord]) -> None:
-        with contextlib.suppress(
-            Exception
-        ):  # the write failed: there is no turn to end (the store logged it)
-            turn = await written
-            turn.status, turn.error = (
-                TURN_ABORTED,
-                "the request was cancelled while its turn was being stored",
-            )
-            await asyncio.to_thread(self.store.finish_turn, turn)
-
     async def run(self, req: GenerationRequest) -> AsyncGenerator[Delta | Done, None]:
         prompt_ids, params = self.prepare(req)
         t0 = time.monotonic()
-        turn = await self._begun(req, prompt_ids)
-        req.turn = turn
-        self.telemetry.publish(
-            "turn_started",
-            {"index": turn.index, "branch": turn.branch, "prompt_tokens": len(prompt_ids),
-             "reused_tokens": req.plan.reused_tokens},
-            turn.session_id, turn.id,
-        )  # fmt: skip
-        for obs in self.observers:
-            obs.turn_started(turn)
-        self.inflight.track(turn)
+        turn = await self.ledger.begin(req, prompt_ids)
         st = _OutputState(
             self.tok.detokenizer(
                 special=self.settings.tool_call_parser in SPECIAL_TAGS and req.messages is not None
@@ -241,17 +176,16 @@ class TurnRunner:
             async with contextlib.aclosing(self._generate(req, turn, params, st, t0)) as deltas:
                 async for delta in deltas:
                     yield delta
-            for obs in self.observers:  # the output is complete; its end may wait (gateway.turns.observers)
-                await obs.turn_ending(turn)
+            await self.ledger.ending(turn)
         except EngineError as e:  # EngineRejected among them: answered as the client's error (400)
-            self._fail(turn, TURN_ERROR, str(e), t0)
+            self.ledger.fail(turn, TURN_ERROR, str(e), t0)
             self._published(turn, req, st)
             raise
         except BaseException as e:  # client went away (cancelled) or a bug: keep what was generated
             if self.interrupting and not isinstance(e, Exception):  # cancelled by the shutdown deadline
-                self._fail(turn, TURN_INTERRUPTED, "the gateway shut down (its grace period ran out)", t0)
+                self.ledger.fail(turn, TURN_INTERRUPTED, "the gateway shut down (its grace period ran out)", t0)
             else:
-                self._fail(turn, TURN_ABORTED, repr(e), t0)
+                self.ledger.fail(turn, TURN_ABORTED, repr(e), t0)
             self._published(turn, req, st)
             raise
         finish = "stop" if st.trimmer.stopped else st.finish
@@ -260,12 +194,8 @@ class TurnRunner:
             done = self._complete(
                 req, turn, finish, "".join(st.content), st.parser.calls, t0, "".join(st.reasoning)
             )
-            if self.store.remote:  # off the loop, as the first; a cancellation meanwhile does not stop it
-                await asyncio.shield(asyncio.to_thread(self.store.finish_turn, turn))
-            else:
-                self.store.finish_turn(turn)  # a StoreError goes to the client: the turn is not on disk
+            await self.ledger.finish(turn)
         finally:
-            self._notify_finished(turn)
             self._published(turn, req, st)
         if req.plan.rewritten:
             self.recomputer.schedule(turn, req.plan.rewritten)
@@ -381,7 +311,7 @@ class TurnRunner:
         ids, lps = chunk.token_ids[:n], chunk.logprobs[:n]
         turn.output_ids += ids
         turn.output_logprobs += lps
-        self.inflight.progressed(turn)
+        self.ledger.inflight.progressed(turn)
         self.telemetry.tokens_streamed += n
         now = time.monotonic()
         if st.last_token_at is not None and n:
@@ -396,7 +326,7 @@ class TurnRunner:
         self, turn: TurnRecord, failure: Failure, to_worker: str | None, to_version: str | None = None
     ) -> None:
         """A ``failover`` event, or a ``weight_switch`` when a weight update cut the turn."""
-        self._event(turn, *switch_event(turn.request, failure, to_worker, to_version))
+        self.ledger.event(turn, *switch_event(turn.request, failure, to_worker, to_version))
 
     def _delta(self, turn: TurnRecord, events: list[Any], st: _OutputState) -> Delta:
         delta = Delta("", [], [], [], [])
@@ -408,7 +338,7 @@ class TurnRunner:
             elif isinstance(ev, ToolCall):
                 delta.tool_calls.append(ev)
             elif isinstance(ev, MalformedToolCall):
-                self._event(turn, "tool_call_parse_error", {"raw": ev.raw, "reason": ev.reason})
+                self.ledger.event(turn, "tool_call_parse_error", {"raw": ev.raw, "reason": ev.reason})
         st.content.append(delta.content)
         st.reasoning.append(delta.reasoning)
         return delta
@@ -420,43 +350,10 @@ class TurnRunner:
     async def close(self, grace: float = 5.0) -> None:
         """At shutdown, before the pool and the store close: recomputations get `grace` seconds."""
         await self.recomputer.close(grace)
-        await self._orphans.join()  # a few writes: they end before the store closes
-        await self._orphans.close()
-        await self.inflight.close()
-
-    def _fail(self, turn: TurnRecord, status: str, error: str, t0: float) -> None:
-        turn.status = status
-        turn.error = error
-        turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
-        try:
-            self.store.finish_turn(turn)
-            self._event(turn, "turn_failed", {"status": status, "error": error})
-        except StoreError:
-            pass  # logged by the store, which keeps the turn's end and writes it later: the first error is the news
-        finally:
-            self._notify_finished(turn)
+        await self.ledger.close()
 
     def _published(self, turn: TurnRecord, req: GenerationRequest, st: _OutputState) -> None:
-        """The turn's end on the live feed, and its token gaps to the metrics (every way a turn ends
-        comes here, after its final write: its in-flight writes stop)."""
-        self.inflight.untrack(turn)
-        self.telemetry.publish(
-            "turn_finished",
-            {
-                "index": turn.index, "status": turn.status, "prompt_tokens": len(turn.prompt_ids),
-                "reused_tokens": req.plan.reused_tokens, "output_tokens": len(turn.output_ids),
-                "worker": turn.worker, "ttft_ms": turn.timings.get("ttft_ms"),
-                "total_ms": turn.timings.get("total_ms"), "finish_reason": turn.finish_reason,
-                "failovers": st.fo.failovers,
-            },
-            turn.session_id, turn.id,
-        )  # fmt: skip
-        if self.metrics is not None:
-            self.metrics.observe_gaps(st.gaps)
-
-    def _notify_finished(self, turn: TurnRecord) -> None:
-        for obs in self.observers:
-            obs.turn_finished(turn)
+        self.ledger.published(turn, req.plan.reused_tokens, st.fo.failovers, st.gaps)
 
     def _complete(
         self,

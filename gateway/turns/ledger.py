@@ -1,0 +1,171 @@
+"""What is written and announced about a turn: its start (one store transaction with its first event,
+the live feed, the observers, in-flight writes), its events, and its end, however it comes.
+
+The turn runner (``gateway.turns.runner``) produces the tokens; `TurnLedger` keeps the record. A turn is
+written before the engine is called (status running, prompt ids) and its end is written before the
+client is answered, so a client never holds a response whose turn is not on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from core.errors import StoreError
+from core.tasks import TaskOwner
+from core.telemetry import Telemetry
+from gateway.observe.metrics import GatewayMetrics
+from gateway.turns.inflight import InflightWriter
+from gateway.turns.observers import TurnObserver
+from gateway.turns.protocol import GenerationRequest
+from store import EventRecord, TrajectoryStore, TurnRecord
+from store.base import TURN_ABORTED
+
+
+class TurnLedger:
+    """The record of every turn of one gateway: on `store`, the live feed (`telemetry`), `metrics`, the
+    turn `observers` (the sandbox manager among them) and the in-flight writer."""
+
+    def __init__(
+        self,
+        store: TrajectoryStore,
+        inflight: InflightWriter,
+        telemetry: Telemetry,
+        metrics: GatewayMetrics | None,
+        observers: list[TurnObserver],
+    ) -> None:
+        self.store = store
+        self.inflight = inflight
+        self.telemetry = telemetry
+        self.metrics = metrics
+        self.observers = observers
+        self._orphans = TaskOwner("orphaned-turns")
+        """Ends turns whose request was cancelled while the turn's first write ran (`begin`)."""
+
+    async def begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
+        """The turn stored (running), announced (``turn_started``, the observers) and its in-flight
+        writes tracked."""
+        turn = await self._written_begin(req, prompt_ids)
+        req.turn = turn
+        self.telemetry.publish(
+            "turn_started",
+            {"index": turn.index, "branch": turn.branch, "prompt_tokens": len(prompt_ids),
+             "reused_tokens": req.plan.reused_tokens},
+            turn.session_id, turn.id,
+        )  # fmt: skip
+        for obs in self.observers:
+            obs.turn_started(turn)
+        self.inflight.track(turn)
+        return turn
+
+    async def ending(self, turn: TurnRecord) -> None:
+        """The output is complete; its end may wait (``gateway.turns.observers``)."""
+        for obs in self.observers:
+            await obs.turn_ending(turn)
+
+    async def finish(self, turn: TurnRecord) -> None:
+        """The complete turn's end, written (a `StoreError` goes to the client: the turn is not on disk)."""
+        try:
+            if self.store.remote:  # off the loop, as the first; a cancellation meanwhile does not stop it
+                await asyncio.shield(asyncio.to_thread(self.store.finish_turn, turn))
+            else:
+                self.store.finish_turn(turn)
+        finally:
+            self.notify_finished(turn)
+
+    async def close(self) -> None:
+        await self._orphans.join()  # a few writes: they end before the store closes
+        await self._orphans.close()
+        await self.inflight.close()
+
+    def _write_begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
+        plan = req.plan
+
+        def first_event(turn: TurnRecord) -> tuple[str, dict[str, Any]]:
+            kind = "prefix_reuse" if plan.parent else "fresh_prompt"
+            data: dict[str, Any] = {"reason": plan.reason, "reused_tokens": plan.reused_tokens}
+            if plan.parent is not None:
+                data["parent_turn"] = plan.parent.index
+            if turn.index > 0 and (plan.parent is None or turn.branch != plan.parent.branch):
+                kind = "branch"
+            return kind, data
+
+        record = TurnRecord(
+            session_id=req.session.id,
+            prompt_ids=prompt_ids,
+            prompt_gen_spans=list(plan.gen_spans),
+            parent_id=plan.parent.id if plan.parent else None,
+            ext_key=None,
+            request=req.request,
+            received_at=req.received_at,
+        )
+        # One transaction: the (ephemeral) session, the turn and its first event. The plan's parent
+        # lets the store write the turn as a segment beyond it without reading it again.
+        new_session = req.session if req.session.ephemeral else None
+        return self.store.begin_turn(record, first_event, new_session, parent=plan.parent)
+
+    def event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
+        self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+
+    async def _written_begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
+        """`_write_begin`, in a worker thread for a remote store (`TrajectoryStore.remote`): a commit is
+        milliseconds on PostgreSQL, and every stream of this gateway would wait for it on the event loop.
+        A request cancelled while the write runs (its client went away) still has its turn ended,
+        ``aborted``, once it is written: none stays running."""
+        if not self.store.remote:
+            return self._write_begin(req, prompt_ids)
+        written = asyncio.get_running_loop().run_in_executor(None, self._write_begin, req, prompt_ids)
+        try:
+            return await asyncio.shield(written)
+        except asyncio.CancelledError:
+            self._orphans.spawn(self._abort_when_written(written), "abort-orphaned-turn")
+            raise
+
+    async def _abort_when_written(self, written: asyncio.Future[TurnRecord]) -> None:
+        with contextlib.suppress(
+            Exception
+        ):  # the write failed: there is no turn to end (the store logged it)
+            turn = await written
+            turn.status, turn.error = (
+                TURN_ABORTED,
+                "the request was cancelled while its turn was being stored",
+            )
+            await asyncio.to_thread(self.store.finish_turn, turn)
+
+    def fail(self, turn: TurnRecord, status: str, error: str, t0: float) -> None:
+        """The turn ended without its output complete: recorded with `status` and why (a store error
+        here is logged by the store, which writes the end later)."""
+        turn.status = status
+        turn.error = error
+        turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
+        try:
+            self.store.finish_turn(turn)
+            self.event(turn, "turn_failed", {"status": status, "error": error})
+        except StoreError:
+            pass  # logged by the store, which keeps the turn's end and writes it later: the first error is the news
+        finally:
+            self.notify_finished(turn)
+
+    def published(self, turn: TurnRecord, reused_tokens: int, failovers: int, gaps: list[float]) -> None:
+        """The turn's end on the live feed, and its token gaps to the metrics (every way a turn ends
+        comes here, after its final write: its in-flight writes stop)."""
+        self.inflight.untrack(turn)
+        self.telemetry.publish(
+            "turn_finished",
+            {
+                "index": turn.index, "status": turn.status, "prompt_tokens": len(turn.prompt_ids),
+                "reused_tokens": reused_tokens, "output_tokens": len(turn.output_ids),
+                "worker": turn.worker, "ttft_ms": turn.timings.get("ttft_ms"),
+                "total_ms": turn.timings.get("total_ms"), "finish_reason": turn.finish_reason,
+                "failovers": failovers,
+            },
+            turn.session_id, turn.id,
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.observe_gaps(gaps)
+
+    def notify_finished(self, turn: TurnRecord) -> None:
+        for obs in self.observers:
+            obs.turn_finished(turn)
