@@ -112,16 +112,14 @@ class TurnRunner:
         self.settings = settings = settings or TurnSettings()
         self.telemetry = telemetry or Telemetry()
         """Where each turn's start and end are published (``turn_started``, ``turn_finished``)."""
-        self.metrics = metrics
         self.failover = Failover(settings.failover, pool)
-        self.store = store
         self.pool = pool
         self.tok = tokenizer
-        self.observers = observers if observers is not None else []
         self.recomputer = LogprobRecomputer(store, pool, settings.failover.no_worker_wait)
         self.ledger = TurnLedger(
-            store, InflightWriter(store, settings.inflight), self.telemetry, metrics, self.observers
+            store, InflightWriter(store, settings.inflight), self.telemetry, metrics, observers or []
         )
+        """The store, the metrics and the turn observers are the ledger's: the runner only produces tokens."""
         self.interrupting = False
         """Set by the server (``gateway.serve.server``) when its shutdown deadline passes, just before it
         cancels the requests still running: a turn cancelled then is recorded ``interrupted`` (with its

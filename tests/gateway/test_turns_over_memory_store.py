@@ -63,12 +63,12 @@ async def test_a_turn_runs_on_the_fake_engine_and_is_recorded_in_the_fake_store(
     engine.outputs = [[11, 12, 13]]
     sid = sessions.create({"task": "t"}).id
     done = await _turn(turns, sessions, sid, [_user("hi")])
-    [stored] = turns.store.get_turns(sid)
+    [stored] = turns.ledger.store.get_turns(sid)
     assert stored == done.turn and stored.status == "complete" and stored.output_ids == [11, 12, 13]
     prompt = stored.prompt_ids
     assert stored.output_logprobs == [fake_logprob(i, t) for i, t in enumerate([11, 12, 13])]  # as sent
     assert stored.loss_mask() == [0] * len(prompt) + [1, 1, 1]
-    assert [e.kind for e in turns.store.get_events(sid)][:1] == ["fresh_prompt"]
+    assert [e.kind for e in turns.ledger.store.get_events(sid)][:1] == ["fresh_prompt"]
 
 
 async def test_the_next_turn_reuses_the_previous_turns_tokens_and_a_rewrite_opens_a_branch(
@@ -91,5 +91,5 @@ async def test_the_next_turn_reuses_the_previous_turns_tokens_and_a_rewrite_open
     rewritten = {"role": "assistant", "content": "something else"}
     third = (await _turn(turns, sessions, sid, [_user("a"), rewritten, _user("b")])).turn
     assert third.parent_id is None and third.branch != second.branch
-    assert [(t.index, t.branch) for t in turns.store.get_turns(sid)] == [(0, 0), (1, 0), (2, 1)]
-    assert [e.kind for e in turns.store.get_events(sid) if e.turn_id == second.id][:1] == ["prefix_reuse"]
+    assert [(t.index, t.branch) for t in turns.ledger.store.get_turns(sid)] == [(0, 0), (1, 0), (2, 1)]
+    assert [e.kind for e in turns.ledger.store.get_events(sid) if e.turn_id == second.id][:1] == ["prefix_reuse"]
