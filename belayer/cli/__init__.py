@@ -15,6 +15,7 @@ belayer bench gateway-crash                        kill -9 the gateway under str
 belayer bench sandbox-restart                      a restarted gateway re-adopting its sandboxes vs restoring them
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo [--worker-kind fake]                  2 workers + 1 shadow, an SDK episode, a worker killed mid-stream
+belayer demo rl                                    GRPO through the gateway: weight updates mid-rollout, a worker killed
 belayer run-episode --harness NAME --task DIR      one real harness episode on a task, with its verifier
               [--fork-at K --siblings N]          forked at turn K into N siblings, each verified
 belayer --version
@@ -34,7 +35,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from belayer.cli import demo, episode, serve, task, trajectories
+from belayer.cli import demo, episode, rl, serve, task, trajectories
 from belayer.cli.serve import SERVE_FLAGS, add_setting_flag
 from core.errors import ConfigError, SandboxUnavailable
 
@@ -190,6 +191,10 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="an episode through the SDKs with a worker killed mid-stream")
     demo.add_arguments(d)
     _leaf(d, demo.run)
+    kinds = d.add_subparsers(title="other demos", metavar="{rl}")
+    rl_demo = kinds.add_parser("rl", help="an asynchronous GRPO run through the gateway that learns")
+    rl.add_arguments(rl_demo)
+    _leaf(rl_demo, rl.run)
 
     task.add_arguments(sub, _leaf, trajectories.older_than)
 

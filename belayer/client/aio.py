@@ -123,6 +123,16 @@ class AsyncBelayer:
         body: dict[str, Any] = (await self._request(wire.HEALTH)).json()
         return body
 
+    async def weights(self) -> dict[str, Any]:
+        """``GET /api/weights``: the version served, each worker's, and the recent updates."""
+        body: dict[str, Any] = await self._call(wire.WEIGHTS)
+        return body
+
+    async def update_weights(self, version: str, path: str, drain_s: float | None = None) -> dict[str, Any]:
+        """``POST /api/weights`` (admin): every worker onto the weights at `path`, served as `version`."""
+        body: dict[str, Any] = await self._call(wire.update_weights_request(version, path, drain_s))
+        return body
+
     def session(
         self, metadata: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None
     ) -> _SessionStart:

@@ -129,6 +129,21 @@ def close_request(session_id: str) -> Request:
 
 
 HEALTH = Request("GET", "/health")
+WEIGHTS = Request("GET", "/api/weights")
+
+
+def update_weights_request(version: str, path: str, drain_s: float | None) -> Request:
+    """``POST /api/weights``: load the weights at `path` (a directory the gateway can read) on every
+    worker and serve them as `version`; in-flight turns finish for up to `drain_s` seconds (None: the
+    gateway's default), then are cut and resumed on the new weights.
+
+    >>> update_weights_request("step-2", "/ckpt/step-2", 0.0).json
+    {'version': 'step-2', 'path': '/ckpt/step-2', 'drain_s': 0.0}
+    """
+    body: dict[str, Any] = {"version": version, "path": path}
+    if drain_s is not None:
+        body["drain_s"] = drain_s
+    return Request("POST", "/api/weights", json=body)
 
 
 def error_of(response: httpx.Response) -> ClientError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,33 @@ def turn_of(http: httpx.Client, max_tokens: int) -> dict[str, Any]:
     body = {"model": "policy", "messages": MESSAGES, "temperature": 0, "max_tokens": max_tokens}
     r = http.post(f"/s/{sid}/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
+    [turn] = http.get(f"/api/sessions/{sid}/trajectory").json()["turns"]
+    assert turn["status"] == "complete"
+    return dict(turn)
+
+
+def cut_turn(http: httpx.Client, new_weights: Path, n: int, cut_after: int) -> dict[str, Any]:
+    """Stream a greedy turn of `n` tokens; after `cut_after` chunks, update to `new_weights` (version
+    ``base-again``, no drain) from another thread; the turn as recorded."""
+    sid = http.post("/api/sessions", json={}).json()["id"]
+    body = {"model": "policy", "messages": MESSAGES, "temperature": 0, "max_tokens": n, "stream": True}
+    update: dict[str, Any] = {}
+
+    def post_update() -> None:
+        r = http.post("/api/weights", json={"version": "base-again", "path": str(new_weights), "drain_s": 0},
+                      headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
+        update.update(status=r.status_code, body=r.json())
+
+    chunks, poster = 0, threading.Thread(target=post_update)
+    with http.stream("POST", f"/s/{sid}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+                if chunks == cut_after:
+                    poster.start()
+    poster.join()
+    assert update["status"] == 200 and update["body"]["preempted"] == 1, update
     [turn] = http.get(f"/api/sessions/{sid}/trajectory").json()["turns"]
     assert turn["status"] == "complete"
     return dict(turn)
@@ -89,4 +117,18 @@ def test_an_update_moves_a_real_worker_to_the_second_models_greedy_output(
             {"start": 0, "end": len(after["output_ids"]), "version": "seed-1"}
         ]
         assert http.get("/api/weights").json()["version"] == "seed-1"
+
+        # An update in the middle of a streamed greedy turn: the turn is cut at a token boundary and
+        # resumed on the new weights; each of its two segments is its own version's greedy output.
+        cut = cut_turn(http, tiny_model_dir, n=600, cut_after=20)  # 580 tokens of margin for the POST
+        k = cut["weight_versions"][0]["end"]
+        out = cut["output_ids"]
+        assert cut["weight_versions"] == [
+            {"start": 0, "end": k, "version": "seed-1"},
+            {"start": k, "end": len(out), "version": "base-again"},
+        ]
+        assert 20 <= k < len(out)
+        assert out[:k] == hf_greedy(second, prompt, k, eos)
+        assert out[k:] == hf_greedy(tiny_model_dir, prompt + out[:k], len(out) - k, eos)
+        assert out[k:] != hf_greedy(second, prompt + out[:k], len(out) - k, eos)  # not the old weights'
         assert server.stop(signal.SIGTERM, grace=60) in (0, -signal.SIGTERM)

