@@ -75,7 +75,8 @@ class Report:
     """The largest |recorded - recomputed| logprob over the tokens of cut turns, each token scored by the
     version that generated it (each segment explained by its own version's model)."""
     cut_other_diff: list[float] = field(default_factory=list)
-    """Per cut turn, the mean |recorded - recomputed| of its tokens scored by the *other* versions."""
+    """Per cut turn and other version, the mean |recorded - recomputed| of its tokens scored by that
+    version (a step apart, versions differ little: this shows the size of a step, not a check)."""
     failovers: int = 0
     kills: list[str] = field(default_factory=list)
     weight_updates: int = 0

@@ -246,7 +246,10 @@ class TurnRunner:
             version = member.weight_version
             submitted = time.monotonic()
             turn.timings.setdefault("queue_ms", (submitted - t0) * 1000)
-            stream = self._engine_stream(member, turn, remaining, req.stream)
+            # Streamed from the engine even for a non-streamed request: every token reaches the turn as
+            # it is decoded, so a weight update's cut or a lost worker keeps it (a non-streamed engine
+            # answer arrives whole at the end, and a cut before then threw every decoded token away).
+            stream = self._engine_stream(member, turn, remaining, True)
             clock = REQUEST_CLOCK.get()
             first = True
             try:
