@@ -101,8 +101,8 @@ class Report:
             ("tokens_kept_across_cuts_per_update", round(self.tokens_kept_across_cuts / updates, 2)),
             ("cut_turn_logprob_diff_own_version_max", f"{self.cut_own_diff:.2e}"),
             (
-                "cut_turn_logprob_diff_other_version_min",
-                f"{min(self.cut_other_diff):.2e}" if self.cut_other_diff else "nan",
+                "cut_turn_logprob_diff_other_version_mean",
+                f"{sum(self.cut_other_diff) / len(self.cut_other_diff):.2e}" if self.cut_other_diff else "nan",
             ),
             ("tokens_without_version", self.tokens_without_version),
             ("max_version_lag", self.max_version_lag),
@@ -413,7 +413,7 @@ def plot(report: Report, out: Path) -> Path:
     ax.set_ylabel("mean reward")
     ax.set_ylim(0, 1)
     ax.set_title("belayer demo rl: GRPO through the gateway")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

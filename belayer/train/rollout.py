@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from belayer.client import AsyncBelayer
+from belayer.client import AsyncBelayer, AsyncSession
 from belayer.train import task
 
 MODEL = "policy"
@@ -32,6 +32,43 @@ class EpisodeResult:
     answer: str | None
 
 
+async def play(
+    s: AsyncSession,
+    prompt: task.Prompt,
+    *,
+    max_tokens: int,
+    temperature: float = 1.0,
+    seed: int | None = None,
+    timeout: float = 600.0,
+) -> tuple[float, list[tuple[str, str]], str | None]:
+    """Play `prompt` in the open session `s` through the ``openai`` SDK: (reward, tool calls, answer).
+    The SDK makes no retries of its own: an error the gateway lets through reaches the caller."""
+    from openai import AsyncOpenAI
+
+    oai = AsyncOpenAI(base_url=s.openai_base_url, api_key="belayer", max_retries=0, timeout=timeout)
+    try:
+        messages: list[dict[str, Any]] = prompt.messages()
+        request: dict[str, Any] = {"model": MODEL, "messages": messages, "tools": task.TOOLS,
+                                   "temperature": temperature, "max_tokens": max_tokens}  # fmt: skip
+        if seed is not None:
+            request["seed"] = seed
+        first = await oai.chat.completions.create(**request)
+        message = first.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []
+                 if c.type == "function"]  # fmt: skip
+        returned = answer = None
+        if calls:
+            returned = task.tool_answer(task.called_key(calls))
+            messages.append(message.model_dump(exclude_none=True))
+            tool_call_id = message.tool_calls[0].id if message.tool_calls else "call_0"
+            messages.append({"role": "tool", "tool_call_id": tool_call_id, "content": returned})
+            second = await oai.chat.completions.create(**request)
+            answer = second.choices[0].message.content
+    finally:
+        await oai.close()
+    return task.reward(prompt.key, calls, returned, answer), calls, answer
+
+
 async def run_episode(
     gw: AsyncBelayer,
     prompt: task.Prompt,
@@ -41,36 +78,13 @@ async def run_episode(
     max_tokens: int,
     temperature: float = 1.0,
     seed: int | None = None,
-    timeout: float = 600.0,
 ) -> EpisodeResult:
     """Run `prompt` as one episode in a new session of `group` (metadata: ``group``, ``key``, ``step``,
-    the trainer's step when it started). The SDK makes no retries of its own: an error the gateway lets
-    through reaches the caller."""
-    from openai import AsyncOpenAI
-
+    the trainer's step when it started); its reward attached, the session closed."""
     metadata = {"group": group, "key": prompt.key, "step": step}
     async with gw.session(metadata=metadata) as s:
-        oai = AsyncOpenAI(base_url=s.openai_base_url, api_key="belayer", max_retries=0, timeout=timeout)
-        try:
-            messages: list[dict[str, Any]] = prompt.messages()
-            request: dict[str, Any] = {"model": MODEL, "messages": messages, "tools": task.TOOLS,
-                                       "temperature": temperature, "max_tokens": max_tokens}  # fmt: skip
-            if seed is not None:
-                request["seed"] = seed
-            first = await oai.chat.completions.create(**request)
-            message = first.choices[0].message
-            calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []
-                     if c.type == "function"]  # fmt: skip
-            returned = answer = None
-            if calls:
-                returned = task.tool_answer(task.called_key(calls))
-                messages.append(message.model_dump(exclude_none=True))
-                tool_call_id = message.tool_calls[0].id if message.tool_calls else "call_0"
-                messages.append({"role": "tool", "tool_call_id": tool_call_id, "content": returned})
-                second = await oai.chat.completions.create(**request)
-                answer = second.choices[0].message.content
-        finally:
-            await oai.close()
-        value = task.reward(prompt.key, calls, returned, answer)
+        value, calls, answer = await play(
+            s, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed
+        )
         await s.reward(value, {"calls": len(calls), "answer": answer})
     return EpisodeResult(s.id, group, prompt.key, value, calls, answer)

@@ -17,7 +17,7 @@ class Settings:  # no slots: the CLI reads the defaults off the class
     concurrency: int = 8
     """Episodes in flight at once."""
     max_tokens: int = 40
-    lr: float = 1e-3
+    lr: float = 2e-3
     clip: float = 0.2
     max_staleness: int = 1
     """Versions a token may lag the trainer's and still count (through its importance ratio)."""

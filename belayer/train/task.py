@@ -60,6 +60,15 @@ class Prompt:
 
     key: str
 
+    @classmethod
+    def of(cls, messages: list[dict[str, Any]]) -> Prompt:
+        """The prompt whose `messages` these are (a trainer's dataset carries the messages).
+
+        >>> Prompt.of(Prompt("cyan").messages())
+        Prompt(key='cyan')
+        """
+        return cls(json.loads(messages[-1]["content"].removeprefix("key: ")))
+
     def messages(self) -> list[dict[str, Any]]:
         return [
             {"role": "system", "content": SYSTEM},

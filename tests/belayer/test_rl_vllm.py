@@ -22,8 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.chaos]
 @pytest.fixture(scope="module")
 def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> loop.Report:
     settings = Settings(
-        model_dir=str(tiny_model_dir), workdir=tmp_path_factory.mktemp("rl"), steps=4, group_size=8,
-        groups_per_step=3, concurrency=8, kill_after_step=1,
+        model_dir=str(tiny_model_dir), workdir=tmp_path_factory.mktemp("rl"), steps=6, kill_after_step=1,
     )  # fmt: skip
     report = loop.run(settings)
     loop.plot(report, settings.workdir / "reward.png")
@@ -32,7 +31,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> loop.
 
 
 def test_the_policy_learns_through_the_gateway(run: loop.Report) -> None:
-    assert len(run.steps) == 4 and run.weight_updates == 4
+    assert len(run.steps) == 6 and run.weight_updates == 6
     assert run.steps[-1].reward - run.steps[0].reward >= 0.3, [s.reward for s in run.steps]
     assert all(0.0 <= e.reward <= 1.0 for e in run.episodes)
 
@@ -45,6 +44,9 @@ def test_no_episode_is_lost_and_no_client_saw_an_error(run: loop.Report) -> None
 
 def test_every_token_has_a_version_and_each_version_explains_its_tokens(run: loop.Report) -> None:
     assert run.tokens_without_version == 0 and run.tokens_discarded == 0
+    # updates cut running turns and kept their tokens; each part is its own version's
+    assert run.turns_cut > 0 and run.tokens_kept_across_cuts > 0
+    assert run.cut_own_diff < 1e-4
     by_version = run.pearson_by_version()
     assert {"step-1", "step-2"} <= set(by_version)  # tokens of several versions were trained on
     assert all(p >= 0.999 for p in by_version.values()), by_version
