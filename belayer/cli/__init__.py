@@ -66,6 +66,7 @@ BENCHES = {
     "task-start": "belayer.bench.task_start",
     "sandbox-restart": "belayer.bench.sandbox_restart",
     "verify-copy": "belayer.bench.verify_copy",
+    "weight-update": "belayer.bench.weight_update",
 }
 
 
