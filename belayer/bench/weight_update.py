@@ -180,6 +180,9 @@ async def run(opts: argparse.Namespace, url: str, models: list[Path]) -> None:
         for i in range(2):  # a first token on each worker: nothing below waits for a warm-up
             s = Stream(i)
             await stream_turn(http, s, 4)
+        await update(http, "warm-up", models[0])  # the first update's one-time costs, in neither phase
+        for i in range(2):
+            await stream_turn(http, Stream(i), 4)
         ours = await belayer_phase(http, opts, models)
         theirs = await abort_restart_phase(
             http, opts, models[opts.updates % 2 :] + models[: opts.updates % 2]

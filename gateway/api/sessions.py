@@ -117,7 +117,9 @@ def _turn_json(
         "timings": t.timings,
         "received_at": t.received_at,
         "error": t.error,
-        "weight_versions": [{"start": a, "end": b, "version": v} for a, b, v in t.weight_segments],
+        # named and shaped as in the export: segments in the turn's output positions, and their versions
+        "weight_segments": [{"start": a, "end": b, "version": v} for a, b, v in t.weight_segments],
+        "weight_versions": [v for _, _, v in t.weight_segments],
         "events": [e for e in events if e["turn_index"] == t.index],
         **extra,
     }

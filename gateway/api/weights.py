@@ -10,7 +10,7 @@
 An update holds new requests back, lets the requests in flight finish on the old weights for up to
 ``drain_s`` seconds (default 30; 0 cuts them at once), cuts those still running and resumes them on the
 new weights once every worker has them (each turn records which version generated which of its tokens:
-``weight_versions`` in ``/trajectory``, ``weight_segments`` in the export), and records the update
+``weight_segments`` and ``weight_versions``, named and shaped alike in ``/trajectory`` and the export), and records the update
 (`gateway.policy.weights`). Answers 200 with what was done, 400 (``weights_not_loadable``, param ``path``) for
 weights that cannot replace the served model's or lie outside ``--weights-root`` (then no worker
 was changed), 409 while another

@@ -131,7 +131,8 @@ def check_turn(turn: dict[str, Any], where: str) -> None:
         ]
         assert not missing, f"{where}: generated tokens without a logprob at {missing[:10]}"
         # every generated token has its weight version: segments that cover the output, in order
-        bounds = [(s["start"], s["end"]) for s in turn["weight_versions"]]
+        bounds = [(s["start"], s["end"]) for s in turn["weight_segments"]]
+        assert turn["weight_versions"] == [s["version"] for s in turn["weight_segments"]], where
         edges = [0, *(e for _, e in bounds)]
         assert all(a == edges[i] and a < e for i, (a, e) in enumerate(bounds)), f"{where}: {bounds}"
         assert edges[-1] == len(turn["output_ids"]), f"{where}: {bounds} for {len(turn['output_ids'])} tokens"

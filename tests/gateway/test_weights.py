@@ -128,7 +128,8 @@ def greedy(version: str, context: list[int], n: int) -> list[int]:
 
 def check_segments(turn: dict[str, Any]) -> list[tuple[int, int, str]]:
     """The turn's segments cover its output in order, and each holds exactly what its version generates."""
-    segments = [(s["start"], s["end"], s["version"]) for s in turn["weight_versions"]]
+    segments = [(s["start"], s["end"], s["version"]) for s in turn["weight_segments"]]
+    assert turn["weight_versions"] == [v for _, _, v in segments]  # as in the export: the same names, shapes
     edges = [0, *(end for _, end, _ in segments)]
     assert [start for start, _, _ in segments] == edges[:-1] and edges[-1] == len(turn["output_ids"]), (
         segments

@@ -94,7 +94,7 @@ def test_an_update_moves_a_real_worker_to_the_second_models_greedy_output(
         before = turn_of(http, n)
         prompt = before["prompt_ids"]
         assert before["output_ids"] == hf_greedy(tiny_model_dir, prompt, n, eos)
-        assert before["weight_versions"] == [
+        assert before["weight_segments"] == [
             {"start": 0, "end": len(before["output_ids"]), "version": "base"}
         ]
 
@@ -113,7 +113,7 @@ def test_an_update_moves_a_real_worker_to_the_second_models_greedy_output(
         assert after["prompt_ids"] == prompt
         assert after["output_ids"] == hf_greedy(second, prompt, n, eos)
         assert after["output_ids"] != before["output_ids"]
-        assert after["weight_versions"] == [
+        assert after["weight_segments"] == [
             {"start": 0, "end": len(after["output_ids"]), "version": "seed-1"}
         ]
         assert http.get("/api/weights").json()["version"] == "seed-1"
@@ -121,9 +121,9 @@ def test_an_update_moves_a_real_worker_to_the_second_models_greedy_output(
         # An update in the middle of a streamed greedy turn: the turn is cut at a token boundary and
         # resumed on the new weights; each of its two segments is its own version's greedy output.
         cut = cut_turn(http, tiny_model_dir, n=600, cut_after=20)  # 580 tokens of margin for the POST
-        k = cut["weight_versions"][0]["end"]
+        k = cut["weight_segments"][0]["end"]
         out = cut["output_ids"]
-        assert cut["weight_versions"] == [
+        assert cut["weight_segments"] == [
             {"start": 0, "end": k, "version": "seed-1"},
             {"start": k, "end": len(out), "version": "base-again"},
         ]
