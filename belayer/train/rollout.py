@@ -88,3 +88,12 @@ async def run_episode(
         )
         await s.reward(value, {"calls": len(calls), "answer": answer})
     return EpisodeResult(s.id, group, prompt.key, value, calls, answer)
+
+
+async def lookup_episode(
+    s: AsyncSession, raw_prompt: list[dict[str, Any]], sampling_params: dict[str, Any]
+) -> float:
+    """The task's episode as verl's and TRL's adapters call one: the prompt's messages in, the reward out."""
+    temperature = float(sampling_params.get("temperature", 1.0))
+    reward, _, _ = await play(s, task.Prompt.of(raw_prompt), max_tokens=40, temperature=temperature)
+    return reward
