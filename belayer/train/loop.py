@@ -102,7 +102,9 @@ class Report:
             ("cut_turn_logprob_diff_own_version_max", f"{self.cut_own_diff:.2e}"),
             (
                 "cut_turn_logprob_diff_other_version_mean",
-                f"{sum(self.cut_other_diff) / len(self.cut_other_diff):.2e}" if self.cut_other_diff else "nan",
+                f"{sum(self.cut_other_diff) / len(self.cut_other_diff):.2e}"
+                if self.cut_other_diff
+                else "nan",
             ),
             ("tokens_without_version", self.tokens_without_version),
             ("max_version_lag", self.max_version_lag),
