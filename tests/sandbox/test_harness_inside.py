@@ -109,7 +109,15 @@ class Gate:
             self.arrived[step].set()
             await self.release[step].wait()
 
+        sent = False
+
         async def replay() -> dict[str, Any]:
+            # the body once, then the real channel: a streamed answer waits on it for the disconnect (a
+            # replay that returned the body forever kept the response's disconnect listener spinning)
+            nonlocal sent
+            if sent:
+                return dict(await receive())
+            sent = True
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
