@@ -12,7 +12,10 @@ Example::
 
 from __future__ import annotations
 
+import json
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from belayer.client import AsyncBelayer, AsyncSession
@@ -30,6 +33,20 @@ class EpisodeResult:
     reward: float
     calls: list[tuple[str, str]]
     answer: str | None
+
+
+async def newest_rows(gw: AsyncBelayer, metadata: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The export rows of the sessions whose metadata matches, one per session: its newest branch (a
+    session whose history was rewritten has several), by session id. Nothing is marked exported."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rows.jsonl"
+        await gw.export(path, metadata=metadata, mark=False)
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    newest: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["session_id"] not in newest or row["branch"] > newest[row["session_id"]]["branch"]:
+            newest[row["session_id"]] = row
+    return newest
 
 
 async def play(

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from belayer.client import AsyncBelayer, AsyncSession, Belayer
+from belayer.train.rollout import newest_rows
 
 Episode = Callable[[AsyncSession, Any], Awaitable[float]]
 """One episode in a session: (the session, TRL's prompt) -> the verifier's reward. It talks to the
@@ -80,14 +79,7 @@ class BelayerRollout:
                     return s.id, reward
 
             done = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "rows.jsonl"
-                await gw.export(path, metadata={"batch": batch}, mark=False)
-                rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        by_session: dict[str, dict[str, Any]] = {}
-        for row in rows:  # one row per branch: a session whose history was rewritten has several
-            if row["session_id"] not in by_session or row["branch"] > by_session[row["session_id"]]["branch"]:
-                by_session[row["session_id"]] = row
+            by_session = await newest_rows(gw, {"batch": batch})
         out: dict[str, list[Any]] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask",
                                                       "belayer_reward", "belayer_session",
                                                       "belayer_weight_versions")}  # fmt: skip

@@ -25,11 +25,8 @@ are the fallbacks): ``belayer_url`` (``BELAYER_URL``), ``belayer_token`` (``BELA
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import tempfile
 import uuid
-from pathlib import Path
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import (
@@ -40,6 +37,7 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 
 from belayer.client import AsyncBelayer
+from belayer.train.rollout import newest_rows
 
 
 def load_episode(spec: str) -> Any:
@@ -67,7 +65,10 @@ class BelayerAgentLoop(AgentLoopBase):  # type: ignore[misc]
             async with gw.session(metadata={**metadata, "verl_sample": sample}) as s:
                 reward = float(await self.episode(s, raw_prompt, sampling_params))
                 await s.reward(reward)
-            row = await session_row(gw, s.id, sample)
+            rows = await newest_rows(gw, {"verl_sample": sample})
+        if s.id not in rows:
+            raise RuntimeError(f"session {s.id} has no complete turn to train on")
+        row = rows[s.id]
         return AgentLoopOutput(
             prompt_ids=list(row["prompt_ids"]),
             response_ids=list(row["response_ids"]),
@@ -78,19 +79,6 @@ class BelayerAgentLoop(AgentLoopBase):  # type: ignore[misc]
             metrics=AgentLoopMetrics(),
             extra_fields={"belayer_session": s.id, "weight_versions": list(row["weight_versions"])},
         )
-
-
-async def session_row(gw: AsyncBelayer, session_id: str, sample: str) -> dict[str, Any]:
-    """The session's export row (its newest branch: a rewritten history has several); `sample` is the
-    session's ``verl_sample`` metadata."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "rows.jsonl"
-        await gw.export(path, metadata={"verl_sample": sample}, mark=False)
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["session_id"] == session_id]
-    if not rows:
-        raise RuntimeError(f"session {session_id} has no complete turn to train on")
-    return max(rows, key=lambda r: int(r["branch"]))
 
 
 def _plain(value: Any) -> Any:

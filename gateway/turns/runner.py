@@ -142,7 +142,9 @@ class TurnRunner:
 
     def prepare(self, req: GenerationRequest) -> tuple[list[int], SamplingParams]:
         """Final prompt ids and sampling parameters; raises the 4xx errors before anything is stored."""
-        req.forced_prefix = forced_call_prefix(self.settings.tool_call_parser, req.forced_prefix)  # the family's own
+        req.forced_prefix = forced_call_prefix(
+            self.settings.tool_call_parser, req.forced_prefix
+        )  # the family's own
         prompt_ids = req.plan.prompt_ids + (self.tok.encode(req.forced_prefix) if req.forced_prefix else [])
         budget = self._budget(len(prompt_ids), req.max_tokens)  # first: it is cheap for any length
         # Client-supplied token ids (raw completions) may be anything; templated prompts are ours.
@@ -181,7 +183,9 @@ class TurnRunner:
             raise
         except BaseException as e:  # client went away (cancelled) or a bug: keep what was generated
             if self.interrupting and not isinstance(e, Exception):  # cancelled by the shutdown deadline
-                self.ledger.fail(turn, TURN_INTERRUPTED, "the gateway shut down (its grace period ran out)", t0)
+                self.ledger.fail(
+                    turn, TURN_INTERRUPTED, "the gateway shut down (its grace period ran out)", t0
+                )
             else:
                 self.ledger.fail(turn, TURN_ABORTED, repr(e), t0)
             self._published(turn, req, st)
@@ -246,10 +250,7 @@ class TurnRunner:
             version = member.weight_version
             submitted = time.monotonic()
             turn.timings.setdefault("queue_ms", (submitted - t0) * 1000)
-            # Streamed from the engine even for a non-streamed request: every token reaches the turn as
-            # it is decoded, so a weight update's cut or a lost worker keeps it (a non-streamed engine
-            # answer arrives whole at the end, and a cut before then threw every decoded token away).
-            stream = self._engine_stream(member, turn, remaining, True)
+            stream = self._engine_stream(member, turn, remaining)
             clock = REQUEST_CLOCK.get()
             first = True
             try:
@@ -291,13 +292,17 @@ class TurnRunner:
         return finish is not None
 
     def _engine_stream(
-        self, member: PoolMember, turn: TurnRecord, params: SamplingParams, stream: bool
+        self, member: PoolMember, turn: TurnRecord, params: SamplingParams
     ) -> AsyncGenerator[TokenChunk, None]:
         """The engine's chunks for the turn's prompt plus what it generated so far (a resubmission after
-        a failover); with failover on, guarded against a stalled worker."""
+        a failover); with failover on, guarded against a stalled worker. Always streamed, also for a
+        non-streamed request: every token reaches the turn as it is decoded, so a weight update's cut
+        or a lost worker keeps it (a non-streamed engine answer arrives whole, and a cut threw it away)."""
         rid = engine_request_id(turn.session_id, turn.index)
         prompt = turn.prompt_ids + turn.output_ids
-        return self.failover.guard(member.client.generate(prompt, params, stream=stream, request_id=rid), member)
+        return self.failover.guard(
+            member.client.generate(prompt, params, stream=True, request_id=rid), member
+        )
 
     def _consume(self, turn: TurnRecord, chunk: TokenChunk, st: _OutputState) -> Delta:
         """Record a chunk's tokens and turn them into visible text. Tokens are taken one at a time so
