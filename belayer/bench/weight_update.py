@@ -63,6 +63,16 @@ async def generated_tokens(http: httpx.AsyncClient) -> float:
                if line.startswith("vllm:generation_tokens_total"))  # fmt: skip
 
 
+async def discarded_since(http: httpx.AsyncClient, before: float, streams: list[Stream]) -> float:
+    """The tokens the engines decoded since `before` (`generated_tokens`) that no stream's finished
+    answer holds."""
+    recorded = 0
+    for s in streams:
+        turns = (await http.get(f"/api/sessions/{s.session}/trajectory")).json()["turns"]
+        recorded += sum(len(t["output_ids"]) for t in turns if t["status"] == "complete")
+    return await generated_tokens(http) - before - recorded
+
+
 async def stream_turn(
     http: httpx.AsyncClient, s: Stream, tokens: int, stop: asyncio.Event | None = None
 ) -> bool:
@@ -125,11 +135,7 @@ async def belayer_phase(
         progress(f"belayer: update {k + 1}/{opts.updates} in {windows[-1][1] - windows[-1][0]:.2f} s")
     await asyncio.gather(*tasks)
     pauses = [g for s in streams for t0, t1 in windows if (g := longest_gap(s.arrivals, t0, t1)) is not None]
-    recorded = 0
-    for s in streams:
-        turns = (await http.get(f"/api/sessions/{s.session}/trajectory")).json()["turns"]
-        recorded += sum(len(t["output_ids"]) for t in turns if t["status"] == "complete")
-    return {"pauses": pauses, "discarded": await generated_tokens(http) - before - recorded}
+    return {"pauses": pauses, "discarded": await discarded_since(http, before, streams)}
 
 
 async def abort_restart_phase(
@@ -161,11 +167,7 @@ async def abort_restart_phase(
             streams[i].done = await t
         await update(http, f"restart-{k}", models[(k + 1) % 2])
         progress(f"abort_restart: update {k + 1}/{opts.updates}")
-    recorded = 0
-    for s in streams:
-        turns = (await http.get(f"/api/sessions/{s.session}/trajectory")).json()["turns"]
-        recorded += sum(len(t["output_ids"]) for t in turns if t["status"] == "complete")
-    return {"pauses": pauses, "discarded": await generated_tokens(http) - before - recorded}
+    return {"pauses": pauses, "discarded": await discarded_since(http, before, streams)}
 
 
 def report(prefix: str, result: dict[str, Any], updates: int) -> None:
