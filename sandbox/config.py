@@ -34,7 +34,6 @@ class PolicySettings(BaseModel):
     prior_dump_bps: float = Field(default=200e6, gt=0)
 
 
-
 class SandboxConfig(BaseModel):
     """Per-session Docker sandboxes with checkpoints in inference bubbles (off unless ``enabled``)."""
 
@@ -101,7 +100,6 @@ class SandboxConfig(BaseModel):
         return None if value in (-1, "-1") else value
 
 
-
 class DockerBackendConfig(BaseModel):
     """Where the engine is and where checkpoints go."""
 
@@ -120,6 +118,9 @@ class DockerBackendConfig(BaseModel):
     gateway_network: str = "belayer-gateway"
     """The internal network of `network="gateway"` sandboxes (see `sandbox.network`)."""
     gateway_bridge: str = "belayer-gw0"
+    dump_retry_s: float = 10.0
+    """How long a process dump is retried while containerd still holds the last dump's identical blobs
+    (see `sandbox.docker_backend.containerd`); past it the checkpoint fails."""
     disk_quota_bytes: int | None = None
     """Each sandbox's writable-layer quota (``--storage-opt size``), where the storage driver has one
     (see `DockerSandboxBackend.disk_quota`); None: no quota."""

@@ -16,6 +16,8 @@ Figures (``name: value``), for each phase (prefix ``abort_restart_`` for the bas
   token);
 * ``tokens_discarded_per_update``: tokens the engines decoded (vLLM's own ``generation_tokens`` counters,
   read through ``/metrics/engines``) that are in no finished answer, per update;
+* ``abort_restart_tokens_streamed_then_aborted_per_update``: of those, the tokens the client had
+  received from the streams it aborted (a lower bound, counted on the client);
 * ``updates``, ``streams``, ``tokens_per_stream``.
 
 Example::
@@ -145,6 +147,7 @@ async def abort_restart_phase(
     before = await generated_tokens(http)
     pauses: list[float] = []
     aborted_at = 0.0
+    streamed_then_aborted = 0
     for k in range(opts.updates + 1):
         stop = asyncio.Event()
         since = [len(s.arrivals) for s in streams]
@@ -165,9 +168,12 @@ async def abort_restart_phase(
         aborted_at = time.monotonic()
         for i, t in tasks.items():
             streams[i].done = await t
+            if not streams[i].done:  # a stream may have finished first, if another was slow to start
+                streamed_then_aborted += len(streams[i].arrivals) - since[i]
         await update(http, f"restart-{k}", models[(k + 1) % 2])
         progress(f"abort_restart: update {k + 1}/{opts.updates}")
-    return {"pauses": pauses, "discarded": await discarded_since(http, before, streams)}
+    discarded = await discarded_since(http, before, streams)
+    return {"pauses": pauses, "discarded": discarded, "streamed_then_aborted": streamed_then_aborted}
 
 
 def report(prefix: str, result: dict[str, Any], updates: int) -> None:
@@ -175,6 +181,8 @@ def report(prefix: str, result: dict[str, Any], updates: int) -> None:
     emit(f"{prefix}update_pause_ms_p50", statistics.median(pauses) * 1000, 1)
     emit(f"{prefix}update_pause_ms_max", pauses[-1] * 1000, 1)
     emit(f"{prefix}tokens_discarded_per_update", result["discarded"] / updates, 1)
+    if "streamed_then_aborted" in result:
+        emit(f"{prefix}tokens_streamed_then_aborted_per_update", result["streamed_then_aborted"] / updates, 1)
 
 
 async def run(opts: argparse.Namespace, url: str, models: list[Path]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import shutil
 import time
@@ -29,11 +30,14 @@ import docker.errors
 
 from core.errors import CheckpointError, RestoreError, SandboxNotFound
 from sandbox.backend import Checkpoint, Sandbox, checkpoint_from_record, checkpoint_record
+from sandbox.docker_backend import containerd
 from sandbox.docker_backend.containers import Containers
 from sandbox.docker_backend.engine import DockerEngine, docker_errors
 from sandbox.docker_backend.images import Images
 
 _CRIU_NAME = "criu"
+log = logging.getLogger("belayer.sandbox")
+_BLOB_COLLISION = re.compile(r"content sha256:[0-9a-f]{64}: already exists")
 
 
 class Checkpoints:
@@ -45,6 +49,7 @@ class Checkpoints:
         self._config = engine.config
         self._containers = containers
         self._images = images
+        self._dumped: set[str] = set()  # containers dumped by this process (for `_dump_processes`)
 
     def take(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
         spec = self._engine.spec(sandbox_id)
@@ -58,7 +63,7 @@ class Checkpoints:
                     started = time.monotonic()
                     image = self._snapshot_filesystem(info, ckpt_id)
                     fs_done = time.monotonic()
-                    self._dump_processes(info["Id"], location)
+                    self._dump_processes(info, location)
                     dumped = time.monotonic()
         except BaseException:
             with contextlib.suppress(docker.errors.DockerException):
@@ -141,13 +146,41 @@ class Checkpoints:
             self._api.commit(info["Id"], repository=repo, tag=ckpt_id, pause=False)
         return f"{repo}:{ckpt_id}"
 
-    def _dump_processes(self, container_id: str, location: Path) -> None:
-        # Docker writes the dump to <CheckpointDir>/<CheckpointID>; the container keeps running.
+    def _dump_processes(self, info: dict[str, Any], location: Path) -> None:
+        """Docker writes the dump to <CheckpointDir>/<CheckpointID>; the container keeps running.
+
+        A container dumped before gets containerd's garbage collected first (about 30 ms), since its last
+        dump's blobs may still be in the content store. A dump that collides with them anyway ("content
+        sha256:…: already exists", see `containerd`: a dump by another process) is taken again once
+        containerd has collected (or, where it cannot be made to, after a backoff), until `dump_retry_s`
+        is spent.
+        """
         body = {"CheckpointID": _CRIU_NAME, "CheckpointDir": str(location), "Exit": False}
-        try:
-            self._engine.post(f"/containers/{container_id}/checkpoints", json_body=body)
-        except docker.errors.APIError as exc:
-            raise CheckpointError(f"CRIU could not dump the processes: {criu_errors(str(exc))}") from exc
+        if info["Id"] in self._dumped:  # its last dump's blobs may still be there: collect them first
+            containerd.collect_garbage(info["State"]["Pid"])
+        started = time.monotonic()
+        wait, tries = 0.05, 1
+        while True:
+            try:
+                self._engine.post(f"/containers/{info['Id']}/checkpoints", json_body=body)
+                break
+            except docker.errors.APIError as exc:
+                if (
+                    not _BLOB_COLLISION.search(str(exc))
+                    or time.monotonic() + wait > started + self._config.dump_retry_s
+                ):
+                    raise CheckpointError(
+                        f"CRIU could not dump the processes: {criu_errors(str(exc))}"
+                    ) from exc
+            shutil.rmtree(location / _CRIU_NAME, ignore_errors=True)
+            if not containerd.collect_garbage(info["State"]["Pid"]):
+                time.sleep(wait)  # no way to make containerd collect: wait for its own schedule
+                wait = min(wait * 2, 1.0)
+            tries += 1
+        self._dumped.add(info["Id"])
+        if tries > 1:
+            log.info("container %s: dump taken at try %d, %.2fs after the first (containerd still held the last"
+                     " dump's blobs)", info["Id"][:12], tries, time.monotonic() - started)  # fmt: skip
 
     def _stage_dump(self, container_id: str, dump: Path) -> None:
         dest = self._engine.data_root() / "containers" / container_id / "checkpoints" / _CRIU_NAME

@@ -23,7 +23,10 @@ def test_updates_discard_nothing_that_abort_and_restart_throws_away(
     figures = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
     # a cut may lose what the engine decoded in the instant of the cut (a token per stream at most)
     assert float(figures["tokens_discarded_per_update"]) <= 2
-    # abort-and-restart throws away at least the 30 tokens each stream had received since the last update
-    assert float(figures["abort_restart_tokens_discarded_per_update"]) >= 2 * 30
+    # abort-and-restart throws away at least what its aborted streams had received since the last update:
+    # 30 tokens or more each, and at least one stream is aborted per update (the other may have finished
+    # all 400 tokens first when its restart was slow to start, as on a loaded machine)
+    discarded = float(figures["abort_restart_tokens_discarded_per_update"])
+    assert discarded >= float(figures["abort_restart_tokens_streamed_then_aborted_per_update"]) >= 30
     for name in ("update_pause_ms_p50", "update_pause_ms_max", "abort_restart_update_pause_ms_p50"):
         assert float(figures[name]) > 0, name
