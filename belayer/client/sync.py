@@ -39,6 +39,12 @@ class Session(SessionView):
         self.summary = self._client._call(wire.reward_request(self.id, value, info))
         return self.summary
 
+    def exec(self, command: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """Run `command` in the session's sandbox (``POST …/sandbox/exec``): ``stdout``, ``stderr``,
+        ``exit_code``. A sandbox that failed meanwhile is restored first and the command runs there."""
+        result: dict[str, Any] = self._client._call(wire.exec_request(self.id, command, timeout_s))
+        return result
+
     def trajectory(self, token_text: bool = False) -> dict[str, Any]:
         """Every turn with its exact token ids, logprobs and loss mask (``GET …/trajectory``)."""
         traj: dict[str, Any] = self._client._call(wire.trajectory_request(self.id, token_text))

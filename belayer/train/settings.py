@@ -26,6 +26,12 @@ class Settings:  # no slots: the CLI reads the defaults off the class
     boundary; the gateway resumes them on the new weights)."""
     kill_after_step: int | None = 1
     """After this step's update, ``kill -9`` a worker while it serves (None: no kill)."""
+    sandboxes: bool = False
+    """Each episode's tool runs in its own Docker sandbox (the gateway's ``--sandboxes``): its first
+    command writes the table there, and the sandbox is checkpointed in the inference bubbles."""
+    sandbox_kills: int = 2
+    """With sandboxes: after `kill_after_step`'s update, ``kill -9`` this many running episodes'
+    containers, one at a time at random moments (0: none)."""
     workers: int = 2
     shadows: int = 1
     warm_up_steps: int = 200

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,35 @@ def called_key(calls: list[tuple[str, str]]) -> str | None:
 
 def tool_answer(key: str | None) -> str:
     return TABLE.get(key or "", UNKNOWN)
+
+
+TABLE_DIR = "/workspace/table"
+"""With sandboxes: where the episode's first command writes the table, one file per key."""
+
+
+def setup_command() -> str:
+    """With sandboxes: the episode's first command, which writes the tool's table into its sandbox (so a
+    sandbox that dies must come back with it: restored from a checkpoint, or this command replayed).
+
+    >>> setup_command()[:58]
+    'mkdir -p /workspace/table && cd /workspace/table && echo s'
+    """
+    writes = " && ".join(f"echo {value} > {key}" for key, value in TABLE.items())
+    return f"mkdir -p {TABLE_DIR} && cd {TABLE_DIR} && {writes}"
+
+
+def lookup_command(key: str | None) -> str:
+    """With sandboxes: the tool call as a command in the episode's sandbox, whose output is the answer.
+    A key that is not a plain lower-case word never reaches the shell.
+
+    >>> lookup_command("red")
+    'cat /workspace/table/red 2>/dev/null || echo unknown'
+    >>> lookup_command("red; rm -rf /"), lookup_command(None)
+    ('echo unknown', 'echo unknown')
+    """
+    if key is None or re.fullmatch(r"[a-z]{1,32}", key) is None:
+        return f"echo {UNKNOWN}"
+    return f"cat {TABLE_DIR}/{key} 2>/dev/null || echo {UNKNOWN}"
 
 
 def reward(key: str, calls: list[tuple[str, str]], returned: str | None, answer: str | None) -> float:

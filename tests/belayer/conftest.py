@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+from tests.sandbox.conftest import docker_config, docker_engine
+
+__all__ = ["docker_config", "docker_engine"]
+
 
 @pytest.fixture(autouse=True)
 def _no_belayer_settings(monkeypatch: pytest.MonkeyPatch) -> None:

