@@ -26,6 +26,7 @@ from engine_pool.pool import EnginePool
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.serve.server import build_server
+from sandbox.fake import FakeSandboxBackend
 
 TOKEN = "secret"
 QUICK = Backoff(first=0.05, most=0.5, attempts=60)
@@ -41,12 +42,13 @@ def config(tmp_path: Path, tiny_model_dir: Path) -> GatewayConfig:
 
 
 @contextlib.asynccontextmanager
-async def served(config: GatewayConfig) -> AsyncIterator[str]:
-    """The gateway as it runs in production (its server ends open feeds at shutdown) on a socket."""
+async def served(config: GatewayConfig, sandboxes: FakeSandboxBackend | None = None) -> AsyncIterator[str]:
+    """The gateway as it runs in production (its server ends open feeds at shutdown) on a socket; with
+    `sandboxes`, sessions get sandboxes from that fake backend."""
     async with httpx.AsyncClient(transport=httpx.ASGITransport(FakeEngine().app())) as engine_http:
         pool = EnginePool(engine_http)
         pool.add_remote("http://fake-engine")
-        server = build_server(build_app(config, pool=pool), config)
+        server = build_server(build_app(config, pool=pool, sandbox_backend=sandboxes), config)
         serving = asyncio.create_task(server.serve())
         try:
             while not server.started:
@@ -110,6 +112,27 @@ async def test_a_sync_session_makes_real_sdk_requests_and_closes_on_exit(config:
             assert refused.value.status == 401 and "API token" in refused.value.message
 
         await in_thread(afterwards)
+
+
+async def test_a_session_runs_commands_in_its_sandbox(config: GatewayConfig, tmp_path: Path) -> None:
+    config.sandbox.enabled, config.sandbox.checkpoint_dir = True, tmp_path / "checkpoints"
+    async with served(config, FakeSandboxBackend()) as url:
+        async with AsyncBelayer(url, token=TOKEN) as gw, gw.session(sandbox={"image": "busybox"}) as s:
+            await s.exec("echo seven > /workspace/red")
+            assert (await s.exec("cat /workspace/red"))["stdout"] == "seven\n"
+            failed = await s.exec("cat /workspace/blue", timeout_s=5)
+            assert failed["exit_code"] != 0 and failed["stdout"] == ""
+            sid = s.id
+
+        def sync_side() -> None:
+            with Belayer(url, token=TOKEN) as gw:
+                with gw.session(sandbox={"image": "busybox"}) as other:
+                    assert other.exec("cat /workspace/red")["exit_code"] != 0  # its own sandbox
+                with pytest.raises(ClientError) as closed:
+                    gw.get_session(sid).exec("true")
+                assert (closed.value.status, closed.value.code) == (404, "sandbox_not_found")  # closed with it
+
+        await in_thread(sync_side)
 
 
 async def test_an_async_session_makes_real_sdk_requests_and_closes_on_exit(config: GatewayConfig) -> None:
