@@ -130,10 +130,7 @@ async def test_a_session_runs_commands_in_its_sandbox(config: GatewayConfig, tmp
                     assert other.exec("cat /workspace/red")["exit_code"] != 0  # its own sandbox
                 with pytest.raises(ClientError) as closed:
                     gw.get_session(sid).exec("true")
-                assert (closed.value.status, closed.value.code) == (
-                    404,
-                    "sandbox_not_found",
-                )  # closed with it
+                assert (closed.value.status, closed.value.code) == (404, "sandbox_not_found")  # closed with it
 
         await in_thread(sync_side)
 
