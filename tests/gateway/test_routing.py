@@ -199,3 +199,19 @@ async def test_after_a_failover_the_sessions_next_turn_goes_to_the_worker_that_t
     [failover] = [e["data"] for e in traj["events"] if e["kind"] == "failover"]
     assert (failover["from_worker"], failover["to_worker"]) == ("remote-0", "remote-1")
     assert (first["worker"], second["worker"], other["worker"]) == ("remote-1", "remote-1", "remote-0")
+
+
+async def test_a_session_moved_for_load_is_counted_on_metrics(tmp_path: Path, tiny_model_dir: Path) -> None:
+    async with asgi_gateway(config(tmp_path, tiny_model_dir), httpx.ASGITransport(FakeEngine().app())) as (
+        app,
+        client,
+    ):
+        gw: Gateway = app.state.gateway
+        before = samples((await client.get("/metrics")).text, "belayer_sessions_moved_total")
+        moved = {"from_worker": "remote-0", "to_worker": "remote-1", "group": None, "why": "load"}
+        gw.telemetry.publish("session_moved", moved | {"from_outstanding": 5, "to_outstanding": 1}, "ses_1")
+        after = samples((await client.get("/metrics")).text, "belayer_sessions_moved_total")
+    assert (before, after) == (
+        {("belayer_sessions_moved_total", ()): 0.0},
+        {("belayer_sessions_moved_total", ()): 1.0},
+    )
