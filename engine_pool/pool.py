@@ -16,8 +16,10 @@ full strength. A registered worker cannot be killed from here: it is fenced by t
 worker) becomes active while fewer workers are active than the pool's target, else a shadow: the
 target is ``active`` launched workers plus the registered engines not given as shadows.
 
-Routing prefers the worker that served the session last (its prefix cache holds the session's tokens),
-then the one with the fewest outstanding requests. The affinity map holds named sessions only (a plain
+Routing (``PoolSettings.routing``, ``engine_pool.router``) by default prefers the worker that served the
+session last (its prefix cache holds the session's tokens), then the one with the fewest outstanding
+requests; the ``group`` policy also keeps a group's sessions on the group's first worker while its load
+allows, and ``round-robin`` and ``least-loaded`` ignore the session. The affinity map holds named sessions only (a plain
 ``/v1`` request's one-request session is not remembered), is forgotten when a session closes, and is
 bounded (least recently used first out). ``acquire`` waits, up to a deadline, for a worker when none is
 ready (during a promotion or a restart); every state change wakes every waiter.
@@ -317,10 +319,14 @@ class EnginePool(PoolSettings):
         return self.router.routable()
 
     def pick(
-        self, session_id: str | None = None, exclude: frozenset[str] = frozenset(), version: str | None = None
+        self,
+        session_id: str | None = None,
+        exclude: frozenset[str] = frozenset(),
+        version: str | None = None,
+        group: str | None = None,
     ) -> PoolMember | None:
         """The worker for a request, or None (`Router.pick`)."""
-        return self.router.pick(session_id, exclude, version)
+        return self.router.pick(session_id, exclude, version, group)
 
     async def acquire(
         self,
@@ -328,9 +334,10 @@ class EnginePool(PoolSettings):
         wait: float = 0.0,
         exclude: frozenset[str] = frozenset(),
         version: str | None = None,
+        group: str | None = None,
     ) -> PoolMember:
         """A ready worker on the pool's weight version, waiting up to ``wait`` seconds (`Router.acquire`)."""
-        return await self.router.acquire(session_id, wait, exclude, version)
+        return await self.router.acquire(session_id, wait, exclude, version, group)
 
     def lease(
         self,
@@ -338,9 +345,10 @@ class EnginePool(PoolSettings):
         wait: float = 0.0,
         exclude: frozenset[str] = frozenset(),
         version: str | None = None,
+        group: str | None = None,
     ) -> AbstractAsyncContextManager[PoolMember]:
         """`acquire`, with the request counted on the worker while it runs (`Router.lease`)."""
-        return self.router.lease(session_id, wait, exclude, version)
+        return self.router.lease(session_id, wait, exclude, version, group)
 
     def forget(self, session_id: str) -> None:
         """The session is over: its worker need not be remembered."""

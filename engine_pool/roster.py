@@ -76,9 +76,10 @@ class Roster:
             self.publish("worker_state", data)
             self.wake()
 
-    def publish(self, kind: str, data: dict[str, Any]) -> None:
-        """An event of the pool's (state changes, promotions, replacements, cold starts, loads)."""
-        self.settings.telemetry.publish(kind, data)
+    def publish(self, kind: str, data: dict[str, Any], session_id: str | None = None) -> None:
+        """An event of the pool's (state changes, promotions, replacements, cold starts, loads, a
+        session moved for load: that one names its session)."""
+        self.settings.telemetry.publish(kind, data, session_id)
 
     def wake(self) -> None:
         """Every waiter looks again (each has its own future: none can miss a change)."""

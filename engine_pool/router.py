@@ -1,16 +1,29 @@
-"""Which worker serves a request (`Router`): a ready worker on the pool's weight version, preferring the
-one that served the session last (its prefix cache holds the session's tokens), then the one with the
-fewest outstanding requests.
+"""Which worker serves a request (`Router`): a ready worker on the pool's weight version, chosen by the
+pool's routing policy (``PoolSettings.routing``):
+
+- ``affinity`` (the default): the worker that served the session last (its prefix cache holds the
+  session's tokens), else the one with the fewest outstanding requests;
+- ``group``: as ``affinity``, and a session that names a group (``POST /api/sessions {"group": ...}``)
+  and has no worker yet goes to the worker that served its group first (its prefix cache holds the
+  group's shared prompt), while that worker's load allows; a session (or a group's newcomer) *spills*
+  to the least-loaded worker when its worker's outstanding requests exceed ``routing_spill_factor`` ×
+  the least-loaded's + ``routing_spill_floor``. A session that spills moves once (a ``session_moved``
+  event) and stays on its new worker;
+- ``round-robin``: the ready workers in turn, whatever the session;
+- ``least-loaded``: the fewest outstanding requests (then the fewest served), whatever the session.
 
 The affinity map holds named sessions only (a plain ``/v1`` request's one-request session is not
-remembered), is forgotten when a session closes, and is bounded (least recently used first out).
+remembered), is forgotten when a session closes, and is bounded (least recently used first out); so is
+the map of groups to their first worker, which moves to another worker when its worker is no longer
+routable. Every policy keeps both maps, so a policy changed live starts from what they hold. After a
+failover the session is remembered on the worker that took it over.
 `acquire` waits, up to a deadline, for a worker when none is ready (during a promotion, a restart or a
 weight update); every state change wakes every waiter (``engine_pool.roster``).
 
 Example::
 
     router = Router(settings, roster, versions)
-    async with router.lease("session-1", wait=30.0) as member:
+    async with router.lease("session-1", wait=30.0, group="task-7") as member:
         ...  # member.outstanding counts this request
 """
 
@@ -35,6 +48,10 @@ class Router:
     def __init__(self, settings: PoolSettings, roster: Roster, versions: WeightVersions) -> None:
         self.settings, self.roster, self.versions = settings, roster, versions
         self._affinity: OrderedDict[str, str] = OrderedDict()
+        self._groups: OrderedDict[str, str] = OrderedDict()
+        """A group's worker: the first that served one of its sessions (``group`` policy)."""
+        self._turn = 0
+        """Requests placed under ``round-robin`` (its next worker)."""
 
     def routable(self) -> list[PoolMember]:
         """The ready workers on the pool's weight version."""
@@ -45,21 +62,47 @@ class Router:
         session_id: str | None = None,
         exclude: frozenset[str] = frozenset(),
         version: str | None = None,
+        group: str | None = None,
     ) -> PoolMember | None:
         """The worker for a request, or None. `version`: the request has tokens from that version (a
         failover): during an update's drain it may still run on that version; without one it waits for
-        the update, like every request while the update loads the weights."""
+        the update, like every request while the update loads the weights. `group`: the session's
+        group (the ``group`` policy places it by its group)."""
+        placed = self._place(session_id, exclude, version, group)
+        return placed[0] if placed is not None else None
+
+    def _place(
+        self, session_id: str | None, exclude: frozenset[str], version: str | None, group: str | None
+    ) -> tuple[PoolMember, PoolMember | None] | None:
+        """The worker for a request under the pool's policy, and the worker the session leaves because
+        of its load (None: it stays, or had none); None when no worker can take it now."""
         v = self.versions
         if v.updating and (v.switching or version != v.version):
             return None
         ready = [m for m in self.routable() if m.name not in exclude]
         if not ready:
             return None
-        preferred = self._affinity.get(session_id) if session_id is not None else None
-        for m in ready:
-            if m.name == preferred:
-                return m
-        return min(ready, key=lambda m: m.outstanding)
+        policy = self.settings.routing
+        if policy == "round-robin":
+            return ready[self._turn % len(ready)], None
+        if policy == "least-loaded":
+            return min(ready, key=lambda m: (m.outstanding, m.served)), None
+        least = min(ready, key=lambda m: m.outstanding)
+        own = _named(ready, self._affinity.get(session_id) if session_id is not None else None)
+        if policy == "affinity":
+            return (own if own is not None else least), None
+        if own is not None:  # group: the session's own worker first, while its load allows
+            return (least, own) if self._crowded(own, least) else (own, None)
+        home = _named(ready, self._groups.get(group) if group is not None else None)
+        return (home if home is not None and not self._crowded(home, least) else least), None
+
+    def _crowded(self, m: PoolMember, least: PoolMember) -> bool:
+        """Is `m` too loaded to keep its sessions, next to the least-loaded worker (module docstring)?"""
+        s = self.settings
+        return (
+            m is not least
+            and m.outstanding > s.routing_spill_factor * least.outstanding + s.routing_spill_floor
+        )
 
     async def acquire(
         self,
@@ -67,11 +110,13 @@ class Router:
         wait: float = 0.0,
         exclude: frozenset[str] = frozenset(),
         version: str | None = None,
+        group: str | None = None,
     ) -> PoolMember:
         """A ready worker on the pool's weight version (not one named in `exclude`), waiting up to
-        ``wait`` seconds for one (a promotion, a restart, a weight update); `version` as in `pick`."""
+        ``wait`` seconds for one (a promotion, a restart, a weight update); `version` and `group` as in
+        `pick`. The session is remembered on it (and the group, when it has no routable worker yet)."""
         deadline = time.monotonic() + wait
-        while (member := self.pick(session_id, exclude, version)) is None:
+        while (placed := self._place(session_id, exclude, version, group)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EngineUnavailable(
@@ -79,9 +124,24 @@ class Router:
                     f"{self._states()}); check the workers' logs in the gateway's --log-dir"
                 )
             await self.roster.wait_change(left)
+        member, moved_from = placed
+        if self.settings.routing == "round-robin":
+            self._turn += 1
+        if moved_from is not None:
+            self._moved(session_id, group, moved_from, member)
         if session_id is not None:
             self._remember(session_id, member.name)
+        if group is not None:
+            self._home(group, member.name)
         return member
+
+    def _moved(self, session_id: str | None, group: str | None, left: PoolMember, to: PoolMember) -> None:
+        """The session leaves its worker for load: published as ``session_moved`` (once: it stays)."""
+        data = {
+            "from_worker": left.name, "to_worker": to.name, "group": group,
+            "from_outstanding": left.outstanding, "to_outstanding": to.outstanding, "why": "load",
+        }  # fmt: skip
+        self.roster.publish("session_moved", data, session_id)
 
     def _states(self) -> str:
         """The workers' states, for a request that found none to run on."""
@@ -101,9 +161,10 @@ class Router:
         wait: float = 0.0,
         exclude: frozenset[str] = frozenset(),
         version: str | None = None,
+        group: str | None = None,
     ) -> AsyncIterator[PoolMember]:
         """`acquire`, with the request counted on the worker while it runs."""
-        member = await self.acquire(session_id, wait, exclude, version)
+        member = await self.acquire(session_id, wait, exclude, version, group)
         member.outstanding += 1
         try:
             yield member
@@ -119,15 +180,25 @@ class Router:
         while len(self._affinity) > self.settings.max_affinity:
             self._affinity.popitem(last=False)
 
+    def _home(self, group: str, worker: str) -> None:
+        """The group's worker: the first that served it, until that one is no longer routable."""
+        home = self._groups.get(group)
+        if home is None or _named(self.routable(), home) is None:
+            self._groups[group] = worker
+        self._groups.move_to_end(group)
+        while len(self._groups) > self.settings.max_affinity:
+            self._groups.popitem(last=False)
+
     def forget(self, session_id: str) -> None:
         """The session is over: its worker need not be remembered."""
         self._affinity.pop(session_id, None)
 
     def forget_worker(self, name: str) -> None:
         """The worker is gone: no session is routed back to it."""
-        for session, worker in list(self._affinity.items()):
-            if worker == name:
-                del self._affinity[session]
+        for remembered in (self._affinity, self._groups):
+            for key, worker in list(remembered.items()):
+                if worker == name:
+                    del remembered[key]
 
     @property
     def remembered_sessions(self) -> int:
@@ -138,3 +209,12 @@ class Router:
     def sessions(self) -> list[str]:
         """Sessions in the affinity map (bounded by ``max_affinity``), least recently used first."""
         return list(self._affinity)
+
+    @property
+    def groups(self) -> dict[str, str]:
+        """Each remembered group's worker (bounded by ``max_affinity``), least recently used first."""
+        return dict(self._groups)
+
+
+def _named(members: list[PoolMember], name: str | None) -> PoolMember | None:
+    return next((m for m in members if m.name == name), None) if name is not None else None

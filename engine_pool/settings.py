@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from core.telemetry import Telemetry
 from engine_pool.member import WorkerLauncher
 from engine_pool.worker import WorkerSpec
+
+RoutingPolicy = Literal["affinity", "group", "round-robin", "least-loaded"]
+"""How the router places requests (``engine_pool.router``)."""
+ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("affinity", "group", "round-robin", "least-loaded")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -37,7 +42,17 @@ class PoolSettings:
     """Shadows share the active workers' device groups: they map the group's weight cache over CUDA
     IPC, which works only on the device the memory is on (``engine_pool.weight_cache``)."""
     max_affinity: int = 65536
-    """Sessions whose last worker is remembered (least recently used forgotten first)."""
+    """Sessions whose last worker is remembered (least recently used forgotten first); also the most
+    groups whose first worker is remembered."""
+    routing: RoutingPolicy = "affinity"
+    """How requests are placed (``engine_pool.router``): ``affinity`` (a session's last worker, else the
+    fewest outstanding requests), ``group`` (affinity, a group's sessions on the group's first worker,
+    and spill under load), ``round-robin``, ``least-loaded``."""
+    routing_spill_factor: float = 2.0
+    """Under ``group``: a session (or group) leaves its worker when that worker's outstanding requests
+    exceed ``routing_spill_factor`` × the least-loaded routable worker's + ``routing_spill_floor``."""
+    routing_spill_floor: int = 2
+    """The absolute part of the spill threshold, so that 1 request against 0 does not move a session."""
     telemetry: Telemetry = field(default_factory=Telemetry)
     """Where state changes, promotions, replacements and cold starts are published."""
     catch_up_backoff: float = 0.5

@@ -51,6 +51,7 @@ from core.errors import ConfigError
 from core.logs import LogFormat
 from core.shm_weights import DEFAULT_BASE as DEFAULT_SHM_BASE
 from engine_pool.launch import Profile, check_device_count, device_groups, names_option, vllm_args
+from engine_pool.settings import RoutingPolicy
 from gateway.policy.parsers import ReasoningParserName, ToolParserName
 from gateway.policy.tokenization import ChatTokenizer
 from sandbox.config import SandboxConfig
@@ -322,6 +323,27 @@ class GatewayConfig(BaseSettings):
             "what launched workers run: vllm, or fake (scripted fake engines, real processes: for demos, "
             "dashboards and tests without a model server)"
         ),
+    )
+    routing: RoutingPolicy = Field(
+        default="affinity",
+        description=(
+            "how requests are placed on workers: affinity (a session's last worker, else the one with the "
+            "fewest outstanding requests), group (affinity, and a session's group on the group's first "
+            "worker; a session spills to the least-loaded worker under load), round-robin, least-loaded"
+        ),
+    )
+    routing_spill_factor: float = Field(
+        default=2.0,
+        ge=1.0,
+        description=(
+            "group routing: a session leaves its worker once that worker's outstanding requests exceed "
+            "this factor times the least-loaded worker's, plus routing_spill_floor"
+        ),
+    )
+    routing_spill_floor: int = Field(
+        default=2,
+        ge=0,
+        description="group routing: the absolute part of the spill threshold (1 request against 0 stays)",
     )
     metrics: bool = Field(default=True, description="serve /metrics and record Prometheus metrics")
     failover: FailoverConfig = Field(default_factory=FailoverConfig)

@@ -37,6 +37,25 @@ TURN_DISCARDED = "discarded"
 """A turn rolled back by an environment restore: kept readable, never extended by prefix reuse."""
 
 
+GROUP_KEY = "__belayer_group"
+"""Where a session's `SessionRecord.group` is stored: a reserved key of its stored metadata (a session's
+own metadata may not use it)."""
+
+
+def stored_metadata(session: SessionRecord) -> dict[str, Any]:
+    """The metadata as stored: the session's, and its group under `GROUP_KEY`."""
+    return session.metadata if session.group is None else {**session.metadata, GROUP_KEY: session.group}
+
+
+def split_group(stored: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """Stored metadata -> (the session's metadata, its group)."""
+    if GROUP_KEY not in stored:
+        return stored, None
+    metadata = {k: v for k, v in stored.items() if k != GROUP_KEY}
+    group = stored[GROUP_KEY]
+    return metadata, group if isinstance(group, str) else None
+
+
 @dataclass(slots=True)
 class SessionRecord:
     id: str
@@ -51,6 +70,10 @@ class SessionRecord:
     """A fork child: the session it was forked from (`TrajectoryStore.fork`)."""
     fork_turn: int | None = None
     """A fork child: the parent's turn index it was forked at; its own turns are numbered after it."""
+    group: str | None = None
+    """The routing group it named (``POST /api/sessions {"group": ...}``; a fork child: its parent's, or
+    the parent's id): the ``group`` routing policy places a group's sessions together. Stored in the
+    metadata column under `GROUP_KEY` (no column of its own), never shown in `metadata`."""
 
 
 @dataclass(slots=True)

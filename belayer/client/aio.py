@@ -140,9 +140,12 @@ class AsyncBelayer:
         return body
 
     def session(
-        self, metadata: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None
+        self,
+        metadata: Mapping[str, Any] | None = None,
+        sandbox: Mapping[str, Any] | None = None,
+        group: str | None = None,
     ) -> _SessionStart:
-        return _SessionStart(self, wire.create_session_request(metadata, sandbox))
+        return _SessionStart(self, wire.create_session_request(metadata, sandbox, group))
 
     async def get_session(self, session_id: str) -> AsyncSession:
         return AsyncSession(self, await self._call(wire.session_request(session_id)))

@@ -125,10 +125,14 @@ class Belayer:
         return body
 
     def session(
-        self, metadata: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None
+        self,
+        metadata: Mapping[str, Any] | None = None,
+        sandbox: Mapping[str, Any] | None = None,
+        group: str | None = None,
     ) -> Session:
-        """Create a session (with a sandbox, given its spec); use it as ``with gw.session() as s:``."""
-        return Session(self, self._call(wire.create_session_request(metadata, sandbox)))
+        """Create a session (with a sandbox, given its spec; in a routing `group`, given one); use it as
+        ``with gw.session() as s:``."""
+        return Session(self, self._call(wire.create_session_request(metadata, sandbox, group)))
 
     def get_session(self, session_id: str) -> Session:
         return Session(self, self._call(wire.session_request(session_id)))

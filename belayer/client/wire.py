@@ -103,10 +103,19 @@ class Request:
     json: Any = None
 
 
-def create_session_request(metadata: Mapping[str, Any] | None, sandbox: Mapping[str, Any] | None) -> Request:
+def create_session_request(
+    metadata: Mapping[str, Any] | None, sandbox: Mapping[str, Any] | None, group: str | None = None
+) -> Request:
+    """``POST /api/sessions``; `group`: the session's routing group (sessions that share a prompt).
+
+    >>> create_session_request(None, None, group="task-7").json
+    {'metadata': {}, 'group': 'task-7'}
+    """
     body: dict[str, Any] = {"metadata": dict(metadata or {})}
     if sandbox is not None:
         body["sandbox"] = dict(sandbox)
+    if group is not None:
+        body["group"] = group
     return Request("POST", "/api/sessions", json=body)
 
 
@@ -204,6 +213,12 @@ class SessionView:
     @property
     def openai_base_url(self) -> str:
         return str(self.summary["base_url"])
+
+    @property
+    def group(self) -> str | None:
+        """The session's routing group (None: it named none)."""
+        group = self.summary.get("group")
+        return str(group) if group is not None else None
 
     @property
     def anthropic_base_url(self) -> str:

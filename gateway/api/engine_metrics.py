@@ -7,6 +7,12 @@ the pool picks). Every worker the pool has (but the dead) is scraped at once, ea
 one that did not (starting, hung, gone), whose samples are then absent. A family's HELP and TYPE come
 once, from the first worker that has it.
 
+The gateway's own ``/metrics`` scrapes the workers too (`scrape_pool`), for one figure computed from
+theirs: ``belayer_prefix_cache_hit_rate`` (`prefix_cache_hit_rate`), each worker's prefix-cache hits
+over its queries (vLLM's ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``, in
+tokens, since the worker started), and ``worker="all"``: the pool's, the sums' ratio over the workers
+that answered. A worker with no query yet has no sample.
+
 Example::
 
     $ curl -s localhost:8000/metrics/engines | grep kv_cache_usage
@@ -41,13 +47,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine_pool.pool import DEAD, PoolMember
-from gateway.gateway import gateway_of
+from gateway.gateway import Gateway, gateway_of
 
 log = logging.getLogger("belayer.gateway")
 
 SCRAPE_TIMEOUT_S = 2.0
 """How long a worker may take to answer: a scrape must not hang on one hung worker."""
 UP = "belayer_engine_metrics_up"
+HIT_RATE = "belayer_prefix_cache_hit_rate"
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+"""vLLM's prefix-cache counters (in tokens; their samples end in ``_total``)."""
 
 Scrape = tuple[str, str | None]
 """A worker's name and its ``/metrics`` text (None: it did not answer)."""
@@ -65,6 +74,12 @@ async def scrape(http: httpx.AsyncClient, member: PoolMember, timeout: float = S
         log.debug("metrics of %s: HTTP %d", member.name, resp.status_code)
         return member.name, None
     return member.name, resp.text
+
+
+async def scrape_pool(gw: Gateway) -> list[Scrape]:
+    """Every worker's ``/metrics`` (but the dead's), at once, each within ``SCRAPE_TIMEOUT_S``."""
+    members = [m for m in gw.pool.members if m.state != DEAD]
+    return list(await asyncio.gather(*(scrape(gw.pool.http, m) for m in members)))
 
 
 def _parse(worker: str, text: str) -> list[Metric] | None:
@@ -99,6 +114,41 @@ def relabel(scrapes: Sequence[Scrape]) -> list[Metric]:
     return [up, *merged.values()]
 
 
+def _total(families: list[Metric], name: str) -> float:
+    """The sum of the samples of counter `name` (``name_total``; 0 when the worker has none)."""
+    return sum(s.value for f in families for s in f.samples if s.name == f"{name}_total")
+
+
+def prefix_cache_hit_rate(scrapes: Sequence[Scrape]) -> Metric:
+    """``belayer_prefix_cache_hit_rate``, per worker and for ``worker="all"`` (module docstring).
+
+    >>> w0 = '''vllm:prefix_cache_queries_total{engine="0"} 80.0
+    ... vllm:prefix_cache_hits_total{engine="0"} 48.0'''
+    >>> w2 = '''vllm:prefix_cache_queries_total{engine="0"} 20.0
+    ... vllm:prefix_cache_hits_total{engine="0"} 2.0'''
+    >>> rate = prefix_cache_hit_rate([("worker-0", w0), ("worker-1", None), ("worker-2", w2)])
+    >>> [(s.labels["worker"], s.value) for s in rate.samples]
+    [('worker-0', 0.6), ('worker-2', 0.1), ('all', 0.5)]
+    """
+    rate = GaugeMetricFamily(
+        HIT_RATE,
+        "Prefix-cache hits over queries (tokens), since each worker started: per worker, and all workers.",
+        labels=["worker"],
+    )
+    queries = hits = 0.0
+    for worker, text in scrapes:
+        families = _parse(worker, text) if text is not None else None
+        if not families:
+            continue
+        q, h = _total(families, PREFIX_QUERIES), _total(families, PREFIX_HITS)
+        if q > 0:
+            rate.add_metric([worker], h / q)
+        queries, hits = queries + q, hits + h
+    if queries > 0:
+        rate.add_metric(["all"], hits / queries)
+    return rate
+
+
 class _Families(Collector):
     def __init__(self, families: list[Metric]) -> None:
         self.families = families
@@ -114,8 +164,7 @@ def render(families: list[Metric]) -> bytes:
 
 async def engine_metrics(request: Request) -> Response:
     gw = gateway_of(request)
-    members = [m for m in gw.pool.members if m.state != DEAD]
-    scrapes = await asyncio.gather(*(scrape(gw.pool.http, m) for m in members))
+    scrapes = await scrape_pool(gw)
     body = await gw.offload(lambda: render(relabel(scrapes)))  # parsing pages of text: off the loop
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -1,6 +1,8 @@
 """What an operator watches: ``/metrics``, the live feed ``/api/events``, and the dashboard's state.
 
-- ``GET /metrics``: Prometheus text (`gateway.observe.metrics`); 404 with ``--no-metrics``.
+- ``GET /metrics``: Prometheus text (`gateway.observe.metrics`), with the prefix-cache hit rate computed
+  from a scrape of the workers (`gateway.api.engine_metrics.prefix_cache_hit_rate`); 404 with
+  ``--no-metrics``.
 - ``GET /api/events?since=SEQ&session=ID&kinds=a,b``: the live feed (`core.telemetry`) as server-sent
   events, one ``id: <seq>`` / ``event: <kind>`` / ``data: <json>`` block each. With ``since``, the
   retained events after that sequence number come first, so a reader that took a snapshot
@@ -31,6 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from core.errors import InvalidRequest, NotFound
+from gateway.api import engine_metrics
 from gateway.gateway import Gateway, gateway_of
 from gateway.observe.recorder import Totals
 from store import SessionQuery
@@ -111,7 +114,13 @@ async def metrics(request: Request) -> Response:
     gw = gateway_of(request)
     if gw.metrics is None:
         raise NotFound("metrics are off on this gateway (started with --no-metrics)")
-    body = await gw.offload(gw.metrics.render)
+    scrapes = await engine_metrics.scrape_pool(gw)  # for the figures computed from the workers' own
+    registry = gw.metrics
+
+    def render() -> bytes:
+        return registry.render() + engine_metrics.render([engine_metrics.prefix_cache_hit_rate(scrapes)])
+
+    body = await gw.offload(render)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -13,6 +13,11 @@ continues from turn k + 1 with its own ``base_url``: a request that extends the 
 turn k reuses the parent's exact token ids. Its metadata is the parent's, updated with the request's.
 When the parent has a sandbox, each child gets its own, restored from the parent's checkpoint at turn
 k (`SandboxManager.fork`). All or nothing: a fork that fails leaves no child and no sandbox behind.
+
+Routing groups: a session may name a ``group`` (1 to 200 characters) when it is created; the ``group``
+routing policy (``belayer serve --routing group``, ``engine_pool.router``) places a group's sessions on
+the worker that served the group first, whose prefix cache holds their shared prompt. A fork child is in
+its parent's group, or, when the parent named none, in the group named after the parent's id.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -34,7 +39,15 @@ from gateway.gateway import Gateway, gateway_of
 from gateway.http.access import base_root, require_admin
 from gateway.http.bodies import read_json, validate
 from store import SessionRecord, TurnRecord
+from store.base import GROUP_KEY
 from store.export import Runs, aligned_logprobs, branch_leaves, recomputed_mask, recomputed_runs
+
+
+def _own_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """Metadata without the key the store keeps a session's group under."""
+    if GROUP_KEY in metadata:
+        raise ValueError(f"the metadata key {GROUP_KEY!r} is reserved (name a routing group with 'group')")
+    return metadata
 
 
 class CreateSession(BaseModel):
@@ -42,6 +55,10 @@ class CreateSession(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     sandbox: dict[str, Any] | None = None
     """A sandbox spec (the body of POST /api/sessions/{id}/sandbox) to create with the session."""
+    group: str | None = Field(default=None, min_length=1, max_length=200, strict=True)
+    """A routing group (module docstring)."""
+
+    _metadata = field_validator("metadata")(_own_metadata)
 
 
 class ForkRequest(BaseModel):
@@ -50,6 +67,8 @@ class ForkRequest(BaseModel):
     n: int = Field(default=1, ge=1)
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Merged over the parent's metadata for every child."""
+
+    _metadata = field_validator("metadata")(_own_metadata)
 
 
 class Reward(BaseModel):
@@ -83,6 +102,7 @@ def _summary(
         "num_branches": branches,
         "parent_session": s.parent_session,
         "fork_turn": s.fork_turn,
+        "group": s.group,
         "log_tag": session_tag(s.id),  # what the gateway's log lines show of this session
     }
 
@@ -131,7 +151,7 @@ async def create_session(request: Request) -> Response:
     req = validate(CreateSession, body)
     if req.sandbox is not None:
         manager = sandbox_api.manager_of(gw)
-    session = gw.sessions.create(req.metadata)
+    session = gw.sessions.create(req.metadata, group=req.group)
     summary = _summary(gw, request, session)
     if req.sandbox is not None:
         try:
@@ -154,7 +174,10 @@ async def fork_session(request: Request) -> Response:
             "n",
             "too_many_siblings",
         )
-    children = [gw.sessions.new_record({**parent.metadata, **req.metadata}) for _ in range(req.n)]
+    group = parent.group or parent.id  # the children share the parent's prompt, hence its worker's cache
+    children = [
+        gw.sessions.new_record({**parent.metadata, **req.metadata}, group=group) for _ in range(req.n)
+    ]
     await gw.offload(gw.store.fork, parent.id, req.at_turn, children)
     sandboxes: dict[str, dict[str, Any]] = {}
     try:

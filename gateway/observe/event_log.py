@@ -1,5 +1,6 @@
 """Log lines for recoveries, from the live feed: one per failover, sandbox failure, sandbox restore,
-discard of turns, and interruption of a gone gateway's running turns, naming what happened in words
+discard of turns, interruption of a gone gateway's running turns, and a session moved off a loaded
+worker (the ``group`` routing policy), naming what happened in words
 (``belayer.recovery`` logger).
 
 `log_event` is a `Telemetry` listener; every other kind of event it ignores. The event's session,
@@ -74,12 +75,22 @@ def _turns_discarded(e: Event, d: dict[str, Any]) -> Line:
     )
 
 
+def _session_moved(e: Event, d: dict[str, Any]) -> Line:
+    group = f" (group {d['group']})" if d.get("group") is not None else ""
+    return (
+        logging.INFO,
+        f"session {e.session_id}{group}: moved from worker {d.get('from_worker')} ({d.get('from_outstanding')} "
+        f"requests) to {d.get('to_worker')} ({d.get('to_outstanding')}) for load",
+    )
+
+
 _DESCRIBE: dict[str, Callable[[Event, dict[str, Any]], Line]] = {
     "failover": _failover,
     "sandbox_failure": _sandbox_failure,
     "sandbox_restored": _sandbox_restored,
     "turns_discarded": _turns_discarded,
     "turns_interrupted": _turns_interrupted,
+    "session_moved": _session_moved,
 }
 
 

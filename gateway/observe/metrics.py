@@ -6,7 +6,8 @@ and histograms, so a metric and the event it counts cannot disagree. Two things 
 because they happen per token or per request and are not worth an event each: the inter-token gaps
 of a turn (`observe_gaps`) and the gateway's own added time per request (`RequestClock`, set by the
 request middleware and charged by the turn runner). States (workers, sandboxes, open sessions, the
-store's size) are read when Prometheus scrapes.
+store's size) are read when Prometheus scrapes; so is the prefix-cache hit rate, computed from the
+workers' own counters (``gateway.api.engine_metrics.prefix_cache_hit_rate``).
 
 Every name starts with ``belayer_``; no label holds a session id or any other unbounded value. The
 catalogue is `GatewayMetrics` below; ``deploy/observability/`` holds a scrape configuration and a
@@ -209,6 +210,11 @@ class GatewayMetrics:
             "belayer_weight_updates", "Weight updates (POST /api/weights) by result: ok, failed.", ["result"],
             registry=r,
         )  # fmt: skip
+        self.sessions_moved = Counter(
+            "belayer_sessions_moved",
+            "Sessions moved off their worker for its load (the group routing policy's spill).",
+            registry=r,
+        )
         self.weight_switches = Counter(
             "belayer_weight_switches",
             "Turns cut by a weight update and resumed on the new weights.",
@@ -242,6 +248,7 @@ class GatewayMetrics:
             "weights_updated": lambda e: self.weight_updates.labels("ok").inc(),
             "weights_update_failed": lambda e: self.weight_updates.labels("failed").inc(),
             "weight_switch": lambda e: self.weight_switches.inc(),
+            "session_moved": lambda e: self.sessions_moved.inc(),
         }
         telemetry.listen(self.on_event)
 

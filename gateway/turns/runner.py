@@ -245,7 +245,8 @@ class TurnRunner:
         # A failover stays on the weight version of the tokens so far; a turn cut by a weight update
         # goes on with the new one (recorded: a new segment and a weight_switch event).
         pinned = st.fo.version if previous is None or previous.cause != "weights" else None
-        async with self.pool.lease(affinity, wait, frozenset(st.fo.refused_by), pinned) as member:
+        lease = self.pool.lease(affinity, wait, frozenset(st.fo.refused_by), pinned, req.session.group)
+        async with lease as member:
             turn.worker = member.name
             version = member.weight_version
             submitted = time.monotonic()

@@ -77,14 +77,18 @@ class SessionManager:
         self.store = store
         self.tok = tokenizer
 
-    def create(self, metadata: dict[str, Any] | None = None, ephemeral: bool = False) -> SessionRecord:
-        """A new session. An ephemeral one (a plain ``/v1`` request) is stored with its first turn, so a
-        request rejected before generation leaves nothing behind."""
-        record = self.new_record(metadata, ephemeral)
+    def create(
+        self, metadata: dict[str, Any] | None = None, ephemeral: bool = False, group: str | None = None
+    ) -> SessionRecord:
+        """A new session (in routing `group`, if given). An ephemeral one (a plain ``/v1`` request) is
+        stored with its first turn, so a request rejected before generation leaves nothing behind."""
+        record = self.new_record(metadata, ephemeral, group)
         return record if ephemeral else self.store.create_session(record)
 
     @staticmethod
-    def new_record(metadata: dict[str, Any] | None = None, ephemeral: bool = False) -> SessionRecord:
+    def new_record(
+        metadata: dict[str, Any] | None = None, ephemeral: bool = False, group: str | None = None
+    ) -> SessionRecord:
         """A new session's record, not stored yet (`create` stores it; a fork stores its children)."""
         prefix = "req" if ephemeral else "ses"
         return SessionRecord(
@@ -93,6 +97,7 @@ class SessionManager:
             metadata=metadata or {},
             ephemeral=ephemeral,
             status="closed" if ephemeral else "open",  # nothing can send a second request to it
+            group=group,
         )
 
     def get(self, session_id: str) -> SessionRecord:

@@ -10,7 +10,7 @@ from typing import Any
 
 from core.errors import StoreError
 from store import layout, schema
-from store.base import SessionRecord, TurnRecord
+from store.base import SessionRecord, TurnRecord, split_group
 
 TURN_COLS = (
     "id, session_id, idx, branch, parent_id, ext_key, status, prompt_ids, prompt_gen_spans, output_ids, "
@@ -86,10 +86,11 @@ def turn_record(row: tuple[Any, ...], base: TurnRecord | None) -> TurnRecord:
 
 def session_record(row: tuple[Any, ...]) -> SessionRecord:
     """A session from its row (`SESSION_COLS`)."""
+    metadata, group = split_group(_loads(row[2]))
     return SessionRecord(
         id=row[0],
         created_at=row[1],
-        metadata=_loads(row[2]),
+        metadata=metadata,
         status=row[3],
         reward=_finite(row[4]),  # an older version stored inf / NaN rewards
         reward_info=_loads(row[5]) if row[5] else None,
@@ -97,6 +98,7 @@ def session_record(row: tuple[Any, ...]) -> SessionRecord:
         ephemeral=bool(row[7]),
         parent_session=row[8],
         fork_turn=row[9],
+        group=group,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from core.errors import NotFound, StoreError
 from store import layout, schema
-from store.base import TURN_DISCARDED, EventRecord, OutputPart, SessionRecord, TurnRecord
+from store.base import TURN_DISCARDED, EventRecord, OutputPart, SessionRecord, TurnRecord, stored_metadata
 from store.schema import dump_json
 from store.sql.core import log
 from store.sql.dialect import Tx
@@ -33,7 +33,7 @@ class SqlWrites(SqlReads):
             (
                 session.id,
                 session.created_at,
-                dump_json(session.metadata),
+                dump_json(stored_metadata(session)),
                 session.status,
                 session.reward,
                 dump_json(session.reward_info) if session.reward_info is not None else None,
@@ -49,7 +49,7 @@ class SqlWrites(SqlReads):
             "UPDATE sessions SET metadata = ?, status = ?, reward = ?, reward_info = ?, closed_at = ? "
             "WHERE id = ?",
             (
-                dump_json(session.metadata),
+                dump_json(stored_metadata(session)),
                 session.status,
                 session.reward,
                 dump_json(session.reward_info) if session.reward_info is not None else None,

@@ -135,6 +135,23 @@ async def test_a_session_runs_commands_in_its_sandbox(config: GatewayConfig, tmp
         await in_thread(sync_side)
 
 
+async def test_both_clients_name_a_sessions_routing_group(config: GatewayConfig) -> None:
+    async with served(config) as url, AsyncBelayer(url, token=TOKEN) as gw:
+        async with gw.session(metadata={"task": "t3"}, group="task-3") as s:
+            assert (s.group, s.summary["metadata"]) == ("task-3", {"task": "t3"})
+            assert (await gw.get_session(s.id)).group == "task-3"
+        assert (await gw.session()).group is None
+        with pytest.raises(ClientError) as bad:
+            await gw.session(group="")
+        assert (bad.value.status, bad.value.param, bad.value.code) == (400, "group", "invalid_value")
+
+        def sync_side() -> tuple[str | None, str | None, str | None]:
+            with Belayer(url, token=TOKEN) as sync, sync.session(group="task-4") as t:
+                return t.group, sync.get_session(t.id).group, sync.session().group
+
+        assert await in_thread(sync_side) == ("task-4", "task-4", None)
+
+
 async def test_an_async_session_makes_real_sdk_requests_and_closes_on_exit(config: GatewayConfig) -> None:
     async with served(config) as url, AsyncBelayer(url, token=TOKEN) as gw:
         async with gw.session(metadata={"task": "t2"}) as s:

@@ -200,7 +200,7 @@ FIELD_NAMES = [
     "best_of", "mcp_servers", "container", "output_format", "include_usage", "is_error", "signature",
     "parallel_tool_calls", "user", "__proto__", "", "\ud800", "é", "instructions", "previous_response_id",
     "max_output_tokens", "include", "store", "call_id", "arguments", "output", "summary", "background",
-    "reasoning_content", "reasoning",
+    "reasoning_content", "reasoning", "group", "__belayer_group",
 ]  # fmt: skip
 
 # Strings that mean something somewhere: a role, a block or tool-choice type, a tool name.
@@ -532,8 +532,14 @@ def responses_bodies(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
+groups = st.one_of(
+    st.text(min_size=1, max_size=12),
+    st.sampled_from(["", "g" * 199, "g" * 200, "g" * 201, "é" * 200, "🦀" * 200, "__belayer_group"]),
+)
+"""A session's routing group: mostly valid (1 to 200 characters), now and then just outside."""
 session_bodies = st.fixed_dictionaries(
-    {}, optional={"metadata": st.dictionaries(st.text(max_size=8), scalars, max_size=3)}
+    {},
+    optional={"metadata": st.dictionaries(st.text(max_size=8), scalars, max_size=3), "group": groups},
 )
 reward_bodies = st.fixed_dictionaries(
     {"reward": st.floats(-10, 10)},

@@ -69,6 +69,18 @@ RESTORE = {
             logging.WARNING,
             "session ses_1: turns [3, 4] discarded after turn 2 (restored)",
         ),
+        (
+            "session_moved",
+            {
+                "from_worker": "w0",
+                "to_worker": "w1",
+                "group": "g7",
+                "from_outstanding": 5,
+                "to_outstanding": 1,
+            },
+            logging.INFO,
+            "session ses_1 (group g7): moved from worker w0 (5 requests) to w1 (1) for load",
+        ),
     ],
 )
 def test_recoveries_are_described(kind: str, data: dict[str, object], level: int, message: str) -> None:

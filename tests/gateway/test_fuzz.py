@@ -474,6 +474,9 @@ class FuzzGateway:
             route = same[0]
         if route == "create-session":
             self.sessions.append(answer["id"])
+            sent = json.loads(content.decode("utf-8-sig")) if content else {}
+            group = sent.get("group") if isinstance(sent, dict) else None
+            assert answer["group"] == group, f"the session's group {answer['group']!r}, sent {group!r}"
         elif route == "fork":
             self.sessions += [child["id"] for child in answer["data"]]
         elif route == "close":
@@ -662,6 +665,41 @@ def test_responses_routes_survive_mutated_requests(fuzz: FuzzGateway) -> None:
 
 def test_sessions_and_engines_apis_survive_mutated_requests(fuzz: FuzzGateway) -> None:
     run_fuzzer(fuzz, API, 0.25)
+
+
+def valid_group(group: Any) -> bool:
+    return (
+        isinstance(group, str)
+        and 1 <= len(group) <= 200
+        and not any(0xD800 <= ord(c) <= 0xDFFF for c in group)
+    )
+
+
+def test_a_sessions_group_is_kept_exactly_or_refused_with_the_openai_400(fuzz: FuzzGateway) -> None:
+    """Any JSON value as ``group``: a valid one (1 to 200 characters of text) is the session's, as it was
+    sent and as it reads back; anything else is a 400 naming ``group``, and no session is made."""
+
+    @fuzzer(0.03)
+    @given(
+        group=fuzzing.groups
+        | fuzzing.any_json
+        | st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3)
+    )
+    def example(group: Any) -> None:
+        content = json.dumps({"group": group})  # a lone surrogate goes out as an escape
+        group = json.loads(content)["group"]  # as the gateway reads it: an escaped pair is one character
+        before = fuzz.call("GET", "/api/sessions?limit=0").json()["total"]
+        r = fuzz.call("POST", "/api/sessions", content=content, headers={"content-type": "application/json"})
+        answer = check_answer("POST", "/api/sessions", r, f"group={group!r}")
+        if group is None or valid_group(group):
+            assert r.status_code == 201 and answer["group"] == group, r.text
+            assert fuzz.call("GET", f"/api/sessions/{answer['id']}").json()["group"] == group
+            fuzz.sessions.append(answer["id"])
+        else:
+            assert (r.status_code, answer["error"]["param"]) == (400, "group"), r.text
+            assert fuzz.call("GET", "/api/sessions?limit=0").json()["total"] == before
+
+    example()
 
 
 CROWD = [
