@@ -55,6 +55,8 @@ class Service:
     env: dict[str, str | None] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     cwd: Path | None = None
+    stop_grace: float = 5.0
+    """Seconds it has to exit after SIGTERM (a gateway removes its sandboxes first) before SIGKILL."""
 
     def start(self) -> None:
         progress(f"starting {self.name}: {' '.join(self.argv)}")
@@ -93,7 +95,8 @@ class Service:
                 time.sleep(0.05)
         raise BenchError(f"{self.name} not ready after {timeout:.0f} s:\n{self.tail()}")
 
-    def stop(self, grace: float = 5.0) -> None:
+    def stop(self, grace: float | None = None) -> None:
+        grace = self.stop_grace if grace is None else grace
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return

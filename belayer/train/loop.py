@@ -282,7 +282,9 @@ def gateway(settings: Settings, start_dir: Path, weights_root: Path, tokens: Tok
     if settings.sandboxes:
         argv += ["--sandboxes", "--checkpoint-dir", str(settings.workdir / "checkpoints")]
     env: dict[str, str | None] = {"BELAYER_API_TOKEN": tokens.api, "BELAYER_ADMIN_TOKEN": tokens.admin}
-    return Service("gateway", argv, f"http://127.0.0.1:{port}/health", settings.workdir / "gateway.log", env)
+    service = Service("gateway", argv, f"http://127.0.0.1:{port}/health", settings.workdir / "gateway.log", env)
+    service.stop_grace = 60.0 if settings.sandboxes else 5.0  # it removes its sandboxes as it stops
+    return service
 
 
 async def kill_serving_worker(http: httpx.AsyncClient, report: Report, timeout: float = 120.0) -> None:
