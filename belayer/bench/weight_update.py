@@ -42,7 +42,7 @@ import httpx
 from belayer.bench import emit
 from belayer.bench.pool import streamed_tokens
 from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, serve_service, start
-from belayer.testing.services import Service, base_url, progress, running
+from belayer.testing.services import Service, base_url, metric_total, progress, running
 
 ADMIN = "bench-admin"
 MESSAGES = [{"role": "user", "content": "Write the next line of the log."}]
@@ -60,9 +60,7 @@ class Stream:
 
 async def generated_tokens(http: httpx.AsyncClient) -> float:
     """The engines' decoded tokens so far (vLLM's ``generation_tokens_total``, summed over workers)."""
-    text = (await http.get("/metrics/engines")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))  # fmt: skip
+    return await metric_total(http, "/metrics/engines", "vllm:generation_tokens_total")
 
 
 async def discarded_since(http: httpx.AsyncClient, before: float, streams: list[Stream]) -> float:

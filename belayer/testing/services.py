@@ -251,6 +251,14 @@ def haproxy_service(workdir: Path, replicas: list[tuple[str, str]]) -> Service:
     return Service("haproxy", argv, f"http://127.0.0.1:{port}/health", workdir / "haproxy.log")
 
 
+async def metric_total(http: httpx.AsyncClient, path: str, name: str, label: str = "") -> float:
+    """The sum of the samples of Prometheus family `name` at `path` (``/metrics``, ``/metrics/engines``),
+    over those whose label text holds `label`."""
+    text = (await http.get(path)).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and label in line)  # fmt: skip
+
+
 def base_url(service: Service) -> str:
     return service.health_url.split("/health")[0]
 

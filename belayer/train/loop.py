@@ -37,7 +37,7 @@ import httpx
 import torch
 
 from belayer.client import AsyncBelayer, Finished
-from belayer.testing.services import Service, progress, running
+from belayer.testing.services import Service, metric_total, progress, running
 from belayer.train import grpo, policy, task
 from belayer.train.rollout import EpisodeResult, run_episode
 from belayer.train.settings import Settings
@@ -282,9 +282,9 @@ def gateway(settings: Settings, start_dir: Path, weights_root: Path, tokens: Tok
     if settings.sandboxes:
         argv += ["--sandboxes", "--checkpoint-dir", str(settings.workdir / "checkpoints")]
     env: dict[str, str | None] = {"BELAYER_API_TOKEN": tokens.api, "BELAYER_ADMIN_TOKEN": tokens.admin}
-    service = Service("gateway", argv, f"http://127.0.0.1:{port}/health", settings.workdir / "gateway.log", env)
-    service.stop_grace = 60.0 if settings.sandboxes else 5.0  # it removes its sandboxes as it stops
-    return service
+    grace = 60.0 if settings.sandboxes else 5.0  # it removes its sandboxes as it stops
+    log = settings.workdir / "gateway.log"
+    return Service("gateway", argv, f"http://127.0.0.1:{port}/health", log, env, stop_grace=grace)
 
 
 async def kill_serving_worker(http: httpx.AsyncClient, report: Report, timeout: float = 120.0) -> None:
@@ -330,10 +330,8 @@ async def kill_sandboxes(live: set[str], count: int, report: Report, rng: random
 
 
 async def counter(http: httpx.AsyncClient, name: str, label: str = "") -> int:
-    """The sum of the gateway's counter `name` over its samples (those whose labels hold `label`)."""
-    text = (await http.get("/metrics")).text
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name) and label in line))  # fmt: skip
+    """The gateway's counter `name`, summed over its samples (those whose labels hold `label`)."""
+    return int(await metric_total(http, "/metrics", name, label))
 
 
 async def train(
