@@ -36,6 +36,19 @@ async def in_process(key: str | None) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Played:
+    """What `play` saw of one episode."""
+
+    reward: float
+    calls: list[tuple[str, str]]
+    """The policy's tool calls: (name, JSON arguments)."""
+    answer: str | None
+    """The policy's final answer; None without a tool call."""
+    returned: str | None
+    """What the tool returned; None without a tool call."""
+
+
+@dataclass(frozen=True, slots=True)
 class EpisodeResult:
     session: str
     group: str
@@ -70,9 +83,9 @@ async def play(
     seed: int | None = None,
     timeout: float = 600.0,
     tool: Tool = in_process,
-) -> tuple[float, list[tuple[str, str]], str | None, str | None]:
-    """Play `prompt` in the open session `s` through the ``openai`` SDK, calling `tool` for a tool call:
-    (reward, tool calls, answer, what the tool returned). The SDK makes no retries of its own: an error
+) -> Played:
+    """Play `prompt` in the open session `s` through the ``openai`` SDK, calling `tool` for a tool call.
+    The SDK makes no retries of its own: an error
     the gateway lets through reaches the caller."""
     from openai import AsyncOpenAI
 
@@ -97,7 +110,7 @@ async def play(
             answer = second.choices[0].message.content
     finally:
         await oai.close()
-    return task.reward(prompt.key, calls, returned, answer), calls, answer, returned
+    return Played(task.reward(prompt.key, calls, returned, answer), calls, answer, returned)
 
 
 async def run_episode(
@@ -120,6 +133,7 @@ async def run_episode(
     (`task.lookup_command`). The session's id is in `live` while it is open and set up."""
     metadata = {"group": group, "key": prompt.key, "step": step}
     async with gw.session(metadata=metadata, sandbox=sandbox) as s:
+
         async def sandboxed(key: str | None) -> str:
             return str((await s.exec(task.lookup_command(key)))["stdout"]).strip()
 
@@ -130,15 +144,22 @@ async def run_episode(
         if live is not None:
             live.add(s.id)
         try:
-            value, calls, answer, returned = await play(
+            played = await play(
                 s, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, tool=tool
             )
         finally:
             if live is not None:
                 live.discard(s.id)
-        wrong = returned is not None and returned != task.tool_answer(task.called_key(calls))
-        await s.reward(value, {"calls": len(calls), "answer": answer, "tool_answer": returned})
-    return EpisodeResult(s.id, group, prompt.key, value, calls, answer, tool_answer_wrong=wrong)
+        wrong = played.returned is not None and played.returned != task.tool_answer(
+            task.called_key(played.calls)
+        )
+        await s.reward(
+            played.reward,
+            {"calls": len(played.calls), "answer": played.answer, "tool_answer": played.returned},
+        )
+    return EpisodeResult(
+        s.id, group, prompt.key, played.reward, played.calls, played.answer, tool_answer_wrong=wrong
+    )
 
 
 async def lookup_episode(
@@ -146,5 +167,4 @@ async def lookup_episode(
 ) -> float:
     """The task's episode as verl's and TRL's adapters call one: the prompt's messages in, the reward out."""
     temperature = float(sampling_params.get("temperature", 1.0))
-    reward, _, _, _ = await play(s, task.Prompt.of(raw_prompt), max_tokens=40, temperature=temperature)
-    return reward
+    return (await play(s, task.Prompt.of(raw_prompt), max_tokens=40, temperature=temperature)).reward

@@ -21,7 +21,7 @@ case "${1:-install}" in
   check)
     dir="$(find_bindir)"
     if [ -n "$dir" ] && [ -x "$HAPROXY" ]; then
-      echo "[postgres] $("$dir/postgres" --version); $("$HAPROXY" -v | head -n 1)"; exit 0
+      echo "[postgres] $("$dir/postgres" --version); $("$HAPROXY" -v | sed -n 1p)"; exit 0
     fi
     echo "[postgres] missing: Debian's postgresql (initdb, postgres) or haproxy"; exit 1 ;;
   install)
@@ -38,7 +38,7 @@ case "${1:-install}" in
     # (Debian's default haproxy.cfg has no frontend: its service, where an init system starts it, listens nowhere)
     apt-get install -y -qq postgresql haproxy >/dev/null
     "$(find_bindir)/postgres" --version
-    "$HAPROXY" -v | head -n 1 ;;
+    "$HAPROXY" -v | sed -n 1p ;;
   *)
     echo "usage: $0 [install|check]" >&2; exit 2 ;;
 esac

@@ -23,8 +23,7 @@ API, ADMIN = "trl-api", "trl-admin"
 
 
 async def lookup_episode(s: AsyncSession, prompt: Any) -> float:
-    reward, _, _ = await play(s, task.Prompt.of(prompt), max_tokens=40)
-    return reward
+    return (await play(s, task.Prompt.of(prompt), max_tokens=40)).reward
 
 
 def test_grpo_trainer_trains_on_what_the_gateway_recorded(tiny_model_dir: Path, tmp_path: Path) -> None:
