@@ -20,6 +20,10 @@ class PoolMember:
     process: VllmWorker | None = None
     state: str = STARTING
     outstanding: int = 0
+    """Requests running on it."""
+    outstanding_tokens: int = 0
+    """The load of the requests running on it, in tokens: each counts its prompt and the most tokens it
+    may still generate, from its lease to its end (``engine_pool.router``)."""
     served: int = 0
     info: ModelInfo | None = None
     probe_failures: int = 0
@@ -49,6 +53,7 @@ class PoolMember:
             "launched": p is not None,
             "pid": p.pid if p is not None else None,
             "outstanding": self.outstanding,
+            "outstanding_tokens": self.outstanding_tokens,
             "served": self.served,
             "started_at": launched_at,
             "launched_at": p.started_at if p is not None else None,

@@ -346,9 +346,11 @@ class EnginePool(PoolSettings):
         exclude: frozenset[str] = frozenset(),
         version: str | None = None,
         group: str | None = None,
+        tokens: int = 0,
     ) -> AbstractAsyncContextManager[PoolMember]:
-        """`acquire`, with the request counted on the worker while it runs (`Router.lease`)."""
-        return self.router.lease(session_id, wait, exclude, version, group)
+        """`acquire`, with the request (and its `tokens`) counted on the worker while it runs
+        (`Router.lease`)."""
+        return self.router.lease(session_id, wait, exclude, version, group, tokens)
 
     def forget(self, session_id: str) -> None:
         """The session is over: its worker need not be remembered."""

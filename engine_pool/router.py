@@ -2,15 +2,19 @@
 pool's routing policy (``PoolSettings.routing``):
 
 - ``affinity`` (the default): the worker that served the session last (its prefix cache holds the
-  session's tokens), else the one with the fewest outstanding requests;
+  session's tokens), else the least-loaded one;
 - ``group``: as ``affinity``, and a session that names a group (``POST /api/sessions {"group": ...}``)
   and has no worker yet goes to the worker that served its group first (its prefix cache holds the
   group's shared prompt), while that worker's load allows; a session (or a group's newcomer) *spills*
-  to the least-loaded worker when its worker's outstanding requests exceed ``routing_spill_factor`` ×
+  to the least-loaded worker when its worker's outstanding tokens exceed ``routing_spill_factor`` ×
   the least-loaded's + ``routing_spill_floor``. A session that spills moves once (a ``session_moved``
   event) and stays on its new worker;
 - ``round-robin``: the ready workers in turn, whatever the session;
-- ``least-loaded``: the fewest outstanding requests (then the fewest served), whatever the session.
+- ``least-loaded``: the least-loaded worker (then the fewest served), whatever the session.
+
+A worker's load is its outstanding tokens (`PoolMember.outstanding_tokens`): each running request counts
+its prompt and the most tokens it may still generate (the ``tokens`` of its lease), then its
+outstanding requests; a long prompt weighs what it costs, not one request like any other.
 
 The affinity map holds named sessions only (a plain ``/v1`` request's one-request session is not
 remembered), is forgotten when a session closes, and is bounded (least recently used first out); so is
@@ -23,8 +27,8 @@ weight update); every state change wakes every waiter (``engine_pool.roster``).
 Example::
 
     router = Router(settings, roster, versions)
-    async with router.lease("session-1", wait=30.0, group="task-7") as member:
-        ...  # member.outstanding counts this request
+    async with router.lease("session-1", wait=30.0, group="task-7", tokens=1200) as member:
+        ...  # member.outstanding counts this request, member.outstanding_tokens its 1200 tokens
 """
 
 from __future__ import annotations
@@ -86,8 +90,8 @@ class Router:
         if policy == "round-robin":
             return ready[self._turn % len(ready)], None
         if policy == "least-loaded":
-            return min(ready, key=lambda m: (m.outstanding, m.served)), None
-        least = min(ready, key=lambda m: m.outstanding)
+            return min(ready, key=lambda m: (*_load(m), m.served)), None
+        least = min(ready, key=_load)
         own = _named(ready, self._affinity.get(session_id) if session_id is not None else None)
         if policy == "affinity":
             return (own if own is not None else least), None
@@ -101,7 +105,8 @@ class Router:
         s = self.settings
         return (
             m is not least
-            and m.outstanding > s.routing_spill_factor * least.outstanding + s.routing_spill_floor
+            and m.outstanding_tokens
+            > s.routing_spill_factor * least.outstanding_tokens + s.routing_spill_floor
         )
 
     async def acquire(
@@ -139,6 +144,7 @@ class Router:
         """The session leaves its worker for load: published as ``session_moved`` (once: it stays)."""
         data = {
             "from_worker": left.name, "to_worker": to.name, "group": group,
+            "from_outstanding_tokens": left.outstanding_tokens, "to_outstanding_tokens": to.outstanding_tokens,
             "from_outstanding": left.outstanding, "to_outstanding": to.outstanding, "why": "load",
         }  # fmt: skip
         self.roster.publish("session_moved", data, session_id)
@@ -162,14 +168,18 @@ class Router:
         exclude: frozenset[str] = frozenset(),
         version: str | None = None,
         group: str | None = None,
+        tokens: int = 0,
     ) -> AsyncIterator[PoolMember]:
-        """`acquire`, with the request counted on the worker while it runs."""
+        """`acquire`, with the request counted on the worker while it runs: one request, and `tokens`
+        (its prompt and the most it may generate) in the worker's load."""
         member = await self.acquire(session_id, wait, exclude, version, group)
         member.outstanding += 1
+        member.outstanding_tokens += tokens
         try:
             yield member
         finally:
             member.outstanding -= 1
+            member.outstanding_tokens -= tokens
             member.served += 1
             if (member.state == DRAINING and not member.outstanding) or self.versions.updating:
                 self.roster.wake()  # a removal, or a weight update's drain, waits for this
@@ -214,6 +224,11 @@ class Router:
     def groups(self) -> dict[str, str]:
         """Each remembered group's worker (bounded by ``max_affinity``), least recently used first."""
         return dict(self._groups)
+
+
+def _load(m: PoolMember) -> tuple[int, int]:
+    """A worker's load: outstanding tokens, then outstanding requests (module docstring)."""
+    return m.outstanding_tokens, m.outstanding
 
 
 def _named(members: list[PoolMember], name: str | None) -> PoolMember | None:

@@ -46,13 +46,14 @@ class PoolSettings:
     groups whose first worker is remembered."""
     routing: RoutingPolicy = "affinity"
     """How requests are placed (``engine_pool.router``): ``affinity`` (a session's last worker, else the
-    fewest outstanding requests), ``group`` (affinity, a group's sessions on the group's first worker,
+    fewest outstanding tokens), ``group`` (affinity, a group's sessions on the group's first worker,
     and spill under load), ``round-robin``, ``least-loaded``."""
     routing_spill_factor: float = 2.0
-    """Under ``group``: a session (or group) leaves its worker when that worker's outstanding requests
+    """Under ``group``: a session (or group) leaves its worker when that worker's outstanding tokens
     exceed ``routing_spill_factor`` × the least-loaded routable worker's + ``routing_spill_floor``."""
-    routing_spill_floor: int = 2
-    """The absolute part of the spill threshold, so that 1 request against 0 does not move a session."""
+    routing_spill_floor: int = 8192
+    """The absolute part of the spill threshold, in tokens (about one agent turn's prompt and answer),
+    so that one request against none does not move a session."""
     telemetry: Telemetry = field(default_factory=Telemetry)
     """Where state changes, promotions, replacements and cold starts are published."""
     catch_up_backoff: float = 0.5

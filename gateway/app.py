@@ -195,7 +195,13 @@ async def open_gateway(
         views = sandboxes.views if sandboxes is not None else list
         metrics = GatewayMetrics(telemetry, the_pool, store, views, __version__)
     runner = TurnRunner(
-        store, the_pool, tok, TurnSettings.of(config), observers=watchers, telemetry=telemetry, metrics=metrics
+        store,
+        the_pool,
+        tok,
+        TurnSettings.of(config),
+        observers=watchers,
+        telemetry=telemetry,
+        metrics=metrics,
     )
     stack.push_async_callback(runner.close)
     runner.recomputer.resume()  # what a gateway before this one left pending (it died, or shut down)

@@ -328,7 +328,7 @@ class GatewayConfig(BaseSettings):
         default="affinity",
         description=(
             "how requests are placed on workers: affinity (a session's last worker, else the one with the "
-            "fewest outstanding requests), group (affinity, and a session's group on the group's first "
+            "fewest outstanding tokens), group (affinity, and a session's group on the group's first "
             "worker; a session spills to the least-loaded worker under load), round-robin, least-loaded"
         ),
     )
@@ -336,14 +336,18 @@ class GatewayConfig(BaseSettings):
         default=2.0,
         ge=1.0,
         description=(
-            "group routing: a session leaves its worker once that worker's outstanding requests exceed "
+            "group routing: a session leaves its worker once that worker's outstanding tokens (each running "
+            "request's prompt and max_tokens) exceed "
             "this factor times the least-loaded worker's, plus routing_spill_floor"
         ),
     )
     routing_spill_floor: int = Field(
-        default=2,
+        default=8192,
         ge=0,
-        description="group routing: the absolute part of the spill threshold (1 request against 0 stays)",
+        description=(
+            "group routing: the absolute part of the spill threshold, in tokens (so that one request "
+            "against none does not move a session)"
+        ),
     )
     metrics: bool = Field(default=True, description="serve /metrics and record Prometheus metrics")
     failover: FailoverConfig = Field(default_factory=FailoverConfig)

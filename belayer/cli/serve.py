@@ -61,7 +61,7 @@ SERVE_FLAGS = (
     Flag("--worker-kind", "worker_kind"),
     Flag("--routing", "routing"),
     Flag("--routing-spill-factor", "routing_spill_factor", metavar="X"),
-    Flag("--routing-spill-floor", "routing_spill_floor", metavar="N"),
+    Flag("--routing-spill-floor", "routing_spill_floor", metavar="TOKENS"),
     Flag("--worker-profile", "launch.profile"),
     Flag("--vllm-arg", "launch.vllm_args", metavar="ARG"),
     Flag("--gpus", "launch.gpus", metavar="0,1,..."),

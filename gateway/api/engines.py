@@ -8,23 +8,32 @@
                                          one already in the pool a 409)
     DELETE /api/engines/{name}           admin: drain a worker (no new requests; in-flight ones may
                                          finish for ?drain_s=60 seconds), then remove it
+    GET    /api/routing                  the routing policy and its spill threshold, and how many
+                                         sessions and groups have a worker remembered
+    PUT    /api/routing {"routing": ...} admin: change the policy (``routing``), ``routing_spill_factor``
+                                         or ``routing_spill_floor`` live; the next request is placed
+                                         by it (the sessions' and groups' workers are kept)
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.errors import InvalidRequest
-from engine_pool.pool import PoolMember
+from engine_pool.pool import EnginePool, PoolMember
+from engine_pool.settings import RoutingPolicy
 from gateway.config import engine_allowed
 from gateway.gateway import gateway_of
 from gateway.http.access import require_admin
 from gateway.http.bodies import read_json, validate
+
+log = logging.getLogger(__name__)
 
 
 def _engine_json(m: PoolMember, request: Request) -> dict[str, Any]:
@@ -74,9 +83,48 @@ async def remove_engine(request: Request) -> Response:
     return JSONResponse(_engine_json(member, request))
 
 
+ROUTING_SETTINGS = ("routing", "routing_spill_factor", "routing_spill_floor")
+"""The pool settings ``PUT /api/routing`` changes (`engine_pool.settings.PoolSettings`)."""
+
+
+def _routing_json(pool: EnginePool) -> dict[str, Any]:
+    settings = {name: getattr(pool, name) for name in ROUTING_SETTINGS}
+    return settings | {"sessions": pool.router.remembered_sessions, "groups": len(pool.router.groups)}
+
+
+async def routing(request: Request) -> Response:
+    return JSONResponse(_routing_json(gateway_of(request).pool))
+
+
+class SetRouting(BaseModel):
+    """``PUT /api/routing``: what to change (each optional), bounded as in `GatewayConfig`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    routing: RoutingPolicy | None = None
+    routing_spill_factor: float | None = Field(default=None, ge=1.0, le=1e6, allow_inf_nan=False)
+    routing_spill_floor: int | None = Field(default=None, ge=0, le=2**40)
+
+
+async def set_routing(request: Request) -> Response:
+    """Change the routing policy or its spill threshold live (admin)."""
+    gw = gateway_of(request)
+    require_admin(gw.config, request)
+    req = validate(SetRouting, await read_json(request, gw.config.max_body_bytes))
+    before = _routing_json(gw.pool)
+    for name, value in req.model_dump(exclude_none=True).items():
+        setattr(gw.pool, name, value)  # read live by the router
+    after = _routing_json(gw.pool)
+    changed = {name: after[name] for name in ROUTING_SETTINGS if after[name] != before[name]}
+    if changed:
+        log.info("routing changed: %s", changed, extra={"event": "routing_changed", **changed})
+    return JSONResponse(after)
+
+
 def routes() -> list[Route]:
     return [
         Route("/api/engines", engines, methods=["GET"]),
         Route("/api/engines", register_engine, methods=["POST"]),
         Route("/api/engines/{name}", remove_engine, methods=["DELETE"]),
+        Route("/api/routing", routing, methods=["GET"]),
+        Route("/api/routing", set_routing, methods=["PUT"]),
     ]

@@ -79,8 +79,9 @@ def _session_moved(e: Event, d: dict[str, Any]) -> Line:
     group = f" (group {d['group']})" if d.get("group") is not None else ""
     return (
         logging.INFO,
-        f"session {e.session_id}{group}: moved from worker {d.get('from_worker')} ({d.get('from_outstanding')} "
-        f"requests) to {d.get('to_worker')} ({d.get('to_outstanding')}) for load",
+        f"session {e.session_id}{group}: moved from worker {d.get('from_worker')} "
+        f"({d.get('from_outstanding_tokens')} outstanding tokens) to {d.get('to_worker')} "
+        f"({d.get('to_outstanding_tokens')}) for load",
     )
 
 

@@ -68,7 +68,9 @@ def check_weights(path: str, model_dir: str, root: str | None = None) -> str:
     if root is not None:  # the resolved path goes on: a link changed after this check cannot lead out
         where = where.resolve()
         if not where.is_relative_to(Path(root).resolve()):
-            raise _bad(path, f"lies outside the weights root {root} (--weights-root); save checkpoints under it")
+            raise _bad(
+                path, f"lies outside the weights root {root} (--weights-root); save checkpoints under it"
+            )
     if not where.is_dir():
         raise _bad(path, "is not a directory the gateway can read")
     config = _config(where)

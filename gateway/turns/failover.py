@@ -249,7 +249,9 @@ class Failover:
             if isinstance(error, EngineServerError)
             else "dead"
         )
-        return Failure(produced, member.name, str(error), time.monotonic(), last_token_at, cause, state.version)
+        return Failure(
+            produced, member.name, str(error), time.monotonic(), last_token_at, cause, state.version
+        )
 
 
 def finished_before(

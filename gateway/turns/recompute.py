@@ -68,8 +68,11 @@ class LogprobRecomputer:
 
     async def _run(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
         try:
-            async with self.pool.lease(turn.session_id, wait=self.no_worker_wait) as member:
-                values = await member.client.prompt_logprobs(turn.prompt_ids[: max(b for _, b in spans)])
+            prompt = turn.prompt_ids[: max(b for _, b in spans)]
+            async with self.pool.lease(
+                turn.session_id, wait=self.no_worker_wait, tokens=len(prompt)
+            ) as member:
+                values = await member.client.prompt_logprobs(prompt)
                 worker = member.name
         except asyncio.CancelledError:  # the gateway shuts down: say so in the trajectory, then stop
             error = "cancelled at shutdown (redone at the next start)"

@@ -245,7 +245,9 @@ class TurnRunner:
         # A failover stays on the weight version of the tokens so far; a turn cut by a weight update
         # goes on with the new one (recorded: a new segment and a weight_switch event).
         pinned = st.fo.version if previous is None or previous.cause != "weights" else None
-        lease = self.pool.lease(affinity, wait, frozenset(st.fo.refused_by), pinned, req.session.group)
+        refused = frozenset(st.fo.refused_by)
+        load = len(turn.prompt_ids) + len(turn.output_ids) + remaining.max_tokens  # prompt + the most to come
+        lease = self.pool.lease(affinity, wait, refused, pinned, req.session.group, load)
         async with lease as member:
             turn.worker = member.name
             version = member.weight_version

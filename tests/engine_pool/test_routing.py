@@ -14,7 +14,7 @@ from tests.engine_pool.test_pool_parts import Parts, parts
 
 
 def pool(
-    routing: RoutingPolicy, *names: str, factor: float = 2.0, floor: int = 2
+    routing: RoutingPolicy, *names: str, factor: float = 2.0, floor: int = 2000
 ) -> tuple[Parts, list[PoolMember]]:
     p = parts(PoolSettings(routing=routing, routing_spill_factor=factor, routing_spill_floor=floor))
     return p, [p.add(name, READY) for name in names]
@@ -36,22 +36,22 @@ def test_the_default_policy_is_affinity() -> None:
 async def test_affinity_keeps_a_session_on_its_worker_however_loaded_else_the_fewest_outstanding() -> None:
     p, (a, b, _) = pool("affinity", "a", "b", "c")
     assert await placed(p, ("s1", None)) == ["a"]  # all idle: the first
-    a.outstanding = 50
+    a.outstanding_tokens = 50000
     assert await placed(p, ("s1", "g"), ("s2", "g")) == ["a", "b"]  # no spill, no group
-    b.outstanding = 1
+    b.outstanding_tokens = 1000
     assert await placed(p, ("s3", None), (None, None)) == ["c", "c"]
     assert p.events("session_moved") == [] and p.router.sessions == ["s1", "s2", "s3"]
 
 
 async def test_group_places_a_groups_new_sessions_on_its_first_worker() -> None:
     p, (a, b) = pool("group", "a", "b")
-    b.outstanding = 1
+    b.outstanding_tokens = 1000
     assert await placed(p, ("s1", "g7")) == ["a"]  # the least loaded: the group's worker from now on
-    a.outstanding, b.outstanding = 2, 0  # busier, not crowded (2 > 2 * 0 + 2 is false)
+    a.outstanding_tokens, b.outstanding_tokens = 2000, 0  # busier, not crowded (2000 > 2 * 0 + 2000: no)
     assert await placed(p, ("s2", "g7"), ("s3", "other"), ("s4", None)) == ["a", "b", "b"]
     assert p.router.groups == {"g7": "a", "other": "b"}
-    a.outstanding = 0
-    b.outstanding = 1
+    a.outstanding_tokens = 0
+    b.outstanding_tokens = 1000
     assert await placed(p, ("s3", "other")) == ["b"]  # a session's own worker wins over the least loaded
     assert p.events("session_moved") == []
 
@@ -59,37 +59,52 @@ async def test_group_places_a_groups_new_sessions_on_its_first_worker() -> None:
 async def test_group_spills_a_newcomer_off_a_crowded_group_worker_without_moving_the_group() -> None:
     p, (a, _) = pool("group", "a", "b")
     assert await placed(p, ("s1", "g")) == ["a"]
-    a.outstanding = 3  # 3 > 2 * 0 + 2: crowded
+    a.outstanding_tokens = 3000  # 3000 > 2 * 0 + 2000: crowded
     assert await placed(p, ("s2", "g")) == ["b"]
     assert p.router.groups == {"g": "a"} and p.events("session_moved") == []  # s2 had no worker to leave
-    a.outstanding = 0
+    a.outstanding_tokens = 0
     assert await placed(p, ("s3", "g")) == ["a"]
 
 
 async def test_group_moves_a_session_off_its_crowded_worker_once_and_records_it() -> None:
-    p, (a, b) = pool("group", "a", "b", factor=2.0, floor=2)
+    p, (a, b) = pool("group", "a", "b", factor=2.0, floor=2000)
     assert await placed(p, ("s1", "g")) == ["a"]
-    a.outstanding, b.outstanding = 1, 0
-    assert await placed(p, ("s1", "g")) == ["a"]  # 1 against 0 stays
-    a.outstanding, b.outstanding = 4, 1
-    assert await placed(p, ("s1", "g")) == ["a"]  # 4 > 2 * 1 + 2 is false: stays
-    a.outstanding = 5
-    assert await placed(p, ("s1", "g")) == ["b"]  # 5 > 4: moves
+    a.outstanding_tokens, b.outstanding_tokens = 1000, 0
+    assert await placed(p, ("s1", "g")) == ["a"]  # 1000 against 0 stays
+    a.outstanding_tokens, b.outstanding_tokens = 4000, 1000
+    assert await placed(p, ("s1", "g")) == ["a"]  # 4000 > 2 * 1000 + 2000 is false: stays
+    a.outstanding_tokens = 5000
+    assert await placed(p, ("s1", "g")) == ["b"]  # 5000 > 4000: moves
     [moved] = p.settings.telemetry.recent(kinds=["session_moved"])
     assert moved.session_id == "s1"
     assert moved.data == {
-        "from_worker": "a", "to_worker": "b", "group": "g", "from_outstanding": 5, "to_outstanding": 1,
-        "why": "load",
+        "from_worker": "a", "to_worker": "b", "group": "g", "from_outstanding_tokens": 5000,
+        "to_outstanding_tokens": 1000, "from_outstanding": 0, "to_outstanding": 0, "why": "load",
     }  # fmt: skip
-    a.outstanding, b.outstanding = 0, 1
+    a.outstanding_tokens, b.outstanding_tokens = 0, 1000
     assert await placed(p, ("s1", "g"), ("s1", "g")) == ["b", "b"]  # it stays on its new worker
     assert len(p.events("session_moved")) == 1 and p.router.groups == {"g": "a"}
+
+
+async def test_load_is_outstanding_tokens_counted_from_a_lease_to_its_end() -> None:
+    p, (a, b) = pool("group", "a", "b", floor=2000)
+    async with p.router.lease("s1", group="g", tokens=30_000) as first:  # one long prompt on a
+        assert first is a and (a.outstanding, a.outstanding_tokens) == (1, 30_000)
+        b.outstanding = 3  # three short requests on b: fewer tokens than a's one
+        b.outstanding_tokens = 300
+        assert await placed(p, ("s2", None)) == ["b"]  # the least loaded by tokens, not by requests
+        assert await placed(p, ("s3", "g")) == ["b"]  # g's worker is crowded: 30000 > 2 * 300 + 2000
+        b.outstanding, b.outstanding_tokens = 0, 0
+    assert (a.outstanding, a.outstanding_tokens, b.outstanding_tokens) == (0, 0, 0)
+    async with p.router.lease("s4", tokens=100) as m, p.router.lease("s5", tokens=50) as n:
+        assert (m.name, n.name) == ("a", "b") and (a.outstanding_tokens, b.outstanding_tokens) == (100, 50)
+    assert p.router.groups == {"g": "a"}
 
 
 async def test_round_robin_takes_the_ready_workers_in_turn_whatever_the_session() -> None:
     p, (a, b, c) = pool("round-robin", "a", "b", "c")
     p.add("s", SHADOW)
-    a.outstanding = 9
+    a.outstanding_tokens = 9000
     requests = [("s1", "g"), ("s1", "g"), (None, None), ("s2", None), ("s1", "g")]
     assert await placed(p, *requests) == ["a", "b", "c", "a", "b"]
     b.state = UNHEALTHY
@@ -100,7 +115,7 @@ async def test_round_robin_takes_the_ready_workers_in_turn_whatever_the_session(
 async def test_least_loaded_takes_the_fewest_outstanding_then_the_fewest_served() -> None:
     p, (a, b, c) = pool("least-loaded", "a", "b", "c")
     assert await placed(p, ("s1", "g"), ("s1", "g"), ("s1", "g"), ("s1", "g")) == ["a", "b", "c", "a"]
-    b.outstanding = 1
+    b.outstanding_tokens = 1000
     assert (a.served, b.served, c.served) == (2, 1, 1)
     assert await placed(p, ("s1", "g")) == ["c"]
     assert p.events("session_moved") == []

@@ -575,6 +575,18 @@ weights_bodies = st.fixed_dictionaries(
     },
     optional={"drain_s": st.one_of(st.just(0), st.sampled_from([0.0, 0.5, -1, 3601, True, "1", None]))},
 )
+routing_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "routing": st.sampled_from(
+            ["affinity", "group", "round-robin", "least-loaded", "Group", "", None, 1]
+        ),
+        "routing_spill_factor": st.sampled_from(
+            [1, 1.0, 2.5, 0.5, 1e7, -1, "2", True, None, float("nan"), float("inf"), 1e400]
+        ),
+        "routing_spill_floor": st.sampled_from([0, 2, 8192, -1, 2**41, 1.5, "8", False, None]),
+    },
+)
 engine_bodies = st.fixed_dictionaries(
     {"url": st.integers(0, 10**6).map(lambda n: f"http://fuzz-engine-{n}") | st.sampled_from(ODD_URLS)}
 )
@@ -728,6 +740,8 @@ ROUTES: dict[str, RouteSpec] = {
     "dashboard": RouteSpec("GET", "/dashboard"),
     "weights": RouteSpec("GET", "/api/weights"),
     "update-weights": RouteSpec("POST", "/api/weights", weights_bodies),
+    "routing": RouteSpec("GET", "/api/routing"),
+    "set-routing": RouteSpec("PUT", "/api/routing", routing_bodies),
 }
 SANDBOX_ROUTES = [
     ("POST", "/api/sessions/{sid}/sandbox"),
@@ -745,6 +759,8 @@ SANDBOX_ROUTES = [
     ("GET", "/s/{sid}/sandbox/files"),
     ("PUT", "/s/{sid}/sandbox/files"),
 ]
+ADMIN_ROUTES = frozenset({"register-engine", "remove-engine", "update-weights", "set-routing"})
+"""Routes that need the admin token: besides the mutated requests, a third of their draws are clean."""
 ADMIN_AUTH = [None, "", "Bearer", "Bearer wrong", "Basic Zm9vOmJhcg==", "bearer  {admin}", "Bearer {admin}x"]
 DRAIN = ["0", "0", "0", "", "-1", "3601", "nan", "inf", "1e400", "abc", "0x10", "１"]
 WRONG_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
@@ -786,10 +802,15 @@ def plans(draw: st.DrawFn, routes: list[str]) -> Plan:
         content_type=draw(content_types) if body is not None else None,
         method=method if method != spec.method else None,
     )
-    if name in ("register-engine", "remove-engine", "update-weights"):
+    if name in ADMIN_ROUTES:
         auth = draw(st.just("Bearer {admin}") | st.just("Bearer {admin}") | st.sampled_from(ADMIN_AUTH))
         query = f"drain_s={draw(st.sampled_from(DRAIN))}" if name == "remove-engine" else ""
         plan = dataclasses.replace(plan, auth=auth, query=query)
+        if draw(st.sampled_from([False, False, True])):  # a clean shot: the admin's valid request as drawn
+            plan = dataclasses.replace(
+                plan, auth="Bearer {admin}", mutations=(), encoding=Encoding(), content_type="application/json",
+                method=None,
+            )  # fmt: skip
     elif name == "reward":
         auth = draw(st.none() | st.just("Bearer {admin}"))
         plan = dataclasses.replace(plan, auth=auth)

@@ -100,7 +100,9 @@ async def test_failure_mid_stream_is_invisible(rig: Rig, stream: bool) -> None:
     text, traj = await rig.chat(stream, max_tokens=12)
     check_exact(rig, traj, 12)
     [fo] = failovers(traj)
-    expected_index = 5  # streamed from the engine either way: a non-streamed request keeps its partial tokens too
+    expected_index = (
+        5  # streamed from the engine either way: a non-streamed request keeps its partial tokens too
+    )
     assert (fo["token_index"], fo["from_worker"], fo["to_worker"]) == (expected_index, "remote-0", "remote-1")
     assert text == rig.gw.tokenizer.decode(traj["turns"][0]["output_ids"])
     resumed = rig.engine.requests[-1]

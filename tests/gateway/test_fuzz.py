@@ -435,7 +435,9 @@ class FuzzGateway:
             and (bare or not is_json_media(plan.content_type))
         ):
             admin_ok = sent.auth is not None and bearer_matches(sent.auth, ADMIN)
-            reads_first = {"reward": sent.known, "register-engine": admin_ok}.get(plan.route, True)
+            reads_first = {"reward": sent.known, "register-engine": admin_ok, "set-routing": admin_ok}.get(
+                plan.route, True
+            )
             if reads_first:
                 assert r.status_code == 415, f"{where}: a body not declared as JSON answered {r.status_code}"
         self.record(plan, sent.sid, sent.content, r, answer)

@@ -215,3 +215,58 @@ async def test_a_session_moved_for_load_is_counted_on_metrics(tmp_path: Path, ti
         {("belayer_sessions_moved_total", ()): 0.0},
         {("belayer_sessions_moved_total", ()): 1.0},
     )
+
+
+async def test_a_running_turn_weighs_its_prompt_and_max_tokens_on_its_worker(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    seen: list[tuple[int, int]] = []  # the worker's load when the engine gets the turn
+
+    class Watching(httpx.ASGITransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/generate") or "completions" in request.url.path:
+                [m] = gw.pool.members
+                seen.append((m.outstanding, m.outstanding_tokens))
+            return await super().handle_async_request(request)
+
+    async with asgi_gateway(config(tmp_path, tiny_model_dir), Watching(FakeEngine().app())) as (app, client):
+        gw: Gateway = app.state.gateway
+        sid = (await create(client))["id"]
+        last = await turn(client, sid, [{"role": "user", "content": PROMPT}])
+        [done] = (await client.get("/api/engines")).json()["data"]
+    assert seen == [(1, len(last["prompt_ids"]) + 6)]  # the prompt and max_tokens, while it runs
+    assert (done["outstanding"], done["outstanding_tokens"]) == (0, 0)
+
+
+async def test_the_routing_policy_is_read_and_changed_live_by_the_admin(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    cfg = config(tmp_path, tiny_model_dir).model_copy(update={"admin_token": "adm"})
+    admin = {"authorization": "Bearer adm"}
+    engines = ByHost({"e0": FakeEngine(), "e1": FakeEngine()})
+    async with asgi_gateway(cfg, engines, hosts=HOSTS) as (app, client):
+        gw: Gateway = app.state.gateway
+        assert (await client.get("/api/routing")).json() == {
+            "routing": "affinity", "routing_spill_factor": 2.0, "routing_spill_floor": 8192, "sessions": 0,
+            "groups": 0,
+        }  # fmt: skip
+        sid = (await create(client, group="g"))["id"]
+        assert (await turn(client, sid, [{"role": "user", "content": "hi"}]))["worker"] == "remote-0"
+        r = await client.put("/api/routing", json={"routing": "round-robin"})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
+        for body, param in [({"routing": "random"}, "routing"), ({"routing_spill_factor": 0.5}, "routing_spill_factor"),
+                            ({"routing_spill_floor": "8"}, "routing_spill_floor"), ({"policy": "group"}, "policy")]:  # fmt: skip
+            r = await client.put("/api/routing", json=body, headers=admin)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert gw.pool.routing == "affinity"
+        r = await client.put(
+            "/api/routing", json={"routing": "round-robin", "routing_spill_floor": 0}, headers=admin
+        )
+        assert r.json() == {
+            "routing": "round-robin", "routing_spill_factor": 2.0, "routing_spill_floor": 0, "sessions": 1,
+            "groups": 1,
+        }  # fmt: skip
+        workers = [
+            (await turn(client, sid, [{"role": "user", "content": f"turn {i}"}]))["worker"] for i in range(3)
+        ]
+    assert workers == ["remote-0", "remote-1", "remote-0"]  # in turn, the session's worker no longer kept

@@ -92,4 +92,6 @@ async def test_the_next_turn_reuses_the_previous_turns_tokens_and_a_rewrite_open
     third = (await _turn(turns, sessions, sid, [_user("a"), rewritten, _user("b")])).turn
     assert third.parent_id is None and third.branch != second.branch
     assert [(t.index, t.branch) for t in turns.ledger.store.get_turns(sid)] == [(0, 0), (1, 0), (2, 1)]
-    assert [e.kind for e in turns.ledger.store.get_events(sid) if e.turn_id == second.id][:1] == ["prefix_reuse"]
+    assert [e.kind for e in turns.ledger.store.get_events(sid) if e.turn_id == second.id][:1] == [
+        "prefix_reuse"
+    ]

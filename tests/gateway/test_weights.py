@@ -106,7 +106,9 @@ async def rig_over(
         app = build_app(config, pool=pool)
         async with (
             app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=60) as client,
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=60
+            ) as client,
         ):
             yield Rig(app, client, engines, faults)
 

@@ -65,7 +65,9 @@ def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
         role = "system" if m.role == "developer" else m.role
         msg: dict[str, Any] = {"role": role, "content": _text(m.content, f"messages[{i}]")}
         reasoning = m.reasoning_content or m.reasoning
-        if m.role == "assistant" and reasoning:  # rendered as generated (see ``gateway.policy.parsers.think``)
+        if (
+            m.role == "assistant" and reasoning
+        ):  # rendered as generated (see ``gateway.policy.parsers.think``)
             msg["content"] = think_text(reasoning, msg["content"])
         if m.role == "assistant" and m.tool_calls:
             msg["tool_calls"] = [

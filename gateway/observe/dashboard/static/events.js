@@ -9,6 +9,7 @@ const TONES = {
   sandbox_checkpoint: "info", sandbox_restored: "warn", sandbox_checkpoint_skipped: "muted",
   sandbox_checkpoint_decision: "muted", sandbox_created: "muted", sandbox_destroyed: "muted",
   recomputed_logprobs: "info", branch: "info", prefix_reuse: "muted", fresh_prompt: "muted",
+  session_moved: "info",
 };
 
 const WORKER_TONES = { dead: "bad", unhealthy: "warn", ready: "good", shadow: "info", starting: "info" };
@@ -21,7 +22,7 @@ export const LABELS = {
   sandbox_checkpoint_skipped: "Checkpoint skipped", sandbox_checkpoint_failed: "Checkpoint failed",
   recomputed_logprobs: "Recomputed", recompute_failed: "Recompute failed", turn_failed: "Turn failed",
   tool_call_parse_error: "Tool call", branch: "Branch", prefix_reuse: "Prefix reuse",
-  fresh_prompt: "Fresh prompt",
+  fresh_prompt: "Fresh prompt", session_moved: "Moved",
 };
 
 const seconds = (s) => (s === null || s === undefined ? "—" : `${fixed(s, s < 10 ? 2 : 1)} s`);
@@ -70,6 +71,14 @@ const DESCRIBE = {
     title: `turns ${(d.turn_indices || []).join(", ")} discarded`,
     parts: [d.after_turn !== undefined && d.after_turn !== null && `after turn ${d.after_turn}`],
     note: d.reason,
+  }),
+  session_moved: (d) => ({
+    title: `moved ${d.from_worker} → ${d.to_worker}`,
+    parts: [
+      d.group !== null && d.group !== undefined && `group ${d.group}`,
+      `${num(d.from_outstanding_tokens ?? 0)} against ${num(d.to_outstanding_tokens ?? 0)} tokens outstanding`,
+    ],
+    note: `for ${d.why ?? "load"}`,
   }),
   sandbox_checkpoint_failed: (d) => ({ title: "checkpoint failed", parts: [], note: d.error }),
   sandbox_checkpoint_skipped: (d) => ({ title: "checkpoint skipped", parts: [d.reason] }),

