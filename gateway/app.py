@@ -52,6 +52,7 @@ from gateway.http.access import Access
 from gateway.http.errors import UnexpectedErrors, handlers
 from gateway.observe.dashboard import routes as dashboard_routes
 from gateway.observe.event_log import log_event
+from gateway.observe.loop_lag import LoopLagSampler
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.recorder import Recorder
 from gateway.observe.request_log import RequestObserver
@@ -194,8 +195,17 @@ async def open_gateway(
     if config.metrics:
         views = sandboxes.views if sandboxes is not None else list
         metrics = GatewayMetrics(telemetry, the_pool, store, views, __version__)
+        lag = LoopLagSampler(metrics.loop_lag)
+        lag.start()
+        stack.push_async_callback(lag.close)
     runner = TurnRunner(
-        store, the_pool, tok, TurnSettings.of(config), observers=watchers, telemetry=telemetry, metrics=metrics
+        store,
+        the_pool,
+        tok,
+        TurnSettings.of(config),
+        observers=watchers,
+        telemetry=telemetry,
+        metrics=metrics,
     )
     stack.push_async_callback(runner.close)
     runner.recomputer.resume()  # what a gateway before this one left pending (it died, or shut down)
