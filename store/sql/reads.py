@@ -93,12 +93,17 @@ class SqlReads(SqlCore):
         if not keys:
             return None
         fork = self._fork_of(session_id)
-        shared_ids, shared_args = self.dialect.among("id", sorted(fork.ids) if fork is not None else [])
+        # A session's own turns alone unless it is a fork child: with an empty list in the OR, SQLite
+        # scans the whole table (every turn of every session) in place of the (session_id, ext_key)
+        # index, at every turn of every session: `belayer bench scale` found it.
+        within, args = "session_id = ?", (session_id,)
+        if fork is not None and fork.ids:
+            shared_ids, shared_args = self.dialect.among("id", sorted(fork.ids))
+            within, args = f"(session_id = ? OR {shared_ids})", (session_id, *shared_args)
         ext_keys, key_args = self.dialect.among("ext_key", keys)
         rows = self._rows(
-            f"SELECT id, ext_key FROM turns WHERE (session_id = ? OR {shared_ids}) AND status = ? "
-            f"AND {ext_keys}",
-            (session_id, *shared_args, TURN_COMPLETE, *key_args),
+            f"SELECT id, ext_key FROM turns WHERE {within} AND status = ? AND {ext_keys}",
+            (*args, TURN_COMPLETE, *key_args),
         )
         if not rows:
             return None
