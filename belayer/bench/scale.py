@@ -440,6 +440,8 @@ class SizeResult:
     rss_peak_mb: float
     fds_peak: int
     seconds: float
+    loadavg: float
+    """The machine's 1-minute load average at the end (another job on the machine shows here)."""
 
 
 def run_size(
@@ -498,7 +500,7 @@ def run_size(
         gateway_ttft_p99_ms=p99_ms(ttft_gw), direct_ttft_p99_ms=p99_ms(ttft_direct),
         loop_lag_p99_ms=hist_p99_ms(FAMILIES[0]), store_write_p99_ms=hist_p99_ms(FAMILIES[1]),
         generator_lag_p99_ms=p99_ms(lag), rss_idle_mb=rss_idle, rss_peak_mb=peak.rss_mb,
-        fds_peak=peak.fds, seconds=seconds,
+        fds_peak=peak.fds, seconds=seconds, loadavg=os.getloadavg()[0],
     )  # fmt: skip
 
 
@@ -515,6 +517,7 @@ def report(r: SizeResult, suffix: str) -> None:
     emit(f"gateway_rss_mb_{n}", r.rss_peak_mb, 1)
     emit(f"gateway_fds_{n}", r.fds_peak)
     emit(f"run_s_{n}", r.seconds, 1)
+    emit(f"machine_loadavg_1m_{n}", r.loadavg, 2)
     for e in r.first_errors:
         progress(f"  error ({n}): {e}")
 
