@@ -9,7 +9,8 @@ base URL, each turn's messages extending the previous turn's (prefix reuse), wit
 ``--pause`` seconds (uniform) between turns, then closes the session. Each session is one client with one
 keep-alive connection, as a harness is. The figures, per size N:
 
-* ``errors_N``: sessions that failed (an HTTP error, a connection refused or reset, a stream cut off);
+* ``errors_N``: sessions through the gateway that failed (an HTTP error, a connection refused or reset,
+  a stream cut off); ``direct_errors_N``: the baseline's, apart;
 * ``added_latency_p99_ms_N``: the p99 of the time to first token through the gateway, minus the p99 of
   the fake engine's own, measured in the same run by a few direct sessions (``--direct``, in addition to
   the N) that stream from the engine with the same pattern;
@@ -18,7 +19,9 @@ keep-alive connection, as a harness is. The figures, per size N:
 * ``store_write_lag_p99_ms_N``: a turn's store write from its request to its commit
   (``belayer_store_write_seconds``, begin and finish), p99 over the run;
 * ``gateway_rss_mb_N``, ``gateway_fds_N``: the gateway's peak resident memory (all its processes) and
-  open descriptors; then ``rss_mb_per_1000_sessions``: the growth of resident memory from the idle
+  open descriptors; ``gateway_cpu_cores_N``: its CPU time over the run per second (1.0: one core busy);
+  ``machine_loadavg_1m_N``: the machine's load at the end (another job on a shared machine shows there);
+  then ``rss_mb_per_1000_sessions``: the growth of resident memory from the idle
   gateway to its peak, per 1,000 sessions, at the largest size.
 
 Then the same with 2 processes (suffix ``_2proc``; ``--processes 1,2``, needs PostgreSQL's binaries,
@@ -45,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import multiprocessing
 import os
@@ -67,7 +69,7 @@ import httpx
 import orjson
 
 from belayer.bench import emit
-from belayer.bench.gateway import percentile
+from belayer.bench.gateway import percentile, tree_cpu_s
 from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm
 from belayer.testing.services import (
     FAKE_MODEL,
@@ -122,12 +124,17 @@ class Tally:
     ttft_gateway: list[float] = field(default_factory=list)
     ttft_direct: list[float] = field(default_factory=list)
     errors: int = 0
+    direct_errors: int = 0
+    """Failed direct sessions: the baseline's (the fake engine's), not the gateway's."""
     first_errors: list[str] = field(default_factory=list)
     turns: int = 0
     loop_lag: list[float] = field(default_factory=list)
 
-    def failed(self, what: str) -> None:
-        self.errors += 1
+    def failed(self, what: str, direct: bool) -> None:
+        if direct:
+            self.direct_errors += 1
+        else:
+            self.errors += 1
         if len(self.first_errors) < 5:
             self.first_errors.append(what)
 
@@ -156,6 +163,7 @@ def client_process(plan: Plan) -> dict[str, Any]:
     asyncio.run(_clients(plan, tally))
     return {
         "ttft_gateway": tally.ttft_gateway, "ttft_direct": tally.ttft_direct, "errors": tally.errors,
+        "direct_errors": tally.direct_errors,
         "first_errors": tally.first_errors, "turns": tally.turns, "loop_lag": tally.loop_lag,
     }  # fmt: skip
 
@@ -199,7 +207,13 @@ async def _session(
     """One harness: its own client and keep-alive connection, `plan.turns` streamed turns with tool
     pauses between them; a failure ends the session and is counted once."""
     await asyncio.sleep(delay)
-    transport = Http11Transport(httpx.Limits(max_connections=1, max_keepalive_connections=1), fallback)
+    # Idle connections close after 5 s, as httpx's (and the OpenAI SDK's) do: a tool pause longer than
+    # that reconnects. The engine's uvicorn closes idle ones after 5 s itself, so a direct session closes
+    # them sooner, or a request may cross the server's close (the baseline's error, not the gateway's).
+    limits = httpx.Limits(
+        max_connections=1, max_keepalive_connections=1, keepalive_expiry=2.0 if direct else 5.0
+    )
+    transport = Http11Transport(limits, fallback)
     timeout = httpx.Timeout(plan.timeout_s)
     async with httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False) as http:
         try:
@@ -207,7 +221,7 @@ async def _session(
                 await _turns(http, plan, tally, direct, rng)
         except Exception as exc:  # every failure is the news: counted, the first few kept
             where = "direct" if direct else "gateway"
-            tally.failed(f"{where}: {type(exc).__name__}: {str(exc)[:300]}")
+            tally.failed(f"{where}: {type(exc).__name__}: {str(exc)[:300]}", direct)
 
 
 async def _turns(http: httpx.AsyncClient, plan: Plan, tally: Tally, direct: bool, rng: random.Random) -> None:
@@ -428,6 +442,7 @@ def warm_up(gateway: str, engine: str, opts: argparse.Namespace, sessions: int =
 class SizeResult:
     size: int
     errors: int
+    direct_errors: int
     first_errors: list[str]
     turns: int
     added_p99_ms: float
@@ -440,6 +455,8 @@ class SizeResult:
     rss_peak_mb: float
     fds_peak: int
     seconds: float
+    cpu_cores: float
+    """The gateway's CPU time (all its processes) over the run, per second: 1.0 is one core busy."""
     loadavg: float
     """The machine's 1-minute load average at the end (another job on the machine shows here)."""
 
@@ -473,14 +490,12 @@ def run_size(
     before = scrape(url, processes)
     rss_idle, _ = rss_and_fds(gateway.proc.pid)
     progress(f"{size} sessions (+{direct} direct) over {clients} client processes, ramp {opts.ramp_s} s")
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), tree_cpu_s(gateway.proc.pid)
     ctx = multiprocessing.get_context("spawn")
-    with (
-        watch(gateway.proc.pid) as peak,
-        concurrent.futures.ProcessPoolExecutor(clients, mp_context=ctx) as pool,
-    ):
-        results = list(pool.map(client_process, plans))
+    with watch(gateway.proc.pid) as peak, ctx.Pool(clients) as pool:  # its exit terminates the clients
+        results = pool.map(client_process, plans, chunksize=1)
     seconds = time.monotonic() - t0
+    cpu_cores = (tree_cpu_s(gateway.proc.pid) - cpu0) / seconds
     hist = subtract(scrape(url, processes), before)
     ttft_gw = [x for r in results for x in r["ttft_gateway"]]
     ttft_direct = [x for r in results for x in r["ttft_direct"]]
@@ -494,19 +509,21 @@ def run_size(
 
     return SizeResult(
         size=size, errors=sum(r["errors"] for r in results),
+        direct_errors=sum(r["direct_errors"] for r in results),
         first_errors=[e for r in results for e in r["first_errors"]][:5],
         turns=sum(r["turns"] for r in results),
         added_p99_ms=p99_ms(ttft_gw) - p99_ms(ttft_direct),
         gateway_ttft_p99_ms=p99_ms(ttft_gw), direct_ttft_p99_ms=p99_ms(ttft_direct),
         loop_lag_p99_ms=hist_p99_ms(FAMILIES[0]), store_write_p99_ms=hist_p99_ms(FAMILIES[1]),
         generator_lag_p99_ms=p99_ms(lag), rss_idle_mb=rss_idle, rss_peak_mb=peak.rss_mb,
-        fds_peak=peak.fds, seconds=seconds, loadavg=os.getloadavg()[0],
+        fds_peak=peak.fds, seconds=seconds, cpu_cores=cpu_cores, loadavg=os.getloadavg()[0],
     )  # fmt: skip
 
 
 def report(r: SizeResult, suffix: str) -> None:
     n = f"{r.size}{suffix}"
     emit(f"errors_{n}", r.errors)
+    emit(f"direct_errors_{n}", r.direct_errors)
     emit(f"added_latency_p99_ms_{n}", r.added_p99_ms)
     emit(f"event_loop_lag_p99_ms_{n}", r.loop_lag_p99_ms)
     emit(f"store_write_lag_p99_ms_{n}", r.store_write_p99_ms)
@@ -517,6 +534,7 @@ def report(r: SizeResult, suffix: str) -> None:
     emit(f"gateway_rss_mb_{n}", r.rss_peak_mb, 1)
     emit(f"gateway_fds_{n}", r.fds_peak)
     emit(f"run_s_{n}", r.seconds, 1)
+    emit(f"gateway_cpu_cores_{n}", r.cpu_cores, 2)
     emit(f"machine_loadavg_1m_{n}", r.loadavg, 2)
     for e in r.first_errors:
         progress(f"  error ({n}): {e}")
