@@ -7,7 +7,7 @@ from typing import Any
 from core.errors import StoreError
 from store.base import TURN_COMPLETE, EventRecord, SessionQuery, SessionRecord, TurnRecord
 from store.schema import load_json
-from store.sql.core import SqlCore
+from store.sql.core import PLAIN_KEPT, SqlCore
 from store.sql.rows import SESSION_COLS, TURN_COLS, Fork, session_record, turn_record
 
 
@@ -115,8 +115,15 @@ class SqlReads(SqlCore):
         fork = self._forks.get(session_id)
         if fork is not None:
             return fork
+        if session_id in self._plain:
+            return None
         row = self._one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
-        if row is None or row[0] is None:
+        if row is None:
+            return None
+        if row[0] is None:
+            if len(self._plain) >= PLAIN_KEPT:
+                self._plain.clear()  # one dict operation: safe beside the other threads' reads
+            self._plain[session_id] = None
             return None
         shared = self._shared(str(row[0]), int(row[1]))
         at = next((t for t in shared if t.index == row[1]), None)
