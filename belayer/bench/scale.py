@@ -12,8 +12,8 @@ keep-alive connection, as a harness is. The figures, per size N:
 * ``errors_N``: sessions through the gateway that failed (an HTTP error, a connection refused or reset,
   a stream cut off); ``direct_errors_N``: the baseline's, apart;
 * ``added_latency_p99_ms_N``: the p99 of the time to first token through the gateway, minus the p99 of
-  the fake engine's own, measured in the same run by a few direct sessions (``--direct``, in addition to
-  the N) that stream from the engine with the same pattern;
+  the fake engine's own, measured in the same run by direct sessions (``--direct`` or a tenth of N,
+  whichever is more, in addition to the N) that stream from the engine with the same pattern;
 * ``event_loop_lag_p99_ms_N``: the gateway's event-loop lag (``belayer_event_loop_lag_seconds``, a
   sampler that sleeps 0.1 s and records how late it wakes), p99 over the run (every process's);
 * ``store_write_lag_p99_ms_N``: a turn's store write from its request to its commit
@@ -21,8 +21,13 @@ keep-alive connection, as a harness is. The figures, per size N:
 * ``gateway_rss_mb_N``, ``gateway_fds_N``: the gateway's peak resident memory (all its processes) and
   open descriptors; ``gateway_cpu_cores_N``: its CPU time over the run per second (1.0: one core busy);
   ``machine_loadavg_1m_N``: the machine's load at the end (another job on a shared machine shows there);
-  then ``rss_mb_per_1000_sessions``: the growth of resident memory from the idle
-  gateway to its peak, per 1,000 sessions, at the largest size.
+  then ``rss_mb_per_1000_sessions``: the growth of resident memory from the idle gateway (warmed up by
+  16 sessions first, so that its one-time costs are not counted per session) to its peak, per 1,000
+  sessions, at the largest size.
+
+Every process raises its soft open-file limit as far as it needs (one descriptor per session, and the
+gateway's own `gateway.serve.server.connection_budget`), and the bench fails with what to do when the
+hard limit is too low.
 
 Then the same with 2 processes (suffix ``_2proc``; ``--processes 1,2``, needs PostgreSQL's binaries,
 `belayer.testing.postgres_local`). One process runs on its default store (SQLite).
