@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -167,6 +168,10 @@ class FakeEngine:
     model: str = "fake"
     max_model_len: int = 4096
     token_delay: float = 0.0
+    token_delay_max: float | None = None
+    """When set, each stream draws its delay between tokens from [token_delay, token_delay_max] (streams
+    at realistic, uneven rates: ``belayer bench scale``)."""
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
     requests: list[dict[str, Any]] = field(default_factory=list)
     reject_next: str | None = None  # answer the next request with this 400 message
     poison: Callable[[list[int]], bool] | None = None
@@ -268,6 +273,12 @@ class FakeEngine:
         self.stats.model = self.model
         return Response(generate_latest(self.stats), media_type=CONTENT_TYPE_LATEST)
 
+    def _stream_delay(self) -> float:
+        """This stream's delay between tokens (the first token's included)."""
+        if self.token_delay_max is None or self.token_delay_max <= self.token_delay:
+            return self.token_delay
+        return self.rng.uniform(self.token_delay, self.token_delay_max)
+
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200)
 
@@ -329,11 +340,11 @@ class FakeEngine:
         self, prompt: list[int], out: list[int], k: int | None, finish: str
     ) -> AsyncIterator[str]:
         self.stats.admit(prompt, out)
-        sent = 0
+        sent, delay = 0, self._stream_delay()
         try:
             for i, tid in enumerate(out):
-                if self.token_delay:
-                    await asyncio.sleep(self.token_delay)
+                if delay:
+                    await asyncio.sleep(delay)
                 last = i == len(out) - 1
                 choice = self._choice([tid], i, k, finish if last else None)
                 event = {"object": "text_completion", "model": self.model, "choices": [choice]}
@@ -374,9 +385,10 @@ class FakeEngine:
         self, head: dict[str, Any], words: list[str], finish: str, usage: dict[str, int] | None
     ) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
+        delay = self._stream_delay()
         for i, word in enumerate(words):
-            if self.token_delay:
-                await asyncio.sleep(self.token_delay)
+            if delay:
+                await asyncio.sleep(delay)
             delta = {"role": "assistant", "content": word} if i == 0 else {"content": word}
             last = i == len(words) - 1
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish if last else None}
@@ -497,17 +509,19 @@ def serve(
     token_delay: float = 0.0,
     max_model_len: int = 4096,
     words_from: str | None = None,
+    token_delay_max: float | None = None,
 ) -> None:
     """Serve a fake engine until interrupted: `tokens` tokens per request when given (benchmarks),
     else autoregressive output up to ``max_tokens`` (launched fake workers: failover stays exact),
-    drawn from the whole words of the model in `words_from` when given."""
+    drawn from the whole words of the model in `words_from` when given; each stream's delay between
+    tokens is drawn from [`token_delay`, `token_delay_max`] when that is given."""
     import uvicorn
 
     if tokens is not None:
         n = tokens
         engine = FakeEngine(
             model=model, max_model_len=max_model_len, token_delay=token_delay,
-            script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(n)],
+            token_delay_max=token_delay_max, script=lambda prompt: [(prompt[-1] + i) % 500 + 10 for i in range(n)],
         )  # fmt: skip
     else:
         step = autoregressive_over(word_ids(words_from)) if words_from else autoregressive

@@ -52,6 +52,7 @@ from gateway.http.access import Access
 from gateway.http.errors import UnexpectedErrors, handlers
 from gateway.observe.dashboard import routes as dashboard_routes
 from gateway.observe.event_log import log_event
+from gateway.observe.loop_lag import LoopLagSampler
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.recorder import Recorder
 from gateway.observe.request_log import RequestObserver
@@ -154,6 +155,17 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
+ENGINE_KEEPALIVE = 1024
+"""Idle engine connections kept open: enough for the streams of thousands of sessions that end and start
+again within seconds (fewer: a new connection to the engine for most turns, `belayer bench scale`)."""
+
+
+def engine_limits(config: GatewayConfig) -> httpx.Limits:
+    """The engine leg's connections: as many as client connections (each stream holds one), at least 1024."""
+    most = max(1024, config.server.max_connections)
+    return httpx.Limits(max_connections=most, max_keepalive_connections=min(most, ENGINE_KEEPALIVE))
+
+
 async def open_gateway(
     app: Starlette,
     config: GatewayConfig,
@@ -165,7 +177,7 @@ async def open_gateway(
 ) -> Gateway:
     """Open the long-lived objects in order; `stack` closes them in reverse: the turn runner first (its
     recomputations need pool and store), then the sandboxes, the pool, and the store last."""
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    limits = engine_limits(config)
     # httpx's transport on asyncio streams: the engine leg's CPU per chunk (engine_pool.transport)
     http = await stack.enter_async_context(
         httpx.AsyncClient(transport=engine_transport(limits), timeout=None)
@@ -194,6 +206,9 @@ async def open_gateway(
     if config.metrics:
         views = sandboxes.views if sandboxes is not None else list
         metrics = GatewayMetrics(telemetry, the_pool, store, views, __version__)
+        lag = LoopLagSampler(metrics.loop_lag)
+        lag.start()
+        stack.push_async_callback(lag.close)
     runner = TurnRunner(
         store,
         the_pool,

@@ -123,10 +123,11 @@ class ServerConfig(BaseModel):
         default=75, ge=1, description="seconds an idle keep-alive connection is kept open"
     )
     max_connections: int = Field(
-        default=1024,
+        default=8192,
         ge=1,
         description="client connections served at once; more are answered 503 at once (lowered to "
-        "fit the open-file limit, half of it kept for engine connections)",
+        "fit the open-file limit, half of it kept for engine connections). Each harness holds one "
+        "keep-alive connection through its tool pauses: `belayer bench scale` runs 4,000 sessions",
     )
     max_header_bytes: int = Field(
         default=64 * 1024, ge=1024, description="largest request line + headers; larger: 431"

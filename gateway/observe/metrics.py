@@ -149,6 +149,18 @@ class GatewayMetrics:
             ["kind"], registry=r,
         )  # fmt: skip
         self.turns = Counter("belayer_turns", "Turns by outcome.", ["outcome"], registry=r)
+        self.loop_lag = Histogram(
+            "belayer_event_loop_lag_seconds",
+            "How late the event loop woke a sampler that sleeps 0.1 s (`gateway.observe.loop_lag`): every "
+            "stream of this process waits that long too.",
+            buckets=FAST, registry=r,
+        )  # fmt: skip
+        self.store_write = Histogram(
+            "belayer_store_write_seconds",
+            "A turn's write, from its request to its commit (a worker thread's queue included): begin "
+            "(before the engine is called) and finish (before the client is answered).",
+            ["op"], buckets=FAST, registry=r,
+        )  # fmt: skip
         self.prompts = Counter(
             "belayer_prompts", "Turn prompts by how they were built: prefix_reuse, fresh_prompt, branch.",
             ["kind"], registry=r,

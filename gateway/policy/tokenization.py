@@ -72,7 +72,12 @@ def compile_template(source: str) -> Template:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+    template = env.from_string(source)
+    # One flat dict in place of jinja's ChainMap over the template's and the environment's globals:
+    # each render copies them into its context, and iterating a ChainMap was most of a short render's
+    # own cost (41 -> 29 us a render; a twentieth of a gateway's CPU under `belayer bench scale`).
+    template.globals = dict(template.globals)
+    return template
 
 
 class IncrementalDetokenizer:

@@ -47,7 +47,9 @@ class TurnLedger:
     async def begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
         """The turn stored (running), announced (``turn_started``, the observers) and its in-flight
         writes tracked."""
+        t0 = time.monotonic()
         turn = await self._written_begin(req, prompt_ids)
+        self._timed("begin", t0)
         req.turn = turn
         self.telemetry.publish(
             "turn_started",
@@ -67,13 +69,20 @@ class TurnLedger:
 
     async def finish(self, turn: TurnRecord) -> None:
         """The complete turn's end, written (a `StoreError` goes to the client: the turn is not on disk)."""
+        t0 = time.monotonic()
         try:
             if self.store.remote:  # off the loop, as the first; a cancellation meanwhile does not stop it
                 await asyncio.shield(asyncio.to_thread(self.store.finish_turn, turn))
             else:
                 self.store.finish_turn(turn)
+            self._timed("finish", t0)
         finally:
             self.notify_finished(turn)
+
+    def _timed(self, op: str, t0: float) -> None:
+        """A write's time from its request (a worker thread's queue included) to its commit."""
+        if self.metrics is not None:
+            self.metrics.store_write.labels(op).observe(time.monotonic() - t0)
 
     async def close(self) -> None:
         await self._orphans.join()  # a few writes: they end before the store closes

@@ -27,6 +27,9 @@ from store.sql.rows import Fork
 
 log = logging.getLogger("belayer.store")
 
+PLAIN_KEPT = 65536
+"""At most this many sessions are remembered as not forked (`SqlCore._plain`): about 6 MB."""
+
 
 class SqlCore(TrajectoryStore):
     """A `TrajectoryStore` in SQL; a backend gives its `dialect`, its connections and the hooks below."""
@@ -38,6 +41,9 @@ class SqlCore(TrajectoryStore):
         """Where each committed event (and session change) is also published, for the live feed."""
         self._forks: dict[str, Fork] = {}
         """Fork children's shared turns as writing needs them (they never change once forked)."""
+        self._plain: dict[str, None] = {}
+        """Sessions known not to be fork children (a session is one from its creation or never), so
+        that a turn's parent lookup does not ask again at every turn; emptied at `PLAIN_KEPT`."""
         self._unwritten: dict[int, TurnRecord] = {}
         """Finished turns whose final write failed (disk full, read-only, connection lost): kept here,
         shown to readers, and written by the next write that succeeds, so no turn stays ``running``."""

@@ -103,6 +103,7 @@ class SqlStore(SqlWrites):
         tx.execute(f"DELETE FROM sessions WHERE {among}", args)
         for sid in ids:
             self._forks.pop(sid, None)
+            self._plain.pop(sid, None)
         return turns, events
 
     def _forget_unwritten(self, session_ids: set[str]) -> None:

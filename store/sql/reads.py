@@ -7,7 +7,7 @@ from typing import Any
 from core.errors import StoreError
 from store.base import TURN_COMPLETE, EventRecord, SessionQuery, SessionRecord, TurnRecord
 from store.schema import load_json
-from store.sql.core import SqlCore
+from store.sql.core import PLAIN_KEPT, SqlCore
 from store.sql.rows import SESSION_COLS, TURN_COLS, Fork, session_record, turn_record
 
 
@@ -93,12 +93,17 @@ class SqlReads(SqlCore):
         if not keys:
             return None
         fork = self._fork_of(session_id)
-        shared_ids, shared_args = self.dialect.among("id", sorted(fork.ids) if fork is not None else [])
+        # A session's own turns alone unless it is a fork child: with an empty list in the OR, SQLite
+        # scans the whole table (every turn of every session) in place of the (session_id, ext_key)
+        # index, at every turn of every session: `belayer bench scale` found it.
+        within, args = "session_id = ?", (session_id,)
+        if fork is not None and fork.ids:
+            shared_ids, shared_args = self.dialect.among("id", sorted(fork.ids))
+            within, args = f"(session_id = ? OR {shared_ids})", (session_id, *shared_args)
         ext_keys, key_args = self.dialect.among("ext_key", keys)
         rows = self._rows(
-            f"SELECT id, ext_key FROM turns WHERE (session_id = ? OR {shared_ids}) AND status = ? "
-            f"AND {ext_keys}",
-            (session_id, *shared_args, TURN_COMPLETE, *key_args),
+            f"SELECT id, ext_key FROM turns WHERE {within} AND status = ? AND {ext_keys}",
+            (*args, TURN_COMPLETE, *key_args),
         )
         if not rows:
             return None
@@ -110,8 +115,15 @@ class SqlReads(SqlCore):
         fork = self._forks.get(session_id)
         if fork is not None:
             return fork
+        if session_id in self._plain:
+            return None
         row = self._one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
-        if row is None or row[0] is None:
+        if row is None:
+            return None
+        if row[0] is None:
+            if len(self._plain) >= PLAIN_KEPT:
+                self._plain.clear()  # one dict operation: safe beside the other threads' reads
+            self._plain[session_id] = None
             return None
         shared = self._shared(str(row[0]), int(row[1]))
         at = next((t for t in shared if t.index == row[1]), None)

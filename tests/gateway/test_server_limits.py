@@ -270,3 +270,16 @@ def test_sigterm_lets_requests_finish_within_the_grace_period_then_interrupts_th
     streamed = len([line for line in received if '"content"' in line])
     assert streamed <= len(cut.output_ids) < 390
     assert len(cut.output_logprobs) == len(cut.output_ids)
+
+
+def test_the_default_limits_hold_thousands_of_sessions() -> None:
+    """Each harness holds one keep-alive connection through its tool pauses: at the former default of
+    1024, `belayer bench scale` lost 874 of 2,000 sessions to 503s. The engine leg holds as many."""
+    from gateway.app import engine_limits
+    from gateway.config import GatewayConfig, ServerConfig
+
+    server = ServerConfig()
+    assert server.max_connections >= 4096 + 1024
+    limits = engine_limits(GatewayConfig.model_construct(server=server))
+    assert limits.max_connections == server.max_connections
+    assert limits.max_keepalive_connections is not None and limits.max_keepalive_connections >= 1024

@@ -150,3 +150,44 @@ def test_one_history_reads_the_same_on_both_stores(postgres: PostgresServer, tmp
 def test_the_memory_fake_reads_one_history_as_sqlite_does(tmp_path: Path) -> None:
     """The fake (`store.memory`) gives the same records, ids, events, published events and errors."""
     _same_history(lambda t: SqliteStore(tmp_path / "t.db", telemetry=t), lambda t: MemoryStore(telemetry=t))
+
+
+def test_finding_a_turn_by_its_keys_searches_an_index_not_every_turn(tmp_path: Path) -> None:
+    """Each turn of each session looks its parent up by key (prefix reuse): a scan of the whole table
+    there made a gateway's CPU per turn grow with the store (`belayer bench scale`)."""
+    store = SqliteStore(tmp_path / "t.db")
+    store.create_session(SessionRecord("s1", created_at=0.0, metadata={}))
+    turn = store.begin_turn(_turn("s1", [1, 2], None, ext_key="k1"))
+    _finish(store, turn, [3])
+    ran: list[str] = []
+    store._db.set_trace_callback(ran.append)
+    try:
+        found = store.find_turn_by_ext_keys("s1", ["k0", "k1"])
+    finally:
+        store._db.set_trace_callback(None)
+    assert found is not None and found.id == turn.id
+    lookups = [sql for sql in ran if "ext_key IN" in sql]
+    assert lookups, ran
+    for sql in lookups:
+        plan = " ".join(str(row[3]) for row in store._db.execute(f"EXPLAIN QUERY PLAN {sql}"))
+        assert "SCAN turns" not in plan, plan
+    store.close()
+
+
+def test_a_plain_session_is_asked_about_forks_once(tmp_path: Path) -> None:
+    """Whether a session is a fork child is fixed when it is created: a turn's parent lookup asks the
+    database once per session, not at every turn (a query a turn, on the event loop, at scale)."""
+    store = SqliteStore(tmp_path / "t.db")
+    store.create_session(SessionRecord("s1", created_at=0.0, metadata={}))
+    _finish(store, store.begin_turn(_turn("s1", [1, 2], None, ext_key="k1")), [3])
+    ran: list[str] = []
+    store._db.set_trace_callback(ran.append)
+    try:
+        for _ in range(3):
+            assert store.find_turn_by_ext_keys("s1", ["k1"]) is not None
+    finally:
+        store._db.set_trace_callback(None)
+    assert sum("FROM sessions" in sql for sql in ran) <= 1, ran  # (its first turn may have asked)
+    store.delete_session("s1")  # forgotten with the session
+    assert "s1" not in store._plain
+    store.close()
