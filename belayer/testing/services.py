@@ -273,7 +273,10 @@ def ensure_venv(venv: Path, specs: list[str], check: str) -> float:
     marker, python = venv / ".belayer-installed", venv / "bin" / "python"
     wanted = " ".join(specs)
     installed = marker.exists() and marker.read_text().strip() == wanted
-    if installed and subprocess.run([str(python), "-c", f"import {check}"], capture_output=True).returncode == 0:
+    if (
+        installed
+        and subprocess.run([str(python), "-c", f"import {check}"], capture_output=True).returncode == 0
+    ):
         return 0.0
     t0 = time.monotonic()
     if not python.exists():
