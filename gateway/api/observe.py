@@ -11,7 +11,8 @@
   many events it lost, and a ``shutdown`` event ends the stream when the gateway stops. Browsers'
   ``EventSource`` cannot send headers: ``?token=`` is accepted here.
 - ``GET /api/dashboard/state``: one snapshot of everything the dashboard shows (workers, sandboxes,
-  totals, the recovery timeline, the per-second series), with the feed's ``seq`` at that moment.
+  totals, the recovery timeline, the per-second series, the prefix-cache hit rate of each worker and of
+  all, as on ``/metrics``), with the feed's ``seq`` at that moment.
 
 Example::
 
@@ -157,10 +158,13 @@ async def events(request: Request) -> Response:
 
 async def dashboard_state(request: Request) -> Response:
     gw = gateway_of(request)
-    return await gw.offload(_state, gw)
+    rate = engine_metrics.prefix_cache_hit_rate(await engine_metrics.scrape_pool(gw))
+    hit_rates = {s.labels["worker"]: round(s.value, 6) for s in rate.samples}
+    return await gw.offload(_state, gw, hit_rates)
 
 
-def _state(gw: Gateway) -> Response:
+def _state(gw: Gateway, hit_rates: dict[str, float]) -> Response:
+    """The snapshot; `hit_rates`: each worker's prefix-cache hit rate, and ``all``'s (those that have one)."""
     seq = gw.telemetry.seq
     rec = gw.recorder
     _, open_sessions = gw.store.query_sessions(SessionQuery(status="open", limit=0))
@@ -175,7 +179,11 @@ def _state(gw: Gateway) -> Response:
             "sandboxes": gw.sandboxes is not None,
             "metrics": gw.metrics is not None,
         },
-        "workers": [m.view(gw.pool.start_timeout) for m in list(gw.pool.members)],
+        "workers": [
+            m.view(gw.pool.start_timeout) | {"prefix_cache_hit_rate": hit_rates.get(m.name)}
+            for m in list(gw.pool.members)
+        ],
+        "prefix_cache_hit_rate": hit_rates.get("all"),
         "sandboxes": sandboxes,
         "totals": {**_totals(rec.totals), "sessions_open": open_sessions},
         "timeline": [e.as_json() for e in list(rec.timeline)],

@@ -80,15 +80,21 @@ async def test_sessions_are_filtered_and_paged_on_the_server(config: GatewayConf
 
 
 async def test_the_dashboard_state_holds_workers_totals_and_the_feed_position(config: GatewayConfig) -> None:
-    async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (app, client):
-        assert (await client.post("/v1/chat/completions", json=HI)).status_code == 200
+    engine = FakeEngine()
+    async with asgi_gateway(config, httpx.ASGITransport(engine.app())) as (app, client):
+        long = {**HI, "messages": [{"role": "user", "content": "the same long question, " * 20}]}
+        for body in (long, long, HI):  # the second finds the first's prompt in the engine's prefix cache
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         state = (await client.get("/api/dashboard/state")).json()
         [worker] = state["workers"]
+        hits, queries = engine.stats.prefix_cache_hits, engine.stats.prefix_cache_queries
+        assert 0 < hits < queries
+        assert worker["prefix_cache_hit_rate"] == state["prefix_cache_hit_rate"] == round(hits / queries, 6)
         assert (worker["name"], worker["state"], worker["launched"], worker["served"]) == (
-            "remote-0", "ready", False, 1,
+            "remote-0", "ready", False, 3,
         )  # fmt: skip
         assert worker["last_transition"]["to"] == "ready"
-        assert state["totals"]["turns"] == 1 and state["totals"]["tokens_generated"] == 4
+        assert state["totals"]["turns"] == 3 and state["totals"]["tokens_generated"] == 12
         assert state["seq"] == app.state.gateway.telemetry.seq
         assert state["gateway"]["store_bytes"] > 0 and state["sandboxes"] == []
 

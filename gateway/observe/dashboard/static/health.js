@@ -1,6 +1,6 @@
 // Health: the gateway, every worker and shadow (with replacements starting up), and the sandboxes.
 
-import { $, ago, badge, bytes, clock, duration, h, num, plural, replace, shortId } from "./util.js";
+import { $, ago, badge, bytes, clock, duration, h, num, percent, plural, replace, shortId } from "./util.js";
 
 export class HealthView {
   constructor(live) {
@@ -33,6 +33,7 @@ export class HealthView {
         { class: `card ${ready === 0 ? "card-bad" : ""}` }),
       card("Shadows", num(shadows), "standing by"),
       card("Outstanding", num(outstanding), "requests in flight"),
+      card("Prefix cache", percent(state.prefix_cache_hit_rate), "hits, all workers"),
       card("Sessions open", num(state.totals?.sessions_open), plural(state.totals?.turns ?? 0, "turn")),
       card("Store", bytes(g.store_bytes), "trajectory store"),
     );
@@ -41,7 +42,7 @@ export class HealthView {
   renderWorkers(workers) {
     const tbody = $("#workers tbody");
     const rows = workers.map((w) => this.workerRow(w));
-    if (!rows.length) rows.push(h("tr", {}, h("td", { colspan: 8, class: "empty" }, "No workers.")));
+    if (!rows.length) rows.push(h("tr", {}, h("td", { colspan: 9, class: "empty" }, "No workers.")));
     replace(tbody, rows);
     const dead = workers.filter((w) => w.state === "dead").length;
     replace($("#workers-summary"), `${plural(workers.length, "worker")}${dead ? ` · ${dead} dead` : ""}`);
@@ -71,6 +72,7 @@ export class HealthView {
       h("td", { class: "mono url" }, w.url ? h("span", { title: w.url }, w.url.replace(/^https?:\/\//, "")) : "—"),
       h("td", { class: "num outstanding" }, num(w.outstanding)),
       h("td", { class: "num served" }, num(w.served)),
+      h("td", { class: "num cache-hits" }, percent(w.prefix_cache_hit_rate)),
       h("td", { class: "num uptime" },
         w.state === "dead" || w.uptime_s === null || w.uptime_s === undefined
           ? "—"

@@ -63,6 +63,10 @@ export function fixed(n, digits = 1) {
   return n === null || n === undefined || Number.isNaN(n) ? "—" : Number(n).toFixed(digits);
 }
 
+export function percent(ratio) {
+  return ratio === null || ratio === undefined || Number.isNaN(ratio) ? "—" : `${(ratio * 100).toFixed(1)}%`;
+}
+
 export function ms(value) {
   if (value === null || value === undefined) return "—";
   if (value >= 10000) return `${(value / 1000).toFixed(1)} s`;
