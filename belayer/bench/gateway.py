@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -45,7 +44,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from belayer.bench import emit
-from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, start
+from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, optional_postgres, start
 from belayer.testing.services import (
     DEFAULT_LITELLM_SPEC,
     DEFAULT_LITELLM_VENV,
@@ -510,23 +509,11 @@ def start_servers(
     return targets, extra
 
 
-@contextlib.contextmanager
-def _postgres(wanted: bool) -> Iterator[PostgresServer | None]:
-    """A throwaway PostgreSQL server when `wanted`, else None."""
-    if not wanted:
-        yield None
-        return
-    from belayer.testing.postgres_local import postgres_server
-
-    with postgres_server() as server:
-        yield server
-
-
 def run(opts: argparse.Namespace, workdir: Path) -> float:
     """Start the servers, measure, stop them; the seconds it took."""
     t0 = time.monotonic()
     services: list[Service] = []
-    with _postgres(opts.processes_compare) as postgres, running(services):
+    with optional_postgres(opts.processes_compare) as postgres, running(services):
         targets, extra = start_servers(workdir, opts, services, postgres)
         emit("startup_s", time.monotonic() - t0)
         asyncio.run(measure(targets, extra, opts))

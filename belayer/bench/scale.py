@@ -75,7 +75,7 @@ import orjson
 
 from belayer.bench import emit
 from belayer.bench.gateway import percentile, tree_cpu_s
-from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm
+from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, optional_postgres
 from belayer.testing.services import (
     FAKE_MODEL,
     SERVED_MODEL,
@@ -579,20 +579,9 @@ def run_processes(
     return results
 
 
-@contextlib.contextmanager
-def _postgres(wanted: bool) -> Iterator[PostgresServer | None]:
-    if not wanted:
-        yield None
-        return
-    from belayer.testing.postgres_local import postgres_server
-
-    with postgres_server() as server:
-        yield server
-
-
 def run(opts: argparse.Namespace, workdir: Path) -> None:
     services: list[Service] = []
-    with _postgres(any(p > 1 for p in opts.processes)) as postgres, running(services):
+    with optional_postgres(any(p > 1 for p in opts.processes)) as postgres, running(services):
         engine = engine_service(workdir, opts)
         services.append(engine)
         engine.start()

@@ -13,15 +13,21 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from belayer.testing.services import Service, progress
 from core.net import free_port
+
+if TYPE_CHECKING:
+    from belayer.testing.postgres_local import PostgresServer
 
 
 def raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -39,6 +45,26 @@ def ensure_model(model_dir: str) -> None:
         progress(f"building the tiny model in {model_dir}")
         build = [sys.executable, "-m", "belayer.cli", "model", "build-tiny", model_dir]
         subprocess.run(build, check=True, stdout=sys.stderr)
+
+
+def bench_workdir(directory: str | None, prefix: str) -> Path:
+    """Where a bench's stores and logs go: `directory` (its ``--dir``, made if missing), else a new
+    temporary directory named with `prefix`."""
+    workdir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix=prefix))
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
+@contextlib.contextmanager
+def optional_postgres(wanted: bool) -> Iterator[PostgresServer | None]:
+    """A throwaway PostgreSQL server when `wanted` (its binaries are needed only then), else None."""
+    if not wanted:
+        yield None
+        return
+    from belayer.testing.postgres_local import postgres_server
+
+    with postgres_server() as server:
+        yield server
 
 
 def serve_service(

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import itertools
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ import httpx
 
 from belayer.bench import emit
 from belayer.bench.pool import streamed_tokens
-from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, serve_service, start
+from belayer.bench.stand_up import bench_workdir, ensure_model, interrupt_on_sigterm, serve_service, start
 from belayer.testing.services import Service, base_url, metric_total, progress, running
 
 ADMIN = "bench-admin"
@@ -221,8 +220,7 @@ def main(argv: list[str]) -> int:
     ensure_model(opts.model)
     from belayer.testing.tiny_model import build_tiny
 
-    workdir = Path(opts.dir) if opts.dir else Path(tempfile.mkdtemp(prefix="belayer-weight-update-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = bench_workdir(opts.dir, "belayer-weight-update-")
     second = workdir / "tiny-seed-1"
     build_tiny(second, seed=1)
     models = [Path(opts.model).resolve(), second.resolve()]
