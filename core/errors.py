@@ -42,6 +42,8 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     │   ├── SandboxRestored                          it failed during this call and was restored
     │   ├── CheckpointError                          checkpoint (filesystem or process dump) failed
     │   │   └── RestoreError                         restore from a checkpoint failed
+    │   │       └── CheckpointUnreadable                 sandbox.checkpoint_store: an object cannot be read
+    │   │           └── CheckpointMissing (LookupError)  ... because the store holds no such object
     │   └── ImageBuildError                          building a sandbox image failed
     ├── HarnessError                   a harness could not be installed or run
     ├── TaskError (ValueError)         a task directory is not usable
@@ -254,6 +256,15 @@ class CheckpointError(SandboxError):
 
 class RestoreError(CheckpointError):
     """Restoring a sandbox from a checkpoint failed."""
+
+
+class CheckpointUnreadable(RestoreError):
+    """An object of the checkpoint store (`sandbox.checkpoint_store`) cannot be read: the store does not
+    answer, or refuses. The message names the store's URL and the key, and what to check."""
+
+
+class CheckpointMissing(CheckpointUnreadable, LookupError):
+    """The checkpoint store holds no object under the key (deleted, or written to another store)."""
 
 
 class ImageBuildError(SandboxError):
