@@ -28,6 +28,7 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     ├── StoreError                     the trajectory store failed
     ├── SandboxError                   anything raised by sandbox/ and the gateway's sandbox manager
     │   ├── SandboxUnavailable (ConnectionError)     the container engine does not answer
+    │   ├── NodeLost                                 the cluster node that held it is gone
     │   ├── SandboxNotFound (LookupError)            unknown or destroyed sandbox / checkpoint
     │   │   ├── NoSandbox                            the session has no sandbox
     │   │   └── ImageNotFound                        the image to create a sandbox from is missing
@@ -190,6 +191,10 @@ class SandboxError(BelayerError):
 
 class SandboxUnavailable(SandboxError, ConnectionError):
     """The container engine cannot be reached."""
+
+
+class NodeLost(SandboxError):
+    """The cluster node that held the sandbox is gone (`sandbox.cluster`): it is restored elsewhere."""
 
 
 class SandboxNotFound(SandboxError, LookupError):

@@ -205,7 +205,8 @@ async def open_gateway(
     metrics = None
     if config.metrics:
         views = sandboxes.views if sandboxes is not None else list
-        metrics = GatewayMetrics(telemetry, the_pool, store, views, __version__)
+        nodes = sandboxes.backend.nodes if sandboxes is not None else list
+        metrics = GatewayMetrics(telemetry, the_pool, store, views, __version__, nodes)
         lag = LoopLagSampler(metrics.loop_lag)
         lag.start()
         stack.push_async_callback(lag.close)

@@ -419,6 +419,8 @@ class GatewayConfig(BaseSettings):
         for url in (*self.engine_urls, *self.shadow_urls):
             if not engine_allowed(url, self.engine_allow):
                 raise ValueError(f"engine {url} is not in --engine-allow {self.engine_allow}")
+        if self.sandbox.ray is None and self.ray.address:  # --ray: the sandboxes go on the cluster too
+            self.sandbox.ray, self.sandbox.ray_node_ip = self.ray.address, self.sandbox.ray_node_ip or self.ray.node_ip
         return self
 
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
@@ -595,7 +597,13 @@ class ConfigLoader:
         self._check_model(config.model)
         self._check_launch(config)
         self._check_listen(config.host, config.port)
-        if config.sandbox.enabled:
+        if config.sandbox.enabled and config.sandbox.on_ray and not config.sandbox.checkpoint_store:
+            raise ConfigError(
+                f"{self.name('sandbox.checkpoint_store')}: sandboxes on the Ray cluster "
+                f"({self.name('sandbox.ray')} {config.sandbox.ray}) need a checkpoint store that every node "
+                "reads: a shared directory or s3://BUCKET/PREFIX; or --sandbox-ray off to keep them on this host"
+            )
+        if config.sandbox.enabled and not config.sandbox.on_ray:
             from sandbox.backends import backend_for
 
             # Raises SandboxUnavailable when Docker does not answer; the CLI says how to start it.

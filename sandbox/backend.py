@@ -153,10 +153,12 @@ class SandboxStatus:
     exit_code: int | None = None
     oom_killed: bool = False
     detail: str = ""
+    node_lost: bool = False
+    """The node that held it is gone (its Ray node, or its Docker engine): `sandbox.cluster`."""
 
     @property
     def failure_kind(self) -> str:
-        return "oom" if self.oom_killed else "exited"
+        return "node_lost" if self.node_lost else "oom" if self.oom_killed else "exited"
 
 
 class SandboxBackend(abc.ABC):
@@ -269,6 +271,11 @@ class SandboxBackend(abc.ABC):
         """Command lines of the processes running in the sandbox besides its supervisor and session
         shells (what earlier commands left behind), read from outside it; [] when the backend cannot
         tell."""
+        return []
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The machines that hold the sandboxes, when there are several (`sandbox.cluster`): each one's
+        ``node`` (address), ``state`` (alive, lost, refused), ``slots`` and ``sandboxes``; [] on one host."""
         return []
 
     @property

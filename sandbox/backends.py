@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.errors import SandboxArgumentError
+from sandbox.backend import SandboxBackend
 from sandbox.config import DockerBackendConfig, SandboxConfig
 from sandbox.docker_backend import DockerSandboxBackend
 
@@ -28,6 +30,25 @@ def backend_for(
     `checkpoint_dir`, when given, is where checkpoints go instead (a benchmark's temporary directory).
     Raises `SandboxUnavailable` when the engine cannot be reached."""
     return DockerSandboxBackend(docker_config(config, checkpoint_dir=checkpoint_dir))
+
+
+def sandbox_backend(config: SandboxConfig) -> SandboxBackend:
+    """The gateway's backend: on the Ray cluster's nodes when ``config.ray`` names one
+    (`sandbox.cluster`), else the local engine (`backend_for`)."""
+    if not config.on_ray:
+        return backend_for(config)
+    from sandbox.cluster import ClusterConfig, ClusterSandboxBackend
+
+    if config.checkpoint_store is None:
+        raise SandboxArgumentError(
+            "sandboxes on a Ray cluster need a checkpoint store that every node reads: set --checkpoint-store "
+            "(a shared directory, or s3://BUCKET/PREFIX), or --sandbox-ray off to keep them on this host"
+        )
+    cluster = ClusterConfig(
+        address=str(config.ray), node_ip=config.ray_node_ip, docker_urls=config.docker_urls,
+        node_timeout_s=config.node_timeout_s,
+    )  # fmt: skip
+    return ClusterSandboxBackend(cluster, config.checkpoint_store, docker_config(config))
 
 
 def docker_config(

@@ -93,6 +93,32 @@ class SandboxConfig(BaseModel):
         "elsewhere a checkpoint of a larger layer is refused. 0: none",
     )
 
+    ray: str | None = Field(
+        default=None,
+        description="place sandboxes on the nodes of this Ray cluster that declare belayer_sandbox_slots: "
+        "auto or the head's HOST:PORT; unset: the engine pool's --ray if any; off: this host's Docker engine",
+    )
+    ray_node_ip: str | None = Field(
+        default=None, description="this machine's Ray node address, if Ray would guess it wrong"
+    )
+    checkpoint_store: str | None = Field(
+        default=None,
+        description="where checkpoints go so that any node can restore them: a directory every node mounts "
+        "(file:///path) or s3://BUCKET/PREFIX?endpoint=URL; needed with sandboxes on Ray",
+    )
+    node_timeout_s: float = Field(
+        default=3.0, gt=0, description="a sandbox node whose Docker engine does not answer this long is lost"
+    )
+    docker_urls: dict[str, str] = Field(
+        default_factory=dict,
+        description="a sandbox node's Docker engine address by the node's IP (NODE_IP=URL; default: the "
+        "node's own socket)",
+    )
+
+    @property
+    def on_ray(self) -> bool:
+        return self.ray not in (None, "off")
+
     @field_validator("sandbox_port", mode="before")
     @classmethod
     def _minus_one_is_none(cls, value: object) -> object:
@@ -108,6 +134,10 @@ class DockerBackendConfig(BaseModel):
     base_url: str | None = None
     """Engine address, e.g. `unix:///var/run/docker.sock`; None reads DOCKER_HOST like the CLI."""
     checkpoint_dir: Path = Path("/var/lib/belayer/checkpoints")
+    checkpoint_store: str | None = None
+    """Keep checkpoints in this store (`sandbox.checkpoint_store.store_for`: a shared directory or
+    ``s3://…``) so that any node can restore them (`sandbox.docker_backend.portable`); None: this
+    engine's images plus `checkpoint_dir`, restorable here only."""
     busybox: Path = Path("/bin/busybox")
     """A *static* busybox on the host; it is copied into every sandbox to run the supervisor."""
     api_timeout_s: float = 120.0

@@ -45,6 +45,7 @@ Example (a harness's tool call, with only its session id)::
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
@@ -94,9 +95,9 @@ async def open_sandboxes(
         return
     owned = backend is None
     if backend is None:
-        from sandbox.backends import backend_for
+        from sandbox.backends import sandbox_backend
 
-        backend = backend_for(config)
+        backend = await asyncio.to_thread(sandbox_backend, config)
 
     def engine_load() -> float:  # requests sharing a worker with a new one
         return 1.0 + sum(m.outstanding for m in pool.members) / max(1, len(pool.ready()))

@@ -71,8 +71,9 @@ class _States(Collector):
         pool: EnginePool,
         store: TrajectoryStore,
         sandboxes: Callable[[], list[dict[str, Any]]],
+        nodes: Callable[[], list[dict[str, Any]]] = list,
     ) -> None:
-        self.pool, self.store, self.sandboxes = pool, store, sandboxes
+        self.pool, self.store, self.sandboxes, self.nodes = pool, store, sandboxes, nodes
 
     def collect(self) -> Iterator[Metric]:
         workers = GaugeMetricFamily("belayer_workers", "Engine workers by state.", labels=["state"])
@@ -84,6 +85,19 @@ class _States(Collector):
         for state in SANDBOX_STATES:
             boxes.add_metric([state], sum(1 for v in views if v["state"] == state))
         yield boxes
+        nodes = self.nodes()
+        if nodes:  # sandboxes on a Ray cluster (sandbox.cluster)
+            per_node = GaugeMetricFamily(
+                "belayer_sandbox_node_sandboxes", "Sandboxes on each sandbox node, and the node's state.",
+                labels=["node", "state"],
+            )  # fmt: skip
+            for node in nodes:
+                per_node.add_metric([node["node"], node["state"]], node["sandboxes"])
+            yield per_node
+            yield GaugeMetricFamily(
+                "belayer_sandbox_node_slots_free", "Free sandbox slots on the nodes alive.",
+                value=sum(n["slots"] - n["sandboxes"] for n in nodes if n["state"] == "alive"),
+            )  # fmt: skip
         _, open_sessions = self.store.query_sessions(SessionQuery(status="open", limit=0))
         yield GaugeMetricFamily("belayer_sessions_open", "Sessions open (not closed).", value=open_sessions)
         yield GaugeMetricFamily(
@@ -120,6 +134,7 @@ class GatewayMetrics:
         store: TrajectoryStore,
         sandboxes: Callable[[], list[dict[str, Any]]],
         version: str,
+        nodes: Callable[[], list[dict[str, Any]]] = list,
     ) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -202,6 +217,9 @@ class GatewayMetrics:
             buckets=SLOW, registry=r,
         )  # fmt: skip
         self.restores = Counter("belayer_restores", "Sandbox restores by mode.", ["mode"], registry=r)
+        self.node_loss_restores = Counter(
+            "belayer_node_loss_restores", "Sandbox restores after their cluster node was lost.", registry=r
+        )
         self.restore_seconds = Histogram(
             "belayer_restore_duration_seconds", "A restore's duration.", ["mode"], buckets=SLOW, registry=r
         )
@@ -236,7 +254,7 @@ class GatewayMetrics:
         Gauge("belayer_start_time_seconds", "When the gateway started (unix time).", registry=r).set(
             telemetry.started_at
         )
-        r.register(_States(pool, store, sandboxes))
+        r.register(_States(pool, store, sandboxes, nodes))
         self._handlers: dict[str, Callable[[Event], None]] = {
             "turn_finished": self._turn_finished,
             "prefix_reuse": self._prompt,
@@ -327,6 +345,8 @@ class GatewayMetrics:
         self.restores.labels(mode).inc()
         self.restore_seconds.labels(mode).observe(e.data["seconds"])
         self.replayed.inc(e.data.get("replayed", 0))
+        if str(e.data.get("reason", "")).startswith("node_lost"):
+            self.node_loss_restores.inc()
 
 
 _SANDBOX_PATH = re.compile(r"/s/[^/]+/sandbox(/|$)")

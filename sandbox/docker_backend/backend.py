@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import docker
 
-from core.errors import SandboxError
+from core.errors import SandboxError, SandboxUnavailable
 from sandbox import supervisor
 from sandbox.backend import (
     DEFAULT_SESSION,
@@ -32,6 +32,7 @@ from sandbox.backend import (
     SandboxStatus,
     TarStream,
 )
+from sandbox.checkpoint_store import store_for
 from sandbox.config import DockerBackendConfig
 from sandbox.docker_backend.checkpoints import Checkpoints
 from sandbox.docker_backend.containers import Containers, DiskQuota
@@ -40,6 +41,7 @@ from sandbox.docker_backend.exec import Exec
 from sandbox.docker_backend.files import Files
 from sandbox.docker_backend.images import Images
 from sandbox.docker_backend.network import DockerNetwork
+from sandbox.docker_backend.portable import PortableCheckpoints
 
 
 class DockerSandboxBackend(SandboxBackend):
@@ -55,7 +57,11 @@ class DockerSandboxBackend(SandboxBackend):
         self._files = Files(self._engine)
         self._exec = Exec(self._engine, self._containers, self._files)
         self._images = Images(self._engine, self._containers)
-        self._checkpoints = Checkpoints(self._engine, self._containers, self._images)
+        self._checkpoints = (
+            Checkpoints(self._engine, self._containers, self._images)
+            if config.checkpoint_store is None
+            else PortableCheckpoints(self._engine, self._containers, self._images, store_for(config.checkpoint_store))
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def create(self, spec: SandboxSpec) -> Sandbox:
@@ -78,6 +84,17 @@ class DockerSandboxBackend(SandboxBackend):
 
     def close(self) -> None:
         self._engine.close()
+
+    def info(self) -> dict[str, Any]:
+        """The engine's ``docker info`` (`SandboxUnavailable` when it does not answer)."""
+        with docker_errors(SandboxUnavailable):
+            info: dict[str, Any] = self._api.info()
+        return info
+
+    def ping(self) -> None:
+        """Returns when the engine answers; `SandboxUnavailable` when it does not."""
+        with docker_errors(SandboxUnavailable):
+            self._api.ping()
 
     def kill(self, sandbox_id: str) -> None:
         """Stop the sandbox now (SIGKILL), as a crash would; it stays until `destroy` (tests, benchmarks)."""
