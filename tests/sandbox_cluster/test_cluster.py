@@ -1,0 +1,221 @@
+"""Sandboxes across a Ray cluster (`sandbox.cluster`): nodes b and c of the shared local cluster, each
+with a Docker engine of its own (`belayer.testing.docker_local`), checkpoints in a shared directory.
+
+A node is lost the way a machine is: its raylet tree SIGKILLed and its Docker engine with every
+container on it. The episodes on it go on, on the other node, from their newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from belayer.testing.docker_local import LocalDockerEngine
+from belayer.testing.ray_local import LocalRayCluster
+from core.errors import SandboxUnavailable
+from engine_pool.fake import FakeEngine, LatentEngine
+from engine_pool.pool import EnginePool
+from gateway.app import build_app
+from gateway.config import FailoverConfig, GatewayConfig
+from sandbox.backend import SandboxSpec
+from sandbox.cluster import ClusterConfig, ClusterSandboxBackend
+from sandbox.config import PolicySettings, SandboxConfig
+from tests.sandbox.test_recovery import Env, Harness, check_consistent, start, step_command
+
+pytestmark = [pytest.mark.sandbox_cluster, pytest.mark.docker, pytest.mark.ray]
+
+IMAGE = "belayer-sandbox-busybox"
+
+
+class Cluster:
+    """The backend over nodes b and c, and how to lose and bring back the node a sandbox is on."""
+
+    def __init__(
+        self, ray: LocalRayCluster, engines: dict[str, LocalDockerEngine], backend: ClusterSandboxBackend
+    ):
+        self.ray, self.engines, self.backend = ray, engines, backend
+
+    def name_of(self, sandbox_id: str) -> str:
+        ip = self.backend.node_of(sandbox_id)
+        return next(n.name for n in self.ray.nodes if n.ip == ip)
+
+    def lose(self, name: str) -> None:
+        """Node `name` gone as a machine goes: its Ray processes and its engine with its containers."""
+        self.ray.kill_node(name)
+        self.engines[name].kill()
+
+    def bring_back(self, name: str) -> None:
+        self.engines[name].restart()
+        self.ray.restart_node(name)
+
+    def wait_state(self, name: str, state: str, timeout: float = 60.0) -> None:
+        ip = self.ray.node(name).ip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(n["node"] == ip and n["state"] == state for n in self.backend.nodes()):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"node {name} never {state}: {self.backend.nodes()}")
+
+
+@pytest.fixture
+def cluster(
+    whole_cluster: LocalRayCluster, node_engines: dict[str, LocalDockerEngine], tmp_path: Path
+) -> Iterator[Cluster]:
+    urls = {whole_cluster.node(name).ip: engine.url for name, engine in node_engines.items()}
+    config = ClusterConfig(
+        address=whole_cluster.address, node_ip=whole_cluster.head.ip, docker_urls=urls,
+        probe_interval_s=0.3, node_timeout_s=2.0,
+    )  # fmt: skip
+    backend = ClusterSandboxBackend(config, f"file://{tmp_path / 'store'}")
+    yield Cluster(whole_cluster, node_engines, backend)
+    backend.close()
+
+
+def test_sandboxes_spread_over_both_nodes_and_restore_on_each(cluster: Cluster) -> None:
+    backend = cluster.backend
+    assert {n["node"]: n["state"] for n in backend.nodes()} == {"127.0.0.3": "alive", "127.0.0.4": "alive"}
+    boxes = [backend.create(SandboxSpec(image=IMAGE)) for _ in range(4)]
+    names = [cluster.name_of(b.id) for b in boxes]
+    assert sorted(names) == ["b", "b", "c", "c"]
+    for box, name in zip(boxes, names, strict=True):  # each container is on its node's engine, and only there
+        assert box.id in cluster.engines[name].container_states()
+        assert box.id not in cluster.engines["c" if name == "b" else "b"].container_states()
+    try:
+        for i, box in enumerate(boxes):
+            out = backend.exec(box.id, f"cd /tmp && export N={i} && echo {i} > /workspace/n && (sleep 600 &)")
+            assert out.exit_code == 0, out
+        checkpoints = [backend.checkpoint(b.id, label="t") for b in boxes]
+        for box in boxes:
+            backend.destroy(box.id)
+        restored = [backend.restore(c) for c in checkpoints]
+        assert sorted(cluster.name_of(b.id) for b in restored) == ["b", "b", "c", "c"]
+        for i, box in enumerate(restored):
+            out = backend.exec(box.id, "echo $N $(pwd) $(cat /workspace/n); ps | grep -c '[s]leep 600'")
+            assert out.stdout == f"{i} /tmp {i}\n1\n"  # shell, files and the process, as checkpointed
+        for box in restored:
+            backend.destroy(box.id)
+        for c in checkpoints:
+            backend.delete_checkpoint(c)
+            assert not backend.has_checkpoint(c)
+    finally:
+        for box in boxes:
+            backend.destroy(box.id)
+
+
+def test_a_node_without_docker_is_refused_with_one_clear_line(
+    whole_cluster: LocalRayCluster, node_engines: dict[str, LocalDockerEngine], tmp_path: Path
+) -> None:
+    b, c = whole_cluster.node("b").ip, whole_cluster.node("c").ip
+    config = ClusterConfig(
+        address=whole_cluster.address, node_ip=whole_cluster.head.ip,
+        docker_urls={b: node_engines["b"].url, c: "unix:///run/belayer-no-such-engine.sock"},
+    )  # fmt: skip
+    backend = ClusterSandboxBackend(config, f"file://{tmp_path / 'store'}")
+    try:
+        nodes = {n["node"]: n for n in backend.nodes()}
+        assert (nodes[b]["state"], nodes[c]["state"]) == ("alive", "refused")
+        assert "no Docker engine answers at unix:///run/belayer-no-such-engine.sock" in nodes[c]["reason"]
+        assert "\n" not in nodes[c]["reason"]
+        boxes = [backend.create(SandboxSpec(image=IMAGE)) for _ in range(2)]
+        assert [backend.node_of(x.id) for x in boxes] == [b, b]  # never on the refused node
+        for box in boxes:
+            backend.destroy(box.id)
+    finally:
+        backend.close()
+
+
+def test_no_free_slot_is_a_clear_error(cluster: Cluster) -> None:
+    backend = cluster.backend
+    boxes = []
+    try:
+        with pytest.raises(SandboxUnavailable, match="no node of the Ray cluster has a free sandbox slot"):
+            for _ in range(17):  # 8 slots on each node
+                boxes.append(backend.create(SandboxSpec(image=IMAGE)))
+        assert len(boxes) == 16
+    finally:
+        for box in boxes:
+            backend.destroy(box.id)
+
+
+# ------------------------------------------------------------------ through the gateway: node loss
+
+
+@pytest.fixture
+async def env(cluster: Cluster, tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[tuple[Env, Cluster]]:
+    engine = FakeEngine(max_model_len=8192)
+    config = GatewayConfig(
+        model=str(tiny_model_dir),
+        store_path=str(tmp_path / "traj.db"),
+        failover=FailoverConfig(no_worker_wait=0.3, stall_timeout=1.0),
+        sandbox=SandboxConfig(
+            enabled=True, policy=PolicySettings(mode="always"), exec_grace_s=5.0, sandbox_port=None
+        ),
+    )
+    engine_http = httpx.AsyncClient(transport=httpx.ASGITransport(LatentEngine(engine.app(), 0.2)))
+    pool = EnginePool(engine_http)
+    pool.add_remote("http://fake-engine")
+    app = build_app(config, pool=pool, sandbox_backend=cluster.backend)
+    async with app.router.lifespan_context(app):
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=180
+        )
+        yield Env(client, app.state.gateway, engine), cluster
+        await client.aclose()
+    await engine_http.aclose()
+
+
+def _losing_after(harness: Harness, env: Env, cluster: Cluster, sid: str, step: int, lost: list[str]) -> None:
+    """Lose the node that holds the session's sandbox right after tool call `step` returned."""
+    original = harness.run_tools
+
+    async def run_tools(calls: list[dict[str, Any]]) -> None:
+        now = sum(m["role"] == "tool" for m in harness.messages)
+        await original(calls)
+        if now == step and not lost:
+            name = cluster.name_of(env.gw.sandboxes.sandbox_id(sid))  # type: ignore[union-attr]
+            lost.append(name)
+            await asyncio.to_thread(cluster.lose, name)
+
+    harness.run_tools = run_tools  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("recovery", ["truncate", "replay"])
+async def test_an_episode_goes_on_on_another_node_when_its_node_is_lost(
+    env: tuple[Env, Cluster], recovery: str
+) -> None:
+    gateway, cluster = env
+    commands = [step_command(i) for i in range(6)]  # a counter server whose count lives in its memory
+    sid, harness = await start(gateway, commands, recovery=recovery)
+    lost: list[str] = []
+    _losing_after(harness, gateway, cluster, sid, 3, lost)
+    await harness.run()
+
+    [name] = lost
+    box = gateway.gw.sandboxes.sandbox_id(sid)  # type: ignore[union-attr]
+    assert cluster.name_of(box) != name  # it runs on the other node now
+    traj = await check_consistent(gateway, sid, len(commands))  # every step once, the counter's memory back
+    failures = [e["data"] for e in traj["events"] if e["kind"] == "sandbox_failure"]
+    assert [f["kind"] for f in failures] == ["node_lost"]
+    assert f"sandbox node {cluster.ray.node(name).ip}" in failures[0]["detail"]
+    [restored] = [e["data"] for e in traj["events"] if e["kind"] == "sandbox_restored"]
+    if recovery == "replay":  # the harness never noticed
+        assert harness.restores == [] and {t["branch"] for t in traj["turns"]} == {0}
+        assert (restored["mode"], restored["turn_index"], restored["diverged"]) == ("replay", 3, 0)
+    else:  # the harness resumed after the checkpoint's turn, told by a 409
+        [restore] = harness.restores
+        assert (restore["turn_index"], restore["keep_through"]) == (3, 3)
+
+    # the lost node comes back: it is swept before it takes sandboxes; nothing of ours runs there again
+    await asyncio.to_thread(cluster.bring_back, name)
+    await asyncio.to_thread(cluster.wait_state, name, "alive")
+    assert [s for s in cluster.engines[name].container_states() if s.startswith("belayer-sbx")] == []
+    await gateway.client.delete(f"/api/sessions/{sid}/sandbox")
+    for engine in cluster.engines.values():
+        assert [s for s in engine.container_states() if s.startswith("belayer-sbx")] == []
