@@ -73,6 +73,7 @@ BENCHES = {
     "verify-copy": "belayer.bench.verify_copy",
     "weight-update": "belayer.bench.weight_update",
     "routing": "belayer.bench.routing",
+    "sandbox-node-loss": "belayer.bench.sandbox_node_loss",
 }
 
 

@@ -26,6 +26,7 @@ from gateway.config import FailoverConfig, GatewayConfig
 from sandbox.backend import SandboxSpec
 from sandbox.cluster import ClusterConfig, ClusterSandboxBackend
 from sandbox.config import PolicySettings, SandboxConfig
+from sandbox.workloads import SHELL_COUNTER_SERVER
 from tests.sandbox.test_recovery import Env, Harness, check_consistent, start, step_command
 
 pytestmark = [pytest.mark.sandbox_cluster, pytest.mark.docker, pytest.mark.ray]
@@ -217,5 +218,50 @@ async def test_an_episode_goes_on_on_another_node_when_its_node_is_lost(
     await asyncio.to_thread(cluster.wait_state, name, "alive")
     assert [s for s in cluster.engines[name].container_states() if s.startswith("belayer-sbx")] == []
     await gateway.client.delete(f"/api/sessions/{sid}/sandbox")
+    for engine in cluster.engines.values():
+        assert [s for s in engine.container_states() if s.startswith("belayer-sbx")] == []
+
+
+async def test_a_forks_siblings_land_on_both_nodes_with_the_parents_processes(env: tuple[Env, Cluster]) -> None:
+    gateway, cluster = env
+    tok = gateway.gw.tokenizer
+    sandboxes = gateway.gw.sandboxes
+    assert sandboxes is not None
+
+    async def turn(sid: str, messages: list[dict[str, Any]], reply: str) -> list[dict[str, Any]]:
+        gateway.engine.outputs.append([*tok.encode(reply), tok.encode(tok.eos_token)[0]])
+        r = await gateway.client.post(
+            f"/s/{sid}/v1/chat/completions", json={"model": "policy", "messages": messages, "max_tokens": 16}
+        )
+        assert r.status_code == 200, r.text
+        return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "next"}]
+
+    async def sh(sid: str, command: str) -> str:
+        r = await gateway.client.post(f"/api/sessions/{sid}/sandbox/exec", json={"command": command})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+        return str(r.json()["stdout"])
+
+    bump = 'kill -USR1 "$(cat /workspace/server.pid)"; while [ "$(cat /workspace/count)" != "{n}" ]; do sleep 0.02; done; echo {n}'
+    r = await gateway.client.post("/api/sessions", json={"sandbox": {"image": IMAGE}})
+    assert r.status_code == 201, r.text
+    parent = str(r.json()["id"])
+    convo = await turn(parent, [{"role": "user", "content": "start"}], "step 0")
+    await sh(parent, SHELL_COUNTER_SERVER + "; echo from-the-parent > /workspace/data.txt")
+    assert await sh(parent, bump.replace("{n}", "1")) == "1\n"
+    await turn(parent, convo, "step 1")
+    await sandboxes.idle()  # turn 1's bubble checkpoint (policy always)
+    r = await gateway.client.post(f"/api/sessions/{parent}/fork", json={"at_turn": 1, "n": 3})
+    assert r.status_code == 201, r.text
+    children = [str(c["id"]) for c in r.json()["data"]]
+    nodes = {cluster.name_of(str(sandboxes.sandbox_id(s))) for s in [parent, *children]}
+    assert nodes == {"b", "c"}  # four sandboxes over two nodes: siblings on each
+    for i, child in enumerate(children):  # the parent's file and its counter's memory, on either node
+        assert await sh(child, "cat /workspace/data.txt") == "from-the-parent\n"
+        assert await sh(child, bump.replace("{n}", "2")) == "2\n"
+        await sh(child, f"echo {i} > /workspace/mine")
+    assert [await sh(c, "cat /workspace/mine") for c in children] == ["0\n", "1\n", "2\n"]
+    assert await sh(parent, "cat /workspace/count") == "1\n"  # the parent untouched
+    for sid in (parent, *children):
+        assert (await gateway.client.post(f"/api/sessions/{sid}/close")).status_code == 200
     for engine in cluster.engines.values():
         assert [s for s in engine.container_states() if s.startswith("belayer-sbx")] == []
