@@ -1,21 +1,35 @@
-"""Shared fixtures: the tiny model (built once, cached) and a gateway over a scripted fake engine.
+"""Shared fixtures: the tiny model (built once, cached), a gateway over a scripted fake engine, and the one
+Ray cluster that every test needing one shares.
+
+The Ray cluster (marker ``ray``): three nodes on 127.0.0.2-4 (``belayer.testing.ray_local``), started once
+per test session on first use and stopped by the pids it recorded. Node a is the head; nodes b and c also
+declare sandbox slots (`SANDBOX_SLOTS`), for the sandboxes across the cluster (``tests/sandbox_cluster``).
+A test that kills a node brings it back before it ends (`whole_cluster`), so the next test finds the
+cluster whole.
 
 Shared helpers (not fixtures) live in ``tests/support.py``."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from belayer.testing.ray_local import LocalRayCluster, local_ray_cluster
 from engine_pool.fake import FakeEngine
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.policy.tokenization import ChatTokenizer
 from tests.store_backends import postgres, sql_store_backend, store_backend  # noqa: F401  (fixtures: every store)
 from tests.support import REPO, GatewayHarness, asgi_gateway
+
+RAY_NODES = ("a", "b", "c")  # a is the head
+SANDBOX_SLOTS = "belayer_sandbox_slots"
+"""The custom resource a Ray node declares for each sandbox it can hold."""
+RAY_NODE_RESOURCES = {"b": {SANDBOX_SLOTS: 8.0}, "c": {SANDBOX_SLOTS: 8.0}}
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +67,21 @@ async def gateway(
     )
     async with asgi_gateway(config, httpx.ASGITransport(fake_engine.app())) as (app, client):
         yield GatewayHarness(app, client, fake_engine)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[LocalRayCluster]:
+    with (
+        tempfile.TemporaryDirectory(prefix="belayer-ray-", dir="/tmp") as tmp,
+        local_ray_cluster(RAY_NODES, Path(tmp), cpus=2, resources=RAY_NODE_RESOURCES) as cluster,
+    ):
+        yield cluster
+
+
+@pytest.fixture
+def whole_cluster(ray_cluster: LocalRayCluster) -> Iterator[LocalRayCluster]:
+    """The shared cluster, with every node it lost during the test started again afterwards."""
+    yield ray_cluster
+    lost = [n for n in ray_cluster.nodes if n.proc is None]
+    for node in lost:
+        ray_cluster.start_node(node)

@@ -3,10 +3,11 @@ cluster per test session) and ``belayer bench recovery --ray``.
 
 Each node is a ``ray start --block`` of its own, in its own process group, on its own loopback address
 (127.0.0.2, .3, ...: with 127.0.0.1 Ray swaps in the machine's interface address), with a custom
-resource named after it (``{"node_b": 1}``) that tests can steer by. ``--block`` keeps ``ray start`` in
-the foreground as the parent of the node's daemons (raylet, agents; on the head the GCS too), and the
-node's workers (actors) descend from its raylet: so a node's processes are the process tree under the
-pid recorded here. `LocalRayCluster.kill_node` SIGKILLs that whole tree at once (a machine lost), and
+resource named after it (``{"node_b": 1}``) that tests can steer by, and any others it is given
+(`RayNode.resources`, e.g. ``{"belayer_sandbox_slots": 8}``). ``--block`` keeps ``ray start`` in the
+foreground as the parent of the node's daemons (raylet, agents; on the head the GCS too), and the node's
+workers (actors) descend from its raylet: so a node's processes are the process tree under the pid
+recorded here. `LocalRayCluster.kill_node` SIGKILLs that whole tree at once (a machine lost), and
 `restart_node` brings the node back on the same address. Nothing here runs ``ray stop``: that kills
 every Ray process on the machine by name.
 
@@ -27,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,8 @@ class RayNode:
     cpus: int
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom resources the node declares besides `resource` (e.g. ``{"belayer_sandbox_slots": 8}``)."""
 
     @property
     def resource(self) -> str:
@@ -112,7 +115,7 @@ class LocalRayCluster:
 
     def _argv(self, node: RayNode) -> list[str]:
         argv = [ray_executable(), "start", "--block", "--node-ip-address", node.ip,
-                "--num-cpus", str(node.cpus), "--resources", json.dumps({node.resource: 1}),
+                "--num-cpus", str(node.cpus), "--resources", json.dumps({node.resource: 1, **node.resources}),
                 "--disable-usage-stats"]  # fmt: skip
         if node is self.head:
             return [*argv, "--head", "--port", str(self.port), "--include-dashboard", "false",
@@ -230,12 +233,20 @@ class LocalRayCluster:
 
 @contextlib.contextmanager
 def local_ray_cluster(
-    names: Sequence[str], workdir: Path, cpus: int = 2, first_ip: int = 2
+    names: Sequence[str],
+    workdir: Path,
+    cpus: int = 2,
+    first_ip: int = 2,
+    resources: Mapping[str, Mapping[str, float]] | None = None,
 ) -> Iterator[LocalRayCluster]:
-    """Nodes `names` (the first is the head), each with `cpus` CPUs, on 127.0.0.`first_ip` and up."""
-    cluster = LocalRayCluster(
-        workdir, [RayNode(n, f"127.0.0.{first_ip + i}", cpus) for i, n in enumerate(names)], free_port()
-    )
+    """Nodes `names` (the first is the head), each with `cpus` CPUs, on 127.0.0.`first_ip` and up; a node
+    named in `resources` declares those custom resources too (``{"b": {"belayer_sandbox_slots": 8}}``)."""
+    extra = resources or {}
+    nodes = [
+        RayNode(n, f"127.0.0.{first_ip + i}", cpus, resources=dict(extra.get(n, {})))
+        for i, n in enumerate(names)
+    ]
+    cluster = LocalRayCluster(workdir, nodes, free_port())
     try:
         for node in cluster.nodes:
             cluster.start_node(node)
