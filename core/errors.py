@@ -28,6 +28,7 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     ├── StoreError                     the trajectory store failed
     ├── SandboxError                   anything raised by sandbox/ and the gateway's sandbox manager
     │   ├── SandboxUnavailable (ConnectionError)     the container engine does not answer
+    │   │   └── NoSandboxSlot                        no cluster node has a free sandbox slot
     │   ├── NodeLost                                 the cluster node that held it is gone
     │   ├── SandboxNotFound (LookupError)            unknown or destroyed sandbox / checkpoint
     │   │   ├── NoSandbox                            the session has no sandbox
@@ -191,6 +192,10 @@ class SandboxError(BelayerError):
 
 class SandboxUnavailable(SandboxError, ConnectionError):
     """The container engine cannot be reached."""
+
+
+class NoSandboxSlot(SandboxUnavailable):
+    """No node of the cluster has a free sandbox slot (`sandbox.cluster`)."""
 
 
 class NodeLost(SandboxError):

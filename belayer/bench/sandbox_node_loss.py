@@ -139,7 +139,8 @@ def _lose(ray: object, engine: LocalDockerEngine, name: str) -> object:
 
 async def run(opts: argparse.Namespace, tmp: Path) -> None:
     progress("a Ray cluster of 3 nodes on 127.0.0.2-4 and a Docker engine for each of b and c")
-    resources = {"b": {SLOTS: opts.sandboxes}, "c": {SLOTS: opts.sandboxes}}
+    slots = {SLOTS: 2 * opts.sandboxes}  # room for every episode, restored and rerun, on either node
+    resources = {"b": slots, "c": slots}
     with (
         local_docker_engines(["b", "c"], tmp / "docker") as engines,
         local_ray_cluster(["a", "b", "c"], tmp / "ray", cpus=2, resources=resources) as ray,

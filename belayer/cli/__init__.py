@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from belayer.cli import demo, episode, rl, serve, task, trajectories
 from belayer.cli.serve import SERVE_FLAGS, add_setting_flag
-from core.errors import ConfigError, SandboxUnavailable
+from core.errors import ConfigError, NoSandboxSlot, SandboxUnavailable
 
 
 def _build_tiny(args: argparse.Namespace) -> int:
@@ -108,6 +108,8 @@ def _version() -> str:
 
 
 def _docker_down(exc: SandboxUnavailable) -> str:
+    if isinstance(exc, NoSandboxSlot):
+        return str(exc)
     where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
     if "PermissionError" in str(exc) or "Permission denied" in str(exc):
         return f"Docker at {where} refused this user; run as root (or as a member of the docker group)"

@@ -31,7 +31,7 @@ log = logging.getLogger("belayer.sandbox.cluster")
 CALLS = frozenset({
     "create", "exec", "read_file", "write_file", "extract", "checkpoint", "restore", "destroy", "kill",
     "status", "list_sandboxes", "changed_paths", "processes", "writable_bytes", "has_image", "image_id",
-    "import_image", "build_image", "remove_image", "images", "disk_quota", "delete_checkpoint",
+    "import_image", "build_image", "remove_image", "images", "disk_quota", "delete_checkpoint", "load_image",
 })  # fmt: skip
 """The backend methods the gateway may call through `SandboxAgent.call`."""
 

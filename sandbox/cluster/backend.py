@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.errors import NodeLost, SandboxError, SandboxNotFound, SandboxUnavailable
+from core.errors import ImageNotFound, NodeLost, NoSandboxSlot, SandboxNotFound, SandboxUnavailable
 from sandbox.backend import (
     DEFAULT_SESSION,
     Checkpoint,
@@ -58,6 +59,7 @@ from sandbox.backend import (
 from sandbox.checkpoint_store import CheckpointStore, store_for
 from sandbox.cluster.agent import SandboxAgent
 from sandbox.config import DockerBackendConfig
+from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.docker_backend.portable import checkpoint_key
 
 log = logging.getLogger("belayer.sandbox.cluster")
@@ -135,6 +137,7 @@ class ClusterSandboxBackend(SandboxBackend):
         self._where: dict[str, str] = {}  # sandbox id -> node address
         self._images: dict[str, Callable[[Node], None]] = {}  # image -> how to build it on a node
         self.node_losses = 0
+        self._source = _image_source(self._docker)
         self._stop = threading.Event()
         self._ray = _connect(config)
         self._agent_class = self._ray.remote(SandboxAgent)
@@ -266,7 +269,7 @@ class ClusterSandboxBackend(SandboxBackend):
                 known = "; ".join(
                     f"{n.ip} {n.state}{': ' + n.reason if n.reason else ''}" for n in self._nodes.values()
                 )
-                raise SandboxUnavailable(
+                raise NoSandboxSlot(
                     "no node of the Ray cluster has a free sandbox slot "
                     f"({known or 'no node declares ' + SLOTS}): start nodes with "
                     f"--resources '{{\"{SLOTS}\": N}}' and Docker + CRIU"
@@ -308,15 +311,26 @@ class ClusterSandboxBackend(SandboxBackend):
         return self._call(node, "call", method, sandbox_id, *args, **kwargs)
 
     def _ensure_image(self, node: Node, image: str) -> None:
+        """Image `image` on `node`: there already, or built as this backend built it elsewhere, or copied
+        from the gateway host's own Docker engine (`image_source`), as a registry would give it."""
         if self._call(node, "call", "has_image", image):
             return
         build = self._images.get(image)
-        if build is None:
-            raise SandboxError(
-                f"image {image} is not on sandbox node {node.ip}, and this gateway did not build it: build it "
-                "on every node (python -m sandbox.images all, or the task's image) or through this backend"
-            )
-        build(node)
+        if build is not None:
+            build(node)
+            return
+        if self._source is not None and self._source.has_image(image):
+            with tempfile.TemporaryFile() as tar:
+                self._source.save_image(image, tar)
+                tar.seek(0)
+                data = tar.read()
+            log.info("image %s: copied to sandbox node %s (%d MB)", image, node.ip, len(data) >> 20)
+            self._call(node, "call", "load_image", data)
+            return
+        raise ImageNotFound(
+            f"image {image} is on neither sandbox node {node.ip} nor this gateway's Docker engine: build it "
+            "here (belayer sandbox build-image, or the task's image) or on every node"
+        )
 
     def _placed(self, node: Node, box: Sandbox, *, reserved: bool = False) -> Sandbox:
         with self._lock:
@@ -472,6 +486,8 @@ class ClusterSandboxBackend(SandboxBackend):
         for node in list(self._nodes.values()):
             with contextlib.suppress(Exception):
                 self._ray.kill(node.agent, no_restart=True)
+        if self._source is not None:
+            self._source.close()
 
     def _alive(self) -> list[Node]:
         with self._lock:
@@ -519,6 +535,15 @@ class ClusterSandboxBackend(SandboxBackend):
         for node in self._alive():
             if not self._call(node, "call", "has_image", name):
                 build(node)
+
+
+def _image_source(docker: DockerBackendConfig) -> DockerSandboxBackend | None:
+    """The gateway host's own Docker engine, where images missing on a node are copied from (None when
+    this host has no engine answering)."""
+    try:
+        return DockerSandboxBackend(docker.model_copy(update={"checkpoint_store": None}))
+    except SandboxUnavailable:
+        return None
 
 
 def _connect(config: ClusterConfig) -> Any:

@@ -225,6 +225,14 @@ class DockerSandboxBackend(SandboxBackend):
             cap_add=cap_add,
         )  # fmt: skip
 
+    def save_image(self, name: str, out: IO[bytes]) -> None:
+        """``docker save`` image `name` into `out` (for another engine's `load_image`)."""
+        self._images.save(name, out)
+
+    def load_image(self, tar: bytes) -> None:
+        """``docker load`` what `save_image` wrote."""
+        self._images.load(tar)
+
     def images(self, label: str) -> list[dict[str, Any]]:
         """Images carrying `label`: name (first tag), id, created (epoch s), size (bytes), labels."""
         return self._images.labelled(label)

@@ -9,7 +9,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import docker.errors
 import requests
@@ -71,6 +71,18 @@ class Images:
                     return False
                 raise
         return True
+
+    def save(self, name: str, out: IO[bytes]) -> None:
+        """``docker save`` image `name` (its layers, config and tag) into `out`, piece by piece."""
+        with docker_errors():
+            for chunk in self._api.get_image(name):
+                out.write(chunk)
+
+    def load(self, tar: bytes) -> None:
+        """``docker load`` a tar that `save` wrote (on this or another engine)."""
+        with docker_errors(ImageBuildError):
+            for _ in self._api.load_image(tar):
+                pass
 
     # ------------------------------------------------------------------ building
     def import_rootfs(self, name: str, rootfs_tar: Path | bytes, changes: list[str]) -> None:

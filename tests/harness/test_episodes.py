@@ -114,12 +114,14 @@ def start_stack(
     engines: int = 2,
     scripts: list[dict[str, Any]] | None = None,
     api_token: str | None = None,
+    serve_args: list[str] | None = None,
 ) -> Iterator[Stack]:
     """Two scripted engine processes (either may crash once at `crash`) and `belayer serve --sandboxes`
     (with `api_token`, ``--api-token``).
     Tokens come 30 ms apart: each LLM call is an inference bubble of a second or so, long enough for a
     checkpoint to start in it on a busy machine (at 10 ms, CI once saw every bubble end first).
-    `scripts` replaces the one script of `marker` and `turns`; `engines` how many processes serve it."""
+    `scripts` replaces the one script of `marker` and `turns`; `engines` how many processes serve it;
+    `serve_args` go to ``belayer serve`` as well."""
     scripts = scripts or [{"marker": marker, "turns": turns}]
     (tmp / "scripts.json").write_text(json.dumps({"scripts": scripts}))
     out = tmp / "servers.log"
@@ -146,7 +148,7 @@ def start_stack(
         cmd += ["--checkpoint-policy", policy]
         if api_token is not None:
             cmd += ["--api-token", api_token]
-        procs.append(spawn(cmd, out))
+        procs.append(spawn([*cmd, *(serve_args or [])], out))
         wait_healthy(f"http://127.0.0.1:{gw_port}/health", procs, 60.0, out)
         yield Stack(f"http://127.0.0.1:{gw_port}", logs, tmp, api_token)
     finally:

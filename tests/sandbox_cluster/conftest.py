@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 
 from belayer.testing.docker_local import LocalDockerEngine, ensure_busybox, local_docker_engines
+from tests.sandbox.conftest import docker_config, docker_engine  # the gateway host's own engine
+
+__all__ = ["docker_config", "docker_engine", "node_engines", "whole_engines"]
 
 ENGINES = ("b", "c")  # the Ray nodes that declare sandbox slots
 

@@ -18,7 +18,7 @@ import pytest
 
 from belayer.testing.docker_local import LocalDockerEngine
 from belayer.testing.ray_local import LocalRayCluster
-from core.errors import SandboxUnavailable
+from core.errors import NoSandboxSlot
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.app import build_app
@@ -136,7 +136,7 @@ def test_no_free_slot_is_a_clear_error(cluster: Cluster) -> None:
     backend = cluster.backend
     boxes = []
     try:
-        with pytest.raises(SandboxUnavailable, match="no node of the Ray cluster has a free sandbox slot"):
+        with pytest.raises(NoSandboxSlot, match="no node of the Ray cluster has a free sandbox slot"):
             for _ in range(17):  # 8 slots on each node
                 boxes.append(backend.create(SandboxSpec(image=IMAGE)))
         assert len(boxes) == 16
@@ -222,7 +222,9 @@ async def test_an_episode_goes_on_on_another_node_when_its_node_is_lost(
         assert [s for s in engine.container_states() if s.startswith("belayer-sbx")] == []
 
 
-async def test_a_forks_siblings_land_on_both_nodes_with_the_parents_processes(env: tuple[Env, Cluster]) -> None:
+async def test_a_forks_siblings_land_on_both_nodes_with_the_parents_processes(
+    env: tuple[Env, Cluster],
+) -> None:
     gateway, cluster = env
     tok = gateway.gw.tokenizer
     sandboxes = gateway.gw.sandboxes
