@@ -273,6 +273,10 @@ class SandboxBackend(abc.ABC):
         tell."""
         return []
 
+    def node_of(self, sandbox_id: str) -> str | None:
+        """The address of the machine that holds the sandbox, when there are several; None otherwise."""
+        return None
+
     def nodes(self) -> list[dict[str, Any]]:
         """The machines that hold the sandboxes, when there are several (`sandbox.cluster`): each one's
         ``node`` (address), ``state`` (alive, lost, refused), ``slots`` and ``sandboxes``; [] on one host."""

@@ -10,9 +10,10 @@ Each `LocalDockerEngine` is a ``dockerd --experimental`` of its own, in its own 
   the workdir, so two test sessions (two checkouts) never share one;
 - its own containerd, which dockerd starts under that exec-root (``<exec-root>/containerd/containerd.sock``);
   containerd's shims name that address on their command line (``-address``);
-- no bridge, no iptables rules and no masquerading (``--bridge=none --iptables=false --ip-masq=false``):
-  it leaves the machine's main engine's docker0 and firewall chains alone. Its sandboxes use network
-  ``none`` (`sandbox.backend.SandboxSpec`'s default).
+- a default bridge of its own (`LocalDockerEngine.bridge`, made before dockerd starts and removed by
+  `stop`), and no iptables rules and no masquerading (``--iptables=false --ip-masq=false``): it leaves
+  the machine's main engine's docker0 and firewall chains alone. (``--bridge=none`` would not: dockerd
+  then deletes the machine's docker0.) Its sandboxes use network ``none`` (`SandboxSpec`'s default).
 
 A process belongs to an engine when it is a dockerd, containerd or containerd shim whose command line
 names the engine's exec-root, or when it descends from such a process (the containers' processes, under
@@ -122,6 +123,12 @@ class LocalDockerEngine:
         return RUN_DIR / f"belayer-{self.name}-{tag}"
 
     @property
+    def bridge(self) -> str:
+        """The engine's own default bridge (made by `start`): with ``--bridge=none`` dockerd would delete
+        the machine's ``docker0``, which the main engine's containers need."""
+        return f"bel-{self.name[:3]}-{self.exec_root.name[-6:]}"
+
+    @property
     def socket_path(self) -> Path:
         return self.exec_root.with_name(self.exec_root.name + ".sock")
 
@@ -153,8 +160,20 @@ class LocalDockerEngine:
             "dockerd", "--experimental", "-H", self.url,
             "--data-root", str(self.data_root), "--exec-root", str(self.exec_root),
             "--pidfile", str(self.workdir / "dockerd.pid"), "--config-file", str(self.workdir / "daemon.json"),
-            "--iptables=false", "--ip-masq=false", "--bridge=none",
+            "--iptables=false", "--ip-masq=false", "--bridge", self.bridge,
         ]  # fmt: skip
+
+    def _make_bridge(self) -> None:
+        """The engine's bridge, if missing: a Linux bridge with an address of its own (10.213.N.1/24)."""
+        if Path(f"/sys/class/net/{self.bridge}").exists():
+            return
+        subnet = int(hashlib.sha1(self.bridge.encode()).hexdigest(), 16) % 250 + 1
+        for argv in (
+            ["ip", "link", "add", self.bridge, "type", "bridge"],
+            ["ip", "addr", "add", f"10.213.{subnet}.1/24", "dev", self.bridge],
+            ["ip", "link", "set", self.bridge, "up"],
+        ):
+            subprocess.run(argv, check=True, capture_output=True)
 
     def start(self) -> None:
         """Start dockerd and wait until it answers (its log's tail in the error if it does not)."""
@@ -173,6 +192,7 @@ class LocalDockerEngine:
         (self.workdir / "dockerd.pid").unlink(missing_ok=True)
         (self.exec_root / "containerd" / "containerd.pid").unlink(missing_ok=True)
         (self.workdir / "daemon.json").write_text("{}\n")  # not the machine's /etc/docker/daemon.json
+        self._make_bridge()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -242,6 +262,7 @@ class LocalDockerEngine:
                 self.proc.wait(self.stop_timeout)
         self.kill()  # leftovers (or all of it, if dockerd did not stop in time)
         self._reap_leftovers()
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
 
     # ------------------------------------------------------------------ looking at it
     def running(self) -> bool:

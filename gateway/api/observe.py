@@ -185,6 +185,7 @@ def _state(gw: Gateway, hit_rates: dict[str, float]) -> Response:
         ],
         "prefix_cache_hit_rate": hit_rates.get("all"),
         "sandboxes": sandboxes,
+        "sandbox_nodes": gw.sandboxes.backend.nodes() if gw.sandboxes is not None else [],
         "totals": {**_totals(rec.totals), "sessions_open": open_sessions},
         "timeline": [e.as_json() for e in list(rec.timeline)],
         "series": list(rec.series),

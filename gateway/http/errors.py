@@ -32,6 +32,7 @@ from core.errors import (
     AuxiliaryUnavailable,
     BelayerError,
     CheckpointError,
+    CheckpointUnreadable,
     Conflict,
     ContextLengthExceeded,
     EngineError,
@@ -147,6 +148,9 @@ TABLE: dict[type[BaseException], HttpError] = {
     NodeLost: HttpError(503, "sandbox_node_lost", hint="; it is being restored on another node, retry shortly"),
     ImageNotFound: HttpError(400, "image_not_found", "image"),
     SandboxNotFound: HttpError(404, "sandbox_not_found"),
+    CheckpointUnreadable: HttpError(
+        503, "checkpoint_unreadable", prefix="the sandbox could not be restored: ", type="sandbox_error"
+    ),
     CheckpointError: HttpError(500, "checkpoint_failed", prefix="checkpoint or restore failed: "),
     SandboxError: HttpError(400, "sandbox_error"),
 }

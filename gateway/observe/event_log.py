@@ -85,10 +85,19 @@ def _session_moved(e: Event, d: dict[str, Any]) -> Line:
     )
 
 
+def _sandbox_restore_failed(e: Event, d: dict[str, Any]) -> Line:
+    return (
+        logging.ERROR,
+        f"session {e.session_id}: restoring checkpoint {d.get('checkpoint_id')} failed ({d.get('reason')}): "
+        f"{d.get('error')}",
+    )
+
+
 _DESCRIBE: dict[str, Callable[[Event, dict[str, Any]], Line]] = {
     "failover": _failover,
     "sandbox_failure": _sandbox_failure,
     "sandbox_restored": _sandbox_restored,
+    "sandbox_restore_failed": _sandbox_restore_failed,
     "turns_discarded": _turns_discarded,
     "turns_interrupted": _turns_interrupted,
     "session_moved": _session_moved,

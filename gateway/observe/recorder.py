@@ -29,7 +29,7 @@ RECOVERY_KINDS = frozenset(
     {
         "failover", "worker_state", "shadow_promoted", "worker_cold_start", "replacement_started",
         "sandbox_checkpoint", "sandbox_restored", "sandbox_failure", "sandbox_checkpoint_failed",
-        "turns_discarded",
+        "sandbox_restore_failed", "turns_discarded",
     }
 )  # fmt: skip
 SERIES_SECONDS = 600

@@ -151,12 +151,10 @@ class ClusterSandboxBackend(SandboxBackend):
         with self._lock:
             return [n.view() for n in sorted(self._nodes.values(), key=lambda n: n.ip)]
 
-    def node_of(self, sandbox_id: str) -> str:
-        """The address of the node that holds `sandbox_id` (`SandboxNotFound` when none does)."""
+    def node_of(self, sandbox_id: str) -> str | None:
+        """The address of the node that holds `sandbox_id` (None when none does)."""
         with self._lock:
-            if sandbox_id not in self._where:
-                raise SandboxNotFound(f"no sandbox {sandbox_id} on this cluster")
-            return self._where[sandbox_id]
+            return self._where.get(sandbox_id)
 
     def probe(self) -> None:
         """List the cluster's nodes and ping each agent once: register new nodes, mark lost ones, sweep

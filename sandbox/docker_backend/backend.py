@@ -63,6 +63,10 @@ class DockerSandboxBackend(SandboxBackend):
             else PortableCheckpoints(self._engine, self._containers, self._images, store_for(config.checkpoint_store))
         )
 
+    @property
+    def config(self) -> DockerBackendConfig:
+        return self._config
+
     # ------------------------------------------------------------------ lifecycle
     def create(self, spec: SandboxSpec) -> Sandbox:
         bundle = supervisor.bundle_tar(self._config.busybox)  # the supervisor, PID 1 in the sandbox

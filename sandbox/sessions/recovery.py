@@ -174,7 +174,7 @@ class Recovery:
         slot.restores.unreported = None
         slot.journal.clear()
         with slot.restores.running():
-            box = await self.lifecycle.replace(slot, chosen)
+            box = await self._replace(slot, chosen, reason)
         discarded = self.events.store.discard_turns_after(
             slot.session_id, chosen.keep_through, f"sandbox restore: {reason}"
         )
@@ -194,7 +194,7 @@ class Recovery:
         chosen = slot.history.newest()
         started = time.monotonic()
         with slot.restores.running():
-            box = await self.lifecycle.replace(slot, chosen)
+            box = await self._replace(slot, chosen, reason)
             diverged = await self._replay_journal(slot, box)
         info = RestoreInfo(
             chosen.checkpoint.id if chosen else "", chosen.turn_index if chosen else -1, slot.turns.last,
@@ -203,6 +203,17 @@ class Recovery:
         self._restored(slot, info)
         self.replays += 1
         return info
+
+    async def _replace(self, slot: Slot, chosen: CheckpointInfo | None, reason: str) -> str:
+        """`Lifecycle.replace`; a restore that fails (a checkpoint the store cannot give back, say) is
+        written to the trajectory with its reason (``sandbox_restore_failed``) before it is raised."""
+        try:
+            return await self.lifecycle.replace(slot, chosen)
+        except SandboxError as exc:
+            data = {"checkpoint_id": chosen.checkpoint.id if chosen else None, "reason": reason,
+                    "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+            self.events.add(slot.session_id, None, "sandbox_restore_failed", data)
+            raise
 
     async def _replay_journal(self, slot: Slot, box: str, calls: list[Call] | None = None) -> int:
         """Run the journaled calls (or `calls`) on the new sandbox; return how many gave another result."""

@@ -10,18 +10,23 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from core.errors import SandboxError, SandboxUnavailable
+from core.net import free_port
 from sandbox.backend import Sandbox, SandboxSpec
 from sandbox.backends import backend_for
 from sandbox.config import DockerBackendConfig
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import ensure_busybox_image, ensure_python_image
+from tests.support import spawn, stop
 
 SETUP = Path(__file__).resolve().parents[2] / "deploy" / "host" / "setup_sandbox_host.sh"
 
@@ -100,3 +105,36 @@ def no_leaked_snapshots(backend: DockerSandboxBackend) -> Iterator[None]:
     before = snapshot_images(backend)
     yield
     assert snapshot_images(backend) - before == set()
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 for the session, stopped (by its process group) at the end."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    proc = spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], log)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"moto_server exited: {log.read_text(errors='replace')[-2000:]}"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "moto_server did not listen within 30s"
+                time.sleep(0.1)  # the server is starting
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc, grace=10)
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Dummy credentials for this test only; no profile, config file or instance metadata to consult."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")

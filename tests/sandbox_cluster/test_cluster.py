@@ -172,6 +172,15 @@ async def env(cluster: Cluster, tmp_path: Path, tiny_model_dir: Path) -> AsyncIt
     await engine_http.aclose()
 
 
+async def test_a_harness_inside_is_refused_on_the_cluster_with_a_clear_error(
+    env: tuple[Env, Cluster],
+) -> None:
+    gateway, _ = env
+    sid = (await gateway.client.post("/api/sessions", json={})).json()["id"]
+    r = await gateway.client.post(f"/api/sessions/{sid}/sandbox", json={"image": IMAGE, "network": "gateway"})
+    assert r.status_code == 400 and "sandboxes on a Ray cluster have none yet" in r.json()["error"]["message"]
+
+
 def _losing_after(harness: Harness, env: Env, cluster: Cluster, sid: str, step: int, lost: list[str]) -> None:
     """Lose the node that holds the session's sandbox right after tool call `step` returned."""
     original = harness.run_tools
@@ -267,3 +276,29 @@ async def test_a_forks_siblings_land_on_both_nodes_with_the_parents_processes(
         assert (await gateway.client.post(f"/api/sessions/{sid}/close")).status_code == 200
     for engine in cluster.engines.values():
         assert [s for s in engine.container_states() if s.startswith("belayer-sbx")] == []
+
+
+async def test_a_checkpoint_the_store_cannot_give_back_fails_the_recovery_with_its_reason(
+    env: tuple[Env, Cluster], tmp_path: Path
+) -> None:
+    gateway, cluster = env
+    r = await gateway.client.post("/api/sessions", json={"sandbox": {"image": IMAGE}})
+    sid = str(r.json()["id"])
+    base = f"/api/sessions/{sid}/sandbox"
+    assert (
+        await gateway.client.post(f"{base}/exec", json={"command": "echo 1 > /workspace/a"})
+    ).status_code == 200
+    r = await gateway.client.post(f"{base}/checkpoints")
+    assert r.status_code == 201, r.text
+    ckpt = r.json()["id"]
+    (tmp_path / "store" / "ckpt" / ckpt / "criu.tar").unlink()  # the store lost half of it
+    box = gateway.gw.sandboxes.sandbox_id(sid)  # type: ignore[union-attr]
+    await asyncio.to_thread(cluster.lose, cluster.name_of(box))
+    r = await gateway.client.post(f"{base}/exec", json={"command": "cat /workspace/a"})
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "checkpoint_unreadable"), r.text
+    assert f"ckpt/{ckpt}/criu.tar" in r.json()["error"]["message"]
+    events = {e.kind: e.data for e in gateway.gw.store.get_events(sid)}
+    assert events["sandbox_failure"]["kind"] == "node_lost"
+    failed = events["sandbox_restore_failed"]
+    assert failed["checkpoint_id"] == ckpt and f"ckpt/{ckpt}/criu.tar" in failed["error"]
+    assert failed["error"].startswith("CheckpointMissing")

@@ -120,3 +120,16 @@ def test_mini_swe_agent_episode_survives_the_loss_of_its_node(
     assert (report["prefix_reuse"], report["branches"], report["fresh_prompts"]) == (3, 0, 1)
     metrics = httpx.get(f"{cluster_stack.url}/metrics", headers={"authorization": f"Bearer {API_TOKEN}"}).text
     assert "belayer_node_loss_restores_total 1.0" in metrics
+
+    # the lost node comes back while the gateway runs: it is swept; nothing of the episode is left on it
+    whole_engines[lost_node].restart()
+    whole_cluster.restart_node(lost_node)
+    ip = whole_cluster.node(lost_node).ip
+    deadline = time.monotonic() + 120
+    while not any(
+        n["node"] == ip and n["state"] == "alive"
+        for n in cluster_stack.api("dashboard/state")["sandbox_nodes"]
+    ):
+        assert time.monotonic() < deadline, cluster_stack.api("dashboard/state")["sandbox_nodes"]
+        time.sleep(0.2)  # the gateway probes its nodes every second
+    assert [s for s in whole_engines[lost_node].container_states() if s.startswith("belayer-sbx")] == []

@@ -3,7 +3,7 @@
 import { fixed, ms, num } from "./util.js";
 
 const TONES = {
-  failover: "bad", turn_failed: "bad", sandbox_failure: "bad", recompute_failed: "bad",
+  failover: "bad", turn_failed: "bad", sandbox_failure: "bad", sandbox_restore_failed: "bad", recompute_failed: "bad",
   sandbox_checkpoint_failed: "bad", tool_call_parse_error: "warn", turns_discarded: "warn",
   shadow_promoted: "good", worker_cold_start: "info", replacement_started: "info",
   sandbox_checkpoint: "info", sandbox_restored: "warn", sandbox_checkpoint_skipped: "muted",
@@ -17,7 +17,7 @@ const WORKER_TONES = { dead: "bad", unhealthy: "warn", ready: "good", shadow: "i
 export const LABELS = {
   failover: "Failover", worker_state: "Worker", shadow_promoted: "Promotion",
   worker_cold_start: "Cold start", replacement_started: "Replacement", sandbox_checkpoint: "Checkpoint",
-  sandbox_restored: "Restore", sandbox_failure: "Sandbox failure", turns_discarded: "Discard",
+  sandbox_restored: "Restore", sandbox_failure: "Sandbox failure", sandbox_restore_failed: "Restore failed", turns_discarded: "Discard",
   sandbox_created: "Sandbox", sandbox_destroyed: "Sandbox", sandbox_checkpoint_decision: "Checkpoint plan",
   sandbox_checkpoint_skipped: "Checkpoint skipped", sandbox_checkpoint_failed: "Checkpoint failed",
   recomputed_logprobs: "Recomputed", recompute_failed: "Recompute failed", turn_failed: "Turn failed",
@@ -67,6 +67,7 @@ const DESCRIBE = {
     note: d.reason,
   }),
   sandbox_failure: (d) => ({ title: `sandbox ${d.sandbox_id ?? ""} failed`.trim(), parts: [d.kind], note: d.detail }),
+  sandbox_restore_failed: (d) => ({ title: `restore of ${d.checkpoint_id ?? "the image"} failed`, parts: [d.reason], note: d.error }),
   turns_discarded: (d) => ({
     title: `turns ${(d.turn_indices || []).join(", ")} discarded`,
     parts: [d.after_turn !== undefined && d.after_turn !== null && `after turn ${d.after_turn}`],

@@ -10,6 +10,7 @@ export class HealthView {
   render(state) {
     this.renderCards(state);
     this.renderWorkers(state.workers);
+    this.renderNodes(state.sandbox_nodes || []);
     this.renderSandboxes(state);
     this.tick();
   }
@@ -93,6 +94,23 @@ export class HealthView {
       h("span", { class: "progress-bar" }), h("span", { class: "progress-text" }));
   }
 
+  // Sandboxes across a Ray cluster: each node that offers them, alive, lost or refused (and why).
+  renderNodes(nodes) {
+    $("#sandbox-nodes-panel").hidden = nodes.length === 0;
+    replace($("#sandbox-nodes tbody"), nodes.map((n) =>
+      h("tr", { dataset: { node: n.node }, class: `node-row state-${n.state}` },
+        h("td", { class: "mono" }, n.node),
+        h("td", { class: "state", "data-state": n.state }, badge(n.state)),
+        h("td", { class: "num" }, num(n.sandboxes), n.lost_sandboxes ? h("span", { class: "muted" }, ` +${n.lost_sandboxes} lost`) : null),
+        h("td", { class: "num" }, num(n.slots)),
+        h("td", { class: "mono" }, n.docker ? `${n.docker} · ${n.criu}` : "—"),
+        h("td", { class: "why" }, n.reason ? h("span", { title: n.reason }, n.reason) : h("span", { class: "muted" }, "—")),
+      )));
+    const alive = nodes.filter((n) => n.state === "alive");
+    const free = alive.reduce((sum, n) => sum + n.slots - n.sandboxes, 0);
+    replace($("#sandbox-nodes-summary"), `${alive.length} of ${plural(nodes.length, "node")} alive · ${plural(free, "free slot")}`);
+  }
+
   renderSandboxes(state) {
     const tbody = $("#sandboxes tbody");
     const boxes = state.sandboxes || [];
@@ -100,6 +118,7 @@ export class HealthView {
       h("tr", { dataset: { sandbox: s.sandbox_id } },
         h("td", { class: "mono" }, h("a", { href: `#/session/${s.session_id}`, title: s.session_id }, shortId(s.session_id, 24))),
         h("td", { class: "mono" }, shortId(s.sandbox_id)),
+        h("td", { class: "mono node" }, s.node || "—"),
         h("td", { class: "state", "data-state": s.state }, badge(s.state)),
         h("td", { class: "num" }, num(s.checkpoints)),
         h("td", { class: "num" }, num(s.restores)),
@@ -107,7 +126,7 @@ export class HealthView {
     );
     if (!rows.length) {
       const why = state.gateway.sandboxes ? "No sandboxes running." : "Sandboxes are off on this gateway (--sandboxes).";
-      rows.push(h("tr", {}, h("td", { colspan: 5, class: "empty" }, why)));
+      rows.push(h("tr", {}, h("td", { colspan: 6, class: "empty" }, why)));
     }
     replace(tbody, rows);
     const counts = {};

@@ -11,14 +11,16 @@ export const KINDS = [
   "prefix_reuse", "fresh_prompt", "branch", "failover", "turn_failed", "tool_call_parse_error",
   "recomputed_logprobs", "recompute_failed", "turns_discarded", "sandbox_created", "sandbox_destroyed",
   "sandbox_checkpoint", "sandbox_checkpoint_decision", "sandbox_checkpoint_skipped",
-  "sandbox_checkpoint_failed", "sandbox_restored", "sandbox_failure", "turn_started", "turn_finished",
+  "sandbox_checkpoint_failed", "sandbox_restored", "sandbox_failure", "sandbox_restore_failed", "turn_started",
+  "turn_finished",
   "session_created", "session_updated", "worker_state", "worker_cold_start", "shadow_promoted",
   "replacement_started", "session_moved", "sample", "lagged",
 ];
 
 export const TIMELINE_KINDS = new Set([
   "failover", "worker_state", "shadow_promoted", "worker_cold_start", "replacement_started",
-  "sandbox_checkpoint", "sandbox_restored", "sandbox_failure", "turns_discarded", "session_moved",
+  "sandbox_checkpoint", "sandbox_restored", "sandbox_failure", "sandbox_restore_failed", "turns_discarded",
+  "session_moved",
 ]);
 
 // Events after which the snapshot's counters are worth fetching again soon.
