@@ -31,11 +31,12 @@ import asyncio
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from belayer.bench import emit as _emit
 from belayer.testing.docker_local import LocalDockerEngine, ensure_busybox, local_docker_engines
-from belayer.testing.ray_local import local_ray_cluster
+from belayer.testing.ray_local import LocalRayCluster, local_ray_cluster
 from belayer.testing.services import progress
 from core.errors import BenchError, SandboxTimeout
 from sandbox.backend import SandboxSpec
@@ -89,10 +90,13 @@ async def answered(manager: SandboxManager, sid: str, steps: int, lost_at: float
 
 
 async def measure(
-    backend: ClusterSandboxBackend, lose: dict[str, object], store: SqliteStore, opts: argparse.Namespace
+    backend: ClusterSandboxBackend,
+    lose: dict[str, Callable[[], None]],
+    store: SqliteStore,
+    opts: argparse.Namespace,
 ) -> None:
     """Run the episodes, lose the fuller node, measure the restores and a rerun (module docstring).
-    `lose` maps a node address to a callable that loses it (and is given back the address to restore)."""
+    `lose` maps a node address to what loses that node."""
     settings = SandboxConfig(enabled=True, policy=PolicySettings(mode="never"), watch_interval_s=0.2)
     manager = SandboxManager(backend, store, settings)
     try:
@@ -101,12 +105,12 @@ async def measure(
             f"{len(sids)} episodes of {opts.steps} tool calls of {opts.step_s}s, checkpointed after each"
         )
         await asyncio.gather(*(episode(manager, store, sid, opts.steps, opts.step_s) for sid in sids))
-        where = {sid: backend.node_of(str(manager.sandbox_id(sid))) for sid in sids}
+        where = {sid: str(backend.node_of(str(manager.sandbox_id(sid)))) for sid in sids}
         node = max(set(where.values()), key=lambda ip: sum(v == ip for v in where.values()))
         lost = [sid for sid in sids if where[sid] == node]
         progress(f"losing node {node} with {len(lost)} sandboxes")
         lost_at = time.monotonic()
-        await asyncio.to_thread(lose[node])  # type: ignore[arg-type]
+        await asyncio.to_thread(lose[node])
         results = await asyncio.gather(*(answered(manager, sid, opts.steps, lost_at) for sid in lost))
         moved = {backend.node_of(str(manager.sandbox_id(sid))) for sid in lost}
         if node in moved:
@@ -129,9 +133,9 @@ async def measure(
         await manager.close()
 
 
-def _lose(ray: object, engine: LocalDockerEngine, name: str) -> object:
+def _lose(ray: LocalRayCluster, engine: LocalDockerEngine, name: str) -> Callable[[], None]:
     def lose() -> None:
-        ray.kill_node(name)  # type: ignore[attr-defined]
+        ray.kill_node(name)
         engine.kill()
 
     return lose
