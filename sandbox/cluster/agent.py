@@ -103,9 +103,13 @@ class SandboxAgent:
                 paths[target].chmod(0o755)
             self._backend().derive_image(name, base, paths)
 
-    def sweep(self, names: list[str]) -> list[str]:
+    def sweep(self, names: list[str], owners: dict[str, str] | None = None) -> list[str]:
         """Remove the containers `names` that are still on this node (a gateway moved or closed them while
-        the node was away); the ones removed."""
+        the node was away), and with `owners`, every sandbox whose labels carry all of them (a gateway's
+        own, none of which it holds here: one made by a call whose answer the node's loss cut off); the
+        ones removed."""
+        if owners:
+            names = sorted({*names, *(box.id for box in self._backend().list_sandboxes(owners))})
         removed = []
         for name in names:
             with contextlib.suppress(SandboxError):

@@ -67,6 +67,9 @@ log = logging.getLogger("belayer.sandbox.cluster")
 SLOTS = "belayer_sandbox_slots"
 """The Ray resource by which a node offers sandboxes (how many it holds)."""
 State = Literal["alive", "lost", "refused"]
+OWNER_LABELS = ("belayer.store", "belayer.gateway")
+"""The labels by which the session manager marks a gateway's own sandboxes (`sandbox.sessions.adoption`):
+a node back from a loss is swept of every sandbox that carries this backend's."""
 
 
 class ClusterConfig(BaseModel):
@@ -111,6 +114,8 @@ class Node:
     """Sandboxes that were here when the node was lost, not yet given up by the session manager."""
     gone: set[str] = field(default_factory=set)
     """Sandboxes given up while the node was lost: their containers are removed when it answers again."""
+    returning: bool = False
+    """Lost, and not yet swept: it answers again after a loss."""
 
     @property
     def free(self) -> int:
@@ -137,6 +142,7 @@ class ClusterSandboxBackend(SandboxBackend):
         self._where: dict[str, str] = {}  # sandbox id -> node address
         self._images: dict[str, Callable[[Node], None]] = {}  # image -> how to build it on a node
         self.node_losses = 0
+        self._owners: dict[str, str] = {}  # the owner labels of the sandboxes made here (`_rejoin`)
         self._source = _image_source(self._docker)
         self._stop = threading.Event()
         self._ray = _connect(config)
@@ -196,6 +202,7 @@ class ClusterSandboxBackend(SandboxBackend):
         node = Node(ip, ray_id, slots)
         if former is not None:  # the same machine again (its Ray node started again): what it held is lost
             node.lost, node.gone = former.lost | former.boxes, set(former.gone)
+            node.returning = former.returning or former.state == "alive"
         node.agent = self._agent_class.options(
             num_cpus=0, max_concurrency=self.config.agent_concurrency, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray_id, soft=False),
@@ -226,14 +233,16 @@ class ClusterSandboxBackend(SandboxBackend):
     def _rejoin(self, node: Node, facts: dict[str, Any]) -> None:
         with self._lock:
             sweep = sorted(node.gone | node.lost)  # what it held is stale: removed, the lost ones too
-        if sweep:
-            removed = self._ray.get(node.agent.sweep.remote(sweep), timeout=60)
+            # a node back from a loss holds nothing of this backend's: every container of its owner goes
+            owners = dict(self._owners) if node.returning and not node.boxes else None
+        if sweep or owners:
+            removed = self._ray.get(node.agent.sweep.remote(sweep, owners), timeout=60)
             if removed:
                 log.info("sandbox node %s: removed %d containers left from before it was lost: %s",
                          node.ip, len(removed), removed)  # fmt: skip
         with self._lock:
             node.gone.clear()
-            node.facts, node.reason = facts, ""
+            node.facts, node.reason, node.returning = facts, "", False
             was, node.state = node.state, "alive"
         log.info("sandbox node %s %s: %d slots, %s", node.ip, "back" if was == "lost" else "joined",
                  node.slots, facts)  # fmt: skip
@@ -242,7 +251,7 @@ class ClusterSandboxBackend(SandboxBackend):
         with self._lock:
             if node.state != "alive":
                 return
-            node.state, node.reason = "lost", reason
+            node.state, node.reason, node.returning = "lost", reason, True
             node.lost |= node.boxes
             node.boxes = set()
             self.node_losses += 1
@@ -337,7 +346,9 @@ class ClusterSandboxBackend(SandboxBackend):
             self._where[box.id] = node.ip
         return box
 
-    def _placing(self, node: Node, ask: Callable[[], Sandbox]) -> Sandbox:
+    def _placing(self, node: Node, spec: SandboxSpec, ask: Callable[[], Sandbox]) -> Sandbox:
+        with self._lock:
+            self._owners.update({k: v for k, v in spec.labels.items() if k in OWNER_LABELS})
         try:
             box = ask()
         except BaseException:
@@ -355,7 +366,7 @@ class ClusterSandboxBackend(SandboxBackend):
             box: Sandbox = self._call(node, "call", "create", spec)
             return box
 
-        return self._placing(node, ask)
+        return self._placing(node, spec, ask)
 
     def restore(self, checkpoint: Checkpoint) -> Sandbox:
         node = self._place()
@@ -365,7 +376,7 @@ class ClusterSandboxBackend(SandboxBackend):
             box: Sandbox = self._call(node, "call", "restore", checkpoint)
             return box
 
-        return self._placing(node, ask)
+        return self._placing(node, checkpoint.spec, ask)
 
     def destroy(self, sandbox_id: str) -> None:
         try:
@@ -558,5 +569,11 @@ def _connect(config: ClusterConfig) -> Any:
 
 
 def _reason(exc: BaseException) -> str:
+    """Why a node did not answer, in one line."""
+    kind = type(exc).__name__
+    if kind in ("ActorDiedError", "ActorUnavailableError", "RayActorError"):
+        return f"its sandbox agent is gone: its Ray node or worker died ({kind})"
+    if kind == "GetTimeoutError":
+        return "its sandbox agent did not answer in time"
     text = str(getattr(exc, "cause", None) or exc).strip().splitlines()
-    return (text[-1] if text else type(exc).__name__)[:300]
+    return (text[-1] if text else kind)[:300]

@@ -258,6 +258,7 @@ class SandboxManager:
                 else "running",
                 "checkpoints": len(slot.history.items),
                 "last_restore": slot.restores.last.as_json() if slot.restores.last else None,
+                "restores": slot.restores.count,
                 "node": self.backend.node_of(slot.sandbox_id) if slot.sandbox_id else None,
             }
             for slot in self._slots

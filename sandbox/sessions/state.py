@@ -106,6 +106,7 @@ class Restores:
     last: RestoreInfo | None = None
     unreported: RestoreInfo | None = None
     """A restore made while no call was in flight; the next tool call of a harness outside reports it."""
+    count: int = 0
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -118,6 +119,7 @@ class Restores:
 
     def done(self, info: RestoreInfo) -> None:
         self.last = info
+        self.count += 1
 
 
 @dataclass(slots=True)

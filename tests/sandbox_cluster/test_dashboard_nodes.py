@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,6 +59,13 @@ def test_the_health_view_shows_each_sandbox_node_and_a_lost_one(
 ) -> None:
     b, c = whole_cluster.node("b").ip, whole_cluster.node("c").ip
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as api:
+        deadline = time.monotonic() + 120
+        while {n["node"]: n["state"] for n in api.get("/api/dashboard/state").json()["sandbox_nodes"]} != {
+            b: "alive",
+            c: "alive",
+        }:  # the gateway checks each node as it joins (a Ray actor started on it: a while on a busy machine)
+            assert time.monotonic() < deadline, api.get("/api/dashboard/state").json()["sandbox_nodes"]
+            time.sleep(0.2)
         sessions = []
         for _ in range(3):
             r = api.post("/api/sessions", json={"sandbox": {"image": "belayer-sandbox-busybox"}})
@@ -75,20 +83,22 @@ def test_the_health_view_shows_each_sandbox_node_and_a_lost_one(
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.set_default_timeout(WAIT_MS)
                 page.goto(f"{server.url}/dashboard#token={TOKEN}")
-                expect(page.locator(f'[data-node="{b}"] .state')).to_have_text("alive")
-                expect(page.locator(f'[data-node="{c}"] .state')).to_have_text("alive")
-                expect(page.locator("#sandboxes td.node")).to_have_count(3)
+                expect(page.locator(f'[data-node="{b}"] .state')).to_have_text("alive", timeout=WAIT_MS)
+                expect(page.locator(f'[data-node="{c}"] .state')).to_have_text("alive", timeout=WAIT_MS)
+                expect(page.locator("#sandboxes td.sandbox-node")).to_have_count(3, timeout=WAIT_MS)
                 whole_cluster.kill_node("c")  # node c lost: its Ray processes, its engine and containers
                 whole_engines["c"].kill()
-                expect(page.locator(f'[data-node="{c}"] .state')).to_have_text("lost")
-                expect(page.locator(f'[data-node="{c}"] .why')).not_to_have_text("—")
+                expect(page.locator(f'[data-node="{c}"] .state')).to_have_text("lost", timeout=WAIT_MS)
+                expect(page.locator(f'[data-node="{c}"] .why')).not_to_have_text("—", timeout=WAIT_MS)
                 # every sandbox restored on b (the watcher restores a lost one without waiting for a call)
-                expect(page.locator("#sandboxes td.node")).to_have_text([b, b, b])
-                expect(page.locator("#sandbox-nodes-summary")).to_contain_text("1 of 2 nodes alive")
+                expect(page.locator("#sandboxes td.sandbox-node")).to_have_text([b, b, b], timeout=WAIT_MS)
+                expect(page.locator("#sandbox-nodes-summary")).to_contain_text(
+                    "1 of 2 nodes alive", timeout=WAIT_MS
+                )
                 page.screenshot(path=tmp_path / "health-sandbox-nodes.png", full_page=True)
                 whole_engines["c"].restart()  # node c back: swept, then alive again with nothing on it
                 whole_cluster.restart_node("c")
-                expect(page.locator(f'[data-node="{c}"] .state')).to_have_text("alive")
+                expect(page.locator(f'[data-node="{c}"] .state')).to_have_text("alive", timeout=WAIT_MS)
                 assert [s for s in whole_engines["c"].container_states() if s.startswith("belayer-sbx")] == []
             finally:
                 browser.close()

@@ -117,8 +117,8 @@ export class HealthView {
     const rows = boxes.map((s) =>
       h("tr", { dataset: { sandbox: s.sandbox_id } },
         h("td", { class: "mono" }, h("a", { href: `#/session/${s.session_id}`, title: s.session_id }, shortId(s.session_id, 24))),
-        h("td", { class: "mono" }, shortId(s.sandbox_id)),
-        h("td", { class: "mono node" }, s.node || "—"),
+        h("td", { class: "mono" }, shortId(s.sandbox_id, 24)),
+        h("td", { class: "mono sandbox-node" }, s.node || "—"),
         h("td", { class: "state", "data-state": s.state }, badge(s.state)),
         h("td", { class: "num" }, num(s.checkpoints)),
         h("td", { class: "num" }, num(s.restores)),
