@@ -21,12 +21,14 @@ from belayer.testing.ray_local import LocalRayCluster
 from core.errors import NoSandboxSlot
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
+from gateway.api.sandbox import open_sandboxes
 from gateway.app import build_app
 from gateway.config import FailoverConfig, GatewayConfig
 from sandbox.backend import SandboxSpec
 from sandbox.cluster import ClusterConfig, ClusterSandboxBackend
 from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.workloads import SHELL_COUNTER_SERVER
+from store import SessionRecord, SqliteStore
 from tests.sandbox.test_recovery import Env, Harness, check_consistent, start, step_command
 
 pytestmark = [pytest.mark.sandbox_cluster, pytest.mark.docker, pytest.mark.ray]
@@ -75,8 +77,9 @@ def cluster(
         probe_interval_s=0.3, node_timeout_s=2.0,
     )  # fmt: skip
     backend = ClusterSandboxBackend(config, f"file://{tmp_path / 'store'}")
-    yield Cluster(whole_cluster, node_engines, backend)
-    backend.close()
+    made = Cluster(whole_cluster, node_engines, backend)
+    yield made
+    made.backend.close()  # the one the test left (it may have started another)
 
 
 def test_sandboxes_spread_over_both_nodes_and_restore_on_each(cluster: Cluster) -> None:
@@ -302,3 +305,40 @@ async def test_a_checkpoint_the_store_cannot_give_back_fails_the_recovery_with_i
     failed = events["sandbox_restore_failed"]
     assert failed["checkpoint_id"] == ckpt and f"ckpt/{ckpt}/criu.tar" in failed["error"]
     assert failed["error"].startswith("CheckpointMissing")
+
+
+async def test_a_restarted_gateway_takes_back_its_sandboxes_on_every_node(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A gateway that leaves its sandboxes (keep_on_shutdown) to the next one on the same store: the next
+    gateway's backend finds them on both nodes, with their processes still running."""
+    store = SqliteStore(tmp_path / "traj.db")
+    settings = SandboxConfig(enabled=True, policy=PolicySettings(mode="never"), keep_on_shutdown=True)
+    sids = [f"s{i}" for i in range(4)]
+    async with httpx.AsyncClient() as http:
+        pool = EnginePool(http)
+        async with open_sandboxes(settings, store, pool, cluster.backend) as manager:
+            assert manager is not None
+            for sid in sids:
+                store.create_session(SessionRecord(sid, time.time(), {}))
+                await manager.create(sid, SandboxSpec(image=IMAGE))
+                await manager.exec(sid, SHELL_COUNTER_SERVER + f"; echo {sid} > /workspace/f")
+            boxes = {sid: manager.sandbox_id(sid) for sid in sids}
+        assert {cluster.name_of(str(b)) for b in boxes.values()} == {"b", "c"}
+        config = cluster.backend.config
+        cluster.backend.close()  # the gateway is gone; its sandboxes are not
+        cluster.backend = ClusterSandboxBackend(config, f"file://{tmp_path / 'store'}")
+        async with open_sandboxes(
+            settings.model_copy(update={"keep_on_shutdown": False}), store, pool, cluster.backend
+        ) as manager:
+            assert manager is not None and manager.adoption is not None
+            assert sorted(manager.adoption.adopted) == sids
+            for sid in sids:
+                assert manager.sandbox_id(sid) == boxes[sid]
+                out = await manager.exec(
+                    sid, 'cat /workspace/f; kill -0 "$(cat /workspace/server.pid)" && echo alive'
+                )
+                assert out.stdout == f"{sid}\nalive\n"
+    for engine in cluster.engines.values():  # keep_on_shutdown off the second time: removed from both nodes
+        assert [s for s in engine.container_states() if s.startswith("belayer-sbx")] == []
+    store.close()
