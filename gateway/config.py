@@ -599,9 +599,9 @@ class ConfigLoader:
         self._check_listen(config.host, config.port)
         if config.sandbox.enabled and config.sandbox.on_ray and not config.sandbox.checkpoint_store:
             raise ConfigError(
-                f"{self.name('sandbox.checkpoint_store')}: sandboxes on the Ray cluster "
-                f"({self.name('sandbox.ray')} {config.sandbox.ray}) need a checkpoint store that every node "
-                "reads: a shared directory or s3://BUCKET/PREFIX; or --sandbox-ray off to keep them on this host"
+                f"{self.name('sandbox.checkpoint_store')}: sandboxes on the Ray cluster at {config.sandbox.ray} "
+                "need a checkpoint store that every node reads: a shared directory or s3://BUCKET/PREFIX; or "
+                "--sandbox-ray off to keep them on this host"
             )
         if config.sandbox.enabled and not config.sandbox.on_ray:
             from sandbox.backends import backend_for

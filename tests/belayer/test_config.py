@@ -139,3 +139,27 @@ def test_the_gateway_id_is_given_or_this_host_and_port(
     assert InflightConfig().sweep_interval_s == 5.0
     path = _file(tmp_path, 'model = "m"\n[inflight]\nsweep_interval_s = 0.5\n')
     assert ConfigLoader({"config_file": path}, NAMES).load().inflight.sweep_interval_s == 0.5
+
+
+def test_sandboxes_follow_ray_onto_the_cluster_and_need_a_checkpoint_store(tiny_model_dir: Path) -> None:
+    names = {"model": "--model", "ray.address": "--ray", "sandbox.checkpoint_store": "--checkpoint-store"}
+    given = {"model": str(tiny_model_dir), "ray.address": "127.0.0.2:6379", "ray.node_ip": "127.0.0.2",
+             "sandbox.enabled": True, "port": 0}  # fmt: skip
+    loader = ConfigLoader(given, names)
+    config = loader.load()
+    assert (config.sandbox.ray, config.sandbox.ray_node_ip, config.sandbox.on_ray) == (
+        "127.0.0.2:6379", "127.0.0.2", True,
+    )  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"^--checkpoint-store: sandboxes on the Ray cluster at 127.0.0.2:6379 need"
+    ):
+        loader.preflight(config)
+    local = ConfigLoader({**given, "sandbox.ray": "off"}, names).load()
+    assert (local.sandbox.ray, local.sandbox.on_ray) == ("off", False)  # the pool on Ray, sandboxes here
+    other = ConfigLoader(
+        {**given, "sandbox.ray": "10.0.0.9:6379", "sandbox.checkpoint_store": "s3://b/p"}, names
+    )
+    assert (other.load().sandbox.ray, other.load().sandbox.checkpoint_store) == ("10.0.0.9:6379", "s3://b/p")
+    assert (
+        not ConfigLoader({"model": "m", "sandbox.enabled": True}, names).load().sandbox.on_ray
+    )  # no Ray: here
