@@ -43,3 +43,7 @@ class SandboxNetwork(abc.ABC):
     @abc.abstractmethod
     def close_gateway(self, port: int) -> None:
         """Withdraw what `open_gateway(port)` allowed."""
+
+    def sandbox_url(self, host: str, port: int) -> str:
+        """The URL at which the network's sandboxes reach a listener on `host`:`port`."""
+        return f"http://{host}:{port}"

@@ -73,7 +73,15 @@ async def gateway(
 def ray_cluster() -> Iterator[LocalRayCluster]:
     with (
         tempfile.TemporaryDirectory(prefix="belayer-ray-", dir="/tmp") as tmp,
-        local_ray_cluster(RAY_NODES, Path(tmp), cpus=2, resources=RAY_NODE_RESOURCES) as cluster,
+        local_ray_cluster(
+            RAY_NODES,
+            Path(tmp),
+            cpus=2,
+            resources=RAY_NODE_RESOURCES,
+            first_ip=int(
+                os.environ.get("BELAYER_TEST_RAY_FIRST_IP", "2")
+            ),  # another run beside: another range
+        ) as cluster,
     ):
         yield cluster
 

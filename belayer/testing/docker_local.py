@@ -161,16 +161,25 @@ class LocalDockerEngine:
             "--data-root", str(self.data_root), "--exec-root", str(self.exec_root),
             "--pidfile", str(self.workdir / "dockerd.pid"), "--config-file", str(self.workdir / "daemon.json"),
             "--iptables=false", "--ip-masq=false", "--bridge", self.bridge,
+            # networks it makes (the gateway network) from a range of its own: engines on one machine
+            # must not give two bridges one subnet
+            "--default-address-pool", f"base=10.215.{self.subnet}.0/24,size=28",
         ]  # fmt: skip
+
+    @property
+    def subnet(self) -> int:
+        """This engine's third octet: its bridge is 10.213.N.1/24, its networks are cut from 10.215.N.0/24.
+        Engines of one set (one workdir) named by neighbouring letters (b, c) get neighbouring numbers."""
+        base = int(hashlib.sha1(str(self.workdir.resolve().parent).encode()).hexdigest(), 16) % 120 * 2
+        return base + sum(map(ord, self.name)) % 2 + 1
 
     def _make_bridge(self) -> None:
         """The engine's bridge, if missing: a Linux bridge with an address of its own (10.213.N.1/24)."""
         if Path(f"/sys/class/net/{self.bridge}").exists():
             return
-        subnet = int(hashlib.sha1(self.bridge.encode()).hexdigest(), 16) % 250 + 1
         for argv in (
             ["ip", "link", "add", self.bridge, "type", "bridge"],
-            ["ip", "addr", "add", f"10.213.{subnet}.1/24", "dev", self.bridge],
+            ["ip", "addr", "add", f"10.213.{self.subnet}.1/24", "dev", self.bridge],
             ["ip", "link", "set", self.bridge, "up"],
         ):
             subprocess.run(argv, check=True, capture_output=True)

@@ -153,9 +153,9 @@ async def serve_sandboxes(
         return
     server = _server(SandboxFacing(app, manager))
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    url = f"http://{host}:{port}"
+    url = network.sandbox_url(host, port)
     manager.gateway_url = url
-    log.info("sandbox listener on %s", url)
+    log.info("sandbox listener on http://%s:%d; sandboxes reach it at %s", host, port, url)
     try:
         yield url
     finally:

@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from core.errors import SandboxError, SandboxUnavailable
 from sandbox.backend import copy_bounded
+from sandbox.cluster.relay import Relay
 from sandbox.config import DockerBackendConfig
 from sandbox.docker_backend import DockerSandboxBackend
 
@@ -42,6 +43,7 @@ class SandboxAgent:
     def __init__(self, config: DockerBackendConfig) -> None:
         self.config = config
         self.backend: DockerSandboxBackend | None = None
+        self.relay: Relay | None = None
         self.reason = ""
         try:
             self.backend = DockerSandboxBackend(config)
@@ -117,6 +119,28 @@ class SandboxAgent:
                 self._backend().destroy(name)
                 removed.append(name)
         return removed
+
+    def start_relay(self, target: tuple[str, int], secret: bytes, port: int) -> str:
+        """Let this node's ``network="gateway"`` sandboxes reach the gateway's demux at `target` through a
+        relay on `port` of the node's gateway network (`sandbox.cluster.relay`); where it listens."""
+        network = self._backend().network
+        host = network.gateway_address()
+        network.open_gateway(port)
+        self.stop_relay()
+        self.relay = Relay(host, port, target, secret, self._sandbox_at)
+        return f"{host}:{port}"
+
+    def stop_relay(self) -> None:
+        relay, self.relay = self.relay, None
+        if relay is not None:
+            relay.stop()
+
+    def _sandbox_at(self, ip: str) -> str | None:
+        """The sandbox whose address on this node's gateway network is `ip` (its container's name)."""
+        for container in self._backend().network_members().values():
+            if str(container.get("IPv4Address", "")).split("/")[0] == ip:
+                return str(container.get("Name"))
+        return None
 
     def _backend(self) -> DockerSandboxBackend:
         if self.backend is None:

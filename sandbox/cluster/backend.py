@@ -44,7 +44,14 @@ from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.errors import ImageNotFound, NodeLost, NoSandboxSlot, SandboxNotFound, SandboxUnavailable
+from core.errors import (
+    ImageNotFound,
+    NodeLost,
+    NoSandboxSlot,
+    SandboxError,
+    SandboxNotFound,
+    SandboxUnavailable,
+)
 from sandbox.backend import (
     DEFAULT_SESSION,
     Checkpoint,
@@ -58,6 +65,7 @@ from sandbox.backend import (
 )
 from sandbox.checkpoint_store import CheckpointStore, store_for
 from sandbox.cluster.agent import SandboxAgent
+from sandbox.cluster.network import ClusterNetwork
 from sandbox.config import DockerBackendConfig
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.docker_backend.portable import checkpoint_key
@@ -85,6 +93,10 @@ class ClusterConfig(BaseModel):
     docker_urls: dict[str, str] = Field(
         default_factory=dict,
         description="a node's Docker engine address, by the node's address (default: the node's own socket)",
+    )
+    relay_port: int = Field(
+        default=7199, ge=1, le=65535,
+        description="the port of each node's relay for network=gateway sandboxes (the same on every node)",
     )
     probe_interval_s: float = Field(
         default=1.0, gt=0, description="how often the nodes are listed and pinged"
@@ -147,6 +159,9 @@ class ClusterSandboxBackend(SandboxBackend):
         self._stop = threading.Event()
         self._ray = _connect(config)
         self._agent_class = self._ray.remote(SandboxAgent)
+        self._relay: tuple[tuple[str, int], bytes] | None = None  # the demux's address and the secret
+        host = config.node_ip or self._ray.util.get_node_ip_address()
+        self._network = ClusterNetwork(host, config.relay_port, self._relays)
         self.probe()
         self._prober = threading.Thread(target=self._probe_loop, name="belayer-sandbox-nodes", daemon=True)
         self._prober.start()
@@ -197,7 +212,11 @@ class ClusterSandboxBackend(SandboxBackend):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         docker = self._docker.model_copy(
-            update={"base_url": self.config.docker_urls.get(ip, self._docker.base_url)}
+            update={
+                "base_url": self.config.docker_urls.get(ip, self._docker.base_url),
+                # a bridge name of the node's own: nodes that share a machine (tests) must not collide
+                "gateway_bridge": "bgw-" + "".join(c for c in ip if c.isalnum())[-10:],
+            }
         )
         node = Node(ip, ray_id, slots)
         if former is not None:  # the same machine again (its Ray node started again): what it held is lost
@@ -230,6 +249,26 @@ class ClusterSandboxBackend(SandboxBackend):
         if node.state != "alive":
             self._rejoin(node, facts)
 
+    @property
+    def network(self) -> ClusterNetwork:
+        return self._network
+
+    def _relays(self, target: tuple[str, int] | None, secret: bytes) -> None:
+        """Start the relays of every node alive (and of nodes that join later) to `target`; None: stop them."""
+        self._relay = (target, secret) if target is not None else None
+        for node in self._alive():
+            self._start_relay(node)
+
+    def _start_relay(self, node: Node) -> None:
+        try:
+            if self._relay is None:
+                self._call(node, "stop_relay")
+            else:
+                where = self._call(node, "start_relay", *self._relay, self.config.relay_port)
+                log.info("sandbox node %s: relay for network=gateway sandboxes on %s", node.ip, where)
+        except SandboxError as exc:  # that node's network=gateway sandboxes cannot reach the gateway
+            log.error("sandbox node %s: no relay for network=gateway sandboxes: %s", node.ip, exc)
+
     def _rejoin(self, node: Node, facts: dict[str, Any]) -> None:
         with self._lock:
             sweep = sorted(node.gone | node.lost)  # what it held is stale: removed, the lost ones too
@@ -246,6 +285,8 @@ class ClusterSandboxBackend(SandboxBackend):
             was, node.state = node.state, "alive"
         log.info("sandbox node %s %s: %d slots, %s", node.ip, "back" if was == "lost" else "joined",
                  node.slots, facts)  # fmt: skip
+        if self._relay is not None:
+            self._start_relay(node)
 
     def _lose(self, node: Node, reason: str) -> None:
         with self._lock:
@@ -383,6 +424,7 @@ class ClusterSandboxBackend(SandboxBackend):
             node = self._node(sandbox_id)
         except SandboxNotFound:
             return
+        self._network.forget(sandbox_id)
         with self._lock:
             node.boxes.discard(sandbox_id)
             self._where.pop(sandbox_id, None)

@@ -111,6 +111,12 @@ class DockerSandboxBackend(SandboxBackend):
     def network(self) -> DockerNetwork:
         return self._network
 
+    def network_members(self) -> dict[str, dict[str, Any]]:
+        """The containers on the gateway network, by id: ``Name`` and ``IPv4Address`` (``a.b.c.d/nn``)."""
+        with docker_errors():
+            info = self._api.inspect_network(self._config.gateway_network)
+        return dict(info.get("Containers") or {})
+
     def list_sandboxes(self, labels: Mapping[str, str]) -> list[Sandbox]:
         """Belayer's containers (they carry the spec label) with every one of `labels`, running or not;
         each one's id is its name, as `create` and `restore` gave it."""

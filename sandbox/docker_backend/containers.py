@@ -19,7 +19,7 @@ from core.errors import SandboxError
 from sandbox import supervisor
 from sandbox.backend import Sandbox, SandboxSpec, SandboxStatus
 from sandbox.docker_backend.engine import SPEC_LABEL, DockerEngine, docker_errors, raise_for_status
-from sandbox.docker_backend.network import DockerNetwork
+from sandbox.docker_backend.network import GATEWAY_HOST, DockerNetwork
 
 
 class DiskQuota:
@@ -125,8 +125,9 @@ class Containers:
 
     def host_config(self, spec: SandboxSpec) -> dict[str, Any]:
         """A sandbox's isolation: `spec`'s network, capabilities and limits, and the disk quota."""
-        if spec.network == "gateway":
-            self._network.ensure()
+        extra_hosts = None
+        if spec.network == "gateway":  # the gateway by name: on a cluster, each node's own address
+            extra_hosts = {GATEWAY_HOST: self._network.ensure()}
         config = self._engine.config
         network_mode = {"none": "none", "full": "bridge", "gateway": config.gateway_network}
         host_config: dict[str, Any] = self._api.create_host_config(
@@ -139,6 +140,7 @@ class Containers:
             pids_limit=spec.pids_limit,
             nano_cpus=int(spec.cpus * 1e9),
             storage_opt=self._quota.storage_opt(),
+            extra_hosts=extra_hosts,
         )
         return host_config
 

@@ -46,6 +46,8 @@ from sandbox.docker_backend.engine import docker_errors
 from sandbox.network import SandboxNetwork
 
 CHAIN = "BELAYER-GATEWAY"
+GATEWAY_HOST = "belayer-gateway"
+"""The name by which a sandbox on the network reaches the host's address on it (its ``/etc/hosts``)."""
 ICC = "com.docker.network.bridge.enable_icc"
 LABELS = {"belayer": "gateway-network"}
 

@@ -117,9 +117,8 @@ def gateway_env(session_id: str, spec: SandboxSpec, gateway_url: str | None) -> 
         return spec.env
     if gateway_url is None:
         raise SandboxError(
-            "network='gateway' needs the gateway's sandbox listener, which is not running here (it needs "
-            "this host's Docker engine and iptables as root; sandboxes on a Ray cluster have none yet); "
-            "use network='none' and run the harness beside its sandbox"
+            "network='gateway' needs the gateway's sandbox listener, which is not running here "
+            "(it needs a Docker engine and iptables as root); use network='none'"
         )
     url = f"{gateway_url}/s/{session_id}"
     defaults = {

@@ -12,15 +12,31 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from belayer.testing.docker_local import LocalDockerEngine, ensure_busybox, local_docker_engines
-from tests.sandbox.conftest import docker_config, docker_engine  # the gateway host's own engine
+from belayer.testing.ray_local import LocalRayCluster
+from sandbox.cluster import ClusterConfig, ClusterSandboxBackend
+from tests.sandbox.conftest import (  # the gateway host's engine
+    backend,
+    docker_config,
+    docker_engine,
+    python_image,
+)
 
-__all__ = ["docker_config", "docker_engine", "node_engines", "whole_engines"]
+__all__ = [
+    "backend",
+    "cluster",
+    "docker_config",
+    "docker_engine",
+    "node_engines",
+    "python_image",
+    "whole_engines",
+]
 
 ENGINES = ("b", "c")  # the Ray nodes that declare sandbox slots
 
@@ -51,3 +67,49 @@ def whole_engines(node_engines: dict[str, LocalDockerEngine]) -> Iterator[dict[s
     for engine in node_engines.values():
         if not engine.running():
             engine.restart()
+
+
+class Cluster:
+    """The backend over nodes b and c, and how to lose and bring back the node a sandbox is on."""
+
+    def __init__(
+        self, ray: LocalRayCluster, engines: dict[str, LocalDockerEngine], backend: ClusterSandboxBackend
+    ):
+        self.ray, self.engines, self.backend = ray, engines, backend
+
+    def name_of(self, sandbox_id: str) -> str:
+        ip = self.backend.node_of(sandbox_id)
+        return next(n.name for n in self.ray.nodes if n.ip == ip)
+
+    def lose(self, name: str) -> None:
+        """Node `name` gone as a machine goes: its Ray processes and its engine with its containers."""
+        self.ray.kill_node(name)
+        self.engines[name].kill()
+
+    def bring_back(self, name: str) -> None:
+        self.engines[name].restart()
+        self.ray.restart_node(name)
+
+    def wait_state(self, name: str, state: str, timeout: float = 60.0) -> None:
+        ip = self.ray.node(name).ip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(n["node"] == ip and n["state"] == state for n in self.backend.nodes()):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"node {name} never {state}: {self.backend.nodes()}")
+
+
+@pytest.fixture
+def cluster(
+    whole_cluster: LocalRayCluster, whole_engines: dict[str, LocalDockerEngine], tmp_path: Path
+) -> Iterator[Cluster]:
+    urls = {whole_cluster.node(name).ip: engine.url for name, engine in whole_engines.items()}
+    config = ClusterConfig(
+        address=whole_cluster.address, node_ip=whole_cluster.head.ip, docker_urls=urls,
+        probe_interval_s=0.3, node_timeout_s=2.0,
+    )  # fmt: skip
+    backend = ClusterSandboxBackend(config, f"file://{tmp_path / 'store'}")
+    made = Cluster(whole_cluster, whole_engines, backend)
+    yield made
+    made.backend.close()  # the one the test left (it may have started another)

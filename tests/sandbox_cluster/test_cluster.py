@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,61 +30,17 @@ from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.workloads import SHELL_COUNTER_SERVER
 from store import SessionRecord, SqliteStore
 from tests.sandbox.test_recovery import Env, Harness, check_consistent, start, step_command
+from tests.sandbox_cluster.conftest import Cluster
 
 pytestmark = [pytest.mark.sandbox_cluster, pytest.mark.docker, pytest.mark.ray]
 
 IMAGE = "belayer-sandbox-busybox"
 
 
-class Cluster:
-    """The backend over nodes b and c, and how to lose and bring back the node a sandbox is on."""
-
-    def __init__(
-        self, ray: LocalRayCluster, engines: dict[str, LocalDockerEngine], backend: ClusterSandboxBackend
-    ):
-        self.ray, self.engines, self.backend = ray, engines, backend
-
-    def name_of(self, sandbox_id: str) -> str:
-        ip = self.backend.node_of(sandbox_id)
-        return next(n.name for n in self.ray.nodes if n.ip == ip)
-
-    def lose(self, name: str) -> None:
-        """Node `name` gone as a machine goes: its Ray processes and its engine with its containers."""
-        self.ray.kill_node(name)
-        self.engines[name].kill()
-
-    def bring_back(self, name: str) -> None:
-        self.engines[name].restart()
-        self.ray.restart_node(name)
-
-    def wait_state(self, name: str, state: str, timeout: float = 60.0) -> None:
-        ip = self.ray.node(name).ip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(n["node"] == ip and n["state"] == state for n in self.backend.nodes()):
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"node {name} never {state}: {self.backend.nodes()}")
-
-
-@pytest.fixture
-def cluster(
-    whole_cluster: LocalRayCluster, node_engines: dict[str, LocalDockerEngine], tmp_path: Path
-) -> Iterator[Cluster]:
-    urls = {whole_cluster.node(name).ip: engine.url for name, engine in node_engines.items()}
-    config = ClusterConfig(
-        address=whole_cluster.address, node_ip=whole_cluster.head.ip, docker_urls=urls,
-        probe_interval_s=0.3, node_timeout_s=2.0,
-    )  # fmt: skip
-    backend = ClusterSandboxBackend(config, f"file://{tmp_path / 'store'}")
-    made = Cluster(whole_cluster, node_engines, backend)
-    yield made
-    made.backend.close()  # the one the test left (it may have started another)
-
-
 def test_sandboxes_spread_over_both_nodes_and_restore_on_each(cluster: Cluster) -> None:
     backend = cluster.backend
-    assert {n["node"]: n["state"] for n in backend.nodes()} == {"127.0.0.3": "alive", "127.0.0.4": "alive"}
+    b, c = cluster.ray.node("b").ip, cluster.ray.node("c").ip
+    assert {n["node"]: n["state"] for n in backend.nodes()} == {b: "alive", c: "alive"}
     boxes = [backend.create(SandboxSpec(image=IMAGE)) for _ in range(4)]
     names = [cluster.name_of(b.id) for b in boxes]
     assert sorted(names) == ["b", "b", "c", "c"]
@@ -173,15 +129,6 @@ async def env(cluster: Cluster, tmp_path: Path, tiny_model_dir: Path) -> AsyncIt
         yield Env(client, app.state.gateway, engine), cluster
         await client.aclose()
     await engine_http.aclose()
-
-
-async def test_a_harness_inside_is_refused_on_the_cluster_with_a_clear_error(
-    env: tuple[Env, Cluster],
-) -> None:
-    gateway, _ = env
-    sid = (await gateway.client.post("/api/sessions", json={})).json()["id"]
-    r = await gateway.client.post(f"/api/sessions/{sid}/sandbox", json={"image": IMAGE, "network": "gateway"})
-    assert r.status_code == 400 and "sandboxes on a Ray cluster have none yet" in r.json()["error"]["message"]
 
 
 def _losing_after(harness: Harness, env: Env, cluster: Cluster, sid: str, step: int, lost: list[str]) -> None:

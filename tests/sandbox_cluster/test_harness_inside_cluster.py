@@ -1,0 +1,103 @@
+"""A harness *inside* its sandbox on a cluster node (`sandbox.cluster.relay`), and its node lost mid-episode.
+
+The agent of `tests.sandbox.test_harness_inside` (stdlib Python, its conversation in memory only) runs in
+a ``network="gateway"`` sandbox on node b or c. It reaches the gateway at ``belayer-gateway:RELAY_PORT``,
+through its node's relay and the gateway's demux, as its own session only. In turn 3's bubble the sandbox
+is checkpointed; in turn 5's bubble its whole node is lost. The sandbox is restored on the other node,
+and the agent, the same process with its memory, retries turn 3 there. The same URL now reaches the
+other node's relay, and the episode ends with every step run once and the kept branch the agent's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_pool.fake import FakeEngine
+from engine_pool.pool import EnginePool
+from gateway.app import build_app
+from gateway.config import FailoverConfig, GatewayConfig
+from gateway.policy.tokenization import ChatTokenizer
+from sandbox.config import PolicySettings, SandboxConfig
+from tests.sandbox.scripting import TOOLS, scripted
+from tests.sandbox.test_harness_inside import AGENT, Env, Gate, new_session, read, sh, wait_for_file
+from tests.sandbox_cluster.conftest import Cluster
+
+pytestmark = [pytest.mark.sandbox_cluster, pytest.mark.docker, pytest.mark.ray]
+
+
+@pytest.fixture
+async def env(
+    cluster: Cluster,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    python_image: str,
+) -> AsyncIterator[Env]:
+    tok = ChatTokenizer.load(tiny_model_dir)
+    engine = FakeEngine(max_model_len=8192)
+    gate = Gate(engine.app(), tok, held=[3, 5])
+    config = GatewayConfig(
+        model=str(tiny_model_dir),
+        store_path=str(tmp_path / "traj.db"),
+        failover=FailoverConfig(no_worker_wait=0.3, stall_timeout=600.0),
+        sandbox=SandboxConfig(enabled=True, policy=PolicySettings(mode="never"), watch_interval_s=0.2),
+    )
+    engine_http = httpx.AsyncClient(transport=httpx.ASGITransport(gate), timeout=None)
+    pool = EnginePool(engine_http)
+    pool.add_remote("http://fake-engine")
+    app = build_app(config, pool=pool, sandbox_backend=cluster.backend)
+    async with app.router.lifespan_context(app):
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=180
+        )
+        yield Env(client, app.state.gateway, engine, gate)
+        await client.aclose()
+    await engine_http.aclose()
+
+
+async def test_a_harness_inside_goes_on_on_another_node_when_its_node_is_lost(
+    env: Env, cluster: Cluster, python_image: str
+) -> None:
+    commands = [f"echo {i} >> /workspace/steps" for i in range(6)]
+    env.engine.script = scripted(env.gw.tokenizer, commands)
+    sid = await new_session(env, python_image)
+    manager = env.gw.sandboxes
+    assert manager is not None and manager.gateway_url == "http://belayer-gateway:7199"
+    r = await env.client.put(
+        f"/api/sessions/{sid}/sandbox/files", json={"path": "agent.py", "content": AGENT}
+    )
+    assert r.status_code == 200
+    tools = json.dumps(json.dumps(TOOLS))
+    await sh(env, sid, f"python3 /workspace/agent.py {tools} > /workspace/agent.log 2>&1 &")
+
+    await asyncio.wait_for(env.gate.arrived[3].wait(), 120)  # turn 3's bubble: checkpoint the waiting agent
+    ckpt = await manager.checkpoint(sid)
+    assert (ckpt.turn_index, ckpt.in_bubble, ckpt.keep_through) == (3, True, 2)
+    pid_before = await read(env, sid, "agent.pid")
+    env.gate.release[3].set()
+
+    await asyncio.wait_for(env.gate.arrived[5].wait(), 120)  # turn 5's bubble: its node is lost
+    first_box = str(manager.sandbox_id(sid))
+    lost = cluster.name_of(first_box)
+    await asyncio.to_thread(cluster.lose, lost)
+    env.gate.release[5].set()
+
+    done = json.loads(await wait_for_file(env, sid, "agent-done.json", timeout=180))
+    state = (await env.client.get(f"/api/sessions/{sid}/sandbox")).json()
+    assert state["sandbox_id"] != first_box and cluster.name_of(state["sandbox_id"]) != lost
+    restore = state["last_restore"]
+    assert (restore["turn_index"], restore["keep_through"]) == (3, 2)
+    assert restore["reason"].startswith("node_lost: ")
+    assert done["executed"] == commands and str(done["pid"]) == pid_before  # the same process, its memory
+    assert await read(env, sid, "steps") == "".join(f"{i}\n" for i in range(6))
+    assert "retry" in (await read(env, sid, "agent.log") or "")  # its call broke with the node, re-sent
+    traj = (await env.client.get(f"/api/sessions/{sid}/trajectory")).json()
+    kept = [t for t in traj["turns"] if t["status"] != "discarded"]
+    assert [t["status"] for t in kept] == ["complete"] * (len(commands) + 1)
+    assert kept[3]["parent_index"] == 2  # the retry, from the other node, extended turn 2
+    assert kept[-1]["request"]["messages"] == done["messages"][:-1]  # the kept branch is the agent's own
