@@ -101,3 +101,53 @@ async def test_a_harness_inside_goes_on_on_another_node_when_its_node_is_lost(
     assert [t["status"] for t in kept] == ["complete"] * (len(commands) + 1)
     assert kept[3]["parent_index"] == 2  # the retry, from the other node, extended turn 2
     assert kept[-1]["request"]["messages"] == done["messages"][:-1]  # the kept branch is the agent's own
+
+
+PROBE = """
+import json, os, socket, urllib.error, urllib.request
+def get(url, body=None):
+    try:
+        r = urllib.request.urlopen(urllib.request.Request(url, body, {"Content-Type": "application/json"}), timeout=10)
+        return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+def connect(addr, port):
+    try:
+        socket.create_connection((addr, port), timeout=3).close()
+        return "open"
+    except OSError as e:
+        return type(e).__name__
+base = os.environ["BELAYER_SESSION_URL"].rsplit("/s/", 1)[0]
+chat = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+node = socket.gethostbyname("belayer-gateway")
+print(json.dumps({
+    "base": base, "own": get(os.environ["OPENAI_BASE_URL"] + "/chat/completions", chat)[0],
+    "other": get(base + "/s/OTHER/v1/chat/completions", chat), "plain": get(base + "/v1/chat/completions", chat)[0],
+    "sessions": get(base + "/api/sessions")[0], "node_ssh": connect(node, 22), "outside": connect("1.1.1.1", 80),
+}))
+"""
+
+
+async def test_a_sandbox_on_a_node_reaches_only_its_own_session(
+    env: Env, cluster: Cluster, python_image: str
+) -> None:
+    env.engine.script = scripted(env.gw.tokenizer, [])
+    sid = await new_session(env, python_image)
+    other = (await env.client.post("/api/sessions", json={})).json()["id"]
+    probe = PROBE.replace("OTHER", other)
+    r = await env.client.put(
+        f"/api/sessions/{sid}/sandbox/files", json={"path": "probe.py", "content": probe}
+    )
+    assert r.status_code == 200
+    env.gate.release[3].set()
+    out = await sh(env, sid, "python3 /workspace/probe.py")
+    assert out["exit_code"] == 0, out
+    seen = json.loads(out["stdout"])
+    assert seen["base"] == "http://belayer-gateway:7199"
+    assert seen["own"] == 200  # its own session, through its node's relay ...
+    status, body = seen["other"]  # ... and nothing else
+    assert (status, body["error"]["code"]) == (403, "forbidden") and f"/s/{sid}/" in body["error"]["message"]
+    assert seen["plain"] == seen["sessions"] == 403
+    assert seen["node_ssh"] == "ConnectionRefusedError"  # the node's firewall resets its other ports
+    assert seen["outside"] in ("TimeoutError", "OSError", "ConnectionRefusedError")  # no route out
+    assert len(env.gw.store.get_turns(sid)) == 1 and env.gw.store.get_turns(other) == []
