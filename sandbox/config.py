@@ -109,6 +109,11 @@ class SandboxConfig(BaseModel):
     node_timeout_s: float = Field(
         default=3.0, gt=0, description="a sandbox node whose Docker engine does not answer this long is lost"
     )
+    relay_port: int = Field(
+        default=7199, ge=1, le=65535,
+        description="with sandboxes on Ray: the port of each node's relay, by which network=gateway "
+        "sandboxes reach the gateway (the same on every node)",
+    )
     docker_urls: dict[str, str] = Field(
         default_factory=dict,
         description="a sandbox node's Docker engine address by the node's IP (NODE_IP=URL; default: the "

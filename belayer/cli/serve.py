@@ -83,6 +83,7 @@ SERVE_FLAGS = (
     Flag("--checkpoint-store", "sandbox.checkpoint_store", metavar="URL"),
     Flag("--sandbox-node-timeout", "sandbox.node_timeout_s", metavar="SECONDS"),
     Flag("--sandbox-docker-url", "sandbox.docker_urls", metavar="NODE_IP=URL"),
+    Flag("--sandbox-relay-port", "sandbox.relay_port", metavar="PORT"),
     Flag("--max-workspace-bytes", "sandbox.max_workspace_bytes", metavar="BYTES"),
     Flag("--sandbox-disk-quota", "sandbox.disk_quota_bytes", metavar="BYTES"),
     Flag("--admin-token", "admin_token"),
