@@ -48,6 +48,7 @@ from core.errors import (
     ImageNotFound,
     NodeLost,
     NoSandboxSlot,
+    SandboxArgumentError,
     SandboxError,
     SandboxNotFound,
     SandboxUnavailable,
@@ -607,6 +608,14 @@ def _connect(config: ClusterConfig) -> Any:
             address=config.address, namespace=config.namespace, log_to_driver=False, configure_logging=False,
             ignore_reinit_error=True, **kwargs,
         )  # fmt: skip
+        return ray
+    joined = str(ray.get_runtime_context().gcs_address)
+    if config.address not in ("auto", joined):  # a process joins one cluster (the engine pool's, say)
+        raise SandboxArgumentError(
+            f"this gateway already joined the Ray cluster at {joined} (the engine pool's --ray); a process "
+            f"joins one cluster, so its sandboxes cannot go to {config.address}: give --sandbox-ray that "
+            "cluster's address too (or auto), or keep them here with --sandbox-ray off"
+        )
     return ray
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from belayer.testing.docker_local import LocalDockerEngine
 from belayer.testing.ray_local import LocalRayCluster
-from core.errors import NoSandboxSlot
+from core.errors import NoSandboxSlot, SandboxArgumentError
 from engine_pool.fake import FakeEngine, LatentEngine
 from engine_pool.pool import EnginePool
 from gateway.api.sandbox import open_sandboxes
@@ -289,3 +289,9 @@ async def test_a_restarted_gateway_takes_back_its_sandboxes_on_every_node(
     for engine in cluster.engines.values():  # keep_on_shutdown off the second time: removed from both nodes
         assert [s for s in engine.container_states() if s.startswith("belayer-sbx")] == []
     store.close()
+
+
+def test_a_process_joins_one_ray_cluster(cluster: Cluster, tmp_path: Path) -> None:
+    other = ClusterConfig(address="127.0.0.99:6379", node_ip=cluster.ray.head.ip)
+    with pytest.raises(SandboxArgumentError, match=r"already joined the Ray cluster at 127\.0\.0\.\d+:\d+"):
+        ClusterSandboxBackend(other, f"file://{tmp_path / 'store'}")
