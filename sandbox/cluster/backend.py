@@ -435,9 +435,10 @@ class ClusterSandboxBackend(SandboxBackend):
                 if node.state != "alive":
                     return
         try:
-            self._call(node, "sweep", [sandbox_id]) if sandbox_id in node.gone else self._call(
-                node, "call", "destroy", sandbox_id
-            )
+            if sandbox_id in node.gone:  # it was lost with its node, which is back: remove what is left
+                self._call(node, "sweep", [sandbox_id])
+            else:
+                self._call(node, "call", "destroy", sandbox_id)
             with self._lock:
                 node.gone.discard(sandbox_id)
         except NodeLost:
