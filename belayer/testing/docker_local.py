@@ -202,6 +202,10 @@ class LocalDockerEngine:
         (self.exec_root / "containerd" / "containerd.pid").unlink(missing_ok=True)
         (self.workdir / "daemon.json").write_text("{}\n")  # not the machine's /etc/docker/daemon.json
         self._make_bridge()
+        # Its networks, forgotten: a dockerd that finds its default network from a run before deletes it
+        # again, and with it the machine's docker0 (not its own bridge), which the main engine needs.
+        # Networks it needs (the gateway network) are made again on demand.
+        (self.data_root / "network" / "files" / "local-kv.db").unlink(missing_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

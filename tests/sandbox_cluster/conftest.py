@@ -77,6 +77,10 @@ class Cluster:
     ):
         self.ray, self.engines, self.backend = ray, engines, backend
 
+    def containers(self) -> dict[str, set[str]]:
+        """Each node's Belayer sandbox containers now (an earlier test may have left some behind)."""
+        return {name: sandboxes_on(engine) for name, engine in self.engines.items()}
+
     def name_of(self, sandbox_id: str) -> str:
         ip = self.backend.node_of(sandbox_id)
         return next(n.name for n in self.ray.nodes if n.ip == ip)
@@ -111,5 +115,12 @@ def cluster(
     )  # fmt: skip
     backend = ClusterSandboxBackend(config, f"file://{tmp_path / 'store'}")
     made = Cluster(whole_cluster, whole_engines, backend)
+    for name in whole_engines:  # a node restarted after the test before may still be on its way back
+        made.wait_state(name, "alive")
     yield made
     made.backend.close()  # the one the test left (it may have started another)
+
+
+def sandboxes_on(engine: LocalDockerEngine) -> set[str]:
+    """The engine's Belayer sandbox containers, running or not."""
+    return {name for name in engine.container_states() if name.startswith("belayer-sbx")}

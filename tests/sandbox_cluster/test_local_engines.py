@@ -68,6 +68,7 @@ def test_kill_takes_the_containers_down_and_restart_brings_them_back_stopped(
 ) -> None:
     b, c = whole_engines["b"], whole_engines["c"]
     before = set(b.container_states())
+    docker0 = Path("/sys/class/net/docker0").exists()  # the main engine's bridge, which b must not touch
     with sandbox_on(b) as (backend, box), sandbox_on(c) as (_, bystander):
         backend.exec(box.id, "sleep 1000 >/dev/null 2>&1 &")
         container_id = backend._api.inspect_container(box.id)["Id"]
@@ -84,6 +85,8 @@ def test_kill_takes_the_containers_down_and_restart_brings_them_back_stopped(
         b.restart()
 
         assert {k: v for k, v in b.container_states().items() if k not in before} == {box.id: "exited"}
+        assert Path("/sys/class/net/docker0").exists() == docker0  # a dockerd restarted over its old
+        # networks deletes docker0 (not its own bridge): `start` makes it forget them
         with DockerSandboxBackend(b.backend_config()) as after:
             assert not after.status(box.id).running
         assert in_cgroup_of(container_id) == []
