@@ -125,15 +125,18 @@ class SandboxAgent:
         relay on `port` of the node's gateway network (`sandbox.cluster.relay`); where it listens."""
         network = self._backend().network
         host = network.gateway_address()
-        network.open_gateway(port)
         self.stop_relay()
+        network.open_gateway(port)
         self.relay = Relay(host, port, target, secret, self._sandbox_at)
         return f"{host}:{port}"
 
     def stop_relay(self) -> None:
+        """Stop the relay and withdraw its port from the node's firewall chain."""
         relay, self.relay = self.relay, None
         if relay is not None:
             relay.stop()
+            port = relay.server_port
+            self._backend().network.close_gateway(port)
 
     def _sandbox_at(self, ip: str) -> str | None:
         """The sandbox whose address on this node's gateway network is `ip` (its container's name)."""

@@ -128,6 +128,7 @@ class Relay(_LoopThread):
                  sandbox_at: Callable[[str], str | None]) -> None:  # fmt: skip
         super().__init__("belayer-relay")
         self.target, self.secret, self.sandbox_at = target, secret, sandbox_at
+        self.server_port = port
         self.server = self.run(asyncio.start_server(self._serve, host, port))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -76,6 +76,7 @@ class Cluster:
         self, ray: LocalRayCluster, engines: dict[str, LocalDockerEngine], backend: ClusterSandboxBackend
     ):
         self.ray, self.engines, self.backend = ray, engines, backend
+        self.lost: list[str] = []
 
     def containers(self) -> dict[str, set[str]]:
         """Each node's Belayer sandbox containers now (an earlier test may have left some behind)."""
@@ -89,6 +90,7 @@ class Cluster:
         """Node `name` gone as a machine goes: its Ray processes and its engine with its containers."""
         self.ray.kill_node(name)
         self.engines[name].kill()
+        self.lost.append(name)
 
     def bring_back(self, name: str) -> None:
         self.engines[name].restart()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -51,6 +52,7 @@ async def env(
     pool = EnginePool(engine_http)
     pool.add_remote("http://fake-engine")
     app = build_app(config, pool=pool, sandbox_backend=cluster.backend)
+    rules = relay_rules()
     async with app.router.lifespan_context(app):
         client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=180
@@ -58,6 +60,14 @@ async def env(
         yield Env(client, app.state.gateway, engine, gate)
         await client.aclose()
     await engine_http.aclose()
+    if not cluster.lost:  # the gateway gone, its relays withdrew their ports from the nodes' firewalls
+        assert relay_rules() == rules  # (a lost node's rule stays: its relay died with it)
+
+
+def relay_rules() -> list[str]:
+    """The firewall rules that let sandboxes reach a relay port (7199)."""
+    out = subprocess.run(["iptables", "-w", "-S", "BELAYER-GATEWAY"], capture_output=True, text=True).stdout
+    return sorted(line for line in out.splitlines() if "--dport 7199" in line)
 
 
 async def test_a_harness_inside_goes_on_on_another_node_when_its_node_is_lost(
