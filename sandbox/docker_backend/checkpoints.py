@@ -23,13 +23,14 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import docker.errors
 
 from core.errors import CheckpointError, RestoreError, SandboxNotFound
-from sandbox.backend import Checkpoint, Sandbox, checkpoint_from_record, checkpoint_record
+from sandbox.backend import Checkpoint, Sandbox, SandboxSpec, checkpoint_from_record, checkpoint_record
 from sandbox.docker_backend import containerd
 from sandbox.docker_backend.containers import Containers
 from sandbox.docker_backend.engine import DockerEngine, docker_errors
@@ -82,18 +83,31 @@ class Checkpoints:
         dump = Path(checkpoint.location) / _CRIU_NAME
         if not dump.is_dir():
             raise SandboxNotFound(f"checkpoint {checkpoint.id}: no process dump at {dump}")
+        return self.start_from_dump(
+            checkpoint.spec, checkpoint.image, list(checkpoint.env), lambda _created, dest: shutil.copytree(dump, dest)
+        )
+
+    def start_from_dump(
+        self, spec: SandboxSpec, image: str, env: list[str], stage: Callable[[str, Path], object]
+    ) -> Sandbox:
+        """A new sandbox from `image`, started from a process dump: `stage(container id, directory)` puts the
+        dump in that directory (and whatever else the container needs before it starts). Docker cannot
+        start from a custom checkpoint directory, so it is the container's own; a unique nonce file is added
+        (identical dumps otherwise fail, moby#42900). A container that fails to start is removed."""
         name = self._engine.new_name()
         with docker_errors(RestoreError):
-            created = self._containers.create(name, checkpoint.spec, checkpoint.image, list(checkpoint.env))
+            created = self._containers.create(name, spec, image, env)
             try:
-                self._stage_dump(created, dump)
+                dest = self._engine.data_root() / "containers" / created / "checkpoints" / _CRIU_NAME
+                stage(created, dest)
+                (dest / "nonce").write_text(uuid.uuid4().hex)
                 self._engine.post(f"/containers/{created}/start", params={"checkpoint": _CRIU_NAME})
             except BaseException:
                 with contextlib.suppress(docker.errors.DockerException):
                     self._api.remove_container(created, force=True, v=True)
                 raise
-        self._engine.remember(name, checkpoint.spec)
-        return Sandbox(id=name, spec=checkpoint.spec)
+        self._engine.remember(name, spec)
+        return Sandbox(id=name, spec=spec)
 
     def delete(self, checkpoint: Checkpoint) -> None:
         """Remove the dump and the snapshot image (Docker keeps an image that a sandbox still uses)."""
@@ -181,12 +195,6 @@ class Checkpoints:
         if tries > 1:
             log.info("container %s: dump taken at try %d, %.2fs after the first (containerd still held the last"
                      " dump's blobs)", info["Id"][:12], tries, time.monotonic() - started)  # fmt: skip
-
-    def _stage_dump(self, container_id: str, dump: Path) -> None:
-        dest = self._engine.data_root() / "containers" / container_id / "checkpoints" / _CRIU_NAME
-        shutil.copytree(dump, dest)
-        (dest / "nonce").write_text(uuid.uuid4().hex)  # moby#42900: make every restore unique
-
 
 def criu_errors(message: str, lines: int = 6) -> str:
     """Docker's checkpoint error names CRIU's log (`path= …/criu-dump.log`); add its error lines."""

@@ -31,8 +31,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import docker.errors
-
 from core.errors import CheckpointError, RestoreError, SandboxNotFound
 from sandbox.backend import Checkpoint, Sandbox
 from sandbox.checkpoint_store import CheckpointStore
@@ -104,26 +102,19 @@ class PortableCheckpoints(Checkpoints):
                 f"checkpoint {checkpoint.id}: image {checkpoint.spec.image} is not on this node's engine; "
                 "build it there first (sandbox images are built per node)"
             )
-        name = self._engine.new_name()
         with tempfile.TemporaryDirectory(dir=self._config.checkpoint_dir, prefix="restore-") as tmp:
             local = Path(tmp)
             for name_in_store in FILES[:3]:
                 self.store.get_file(checkpoint_key(checkpoint.id, name_in_store), local / name_in_store)
-            with docker_errors(RestoreError):
-                created = self._containers.create(
-                    name, checkpoint.spec, checkpoint.spec.image, list(checkpoint.env)
-                )
-                try:
-                    info = self._api.inspect_container(created)
-                    _unpack_layer(local, _upper_dir(info))
-                    self._stage_packed_dump(created, local / "criu.tar")
-                    self._engine.post(f"/containers/{created}/start", params={"checkpoint": _CRIU_NAME})
-                except BaseException:
-                    with contextlib.suppress(docker.errors.DockerException):
-                        self._api.remove_container(created, force=True, v=True)
-                    raise
-        self._engine.remember(name, checkpoint.spec)
-        return Sandbox(id=name, spec=checkpoint.spec)
+
+            def stage(created: str, dest: Path) -> None:  # the layer into its writable layer, then the dump
+                _unpack_layer(local, _upper_dir(self._api.inspect_container(created)))
+                dest.mkdir(parents=True)
+                with tarfile.open(local / "criu.tar") as tar:
+                    tar.extractall(dest, filter="data")
+
+            spec = checkpoint.spec
+            return self.start_from_dump(spec, spec.image, list(checkpoint.env), stage)
 
     def delete(self, checkpoint: Checkpoint) -> None:
         self.store.delete_prefix(checkpoint_key(checkpoint.id))
@@ -139,13 +130,6 @@ class PortableCheckpoints(Checkpoints):
 
     def drop_orphan_snapshot(self, image: str) -> None:
         """Nothing to drop: a portable checkpoint makes no snapshot image."""
-
-    def _stage_packed_dump(self, container_id: str, packed: Path) -> None:
-        dest = self._engine.data_root() / "containers" / container_id / "checkpoints" / _CRIU_NAME
-        dest.mkdir(parents=True)
-        with tarfile.open(packed) as tar:
-            tar.extractall(dest, filter="data")
-        (dest / "nonce").write_text(uuid.uuid4().hex)  # moby#42900: make every restore unique
 
 
 def _upper_dir(info: dict[str, Any]) -> Path:
