@@ -17,6 +17,7 @@ agent holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -36,6 +37,7 @@ from gateway.app import build_app
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.gateway import Gateway
 from gateway.policy.tokenization import ChatTokenizer
+from sandbox.backend import SandboxBackend
 from sandbox.config import PolicySettings, SandboxConfig
 from sandbox.docker_backend import DockerSandboxBackend
 from tests.sandbox.scripting import TOOLS, scripted, step_of
@@ -140,6 +142,15 @@ async def env(
     python_image: str,
     no_leaked_snapshots: None,
 ) -> AsyncIterator[Env]:
+    async with gated_gateway(backend, tmp_path, tiny_model_dir) as made:
+        yield made
+
+
+@contextlib.asynccontextmanager
+async def gated_gateway(
+    backend: SandboxBackend, tmp_path: Path, tiny_model_dir: Path, timeout: float = 120
+) -> AsyncIterator[Env]:
+    """A gateway with sandboxes on `backend`, over a fake engine whose turns 3 and 5 are held (`Gate`)."""
     tok = ChatTokenizer.load(tiny_model_dir)
     engine = FakeEngine(max_model_len=8192)
     gate = Gate(engine.app(), tok, held=[3, 5])
@@ -154,7 +165,9 @@ async def env(
     pool.add_remote("http://fake-engine")
     app = build_app(config, pool=pool, sandbox_backend=backend)
     async with app.router.lifespan_context(app):
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=120)
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=timeout
+        )
         yield Env(client, app.state.gateway, engine, gate)
         await client.aclose()
     await engine_http.aclose()

@@ -16,17 +16,10 @@ import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from engine_pool.fake import FakeEngine
-from engine_pool.pool import EnginePool
-from gateway.app import build_app
-from gateway.config import FailoverConfig, GatewayConfig
-from gateway.policy.tokenization import ChatTokenizer
-from sandbox.config import PolicySettings, SandboxConfig
 from tests.sandbox.scripting import TOOLS, scripted
-from tests.sandbox.test_harness_inside import AGENT, Env, Gate, new_session, read, sh, wait_for_file
+from tests.sandbox.test_harness_inside import AGENT, Env, gated_gateway, new_session, read, sh, wait_for_file
 from tests.sandbox_cluster.conftest import Cluster
 
 pytestmark = [pytest.mark.sandbox_cluster, pytest.mark.docker, pytest.mark.ray]
@@ -39,27 +32,9 @@ async def env(
     tiny_model_dir: Path,
     python_image: str,
 ) -> AsyncIterator[Env]:
-    tok = ChatTokenizer.load(tiny_model_dir)
-    engine = FakeEngine(max_model_len=8192)
-    gate = Gate(engine.app(), tok, held=[3, 5])
-    config = GatewayConfig(
-        model=str(tiny_model_dir),
-        store_path=str(tmp_path / "traj.db"),
-        failover=FailoverConfig(no_worker_wait=0.3, stall_timeout=600.0),
-        sandbox=SandboxConfig(enabled=True, policy=PolicySettings(mode="never"), watch_interval_s=0.2),
-    )
-    engine_http = httpx.AsyncClient(transport=httpx.ASGITransport(gate), timeout=None)
-    pool = EnginePool(engine_http)
-    pool.add_remote("http://fake-engine")
-    app = build_app(config, pool=pool, sandbox_backend=cluster.backend)
     rules = relay_rules()
-    async with app.router.lifespan_context(app):
-        client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=180
-        )
-        yield Env(client, app.state.gateway, engine, gate)
-        await client.aclose()
-    await engine_http.aclose()
+    async with gated_gateway(cluster.backend, tmp_path, tiny_model_dir, timeout=180) as made:
+        yield made
     if not cluster.lost:  # the gateway gone, its relays withdrew their ports from the nodes' firewalls
         assert relay_rules() == rules  # (a lost node's rule stays: its relay died with it)
 
