@@ -45,7 +45,8 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     │   ├── CheckpointError                          checkpoint (filesystem or process dump) failed
     │   │   └── RestoreError                         restore from a checkpoint failed
     │   │       └── CheckpointUnreadable                 sandbox.checkpoint_store: an object cannot be read
-    │   │           └── CheckpointMissing (LookupError)  ... because the store holds no such object
+    │   │           ├── CheckpointMissing (LookupError)  ... because the store holds no such object
+    │   │           └── CheckpointTampered               ... or holds what the gateway did not write there
     │   └── ImageBuildError                          building a sandbox image failed
     ├── HarnessError                   a harness could not be installed or run
     ├── TaskError (ValueError)         a task directory is not usable
@@ -275,6 +276,12 @@ class CheckpointUnreadable(RestoreError):
 
 class CheckpointMissing(CheckpointUnreadable, LookupError):
     """The checkpoint store holds no object under the key (deleted, or written to another store)."""
+
+
+class CheckpointTampered(CheckpointUnreadable):
+    """A checkpoint fails its authentication: a part differs from the digest the gateway recorded, its
+    record from the MAC the gateway signed it with (or it carries none), or the store holds a symbolic link.
+    Someone who can write the store changed it; nothing of it was unpacked or started."""
 
 
 class ImageBuildError(SandboxError):

@@ -32,6 +32,7 @@ from core.errors import (
     AuxiliaryUnavailable,
     BelayerError,
     CheckpointError,
+    CheckpointTampered,
     CheckpointUnreadable,
     Conflict,
     ContextLengthExceeded,
@@ -148,6 +149,9 @@ TABLE: dict[type[BaseException], HttpError] = {
     NodeLost: HttpError(503, "sandbox_node_lost", hint="; it is being restored on another node, retry shortly"),
     ImageNotFound: HttpError(400, "image_not_found", "image"),
     SandboxNotFound: HttpError(404, "sandbox_not_found"),
+    CheckpointTampered: HttpError(
+        503, "checkpoint_tampered", prefix="the sandbox could not be restored: ", type="sandbox_error"
+    ),
     CheckpointUnreadable: HttpError(
         503, "checkpoint_unreadable", prefix="the sandbox could not be restored: ", type="sandbox_error"
     ),
