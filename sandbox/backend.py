@@ -143,6 +143,12 @@ class Checkpoint:
     """The container's full environment (image ENV plus `spec.env`), as `NAME=value`."""
     dump_bytes: int = 0
     """Size of the process dump (what the checkpoint policy weighs its next cost by)."""
+    digests: tuple[tuple[str, str], ...] = ()
+    """A portable checkpoint's parts in the store and each one's SHA-256 (hex), checked before a restore
+    unpacks any of them (`sandbox.checkpoint_auth`)."""
+    mac: str = ""
+    """The gateway's HMAC over what a restore uses of this record, digests included
+    (`sandbox.checkpoint_auth`); empty where no key signed it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +323,7 @@ def checkpoint_from_record(record: dict[str, Any]) -> Checkpoint:
     values = dict(record)
     values["spec"] = SandboxSpec.model_validate(values["spec"])
     values["env"] = tuple(values.get("env") or ())
+    values["digests"] = tuple((str(name), str(digest)) for name, digest in values.get("digests") or ())
     return Checkpoint(**values)
 
 
