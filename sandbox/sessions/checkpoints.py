@@ -22,6 +22,7 @@ import logging
 import time
 
 from core.errors import CheckpointError, SandboxError
+from core.logs import session_tag
 from sandbox.backend import checkpoint_record
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.policy import AdaptivePolicy
@@ -52,7 +53,9 @@ class Checkpointer:
         turn_index = running if running is not None else slot.turns.last
         await self._check_disk(slot.session_id, box, bubble)
         started = time.monotonic()
-        ckpt = await self.io.op(self.io.backend.checkpoint, box, label=f"{slot.session_id}/turn-{turn_index}")
+        # The session's tag, not its id (the capability): the label is in the store's meta.json
+        label = f"{session_tag(slot.session_id)}/turn-{turn_index}"
+        ckpt = await self.io.op(self.io.backend.checkpoint, box, label=label)
         seconds = time.monotonic() - started
         in_bubble = running is not None and (bubble is None or bubble.id in slot.turns.running)
         keep = turn_index - 1 if (running is not None and slot.harness_inside) else turn_index
