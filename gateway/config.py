@@ -374,10 +374,11 @@ class GatewayConfig(BaseSettings):
     api_token_file: str | None = Field(
         default=None, description="a file that holds the API token (instead of --api-token)"
     )
-    plain_v1: Literal["open", "token", "off"] = Field(
-        default="open",
+    plain_v1: Literal["open", "token", "off"] | None = Field(
+        default=None,
         description="plain /v1 requests (one-request sessions, stored responses): open, behind the API "
-        "token, or off",
+        "token, or off; unset: token when an API token is set, else open. External auxiliary models are "
+        "never served on them (only on a session's /s/{id}/v1)",
     )
     allowed_hosts: list[str] = Field(
         default_factory=list,
@@ -416,6 +417,8 @@ class GatewayConfig(BaseSettings):
             if getattr(self, name) is not None:
                 raise ValueError(f"give the {name.replace('_', ' ')} once: as a value or as a file, not both")
             setattr(self, name, _read_token(file))
+        if self.plain_v1 is None:  # a gateway behind a token keeps its plain routes behind it too
+            self.plain_v1 = "token" if self.api_token is not None else "open"
         for url in (*self.engine_urls, *self.shadow_urls):
             if not engine_allowed(url, self.engine_allow):
                 raise ValueError(f"engine {url} is not in --engine-allow {self.engine_allow}")

@@ -1,6 +1,7 @@
 """The first steps every generating route takes, in one place: read the JSON body, refuse what the
 protocol does not support, validate, route the model (an external auxiliary model is forwarded to its
-provider here, once the session's URL has been checked like a policy call's), bound the prompt cheaply
+provider here, once the session's URL has been checked like a policy call's; on a plain route it is
+refused), bound the prompt cheaply
 before any templating, and find the request's session.
 
 Example::
@@ -63,11 +64,13 @@ async def admit(
     req = parse(raw)
     route = gw.route_model(req.model)
     if route is not None and route.kind == "external":
-        # the same admission as the policy's: an open session's URL (or an allowed plain route, which
-        # `gateway.http.access` decided), before the provider or the store sees anything
+        # the same admission as the policy's: an open session's URL, before the provider or the store
+        # sees anything. Never a plain route: the provider's key is the operator's, and a plain route
+        # is a door for whoever reaches the port (`auxiliary.external_needs_session`)
         sid = request.path_params.get("session_id")
-        if sid is not None:
-            gw.sessions.get_open(sid)
+        if sid is None:
+            raise auxiliary.external_needs_session(req.model, endpoint)
+        gw.sessions.get_open(sid)
         return await auxiliary.forward(gw.aux_http_client(), gw.store, route, raw, endpoint, request)
     gw.bound_prompt(*(raw.get(f) for f in prompt_fields))
     session = await session_for(gw, request, auxiliary_model=req.model if route else None)

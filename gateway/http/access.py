@@ -22,7 +22,8 @@ token, the harness side holds a capability URL, and a web page holds nothing.**
   the dashboard's own requests are same-origin. A non-empty body must be declared as JSON (415
   otherwise, ``gateway.http.bodies``), so a blind ``no-cors`` form or ``text/plain`` POST gets nowhere.
 - Admin routes (``POST/DELETE /api/engines``, ``POST /api/weights``, reward overrides) need the
-  separate admin token, which opens the rest of the API too.
+  separate admin token, which opens the rest of the API too; in a header only: ``/api/events?token=``
+  (for EventSource, which cannot send headers) takes the API token and never the admin token.
 - A sandbox's own requests come through the sandbox listener (``gateway.api.sandbox_listener``), which
   checked who sent them; it sets ``SANDBOX_SCOPE_KEY`` and only the body rule applies here.
 
@@ -170,7 +171,9 @@ class Access:
             return
         header = request.headers.get("authorization")
         if header is None and request.url.path == "/api/events" and "token" in request.query_params:
-            header = f"Bearer {request.query_params['token']}"  # EventSource cannot send headers
+            # EventSource cannot send headers. A query string lands in proxies' and browsers' logs, so
+            # only the API token is taken there, never the admin token, which could change the engines
+            header, admin = f"Bearer {request.query_params['token']}", None
         if not (bearer_matches(header, token) or (admin is not None and bearer_matches(header, admin))):
             problem = "without the gateway's API token" if header is None else "with a wrong API token"
             raise Unauthorized(f"{what} answered a request {problem}: send 'Authorization: Bearer <token>'")

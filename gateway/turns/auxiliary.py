@@ -10,6 +10,11 @@ patterns (fnmatch) to one of three routes, checked before the policy's names and
   or not, its answer (errors included) goes back as it is, and an ``auxiliary_call`` event records it;
 - ``reject``: a clear 400 that names the model and the configuration to change.
 
+An external route is per session: only a session's own routes (``/s/{id}/v1/...``) forward to it, and
+a plain ``/v1`` request for it is a 403 (``auxiliary_model_needs_session``) before the provider is
+contacted. The provider's key (``BELAYER_AUX_API_KEY``) is the operator's; a plain route is open to
+whoever reaches the port unless ``--plain-v1`` says otherwise, and must not spend it.
+
 Example (``belayer serve``)::
 
     --aux-model 'claude-haiku-*=policy' --aux-model 'judge-*=http://127.0.0.1:4000/v1#gpt-4o-mini'
@@ -26,7 +31,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from core.errors import AuxiliaryUnavailable, InvalidRequest
+from core.errors import AuxiliaryUnavailable, Forbidden, InvalidRequest
 from store import EventRecord, SessionRecord, TrajectoryStore
 
 API_KEY_ENV = "BELAYER_AUX_API_KEY"
@@ -60,6 +65,17 @@ def refuse(model: str, pattern: str) -> InvalidRequest:
         f"--aux-model '{pattern}=policy' or --aux-model '{pattern}=https://provider/v1#model'",
         param="model",
         code="auxiliary_model_refused",
+    )
+
+
+def external_needs_session(model: str, endpoint: Endpoint) -> Forbidden:
+    """The refusal of an external auxiliary model on a plain route (see the module docstring)."""
+    return Forbidden(
+        f"'{model}' is an auxiliary model served by an external provider, which a plain /v1 request "
+        "cannot reach; create a session (POST /api/sessions) and send it to the session's base_url, "
+        f"/s/{{session}}/v1/{endpoint}",
+        param="model",
+        code="auxiliary_model_needs_session",
     )
 
 
