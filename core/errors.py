@@ -8,10 +8,12 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     │   └── UnsafeStore (PermissionError)            core.shm_weights: a weight store others could write to
     ├── EngineError                    anything between the gateway and an inference worker
     │   ├── EngineUnavailable          connection refused/reset, worker died, no healthy worker
+    │   │   └── EngineUnreachable      the connection could not be made: the request never reached it
     │   ├── EngineTimeout              no answer (or no token) within a deadline
     │   ├── EngineRejected             the engine answered 4xx: bad input, never retried
     │   ├── EngineServerError          the engine answered 5xx (or an error event) for one request
     │   ├── EngineRequestFailed        a request that healthy workers fail on: its own fault
+    │   │   └── QueryOfDeath           a request that crashed the workers it ran on (gateway.turns.quarantine)
     │   └── EngineProtocolError        the engine answered something that is not its protocol
     ├── AuxiliaryUnavailable           an auxiliary model's provider cannot be reached (not the policy)
     ├── RequestError                   the client's request cannot be served as sent (-> 4xx)
@@ -35,9 +37,12 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     │   │   └── ImageNotFound                        the image to create a sandbox from is missing
     │   ├── SandboxFileNotFound (FileNotFoundError)  read_file on a path that does not exist
     │   ├── SandboxArgumentError (ValueError)        a bad argument: env name, shell session name
-    │   │   └── PathEscapeError                      a file path that leaves the sandbox's root
+    │   │   ├── PathEscapeError                      a file path that leaves the sandbox's root
+    │   │   ├── SandboxPathRefused                   a directory, a second symbolic link or a loop
+    │   │   └── SandboxFileTooLarge                  a file read over sandbox.max_read_bytes
     │   ├── SandboxTimeout (TimeoutError)            exec ran past its timeout; carries partial output
     │   ├── SandboxExists                            the session already has a sandbox
+    │   ├── SandboxJournalFull                       its journal is full and no checkpoint could empty it
     │   ├── NoCheckpoint (LookupError)               a restore without a (such) checkpoint
     │   ├── SandboxFailed                            it failed, and there was nothing to restore
     │   ├── SandboxCallFailed                        this call broke it twice (after a replay)
@@ -96,6 +101,10 @@ class EngineUnavailable(EngineError):
     """The worker cannot be reached or died mid-request; another worker may serve the request."""
 
 
+class EngineUnreachable(EngineUnavailable):
+    """The connection to the worker could not be made: the request never reached it."""
+
+
 class EngineTimeout(EngineError, TimeoutError):
     """The worker did not answer within the deadline."""
 
@@ -121,6 +130,15 @@ class EngineServerError(EngineError):
 class EngineRequestFailed(EngineError):
     """Healthy workers fail on this request (a poison request): retrying it unchanged fails again.
     No worker is fenced for it."""
+
+
+class QueryOfDeath(EngineRequestFailed):
+    """A request that crashed the workers it ran on: not retried, and refused for a while
+    (``gateway.turns.quarantine``). `event` is its ``query_of_death`` event's data."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.event: dict[str, object] = {}
 
 
 class EngineProtocolError(EngineError):
@@ -227,6 +245,33 @@ class PathEscapeError(SandboxArgumentError):
     """A file path resolves outside the sandbox's root directory."""
 
 
+class SandboxPathRefused(SandboxArgumentError):
+    """A file path the file API does not take: not a regular file (a directory), or one that needs a
+    second symbolic link (or a loop of them) to resolve."""
+
+    @classmethod
+    def links(cls, path: str) -> SandboxPathRefused:
+        """The refusal of `path` for its links, worded alike by every backend."""
+        return cls(
+            f"{path!r} resolves through more than one symbolic link (or a loop of them); the file API "
+            "follows one: name the file's real path"
+        )
+
+
+class SandboxFileTooLarge(SandboxArgumentError):
+    """A file to read is larger than the gateway reads whole (``sandbox.max_read_bytes``); told by the
+    file's size before any of its bytes were read."""
+
+    @classmethod
+    def of(cls, path: str, size: int, max_bytes: int) -> SandboxFileTooLarge:
+        """The refusal of file `path` of `size` bytes, worded alike by every backend."""
+        return cls(
+            f"{path} holds {size} bytes, over the {max_bytes} that the file API reads at most "
+            "(sandbox.max_read_bytes); read a part with exec (e.g. `head -c 1000000 FILE | base64`), or "
+            "raise the limit"
+        )
+
+
 class SandboxTimeout(SandboxError, TimeoutError):
     """A command ran past its timeout and was killed; `stdout`/`stderr` hold what it printed."""
 
@@ -238,6 +283,11 @@ class SandboxTimeout(SandboxError, TimeoutError):
 
 class SandboxExists(SandboxError):
     """The session already has a sandbox."""
+
+
+class SandboxJournalFull(SandboxError):
+    """The tool calls since the sandbox's last checkpoint hold more than ``sandbox.max_journal_bytes``,
+    and no checkpoint could be taken to empty the journal (checkpoints are off, or it failed)."""
 
 
 class NoCheckpoint(SandboxError, LookupError):

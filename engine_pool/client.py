@@ -45,6 +45,7 @@ from core.errors import (
     EngineServerError,
     EngineTimeout,
     EngineUnavailable,
+    EngineUnreachable,
 )
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -239,6 +240,8 @@ def transport_errors(base_url: str) -> Iterator[None]:
         yield
     except httpx.TimeoutException as e:
         raise EngineTimeout(f"engine {base_url} timed out: {e!r}") from e
+    except httpx.ConnectError as e:  # the request never reached the worker (gateway.turns.quarantine)
+        raise EngineUnreachable(f"engine {base_url} unreachable: {e!r}") from e
     except (httpx.TransportError, httpx.StreamError) as e:
         raise EngineUnavailable(f"engine {base_url} unreachable: {e!r}") from e
 
@@ -256,10 +259,19 @@ def _rejection(status: int, body: bytes) -> EngineRejected:
 class EngineClient:
     """A client for one engine (worker) URL. The ``httpx.AsyncClient`` is injected and shared."""
 
-    def __init__(self, base_url: str, model: str, http: httpx.AsyncClient, read_timeout: float | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        http: httpx.AsyncClient,
+        read_timeout: float | None = None,
+        api_key: str | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._http = http
+        # a launched worker's key (core.worker_auth), on every request: the client is shared by engines
+        self._auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = httpx.Timeout(connect=5.0, read=read_timeout, write=30.0, pool=30.0)
 
     async def generate(
@@ -284,7 +296,7 @@ class EngineClient:
         tops = params.top_logprobs > 0
         url = f"{self.base_url}/v1/completions"
         with transport_errors(self.base_url):
-            headers = {"content-type": "application/json"}
+            headers = {"content-type": "application/json", **self._auth}
             if request_id:
                 headers[REQUEST_ID_HEADER] = request_id
             async with self._http.stream(
@@ -313,7 +325,9 @@ class EngineClient:
             "return_tokens_as_token_ids": True,
         }
         with transport_errors(self.base_url):
-            resp = await self._http.post(f"{self.base_url}/v1/completions", json=body, timeout=self._timeout)
+            resp = await self._http.post(
+                f"{self.base_url}/v1/completions", json=body, headers=self._auth, timeout=self._timeout
+            )
         _check_status(self.base_url, resp.status_code, resp.content)
         entries = (_choices(_json(resp.content, "response")) or [{}])[0].get("prompt_logprobs") or []
         return parse_prompt_logprobs(entries, prompt_ids)
@@ -344,7 +358,9 @@ class EngineClient:
         `EngineRejected` without the endpoint, `EngineServerError` when the call failed."""
         rpc = {"method": method, "kwargs": kwargs, "timeout": timeout}
         with transport_errors(self.base_url):
-            resp = await self._http.post(f"{self.base_url}/collective_rpc", json=rpc, timeout=timeout)
+            resp = await self._http.post(
+                f"{self.base_url}/collective_rpc", json=rpc, headers=self._auth, timeout=timeout
+            )
         _check_status(self.base_url, resp.status_code, resp.content)
         body = _json(resp.content, "collective_rpc response") if resp.content else {}
         results = body.get("results") if isinstance(body, dict) else None
@@ -354,7 +370,7 @@ class EngineClient:
         """The version the engine says it holds (``GET /weight_info``; vLLM's is ``default`` until one
         is set); None when it does not say (no development endpoints, or not answering)."""
         try:
-            resp = await self._http.get(f"{self.base_url}/weight_info", timeout=timeout)
+            resp = await self._http.get(f"{self.base_url}/weight_info", headers=self._auth, timeout=timeout)
             version = resp.json().get("weight_version") if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
@@ -362,7 +378,7 @@ class EngineClient:
 
     async def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> None:
         with transport_errors(self.base_url):
-            resp = await self._http.post(f"{self.base_url}{path}", json=body, timeout=timeout)
+            resp = await self._http.post(f"{self.base_url}{path}", json=body, headers=self._auth, timeout=timeout)
         _check_status(self.base_url, resp.status_code, resp.content)
 
     async def health(self, timeout: float = 2.0) -> bool:
@@ -375,7 +391,7 @@ class EngineClient:
     async def model_info(self, timeout: float = 5.0) -> ModelInfo:
         """The served model's name and context window, from ``GET /v1/models``."""
         try:
-            resp = await self._http.get(f"{self.base_url}/v1/models", timeout=timeout)
+            resp = await self._http.get(f"{self.base_url}/v1/models", headers=self._auth, timeout=timeout)
             resp.raise_for_status()
         except httpx.HTTPError as e:
             raise EngineUnavailable(f"engine {self.base_url} did not list its models: {e!r}") from e

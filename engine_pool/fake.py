@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 import zlib
@@ -46,6 +47,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from core.worker_auth import RequireApiKey
 from engine_pool.client import REQUEST_ID_HEADER, session_of_request
 
 Script = Callable[[list[int]], list[int]]
@@ -176,6 +178,10 @@ class FakeEngine:
     reject_next: str | None = None  # answer the next request with this 400 message
     poison: Callable[[list[int]], bool] | None = None
     """Prompts this engine answers with HTTP 500 (a request that crashes the engine's handler)."""
+    query_of_death: Callable[[dict[str, Any]], bool] | None = None
+    """Requests (their bodies) that kill this engine's process before their first token, as vLLM 0.32
+    dies on a seeded prompt whose prefill spans scheduler steps (`seeded_over`; a launched fake worker's
+    ``--die-on-seeded-prompts-over``)."""
     # Autoregressive mode: each token is a function of the whole context, like greedy decoding, so a
     # request resumed from prompt + k generated tokens yields exactly the rest (failover tests).
     step: Callable[[list[int]], int] | None = None
@@ -297,6 +303,8 @@ class FakeEngine:
             return JSONResponse({"error": {"message": "fake engine takes token-id prompts"}}, status_code=400)
         if self.poison is not None and self.poison(prompt):
             return JSONResponse({"error": {"message": "EngineCore hit an exception"}}, status_code=500)
+        if self.query_of_death is not None and self.query_of_death(body):
+            return StreamingResponse(_die(), media_type="text/event-stream")
         if len(prompt) + int(body.get("max_tokens") or 0) > self.max_model_len:
             msg = f"This model's maximum context length is {self.max_model_len} tokens."
             return JSONResponse({"error": {"message": msg, "type": "BadRequestError"}}, status_code=400)
@@ -401,6 +409,26 @@ class FakeEngine:
         yield "data: [DONE]\n\n"
 
 
+async def _die() -> AsyncIterator[str]:
+    """The answer of an engine that a request crashes: its headers, then the process is gone."""
+    os._exit(70)
+    yield ""  # pragma: no cover (a generator, never reached)
+
+
+DIE_OVER_ENV = "BELAYER_FAKE_DIE_OVER"
+"""Launched fake workers take no arguments of their own (``--vllm-arg`` is vLLM's): this variable, in the
+gateway's environment, gives them ``--die-on-seeded-prompts-over``."""
+
+
+def seeded_over(tokens: int) -> Callable[[dict[str, Any]], bool]:
+    """vLLM 0.32's query of death on the CPU: a seeded request with a prompt over `tokens` tokens.
+
+    >>> seeded_over(3)({"prompt": [1, 2, 3, 4], "seed": 7}), seeded_over(3)({"prompt": [1, 2, 3, 4]})
+    (True, False)
+    """
+    return lambda body: body.get("seed") is not None and len(body.get("prompt") or ()) > tokens
+
+
 @dataclass(slots=True)
 class Fault:
     """What happens to the next request to one host: ``drop_after`` N streamed events then a reset
@@ -427,7 +455,11 @@ class FaultInjector(httpx.AsyncBaseTransport):
     exceptions httpx raises when a worker is killed (``RemoteProtocolError``, ``ConnectError``) or hangs.
 
     ``faults[host]`` is a queue consumed one generation request at a time; ``hung`` hosts also fail
-    their health checks (time out), like a SIGSTOPped worker.
+    their health checks (time out), like a SIGSTOPped worker. A generation request that `kills` returns
+    True for (given its body) is a query of death: its host goes ``down`` (it refuses every connection
+    from then on, probes included) and the request's stream is reset before its first token (with
+    `kill_with_error`, after an error event, as a server whose engine process died answers);
+    ``killed`` lists the hosts it took down, in order.
     """
 
     def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
@@ -435,11 +467,24 @@ class FaultInjector(httpx.AsyncBaseTransport):
         self.faults: dict[str, list[Fault]] = {}
         self.hung: set[str] = set()
         self.down: set[str] = set()
+        self.kills: Callable[[dict[str, Any]], bool] | None = None
+        self.kill_with_error = False
+        self.killed: list[str] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         if host in self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if self.kills is not None and request.url.path == "/v1/completions":
+            body = json.loads(await request.aread())
+            if self.kills(body):
+                self.down.add(host)
+                self.killed.append(host)
+                died = b'data: {"error": {"message": "EngineCore died", "code": 500}}\n\n'
+                stream = _FaultyStream([died] if self.kill_with_error else [], Fault("drop_after"), request)
+                return httpx.Response(
+                    200, headers={"content-type": "text/event-stream"}, stream=stream, request=request
+                )
         if request.url.path == "/health" and host in self.hung:
             raise httpx.ReadTimeout("health check timed out", request=request)
         queue = self.faults.get(host) or []
@@ -510,6 +555,7 @@ def serve(
     max_model_len: int = 4096,
     words_from: str | None = None,
     token_delay_max: float | None = None,
+    die_over: int | None = None,
 ) -> None:
     """Serve a fake engine until interrupted: `tokens` tokens per request when given (benchmarks),
     else autoregressive output up to ``max_tokens`` (launched fake workers: failover stays exact),
@@ -526,7 +572,9 @@ def serve(
     else:
         step = autoregressive_over(word_ids(words_from)) if words_from else autoregressive
         engine = FakeEngine(model=model, max_model_len=max_model_len, token_delay=token_delay, step=step)
-    uvicorn.run(engine.app(), host=host, port=port, log_level="warning", access_log=False)
+    engine.query_of_death = seeded_over(die_over) if die_over is not None else None
+    app = RequireApiKey(engine.app())  # the key a launched worker is given (core.worker_auth), if any
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -541,13 +589,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="tokens per request (default: max_tokens)")
     p.add_argument("--token-delay", type=float, default=0.02, help="seconds between streamed tokens")
     p.add_argument("--words-from", metavar="MODEL_DIR", help="write that model's whole-word tokens")
+    die_over = os.environ.get(DIE_OVER_ENV)  # set by `belayer bench query-of-death` for its launched workers
+    p.add_argument(
+        "--die-on-seeded-prompts-over", type=int, metavar="TOKENS", default=int(die_over) if die_over else None,
+        help=f"exit, as vLLM 0.32's engine does, on a seeded request whose prompt is over TOKENS tokens "
+        f"(default: ${DIE_OVER_ENV}, else never)",
+    )  # fmt: skip
     for option in ("--load-format", "--model-loader-extra-config", "--gpu-memory-utilization"):
         # vLLM's, as a pool with a weight owner passes them: a fake engine loads no weights
         p.add_argument(option, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     serve(
-        args.host, args.port, args.model, args.tokens, args.token_delay, args.max_model_len, args.words_from
-    )
+        args.host, args.port, args.model, args.tokens, args.token_delay, args.max_model_len, args.words_from,
+        die_over=args.die_on_seeded_prompts_over,
+    )  # fmt: skip
     return 0
 
 

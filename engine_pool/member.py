@@ -38,6 +38,8 @@ class PoolMember:
     """The weight version it holds: the pool's when it was added (a launched worker: the launch
     weights' version, `WeightVersions.base`, or the version it mapped from the weight owner), then
     each update it loaded."""
+    isolating: bool = False
+    """Held for one suspect request alone (``Router.lease(exclusive=True)``): routed nothing else."""
     synced: int = 0
     """Times the pool brought it up to a version by loading weights from disk (`WeightUpdater.sync`)."""
 
@@ -64,6 +66,7 @@ class PoolMember:
             "starting_elapsed_s": round(now - launched_at, 3) if self.state == STARTING else None,
             "start_timeout_s": start_timeout,
             "weight_version": self.weight_version,
+            "isolating": self.isolating,
             "node": getattr(p, "node", None),  # its Ray node (--ray); None: the gateway's machine
         }
 

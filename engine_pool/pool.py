@@ -347,10 +347,11 @@ class EnginePool(PoolSettings):
         version: str | None = None,
         group: str | None = None,
         tokens: int = 0,
+        exclusive: float | None = None,
     ) -> AbstractAsyncContextManager[PoolMember]:
-        """`acquire`, with the request (and its `tokens`) counted on the worker while it runs
-        (`Router.lease`)."""
-        return self.router.lease(session_id, wait, exclude, version, group, tokens)
+        """`acquire`, with the request (and its `tokens`) counted on the worker while it runs; with
+        `exclusive`, on a worker of its own when one frees up within that many seconds (`Router.lease`)."""
+        return self.router.lease(session_id, wait, exclude, version, group, tokens, exclusive)
 
     def forget(self, session_id: str) -> None:
         """The session is over: its worker need not be remembered."""

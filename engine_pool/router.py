@@ -83,7 +83,7 @@ class Router:
         v = self.versions
         if v.updating and (v.switching or version != v.version):
             return None
-        ready = [m for m in self.routable() if m.name not in exclude]
+        ready = [m for m in self.routable() if m.name not in exclude and not m.isolating]
         if not ready:
             return None
         policy = self.settings.routing
@@ -160,6 +160,35 @@ class Router:
             states += f"; a weight update to {v.version!r} is running"
         return states
 
+    async def _isolated(self, wait: float, exclude: frozenset[str], version: str | None) -> PoolMember | None:
+        """A worker reserved for one request alone, once the requests already on it have ended (module
+        docstring); None when none could be reserved and emptied within `wait` seconds."""
+        deadline = time.monotonic() + wait
+        member: PoolMember | None = None
+        held = False
+        try:
+            while True:
+                if member is not None and (member.state != READY or not self.versions.current(member)):
+                    member.isolating, member = False, None  # it died or left meanwhile: reserve another
+                if member is None:
+                    free = [m for m in self.routable() if not m.isolating]
+                    mine = [m for m in free if m.name not in exclude]
+                    updating = self.versions.updating and version is not None
+                    if len(free) >= 2 and mine and not updating:
+                        member = min(mine, key=_load)
+                        member.isolating = True
+                if member is not None and member.outstanding == 0:
+                    held = True
+                    return member
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                await self.roster.wait_change(left)
+        finally:
+            if member is not None and not held:
+                member.isolating = False
+                self.roster.wake()
+
     @contextlib.asynccontextmanager
     async def lease(
         self,
@@ -169,10 +198,17 @@ class Router:
         version: str | None = None,
         group: str | None = None,
         tokens: int = 0,
+        exclusive: float | None = None,
     ) -> AsyncIterator[PoolMember]:
         """`acquire`, with the request counted on the worker while it runs: one request, and `tokens`
-        (its prompt and the most it may generate) in the worker's load."""
-        member = await self.acquire(session_id, wait, exclude, version, group)
+        (its prompt and the most it may generate) in the worker's load. `exclusive`: first try, for up
+        to that many seconds, to hold a worker alone (module docstring)."""
+        member = await self._isolated(exclusive, exclude, version) if exclusive is not None else None
+        alone = member is not None
+        if member is None:
+            member = await self.acquire(session_id, wait, exclude, version, group)
+        elif session_id is not None:
+            self._remember(session_id, member.name)
         member.outstanding += 1
         member.outstanding_tokens += tokens
         try:
@@ -181,6 +217,11 @@ class Router:
             member.outstanding -= 1
             member.outstanding_tokens -= tokens
             member.served += 1
+            if alone:
+                member.isolating = False
+                self.roster.wake()  # everyone else may use it again
+            elif member.isolating:
+                self.roster.wake()  # a reserved worker empties as its requests end: its suspect waits for that
             if (member.state == DRAINING and not member.outstanding) or self.versions.updating:
                 self.roster.wake()  # a removal, or a weight update's drain, waits for this
 

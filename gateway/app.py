@@ -28,6 +28,7 @@ from starlette.routing import Route
 from core import __version__
 from core.net import free_port
 from core.telemetry import Telemetry
+from core.worker_auth import new_worker_key
 from engine_pool.launch import colocated_utilization, model_context_length, names_option
 from engine_pool.pool import STARTING, EnginePool, WorkerLauncher
 from engine_pool.transport import engine_transport
@@ -76,12 +77,15 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
     # vLLM reads the model's context length itself; a fake worker is told it
     max_model_len = config.max_model_len or (model_context_length(config.model) if fake else None)
     launch = config.launch
+    # every launched worker asks this key of its callers (core.worker_auth): on a Ray node it listens on
+    # the node's address, with vLLM's development endpoints on
+    worker_key = launch.worker_api_key or new_worker_key()
 
     def spec() -> WorkerSpec:
         return WorkerSpec(
             model=config.model, port=free_port(), max_model_len=max_model_len, kind=config.worker_kind,
             profile=launch.profile, tensor_parallel_size=launch.tensor_parallel_size,
-            extra_args=() if fake else (*launch.vllm_args, *owner_args),
+            extra_args=() if fake else (*launch.vllm_args, *owner_args), api_key=worker_key,
         )  # fmt: skip
 
     owned = launch.weight_owner and not fake and not config.engine_urls and not config.ray.address
@@ -198,7 +202,7 @@ async def open_gateway(
     )
     if sandboxes is not None and config.sandbox.sandbox_port is not None:
         await stack.enter_async_context(
-            serve_sandboxes(app, sandboxes, sandboxes.network, config.sandbox.sandbox_port)
+            serve_sandboxes(app, sandboxes, sandboxes.network, config.sandbox.sandbox_port, config.server)
         )
     aux_http = await stack.enter_async_context(httpx.AsyncClient(timeout=None, transport=aux_transport))
     watchers = [*(observers or []), *([sandboxes] if sandboxes else [])]
@@ -220,6 +224,9 @@ async def open_gateway(
         metrics=metrics,
     )
     stack.push_async_callback(runner.close)
+    if metrics is not None:
+        remembered = runner.failover.quarantine.remembered
+        metrics.queries_of_death_remembered.set_function(lambda: len(remembered()))
     runner.recomputer.resume()  # what a gateway before this one left pending (it died, or shut down)
     sweeper = OrphanSweeper(store, config.inflight.sweep_interval_s)  # a dead replica's running turns
     sweeper.start()

@@ -61,6 +61,35 @@ ENV_NESTING = "__"
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
+class QuarantineConfig(BaseModel):
+    """Queries of death: requests that crash the workers they run on are isolated, convicted after a
+    second crash, not retried, and refused for a while (``gateway.turns.quarantine``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=True,
+        description="isolate requests suspected of crashing a worker, refuse a convicted one and remember it",
+    )
+    remember_s: float = Field(
+        default=600.0, ge=0, description="seconds a convicted request (its fingerprint) is refused at once"
+    )
+    remember_max: int = Field(default=1024, ge=1, description="convicted fingerprints remembered at most")
+    isolate_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="seconds a suspect waits for a worker of its own before it resumes beside other requests",
+    )
+    max_deaths: int = Field(
+        default=3,
+        ge=0,
+        description=(
+            "worker deaths after which a request that dies alone on its worker is convicted, even when the "
+            "deaths came after its first tokens (0: only deaths before its first token convict)"
+        ),
+    )
+
+
 class FailoverConfig(BaseModel):
     """Mid-stream failover: on a worker's death or stall, resubmit prompt + generated ids elsewhere."""
 
@@ -76,6 +105,7 @@ class FailoverConfig(BaseModel):
     no_worker_wait: float = Field(
         default=120.0, ge=0, description="seconds a request waits for a ready worker"
     )
+    quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
 
 
 class InflightConfig(BaseModel):
@@ -132,6 +162,18 @@ class ServerConfig(BaseModel):
     max_header_bytes: int = Field(
         default=64 * 1024, ge=1024, description="largest request line + headers; larger: 431"
     )
+    sandbox_max_connections: int = Field(
+        default=1024,
+        ge=1,
+        description="connections the sandbox listener serves at once, all sandboxes together (relayed ones "
+        "on a cluster included); more are answered 503 at once. Counted with max_connections in the "
+        "open-file budget (both lowered in proportion to fit it)",
+    )
+    sandbox_connections_each: int = Field(
+        default=32,
+        ge=1,
+        description="connections one sandbox may hold on the sandbox listener at once; more are answered 503",
+    )
     shutdown_grace_s: float = Field(
         default=30.0,
         ge=0,
@@ -169,6 +211,13 @@ class LaunchConfig(BaseModel):
         default_factory=list,
         description="devices for launched workers, e.g. 0,1,2,3: split into groups of the tensor-parallel "
         "size, one group (CUDA_VISIBLE_DEVICES) per worker and shadow (gpu profile)",
+    )
+    worker_api_key: str | None = Field(
+        default=None,
+        repr=False,
+        description="the key every launched worker asks of its callers, on every route but /health and "
+        "/metrics (vLLM's API key, in the worker's environment); the gateway sends it. Unset: a new random "
+        "one each start. Set it (BELAYER_LAUNCH__WORKER_API_KEY) only to call the workers yourself",
     )
 
     @field_validator("vllm_args")

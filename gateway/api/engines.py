@@ -41,8 +41,15 @@ def _engine_json(m: PoolMember, request: Request) -> dict[str, Any]:
 
 
 async def engines(request: Request) -> Response:
+    """The workers, and the queries of death refused now (``gateway.turns.quarantine``)."""
     gw = gateway_of(request)
-    return JSONResponse({"data": [_engine_json(m, request) for m in gw.pool.members]})
+    quarantine = gw.runner.failover.quarantine
+    return JSONResponse({
+        "data": [_engine_json(m, request) for m in gw.pool.members],
+        "queries_of_death": quarantine.remembered(),
+        "quarantine": {"enabled": quarantine.config.enabled, "convicted": quarantine.convicted_total,
+                       "refused": quarantine.refused_total},
+    })  # fmt: skip
 
 
 class RegisterEngine(BaseModel):

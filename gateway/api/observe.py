@@ -184,6 +184,7 @@ def _state(gw: Gateway, hit_rates: dict[str, float]) -> Response:
             for m in list(gw.pool.members)
         ],
         "prefix_cache_hit_rate": hit_rates.get("all"),
+        "queries_of_death": gw.runner.failover.quarantine.remembered(),
         "sandboxes": sandboxes,
         "sandbox_nodes": gw.sandboxes.backend.nodes() if gw.sandboxes is not None else [],
         "totals": {**_totals(rec.totals), "sessions_open": open_sessions},

@@ -52,6 +52,7 @@ from core.errors import (
     NoSandboxSlot,
     NotFound,
     PathEscapeError,
+    QueryOfDeath,
     RequestError,
     RequestTimeout,
     RequestTooLarge,
@@ -62,7 +63,10 @@ from core.errors import (
     SandboxExists,
     SandboxFailed,
     SandboxFileNotFound,
+    SandboxFileTooLarge,
+    SandboxJournalFull,
     SandboxNotFound,
+    SandboxPathRefused,
     SandboxRestored,
     SandboxTimeout,
     SandboxUnavailable,
@@ -92,11 +96,16 @@ class HttpError:
     hint: str = ""
     """Appended to the message: what to do next."""
     message: Callable[[BaseException], str] | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    """Sent with the answer: ``x-should-retry: false`` tells the official SDKs not to retry a 5xx."""
 
     @property
     def error_type(self) -> str:
         return self.type or ("invalid_request_error" if self.status < 500 else "server_error")
 
+
+NO_RETRY = (("x-should-retry", "false"),)
+"""The official SDKs retry a 5xx unless told not to: a request that crashes engines must not be."""
 
 TABLE: dict[type[BaseException], HttpError] = {
     # the client's request
@@ -130,7 +139,9 @@ TABLE: dict[type[BaseException], HttpError] = {
         500,
         "engine_request_failed",
         hint="; the request itself makes the engine fail: change it, do not retry it unchanged",
+        headers=NO_RETRY,
     ),
+    QueryOfDeath: HttpError(500, "request_killed_workers", headers=NO_RETRY),
     AuxiliaryUnavailable: HttpError(502, "auxiliary_provider_unavailable", param="model"),
     StoreError: HttpError(500, hint="; the trajectory store failed, check the gateway's disk"),
     # sandboxes
@@ -142,11 +153,18 @@ TABLE: dict[type[BaseException], HttpError] = {
     SandboxFailed: HttpError(503, "sandbox_failed", type="sandbox_error"),
     SandboxTimeout: HttpError(408, "command_timeout", "timeout_s", message=_timeout_message),
     PathEscapeError: HttpError(400, "path_outside_sandbox", "path"),
+    SandboxPathRefused: HttpError(400, "path_refused", "path"),
+    SandboxFileTooLarge: HttpError(413, "file_too_large", "path"),
+    SandboxJournalFull: HttpError(
+        429, "sandbox_journal_full", type="sandbox_error", headers=(("retry-after", "5"),)
+    ),
     SandboxArgumentError: HttpError(400, "invalid_value"),
     SandboxFileNotFound: HttpError(404, "file_not_found", "path", prefix="no such file in the sandbox: "),
     NoSandboxSlot: HttpError(503, "no_sandbox_slot", hint="; retry once a session closes, or add nodes"),
     SandboxUnavailable: HttpError(503, "sandbox_engine_unavailable", hint="; retry shortly"),
-    NodeLost: HttpError(503, "sandbox_node_lost", hint="; it is being restored on another node, retry shortly"),
+    NodeLost: HttpError(
+        503, "sandbox_node_lost", hint="; it is being restored on another node, retry shortly"
+    ),
     ImageNotFound: HttpError(400, "image_not_found", "image"),
     SandboxNotFound: HttpError(404, "sandbox_not_found"),
     CheckpointTampered: HttpError(
@@ -227,7 +245,9 @@ def for_route(target: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
 
 async def _handle(request: Request, exc: Exception) -> Response:
     status, body = for_exception(exc)
-    return JSONResponse(for_route(request.url.path, status, body), status_code=status)
+    entry = entry_for(exc)
+    headers = dict(entry.headers) if entry is not None else None
+    return JSONResponse(for_route(request.url.path, status, body), status_code=status, headers=headers)
 
 
 def handlers() -> dict[Any, Callable[[Request, Exception], Coroutine[Any, Any, Response]]]:

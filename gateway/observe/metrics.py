@@ -250,6 +250,21 @@ class GatewayMetrics:
             "Turns cut by a weight update and resumed on the new weights.",
             registry=r,
         )
+        self.queries_of_death = Counter(
+            "belayer_queries_of_death",
+            "Requests convicted of crashing the workers they ran on (gateway.turns.quarantine): not retried.",
+            registry=r,
+        )
+        self.query_of_death_refusals = Counter(
+            "belayer_query_of_death_refusals",
+            "Requests refused at once because the same request was convicted as a query of death.",
+            registry=r,
+        )
+        self.queries_of_death_remembered = Gauge(
+            "belayer_queries_of_death_remembered",
+            "Convicted request fingerprints refused at once now (`--quarantine-remember`).",
+            registry=r,
+        )
         Gauge("belayer_build_info", "The gateway's version.", ["version"], registry=r).labels(version).set(1)
         Gauge("belayer_start_time_seconds", "When the gateway started (unix time).", registry=r).set(
             telemetry.started_at
@@ -279,6 +294,8 @@ class GatewayMetrics:
             "weights_update_failed": lambda e: self.weight_updates.labels("failed").inc(),
             "weight_switch": lambda e: self.weight_switches.inc(),
             "session_moved": lambda e: self.sessions_moved.inc(),
+            "query_of_death": lambda e: self.queries_of_death.inc(),
+            "query_of_death_refused": lambda e: self.query_of_death_refusals.inc(),
         }
         telemetry.listen(self.on_event)
 

@@ -38,10 +38,12 @@ from core.errors import (
     EngineRequestFailed,
     EngineServerError,
     EngineTimeout,
+    EngineUnreachable,
 )
 from engine_pool.client import TokenChunk, merge_chunks
 from engine_pool.pool import EnginePool, PoolMember, Preemption
 from gateway.config import FailoverConfig
+from gateway.turns.quarantine import Publish, Quarantine, Suspicion
 
 GREEDY = "greedy: bit-identical"
 SAMPLED = "sampled: prefix kept exactly, continuation re-sampled (seeded RNG restarts on the new worker)"
@@ -191,15 +193,22 @@ class FailoverState:
     """Healthy workers that answered this turn with an error (a second one makes it the request's)."""
     version: str | None = None
     """The weight version of the turn's latest tokens: a failover stays on it (None: no tokens yet)."""
+    suspicion: Suspicion = field(default_factory=Suspicion)
+    """Its record with the quarantine (``gateway.turns.quarantine``): deaths it was in flight at."""
 
 
 class Failover:
     """The failover decisions of every turn, on one pool, under one `FailoverConfig` (``config``; tests
-    replace it)."""
+    replace it), with the gateway's `Quarantine` of queries of death."""
 
-    def __init__(self, config: FailoverConfig, pool: EnginePool) -> None:
+    def __init__(self, config: FailoverConfig, pool: EnginePool, publish: Publish | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.quarantine = Quarantine(config.quarantine, publish)
+
+    def isolation(self, state: FailoverState) -> float | None:
+        """How long the turn's next submission waits for a worker of its own (None: it needs none)."""
+        return self.quarantine.config.isolate_wait_s if state.suspicion.suspect else None
 
     @property
     def worker_wait(self) -> float:
@@ -228,17 +237,27 @@ class Failover:
         A dead or stalled worker is reported (and fenced, if launched). A worker that *answered* with an
         error is judged by a health probe: if it is healthy, the request is to blame, unless another
         healthy worker serves it; a second refusal makes it the request's error, and no worker is fenced
-        for it."""
+        for it. A worker that died is judged by the quarantine: the turn may be a suspect (its next
+        submission runs alone) or convicted of killing workers (`QueryOfDeath`, raised)."""
+        died = True
         if not isinstance(error, EngineServerError):
             self.pool.report_failure(member, error)
         elif not await self.pool.confirm_failure(member):
+            died = False
             state.refused_by.append(member.name)
             others = self.pool.pick(None, frozenset(state.refused_by), state.version)
             if len(state.refused_by) >= 2 or others is None or not self.config.enabled:
                 workers = " and ".join(state.refused_by)
-                raise EngineRequestFailed(
+                failed = EngineRequestFailed(
                     f"the engine failed on this request on {workers}, healthy worker(s) ({error})"
-                ) from error
+                )
+                if len(state.refused_by) >= 2:
+                    self.quarantine.failed_on_healthy(state.suspicion, failed)
+                raise failed from error
+        if died and self.config.enabled:
+            reached = not isinstance(error, EngineUnreachable)
+            if self.quarantine.judge(member.name, state.suspicion, reached) == "convicted":
+                raise self.quarantine.convict(state.suspicion) from error
         if not self.config.enabled or state.failovers >= self.config.max_failovers:
             raise error
         state.failovers += 1

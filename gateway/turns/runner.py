@@ -28,6 +28,7 @@ from core.errors import (
     EngineTimeout,
     EngineUnavailable,
     InvalidRequest,
+    QueryOfDeath,
 )
 from core.telemetry import Telemetry
 from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
@@ -112,7 +113,7 @@ class TurnRunner:
         self.settings = settings = settings or TurnSettings()
         self.telemetry = telemetry or Telemetry()
         """Where each turn's start and end are published (``turn_started``, ``turn_finished``)."""
-        self.failover = Failover(settings.failover, pool)
+        self.failover = Failover(settings.failover, pool, self.telemetry.publish)
         self.pool = pool
         self.tok = tokenizer
         self.recomputer = LogprobRecomputer(store, pool, settings.failover.no_worker_wait)
@@ -158,6 +159,9 @@ class TurnRunner:
 
     async def run(self, req: GenerationRequest) -> AsyncGenerator[Delta | Done, None]:
         prompt_ids, params = self.prepare(req)
+        suspicion = self.failover.quarantine.admit(
+            prompt_ids, params, req.session.id
+        )  # a known poison: refused
         t0 = time.monotonic()
         turn = await self.ledger.begin(req, prompt_ids)
         st = _OutputState(
@@ -172,6 +176,7 @@ class TurnRunner:
             else None,
         )
         st.parser.feed(req.forced_prefix)
+        st.fo.suspicion = suspicion
         try:
             async with contextlib.aclosing(self._generate(req, turn, params, st, t0)) as deltas:
                 async for delta in deltas:
@@ -247,8 +252,9 @@ class TurnRunner:
         pinned = st.fo.version if previous is None or previous.cause != "weights" else None
         refused = frozenset(st.fo.refused_by)
         load = len(turn.prompt_ids) + len(turn.output_ids) + remaining.max_tokens  # prompt + the most to come
-        lease = self.pool.lease(affinity, wait, refused, pinned, req.session.group, load)
-        async with lease as member:
+        alone = self.failover.isolation(st.fo)  # a suspect of a worker's death runs on a worker of its own
+        lease = self.pool.lease(affinity, wait, refused, pinned, req.session.group, load, alone)
+        async with lease as member, self.failover.quarantine.running(member.name, st.fo.suspicion) as slot:
             turn.worker = member.name
             version = member.weight_version
             submitted = time.monotonic()
@@ -263,6 +269,7 @@ class TurnRunner:
                         previous = None
                     turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
                     start = len(turn.output_ids)
+                    slot.tokens += len(chunk.token_ids)
                     delta = self._consume(turn, chunk, st)
                     if len(turn.output_ids) > start:
                         add_tokens(turn.weight_segments, start, len(turn.output_ids), version, first)
@@ -278,7 +285,14 @@ class TurnRunner:
                     len(turn.output_ids), member.name, str(e), now, st.last_token_at, "weights", st.fo.version
                 )
             except (EngineUnavailable, EngineTimeout, EngineServerError) as e:
-                yield await self.failover.lost(member, e, len(turn.output_ids), st.last_token_at, st.fo)
+                try:
+                    failure = await self.failover.lost(
+                        member, e, len(turn.output_ids), st.last_token_at, st.fo
+                    )
+                except QueryOfDeath as convicted:  # not resubmitted: the trajectory says why
+                    self.ledger.event(turn, "query_of_death", convicted.event)
+                    raise
+                yield failure
             finally:
                 await stream.aclose()
                 if clock is not None:

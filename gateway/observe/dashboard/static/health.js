@@ -35,9 +35,21 @@ export class HealthView {
       card("Shadows", num(shadows), "standing by"),
       card("Outstanding", num(outstanding), "requests in flight"),
       card("Prefix cache", percent(state.prefix_cache_hit_rate), "hits, all workers"),
+      this.deathCard(state.queries_of_death || [], card),
       card("Sessions open", num(state.totals?.sessions_open), plural(state.totals?.turns ?? 0, "turn")),
       card("Store", bytes(g.store_bytes), "trajectory store"),
     );
+  }
+
+  // Queries of death: requests convicted of crashing workers, refused at once while remembered.
+  deathCard(convicted, card) {
+    const refused = convicted.reduce((sum, c) => sum + (c.refused || 0), 0);
+    const killed = convicted.reduce((sum, c) => sum + (c.workers?.length || 0), 0);
+    const note = convicted.length
+      ? `${plural(killed, "worker")} killed · ${plural(refused, "retry", "retries")} refused`
+      : "none remembered";
+    return card("Queries of death", num(convicted.length), note,
+      { class: `card ${convicted.length ? "card-bad" : ""}`, title: convicted.map((c) => c.fingerprint).join("\n") });
   }
 
   renderWorkers(workers) {
