@@ -33,6 +33,7 @@ CALLS = frozenset({
     "create", "exec", "read_file", "write_file", "extract", "checkpoint", "restore", "destroy", "kill",
     "status", "list_sandboxes", "changed_paths", "processes", "writable_bytes", "has_image", "image_id",
     "import_image", "build_image", "remove_image", "images", "disk_quota", "delete_checkpoint", "load_image",
+    "fence_full_network",
 })  # fmt: skip
 """The backend methods the gateway may call through `SandboxAgent.call`."""
 
@@ -120,14 +121,18 @@ class SandboxAgent:
                 removed.append(name)
         return removed
 
-    def start_relay(self, target: tuple[str, int], secret: bytes, port: int) -> str:
-        """Let this node's ``network="gateway"`` sandboxes reach the gateway's demux at `target` through a
-        relay on `port` of the node's gateway network (`sandbox.cluster.relay`); where it listens."""
+    def start_relay(
+        self, target: tuple[str, int], node: str, key: bytes, port: int, *, each: int = 32, most: int = 1024
+    ) -> str:
+        """Let this node's ``network="gateway"`` sandboxes reach the gateway's sandbox listener at `target`
+        through a relay on `port` of the node's gateway network (`sandbox.cluster.relay`), vouching for
+        them as node `node` with `key` (this node's own); at most `each` connections per sandbox and
+        `most` in all. Returns where it listens."""
         network = self._backend().network
         host = network.gateway_address()
         self.stop_relay()
         network.open_gateway(port)
-        self.relay = Relay(host, port, target, secret, self._sandbox_at)
+        self.relay = Relay(host, port, target, node, key, self._sandbox_at, each=each, most=most)
         return f"{host}:{port}"
 
     def stop_relay(self) -> None:

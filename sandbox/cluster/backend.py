@@ -104,7 +104,7 @@ class ClusterConfig(BaseModel):
     )
     node_timeout_s: float = Field(
         default=3.0, gt=0, description="a node whose engine does not answer this long is lost"
-    )
+    )  # fmt: skip
     agent_concurrency: int = Field(default=64, ge=1, description="calls one node's agent runs at once")
 
 
@@ -115,6 +115,12 @@ class Node:
     ip: str
     ray_id: str
     slots: int
+    relay_connections_each: int = Field(
+        default=32, ge=1, description="connections one sandbox may hold through its node's relay at once"
+    )
+    relay_max_connections: int = Field(
+        default=1024, ge=1, description="connections one node's relay holds at once, all its sandboxes together",
+    )  # fmt: skip
     agent: Any = None
     state: State = "refused"
     reason: str = ""
@@ -160,9 +166,10 @@ class ClusterSandboxBackend(SandboxBackend):
         self._stop = threading.Event()
         self._ray = _connect(config)
         self._agent_class = self._ray.remote(SandboxAgent)
-        self._relay: tuple[tuple[str, int], bytes] | None = None  # the demux's address and the secret
+        # the sandbox listener's address, and each node's relay key by the node's address
+        self._relay: tuple[tuple[str, int], Callable[[str], bytes]] | None = None
         host = config.node_ip or self._ray.util.get_node_ip_address()
-        self._network = ClusterNetwork(host, config.relay_port, self._relays)
+        self._network = ClusterNetwork(host, config.relay_port, self._relays, self.node_of)
         self.probe()
         self._prober = threading.Thread(target=self._probe_loop, name="belayer-sandbox-nodes", daemon=True)
         self._prober.start()
@@ -254,9 +261,10 @@ class ClusterSandboxBackend(SandboxBackend):
     def network(self) -> ClusterNetwork:
         return self._network
 
-    def _relays(self, target: tuple[str, int] | None, secret: bytes) -> None:
-        """Start the relays of every node alive (and of nodes that join later) to `target`; None: stop them."""
-        self._relay = (target, secret) if target is not None else None
+    def _relays(self, target: tuple[str, int] | None, key_of: Callable[[str], bytes]) -> None:
+        """Start the relays of every node alive (and of nodes that join later) to the sandbox listener at
+        `target`, each with its own node's key (`key_of`: never another node's); None: stop them."""
+        self._relay = (target, key_of) if target is not None else None
         for node in self._alive():
             self._start_relay(node)
 
@@ -265,7 +273,11 @@ class ClusterSandboxBackend(SandboxBackend):
             if self._relay is None:
                 self._call(node, "stop_relay")
             else:
-                where = self._call(node, "start_relay", *self._relay, self.config.relay_port)
+                target, key_of = self._relay
+                where = self._call(
+                    node, "start_relay", target, node.ip, key_of(node.ip), self.config.relay_port,
+                    each=self.config.relay_connections_each, most=self.config.relay_max_connections,
+                )  # fmt: skip
                 log.info("sandbox node %s: relay for network=gateway sandboxes on %s", node.ip, where)
         except SandboxError as exc:  # that node's network=gateway sandboxes cannot reach the gateway
             log.error("sandbox node %s: no relay for network=gateway sandboxes: %s", node.ip, exc)
@@ -425,7 +437,6 @@ class ClusterSandboxBackend(SandboxBackend):
             node = self._node(sandbox_id)
         except SandboxNotFound:
             return
-        self._network.forget(sandbox_id)
         with self._lock:
             node.boxes.discard(sandbox_id)
             self._where.pop(sandbox_id, None)

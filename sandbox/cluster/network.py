@@ -1,70 +1,63 @@
 """`ClusterNetwork`: the gateway network of sandboxes on a Ray cluster, as `sandbox.network.SandboxNetwork`.
 
-It is the gateway's side of `sandbox.cluster.relay`. The listener binds a loopback address here
-(`gateway_address`). `open_gateway` starts the `Demux` on the gateway's address on the cluster, and a
-`Relay` on every node. Each sandbox's `address` is a loopback address of its own (127.77.x.y): the one
-the demux connects to the listener from, once the relay has vouched for the sandbox. Sandboxes reach the
-gateway at `sandbox_url`, which is the same on every node.
+It is the gateway's side of `sandbox.cluster.relay`. The sandbox listener binds the gateway's own
+address on the cluster (`gateway_address`), and knows each connection's sandbox by its node's vouch
+(`vouching`: a challenge per connection, a key per node), never by its source address. `open_gateway`
+starts a `Relay` on every node, pointed at the listener, each with its own node's key (`node_key`, from
+a master key that this object draws and never hands out). Each sandbox's identity (`address`) is
+``<sandbox id>@<node>``: the node it is placed on is part of it, and two live sandboxes never share
+one (Docker names a node's containers uniquely). Sandboxes reach the gateway at `sandbox_url`, which is
+the same on every node.
 """
 
 from __future__ import annotations
 
 import secrets
-import threading
 from collections.abc import Callable
 
-from core.errors import SandboxUnavailable
-from sandbox.cluster.relay import GATEWAY_HOST, Demux
-from sandbox.network import SandboxNetwork
+from sandbox.cluster.relay import GATEWAY_HOST, RelayVouching, identity_of, node_key
+from sandbox.network import SandboxNetwork, Vouching
 
-ALIASES = 250 * 250
+Relays = Callable[[tuple[str, int] | None, Callable[[str], bytes]], None]
+"""Start every node's relay towards the listener's address, each with the key that the given function
+derives for its node; given None, stop them."""
 
 
 class ClusterNetwork(SandboxNetwork):
-    """See the module docstring. `relays` starts (with the demux's address and the secret) or, given None,
-    stops the node relays."""
+    """See the module docstring. `relays` starts or stops the node relays; `node_of` is the node a
+    sandbox is placed on (`ClusterSandboxBackend.node_of`)."""
 
-    def __init__(self, host: str, relay_port: int, relays: Callable[[tuple[str, int] | None, bytes], None]) -> None:
-        self.host, self.relay_port, self._relays = host, relay_port, relays
-        self.secret = secrets.token_bytes(32)
-        self._lock = threading.Lock()
-        self._aliases: dict[str, str] = {}
-        self._next = 0
-        self._demux: Demux | None = None
+    def __init__(
+        self, host: str, relay_port: int, relays: Relays, node_of: Callable[[str], str | None]
+    ) -> None:
+        self.host, self.relay_port, self._relays, self._node_of = host, relay_port, relays, node_of
+        self._master = secrets.token_bytes(32)
+        self._vouching = RelayVouching(self._master, node_of)
+        self._open = False
 
-    def address(self, sandbox_id: str) -> str:
-        with self._lock:
-            if sandbox_id not in self._aliases:
-                n, self._next = self._next % ALIASES, self._next + 1
-                self._aliases[sandbox_id] = f"127.77.{n // 250}.{n % 250 + 1}"
-            return self._aliases[sandbox_id]
+    def address(self, sandbox_id: str) -> str | None:
+        node = self._node_of(sandbox_id)
+        return identity_of(sandbox_id, node) if node is not None else None
 
-    def forget(self, sandbox_id: str) -> None:
-        with self._lock:
-            self._aliases.pop(sandbox_id, None)
+    def vouching(self) -> Vouching:
+        return self._vouching
 
-    def alias_of(self, sandbox_id: str) -> str | None:
-        with self._lock:
-            return self._aliases.get(sandbox_id)
+    def node_key(self, node: str) -> bytes:
+        """The key of node `node`'s relay (`sandbox.cluster.relay.node_key`): for that node's agent only."""
+        return node_key(self._master, node)
 
     def gateway_address(self) -> str:
-        return "127.0.0.1"
+        return self.host
 
     def sandbox_url(self, host: str, port: int) -> str:
         return f"http://{GATEWAY_HOST}:{self.relay_port}"
 
     def open_gateway(self, port: int) -> None:
-        if self._demux is not None:
-            return
-        try:
-            self._demux = Demux(self.host, (self.gateway_address(), port), self.secret, self.alias_of)
-        except OSError as exc:
-            raise SandboxUnavailable(f"cannot listen for the sandbox relays on {self.host}: {exc}") from exc
-        self._relays(self._demux.address, self.secret)
+        if not self._open:
+            self._open = True
+            self._relays((self.host, port), self.node_key)
 
     def close_gateway(self, port: int) -> None:
-        if self._demux is None:
-            return
-        self._relays(None, self.secret)
-        demux, self._demux = self._demux, None
-        demux.stop()
+        if self._open:
+            self._open = False
+            self._relays(None, self.node_key)

@@ -87,7 +87,8 @@ async def test_a_forwarded_for_header_cannot_borrow_another_sandboxs_address(lis
 
     r = await listener.get(a, "/s/b/v1/models", spoof)
     assert r.status_code == 403, r.text
-    assert "/s/a/" in r.json()["error"]["message"]  # judged as sandbox a, by its real address
+    assert "own session's model endpoints" in r.json()["error"]["message"]  # judged as sandbox a
+    assert "/s/a/" not in r.text and "/s/b/" not in r.text  # and told no session's id
     r = await listener.get(a, "/s/a/v1/models", spoof)
     assert (r.status_code, r.json()) == (200, {"client": a, "sandbox": "a"})
     r = await listener.get("127.0.0.9", "/s/b/v1/models", spoof)  # no sandbox has this address
@@ -97,7 +98,7 @@ async def test_a_forwarded_for_header_cannot_borrow_another_sandboxs_address(lis
 async def test_a_refusal_on_an_anthropic_route_is_in_anthropics_shape(listener: Listener) -> None:
     r = await listener.get(listener.address("a"), "/s/b/v1/messages")
     assert r.status_code == 403 and r.json()["type"] == "error", r.text
-    assert r.json()["error"]["type"] == "permission_error" and "/s/a/" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "permission_error" and "/s/a/" not in r.json()["error"]["message"]
 
 
 async def test_the_listener_logs_no_query_string(

@@ -1,36 +1,60 @@
-"""The relay and the demux of `sandbox.cluster.relay`, on loopback sockets: a connection reaches the sandbox
-listener as its sandbox's own address only when the node's relay knows its source and the gateway's demux
-checks the relay's word; anything else is closed before a byte reaches the listener."""
+"""The node's `Relay` of `sandbox.cluster.relay`, on loopback sockets, before a stand-in for the gateway's
+sandbox listener that challenges each connection and says what the relay's answer vouched for: the relay
+answers only for the sandboxes of its node, with its node's key, and holds at most ``each`` connections
+per sandbox (the listener's own side is tested in ``tests/gateway/test_doors_sandbox_identity.py``)."""
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from core.net import free_port
-from sandbox.cluster.relay import Demux, Relay, preamble
+from sandbox.cluster.relay import Relay, challenge, check, node_key, vouch
 
-SECRET = b"s" * 32
+MASTER = b"m" * 32
+NODE = "10.1.0.3"
 
 
 class Listener:
-    """A stand-in for the sandbox listener: answers each connection with the address it came from."""
+    """A stand-in for the sandbox listener: challenges each connection, reads the answer line, and sends
+    back what `check` makes of it (``none`` when nothing), then echoes one chunk and closes."""
 
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(10)
-        self.port = self.sock.getsockname()[1]
-        self.seen: list[str] = []
+        self.sock.settimeout(30)
+        self.address = self.sock.getsockname()[:2]
+        self.lines: list[bytes] = []
 
-    def answer_one(self) -> None:
-        conn, peer = self.sock.accept()
-        with conn:
-            data = conn.recv(100)
-            self.seen.append(peer[0])
-            conn.sendall(peer[0].encode() + b" " + data)
+    def answer(self, count: int = 1) -> threading.Thread:
+        """Serve the next `count` connections, each in a thread of its own; the returned thread ends
+        when all of them have."""
+
+        def one(conn: socket.socket) -> None:
+            with conn:
+                asked = challenge()
+                conn.sendall(asked)
+                line = b""
+                while not line.endswith(b"\n"):
+                    line += conn.recv(1)
+                self.lines.append(line)
+                vouched = check(MASTER, asked, line)
+                conn.sendall(f"{vouched}|".encode() + conn.recv(100))
+
+        def serve() -> None:
+            threads = []
+            for _ in range(count):
+                threads.append(threading.Thread(target=one, args=(self.sock.accept()[0],)))
+                threads[-1].start()
+            for thread in threads:
+                thread.join()
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        return thread
 
 
 @pytest.fixture
@@ -41,14 +65,30 @@ def listener() -> Iterator[Listener]:
 
 
 @pytest.fixture
-def demux(listener: Listener) -> Iterator[Demux]:
-    made = Demux("127.0.0.1", ("127.0.0.1", listener.port), SECRET, {"box-1": "127.77.0.1"}.get)
+def relay(listener: Listener) -> Iterator[Relay]:
+    made = Relay(
+        "127.0.0.1",
+        free_port(),
+        listener.address,
+        NODE,
+        node_key(MASTER, NODE),
+        {"127.0.0.9": "box-1"}.get,
+        each=2,
+    )
     yield made
     made.stop()
 
 
-def exchange(address: tuple[str, int], data: bytes, source: str = "127.0.0.1") -> bytes:
-    with socket.create_connection(address, timeout=10, source_address=(source, 0)) as conn:
+def wait_for(condition: Callable[[], bool], deadline_s: float = 30.0) -> None:
+    """Until `condition` holds (a deadline, not a duration: it returns as soon as it does)."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, "the condition never held"
+        time.sleep(0.01)
+
+
+def exchange(port: int, data: bytes, source: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0)) as conn:
         conn.sendall(data)
         conn.shutdown(socket.SHUT_WR)
         chunks = []
@@ -57,35 +97,56 @@ def exchange(address: tuple[str, int], data: bytes, source: str = "127.0.0.1") -
         return b"".join(chunks)
 
 
-def test_the_demux_lets_a_vouched_for_sandbox_through_from_its_own_address(
-    listener: Listener, demux: Demux
+def test_the_relay_vouches_as_its_node_for_the_sandbox_at_the_source_address_only(
+    listener: Listener, relay: Relay
 ) -> None:
-    answer = threading.Thread(target=listener.answer_one)
-    answer.start()
-    assert exchange(demux.address, preamble(SECRET, "box-1") + b"GET /") == b"127.77.0.1 GET /"
-    answer.join()
-    for forged in (preamble(b"x" * 32, "box-1"), preamble(SECRET, "box-2"), b"GET / HTTP/1.1\r\n"):
-        assert exchange(demux.address, forged + b"GET /") == b""  # closed, and the listener saw nothing
-    assert listener.seen == ["127.77.0.1"]
-
-
-def test_the_relay_vouches_only_for_the_sandboxes_of_its_node(listener: Listener, demux: Demux) -> None:
-    port = free_port()
-    relay = Relay("127.0.0.1", port, demux.address, SECRET, {"127.0.0.9": "box-1"}.get)
-    try:
-        answer = threading.Thread(target=listener.answer_one)
-        answer.start()
-        assert exchange(("127.0.0.1", port), b"hello", source="127.0.0.9") == b"127.77.0.1 hello"
-        answer.join()
-        assert exchange(("127.0.0.1", port), b"hello", source="127.0.0.10") == b""  # no sandbox of its
-        wrong_key = Relay("127.0.0.1", free_port(), demux.address, b"k" * 32, {"127.0.0.9": "box-1"}.get)
-        try:  # a relay the gateway never gave its secret
-            assert (
-                exchange(("127.0.0.1", wrong_key.server.sockets[0].getsockname()[1]), b"hi", "127.0.0.9")
-                == b""
-            )
-        finally:
-            wrong_key.stop()
-        assert listener.seen == ["127.77.0.1"]
+    served = listener.answer()
+    assert exchange(relay.server_port, b"hello", "127.0.0.9") == b"('10.1.0.3', 'box-1')|hello"
+    served.join()
+    assert exchange(relay.server_port, b"hello", "127.0.0.10") == b""  # no sandbox of its node
+    assert len(listener.lines) == 1  # the gateway never heard of the second
+    wrong = Relay(
+        "127.0.0.1", free_port(), listener.address, NODE, node_key(b"k" * 32, NODE), {"127.0.0.9": "b"}.get
+    )
+    try:  # a relay with a key the gateway did not give it: the gateway refuses its word
+        served = listener.answer()
+        assert exchange(wrong.server_port, b"hi", "127.0.0.9") == b"None|hi"
+        served.join()
     finally:
-        relay.stop()
+        wrong.stop()
+
+
+def test_a_vouch_is_bound_to_its_challenge_its_node_and_its_key() -> None:
+    key = node_key(MASTER, NODE)
+    asked = challenge()
+    answer = vouch(key, NODE, "box-1", asked)
+    assert answer is not None and check(MASTER, asked, answer) == (NODE, "box-1")
+    assert challenge() != asked
+    assert [check(MASTER, challenge(), answer) for _ in range(3)] == [None] * 3  # replayed: a new nonce each
+    other = node_key(MASTER, "10.1.0.4")
+    assert check(MASTER, asked, vouch(other, "10.1.0.4", "box-1", asked) or b"") == ("10.1.0.4", "box-1")
+    assert check(MASTER, asked, vouch(other, NODE, "box-1", asked) or b"") is None  # another node's key
+    assert vouch(key, NODE, "box é", asked) is None and vouch(key, NODE, "box-1", b"GET /\n") is None
+    for line in (b"BELAYER 10.1.0.3 box-\xc3\xa9 " + b"0" * 64, b"\xff" * 300, b"", b"BELAYER a b c d e"):
+        assert check(MASTER, asked, line) is None
+
+
+def test_the_relay_holds_at_most_each_connections_per_sandbox(listener: Listener, relay: Relay) -> None:
+    """Two connections of sandbox box-1 are relayed (held open by the stand-in, which waits for their
+    bytes); a third is closed at once, before the gateway hears of it; once one ends, a new one passes."""
+    served = listener.answer(3)
+    source = ("127.0.0.9", 0)
+    held = [socket.create_connection(("127.0.0.1", relay.server_port), 30, source) for _ in range(2)]
+    try:
+        wait_for(lambda: dict(relay.held) == {"box-1": 2})
+        assert exchange(relay.server_port, b"third", "127.0.0.9") == b""
+        for i, conn in enumerate(held):
+            conn.sendall(b"held%d" % i)
+            conn.shutdown(socket.SHUT_WR)
+            assert conn.recv(100).endswith(b"|held%d" % i)
+        assert exchange(relay.server_port, b"again", "127.0.0.9").endswith(b"|again")
+        served.join()
+        assert len(listener.lines) == 3
+    finally:
+        for conn in held:
+            conn.close()
