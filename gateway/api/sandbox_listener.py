@@ -212,6 +212,14 @@ class SandboxProtocol(LimitedHttpProtocol):
         self._stop_deadline()
         self.transport.close()
 
+    def _refuse_connection(self, message: str | None = None) -> None:
+        limit = self.limits.max_connections
+        super()._refuse_connection(
+            message
+            or f"the gateway's sandbox listener is serving its limit of {limit} connections, all sandboxes "
+            "together; retry shortly (Retry-After)"
+        )
+
     def _admit(self, identity: str) -> bool:
         each = self.limits.sandbox_connections_each
         if self._held[identity] >= each:
