@@ -378,7 +378,9 @@ class EngineClient:
 
     async def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> None:
         with transport_errors(self.base_url):
-            resp = await self._http.post(f"{self.base_url}{path}", json=body, headers=self._auth, timeout=timeout)
+            resp = await self._http.post(
+                f"{self.base_url}{path}", json=body, headers=self._auth, timeout=timeout
+            )
         _check_status(self.base_url, resp.status_code, resp.content)
 
     async def health(self, timeout: float = 2.0) -> bool:

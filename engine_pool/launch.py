@@ -72,6 +72,7 @@ OWNED = {
     "port": "Belayer gives each worker a free port",
     "max-model-len": "use belayer's --max-model-len",
     "tensor-parallel-size": "use belayer's --tensor-parallel-size (it also groups --gpus)",
+    "api-key": "Belayer gives its workers a key and sends it (set it with BELAYER_LAUNCH__WORKER_API_KEY)",
 }
 """Options Belayer sets on every launched worker, and what to do instead of passing them."""
 SHORT_OPTIONS = {"tp": "tensor-parallel-size"}  # vLLM's one-dash aliases of the options above

@@ -28,7 +28,11 @@ from pathlib import Path
 import httpx
 
 from core.errors import EngineUnavailable
+from core.worker_auth import KEY_ENV
 from engine_pool.launch import COMMON_ENV, PROFILE_ENV, Profile, profile_args
+
+GUARD = "core.worker_auth.RequireApiKey"
+"""The ASGI middleware a launched vLLM worker with a key runs (vLLM's ``--middleware``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,9 @@ class WorkerSpec:
     devices: tuple[int, ...] | None = None
     """The devices this worker sees (``CUDA_VISIBLE_DEVICES``); None: whatever the gateway sees."""
     tensor_parallel_size: int = 1
+    api_key: str | None = field(default=None, repr=False)
+    """The key the worker asks of every caller (`core.worker_auth`), in its environment: never in its
+    command line, which ``ps`` shows to every local user; the gateway sends it."""
 
     def argv(self) -> list[str]:
         context = ["--max-model-len", str(self.max_model_len)] if self.max_model_len else []
@@ -74,6 +81,7 @@ class WorkerSpec:
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--served-model-name", self.served_name,
             "--host", self.host, "--port", str(self.port), *context,
+            *(["--middleware", GUARD] if self.api_key else []),  # every path, not only vLLM's /v1
             "--tensor-parallel-size", str(self.tensor_parallel_size),
             # no --disable-log-stats: it empties /metrics
             *profile_args(self.profile, self.seed, self.extra_args), *self.extra_args,
@@ -81,7 +89,8 @@ class WorkerSpec:
 
     def env(self) -> dict[str, str]:
         devices = {} if self.devices is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.devices))}
-        return {**COMMON_ENV, **PROFILE_ENV[self.profile], **devices, **self.extra_env}
+        key = {KEY_ENV: self.api_key} if self.api_key else {}
+        return {**COMMON_ENV, **PROFILE_ENV[self.profile], **devices, **self.extra_env, **key}
 
     @property
     def url(self) -> str:

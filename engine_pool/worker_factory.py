@@ -63,7 +63,7 @@ class WorkerFactory:
         else:
             worker = VllmWorker(spec, Path(s.log_dir), name)
         member = PoolMember(
-            name, EngineClient(spec.url, spec.served_name, self.http), process=worker,
+            name, EngineClient(spec.url, spec.served_name, self.http, api_key=spec.api_key), process=worker,
             weight_version=self.versions.base,
         )  # fmt: skip
         self.roster.members.append(member)

@@ -472,7 +472,10 @@ class GatewayConfig(BaseSettings):
             if not engine_allowed(url, self.engine_allow):
                 raise ValueError(f"engine {url} is not in --engine-allow {self.engine_allow}")
         if self.sandbox.ray is None and self.ray.address:  # --ray: the sandboxes go on the cluster too
-            self.sandbox.ray, self.sandbox.ray_node_ip = self.ray.address, self.sandbox.ray_node_ip or self.ray.node_ip
+            self.sandbox.ray, self.sandbox.ray_node_ip = (
+                self.ray.address,
+                self.sandbox.ray_node_ip or self.ray.node_ip,
+            )
         return self
 
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)

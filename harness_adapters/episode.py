@@ -17,7 +17,8 @@ An episode runs in three stages:
 - **setup**: the task's image (the base image + repo/ + the ``setup`` commands) is built once and cached
   by content hash (`sandbox.task_images`); an episode starts a sandbox from it (``task_start_s``). The
   setup commands run under a sandbox's limits: no network unless ``setup_network``, no capability but
-  ``setup_cap_add``;
+  ``setup_cap_add``, which holds only Docker's default ones (`sandbox.task_images.SETUP_CAPS`) unless the
+  operator allows more by name (``--allow-setup-cap``, `EpisodeRunner`'s ``allow_setup_caps``);
 - **agent**: the harness works in that sandbox, which holds the repository and nothing of the verifier;
 - **verify**: the gateway copies the agent's /workspace out (its processes frozen), resets the
   ``protected_paths`` (``protected_path_modified`` events; ``on_tamper: fail`` gives reward 0 instead),
@@ -194,9 +195,11 @@ class EpisodeRunner:
         progress: Callable[[str], None] | None = None,
         poll_s: float = 1.0,
         api_token: str | None = None,
+        allow_setup_caps: tuple[str, ...] = (),
     ) -> None:
         self.gateway = gateway.rstrip("/")
         self.adapter = adapter
+        self.allow_setup_caps = allow_setup_caps  # the operator's word, never the task's
         auth = {"authorization": f"Bearer {api_token}"} if api_token else {}
         self.http = client or httpx.Client(timeout=600, headers=auth)  # the sessions API (trainer side)
         self.progress = progress or (lambda _m: None)
@@ -332,14 +335,14 @@ class EpisodeRunner:
         """The setup stage: the task's image, from the cache or built now (`sandbox.task_images`); on
         the harness's image for a harness inside the sandbox."""
         if not inside:
-            return build_task_image(task)
+            return build_task_image(task, allow_caps=self.allow_setup_caps)
         from sandbox.backends import backend_for
         from sandbox.images import ensure_harness_image
 
         with backend_for() as backend:
             version = getattr(self.adapter, "installed_version", lambda: None)() or "latest"
             base = ensure_harness_image(backend, self.adapter.name, version, self.adapter.image_files())
-        return build_task_image(task, base)
+        return build_task_image(task, base, allow_caps=self.allow_setup_caps)
 
     def _session(
         self, task: Task, image: str, inside: bool, metadata: dict[str, Any]
@@ -434,9 +437,13 @@ class EpisodeRunner:
         return response
 
 
-def build_task_image(task: Task, base: str | None = None) -> TaskImage:
+def build_task_image(task: Task, base: str | None = None, allow_caps: tuple[str, ...] = ()) -> TaskImage:
     """`task`'s image on `base` (default: task.json's ``image``, else the python sandbox image), from
-    the cache or built now, on this host's Docker engine."""
+    the cache or built now, on this host's Docker engine; setup capabilities beyond Docker's defaults
+    only when the operator allows them (`allow_caps`, checked before anything is built)."""
+    from sandbox.task_images import check_setup_caps
+
+    check_setup_caps(task.name, task.setup_cap_add, allow_caps)
     from sandbox.backends import backend_for
     from sandbox.images import ensure_python_image
 
@@ -444,7 +451,7 @@ def build_task_image(task: Task, base: str | None = None) -> TaskImage:
         base = base or task.image or ensure_python_image(backend)
         return ensure_task_image(
             backend, task.name, base, task.files(), list(task.setup), setup_network=task.setup_network,
-            setup_cap_add=task.setup_cap_add,
+            setup_cap_add=task.setup_cap_add, allow_caps=allow_caps,
         )  # fmt: skip
 
 

@@ -47,6 +47,7 @@ def sandbox_backend(config: SandboxConfig) -> SandboxBackend:
     cluster = ClusterConfig(
         address=str(config.ray), node_ip=config.ray_node_ip, docker_urls=config.docker_urls,
         node_timeout_s=config.node_timeout_s, relay_port=config.relay_port,
+        allow_full_network=config.allow_full_network_on_cluster,
     )  # fmt: skip
     return ClusterSandboxBackend(cluster, config.checkpoint_store, docker_config(config))
 

@@ -110,7 +110,9 @@ class SandboxConfig(BaseModel):
         default=3.0, gt=0, description="a sandbox node whose Docker engine does not answer this long is lost"
     )
     relay_port: int = Field(
-        default=7199, ge=1, le=65535,
+        default=7199,
+        ge=1,
+        le=65535,
         description="with sandboxes on Ray: the port of each node's relay, by which network=gateway "
         "sandboxes reach the gateway (the same on every node)",
     )
@@ -118,6 +120,12 @@ class SandboxConfig(BaseModel):
         default_factory=dict,
         description="a sandbox node's Docker engine address by the node's IP (NODE_IP=URL; default: the "
         "node's own socket)",
+    )
+    allow_full_network_on_cluster: bool = Field(
+        default=False,
+        description="with sandboxes on Ray: allow network=full sandboxes (and task setup with network). "
+        "Off, they are refused: the cluster's own services (Ray's ports, the engines) answer anyone on "
+        "the nodes' network. On, each node's firewall drops their packets to every node's address",
     )
 
     @property

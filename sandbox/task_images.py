@@ -20,12 +20,23 @@ import io
 import re
 import tarfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from core.errors import TaskError
 
 TASK_LABEL = "belayer.task"
 HASH_LABEL = "belayer.task.hash"
 REPOSITORY = "belayer-task"
+SETUP_CAPS = frozenset({
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE",
+    "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+})  # fmt: skip
+"""The capabilities a task's setup may ask for (``setup_cap_add``) on its own: Docker's default set, less
+``NET_RAW``. Any other (``SYS_ADMIN``, ``SYS_PTRACE``, ``NET_ADMIN``...) reaches past the container, on
+every node that builds the image, so the operator must allow it by name (`ensure_task_image`'s
+``allow_caps``, ``belayer task build --allow-setup-cap``)."""
 
 
 class TaskImageStore(Protocol):
@@ -99,6 +110,7 @@ def ensure_task_image(
     setup_timeout_s: float = 1800.0,
     setup_network: bool = False,
     setup_cap_add: tuple[str, ...] = (),
+    allow_caps: Collection[str] = (),
 ) -> TaskImage:
     """The task's image: found by its content hash, or built from `base` (repository files unpacked in
     `workdir`, then the `setup` commands run there as ``sh -ec``).
@@ -106,7 +118,9 @@ def ensure_task_image(
     Setup runs under a sandbox's own limits: every capability dropped but `setup_cap_add`,
     no-new-privileges, the sandbox's memory, process and disk limits, and no network unless
     `setup_network` (a task that downloads its dependencies says so). Neither is part of the key: the
-    same inputs make the same image, or none."""
+    same inputs make the same image, or none. A capability outside `SETUP_CAPS` and the operator's
+    `allow_caps` is a `TaskError`, before anything is built."""
+    check_setup_caps(task, setup_cap_add, allow_caps)
     started = time.monotonic()
     key = task_image_key(store.image_id(base), workdir, files, setup)
     name = task_image_name(task, key)
@@ -119,6 +133,32 @@ def ensure_task_image(
         timeout_s=setup_timeout_s, network=setup_network, cap_add=setup_cap_add,
     )  # fmt: skip
     return TaskImage(name, False, time.monotonic() - started, output)
+
+
+def check_setup_caps(task: str, asked: Collection[str], allowed: Collection[str] = ()) -> None:
+    """Refuse a task's setup capabilities outside `SETUP_CAPS` and the operator's `allowed` (names as
+    Docker takes them, with or without ``CAP_``, in any case).
+
+    >>> check_setup_caps("t", ["chown"])
+    >>> check_setup_caps("t", ["SYS_ADMIN"], allowed=["cap_sys_admin"])
+    >>> check_setup_caps("t", ["SYS_ADMIN", "CHOWN"])
+    Traceback (most recent call last):
+    ...
+    core.errors.TaskError: task t asks for capability SYS_ADMIN during setup (setup_cap_add), which reaches past its container; allow it with belayer task build --allow-setup-cap SYS_ADMIN (or run-episode's), or drop it from task.json
+    """
+    permitted = SETUP_CAPS | {_cap(c) for c in allowed}
+    refused = sorted({_cap(c) for c in asked} - permitted)
+    if refused:
+        names = ", ".join(refused)
+        flags = " ".join(f"--allow-setup-cap {c}" for c in refused)
+        raise TaskError(
+            f"task {task} asks for capability {names} during setup (setup_cap_add), which reaches past its "
+            f"container; allow it with belayer task build {flags} (or run-episode's), or drop it from task.json"
+        )
+
+
+def _cap(name: str) -> str:
+    return name.strip().upper().removeprefix("CAP_")
 
 
 def prune_task_images(

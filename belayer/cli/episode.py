@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from belayer.cli.task import add_allow_setup_cap
+
 
 def add_arguments(r: argparse.ArgumentParser) -> None:
     """The flags of ``belayer run-episode``."""
@@ -43,6 +45,7 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         help="fork the episode at turn K (a harness inside; the gateway with --checkpoint-policy always)",
     )
     r.add_argument("--siblings", type=int, default=2, metavar="N", help="how many siblings a fork makes")
+    add_allow_setup_cap(r)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
         task = Task.load(Path(args.task))
         harness = adapter(args.harness, Path(args.cache), model=args.model)
         token = os.environ.get("BELAYER_API_TOKEN")  # the gateway's --api-token, if it has one
-        runner = EpisodeRunner(args.gateway, harness, progress=progress, api_token=token)
+        runner = EpisodeRunner(
+            args.gateway, harness, progress=progress, api_token=token,
+            allow_setup_caps=tuple(args.allow_setup_cap),
+        )  # fmt: skip
         report = runner.run(
             task, inside=args.inside, keep=args.keep, fork_at=args.fork_at, siblings=args.siblings
         )

@@ -29,6 +29,7 @@ def add_arguments(
     b.add_argument("dir", help="the task directory (instruction.md, repo/, verify.sh, task.json)")
     b.add_argument("--harness", help="build on this harness's image (one that runs inside the sandbox)")
     b.add_argument("--cache", default=".cache/harness", help="where harnesses are installed")
+    add_allow_setup_cap(b)
     leaf(b, _build)
     p = tsub.add_parser("prune", help="remove old task images")
     p.add_argument("--keep", type=int, default=20, help="keep this many of the newest (default 20)")
@@ -41,6 +42,16 @@ def add_arguments(
     leaf(p, prune)
 
 
+def add_allow_setup_cap(p: argparse.ArgumentParser) -> None:
+    """``--allow-setup-cap CAP``: the operator lets a task's setup have one capability beyond Docker's
+    default ones (`sandbox.task_images.SETUP_CAPS`); a task cannot grant itself one."""
+    p.add_argument(
+        "--allow-setup-cap", action="append", default=[], metavar="CAP",
+        help="let a task's setup_cap_add hold this capability (SYS_PTRACE...) beyond Docker's default "
+        "ones; repeatable. Without it such a task is refused: the capability reaches past its container",
+    )  # fmt: skip
+
+
 def _build(args: argparse.Namespace) -> int:
     from core.errors import HarnessError, ImageBuildError, TaskError
     from harness_adapters.episode import EpisodeRunner, Task, build_task_image
@@ -51,9 +62,10 @@ def _build(args: argparse.Namespace) -> int:
         if args.harness:
             harness = adapter(args.harness, Path(args.cache))
             harness.install()
-            image = EpisodeRunner("http://unused", harness).task_image(task, inside=True)
+            runner = EpisodeRunner("http://unused", harness, allow_setup_caps=tuple(args.allow_setup_cap))
+            image = runner.task_image(task, inside=True)
         else:
-            image = build_task_image(task)
+            image = build_task_image(task, allow_caps=tuple(args.allow_setup_cap))
     except (TaskError, HarnessError, ImageBuildError) as exc:
         sys.stderr.write(f"belayer task build: {exc}\n")
         return 2

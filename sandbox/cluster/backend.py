@@ -23,6 +23,13 @@ that answers again (its engine back, or its Ray node started again on the same a
 it takes sandboxes: the containers this backend moved or destroyed while it was away are removed, so
 none comes back to life and none is left behind.
 
+Networks. The cluster's own services (Ray's ports on every node, the engines a pool launched there) ask
+nobody who they are, so a ``network="full"`` sandbox (and a task's setup with network) is refused
+unless the operator allows them (``allow_full_network``, ``--sandbox-allow-full-network-on-cluster``);
+allowed, every node's firewall drops their packets to every node's address and the gateway's, before
+one runs there (`_fence`, `sandbox.docker_backend.network.fence_full_network`). ``network="gateway"``
+sandboxes reach their node's relay only (`sandbox.cluster.relay`).
+
 Example::
 
     backend = ClusterSandboxBackend(ClusterConfig(address="127.0.0.2:6379"), "file:///shared/ckpt")
@@ -96,7 +103,9 @@ class ClusterConfig(BaseModel):
         description="a node's Docker engine address, by the node's address (default: the node's own socket)",
     )
     relay_port: int = Field(
-        default=7199, ge=1, le=65535,
+        default=7199,
+        ge=1,
+        le=65535,
         description="the port of each node's relay for network=gateway sandboxes (the same on every node)",
     )
     probe_interval_s: float = Field(
@@ -106,6 +115,11 @@ class ClusterConfig(BaseModel):
         default=3.0, gt=0, description="a node whose engine does not answer this long is lost"
     )  # fmt: skip
     agent_concurrency: int = Field(default=64, ge=1, description="calls one node's agent runs at once")
+    allow_full_network: bool = Field(
+        default=False,
+        description="allow network=full sandboxes (and task setup with network); each node's firewall then "
+        "drops their packets to every cluster node's address (`fence_full_network`)",
+    )
 
 
 @dataclass(slots=True)
@@ -135,6 +149,8 @@ class Node:
     """Sandboxes given up while the node was lost: their containers are removed when it answers again."""
     returning: bool = False
     """Lost, and not yet swept: it answers again after a loss."""
+    fenced: tuple[str, ...] = ()
+    """The cluster addresses its network=full sandboxes are fenced off from (`_fence`)."""
 
     @property
     def free(self) -> int:
@@ -169,6 +185,8 @@ class ClusterSandboxBackend(SandboxBackend):
         # the sandbox listener's address, and each node's relay key by the node's address
         self._relay: tuple[tuple[str, int], Callable[[str], bytes]] | None = None
         host = config.node_ip or self._ray.util.get_node_ip_address()
+        self._host = host
+        self._cluster: tuple[str, ...] = ()  # every node's address and the gateway's (allow_full_network)
         self._network = ClusterNetwork(host, config.relay_port, self._relays, self.node_of)
         self.probe()
         self._prober = threading.Thread(target=self._probe_loop, name="belayer-sandbox-nodes", daemon=True)
@@ -208,6 +226,25 @@ class ClusterSandboxBackend(SandboxBackend):
         for ip, (ray_id, slots) in seen.items():
             if ip not in known:
                 self._register(ip, ray_id, slots, former=None)
+        if self.config.allow_full_network:
+            self._cluster = tuple(
+                sorted({str(n["NodeManagerAddress"]) for n in self._ray.nodes()} | {self._host})
+            )
+            for node in self._alive():
+                with contextlib.suppress(SandboxError):  # logged; a full sandbox there waits for its fence
+                    self._fence(node)
+
+    def _fence(self, node: Node) -> None:
+        """Fence `node`'s network=full sandboxes off from every address of the cluster (each node, the
+        gateway's; `sandbox.docker_backend.network.fence_full_network`), once for each new set of them."""
+        if node.fenced == self._cluster:
+            return
+        try:
+            self._call(node, "call", "fence_full_network", list(self._cluster))
+        except SandboxError as exc:
+            log.error("sandbox node %s: network=full sandboxes not fenced off the cluster: %s", node.ip, exc)
+            raise
+        node.fenced = self._cluster
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.config.probe_interval_s):
@@ -413,19 +450,34 @@ class ClusterSandboxBackend(SandboxBackend):
 
     # ------------------------------------------------------------------ SandboxBackend
     def create(self, spec: SandboxSpec) -> Sandbox:
+        self._check_network(spec.network == "full")
         node = self._place()
 
         def ask() -> Sandbox:
+            if spec.network == "full":  # never one without its fence
+                self._fence(node)
             self._ensure_image(node, spec.image)
             box: Sandbox = self._call(node, "call", "create", spec)
             return box
 
         return self._placing(node, spec, ask)
 
+    def _check_network(self, full: bool, what: str = "a network='full' sandbox") -> None:
+        """Refuse `what` unless the operator allowed full networking on the cluster (module docstring)."""
+        if full and not self.config.allow_full_network:
+            raise SandboxArgumentError(
+                f"{what} is refused on a Ray cluster: it would reach the cluster's own services (Ray's "
+                "ports, the engines), which ask nobody who they are. Use network='none' or 'gateway', or "
+                "start the gateway with --sandbox-allow-full-network-on-cluster (each node's firewall then "
+                "drops such sandboxes' packets to the cluster's addresses)"
+            )
+
     def restore(self, checkpoint: Checkpoint) -> Sandbox:
         node = self._place()
 
         def ask() -> Sandbox:
+            if checkpoint.spec.network == "full":
+                self._fence(node)
             self._ensure_image(node, checkpoint.spec.image)
             box: Sandbox = self._call(node, "call", "restore", checkpoint)
             return box
@@ -576,9 +628,12 @@ class ClusterSandboxBackend(SandboxBackend):
         self._everywhere(name, build)
 
     def build_image(self, name: str, base: str, tar: bytes, script: str, **kwargs: Any) -> str:
+        self._check_network(bool(kwargs.get("network")), "a task's setup with network (setup_network)")
         outputs: list[str] = []
 
         def build(node: Node) -> None:
+            if kwargs.get("network"):
+                self._fence(node)
             self._ensure_image(node, base)
             outputs.append(self._call(node, "call", "build_image", name, base, tar, script, **kwargs))
 

@@ -40,7 +40,7 @@ from sandbox.docker_backend.engine import DockerEngine, docker_errors
 from sandbox.docker_backend.exec import Exec
 from sandbox.docker_backend.files import Files
 from sandbox.docker_backend.images import Images
-from sandbox.docker_backend.network import DockerNetwork
+from sandbox.docker_backend.network import DockerNetwork, fence_full_network
 from sandbox.docker_backend.portable import PortableCheckpoints
 
 
@@ -60,7 +60,9 @@ class DockerSandboxBackend(SandboxBackend):
         self._checkpoints = (
             Checkpoints(self._engine, self._containers, self._images)
             if config.checkpoint_store is None
-            else PortableCheckpoints(self._engine, self._containers, self._images, store_for(config.checkpoint_store))
+            else PortableCheckpoints(
+                self._engine, self._containers, self._images, store_for(config.checkpoint_store)
+            )
         )
 
     @property
@@ -110,6 +112,15 @@ class DockerSandboxBackend(SandboxBackend):
     @property
     def network(self) -> DockerNetwork:
         return self._network
+
+    def fence_full_network(self, addresses: list[str]) -> list[str]:
+        """Drop what ``network="full"`` sandboxes send to `addresses` (a cluster's nodes) and to their
+        bridge's own address (`sandbox.docker_backend.network.fence_full_network`); what was fenced off."""
+        with docker_errors(SandboxUnavailable):
+            bridge = self._api.inspect_network("bridge")
+        name = (bridge.get("Options") or {}).get("com.docker.network.bridge.name", "docker0")
+        own = [c["Gateway"] for c in (bridge.get("IPAM") or {}).get("Config") or [] if c.get("Gateway")]
+        return fence_full_network(str(name), [*addresses, *own])
 
     def network_members(self) -> dict[str, dict[str, Any]]:
         """The containers on the gateway network, by id: ``Name`` and ``IPv4Address`` (``a.b.c.d/nn``)."""

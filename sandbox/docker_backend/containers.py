@@ -2,13 +2,15 @@
 removed, and the disk quota its writable layer gets where the storage driver takes one.
 
 Every container (sandboxes, the verify stage's, task-image builds) gets the same isolation
-(`Containers.host_config`): capabilities dropped, no-new-privileges, memory, process and CPU limits, and
+(`Containers.host_config`): capabilities dropped, no-new-privileges, memory, process and CPU limits,
+IPv6 off (`NO_IPV6`; the gateway network's firewall is IPv4's), and
 `DockerBackendConfig.disk_quota_bytes` as ``--storage-opt size`` where the storage driver takes one
 (`DiskQuota` asks once).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +22,10 @@ from sandbox import supervisor
 from sandbox.backend import Sandbox, SandboxSpec, SandboxStatus
 from sandbox.docker_backend.engine import SPEC_LABEL, DockerEngine, docker_errors, raise_for_status
 from sandbox.docker_backend.network import GATEWAY_HOST, DockerNetwork
+
+NO_IPV6 = {"net.ipv6.conf.all.disable_ipv6": "1", "net.ipv6.conf.default.disable_ipv6": "1"}
+"""Every sandbox's sysctls, on a kernel with IPv6: no address, not even a link-local one, by which a
+sandbox could reach the host's services past the gateway network's IPv4 firewall."""
 
 
 class DiskQuota:
@@ -91,6 +97,9 @@ class Containers:
         self._api = engine.api
         self._network = network
         self._quota = quota
+        # a sandbox has no IPv6: the gateway network's firewall is IPv4's (`docker_backend.network`). A
+        # kernel without IPv6 has no such sysctl (and no IPv6 to turn off): runc would refuse to set it
+        self._sysctls = NO_IPV6 if os.path.exists("/proc/sys/net/ipv6") else None
 
     # ------------------------------------------------------------------ making and removing
     def create_for(self, spec: SandboxSpec) -> str:
@@ -141,6 +150,7 @@ class Containers:
             nano_cpus=int(spec.cpus * 1e9),
             storage_opt=self._quota.storage_opt(),
             extra_hosts=extra_hosts,
+            sysctls=self._sysctls,
         )
         return host_config
 

@@ -12,12 +12,26 @@ that listens on all addresses would be reachable too, so an iptables chain on th
 accepts TCP to the gateway's listening ports only and resets or drops everything else:
 
     INPUT  -i belayer-gw0 -j BELAYER-GATEWAY
-    BELAYER-GATEWAY  -d <bridge address> -p tcp --dport <port> -j ACCEPT   (one per open gateway)
+    BELAYER-GATEWAY  -i belayer-gw0 -d <bridge address> -p tcp --dport <port> -j ACCEPT   (one per gateway)
                      -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
                      -p tcp -j REJECT --reject-with tcp-reset
                      -j DROP
 
 Rules are added and removed one by one (`iptables -C` first), so several gateways can share the network.
+
+IPv6. The chain is IPv4's; a sandbox's IPv6 is turned off instead (``net.ipv6.conf.all.disable_ipv6=1``
+in every sandbox's sysctls, `sandbox.docker_backend.containers`), so that no link-local address reaches
+the host's services past it, and a network with IPv6 on (``EnableIPv6``) is unfit, as one that is not
+internal is.
+
+``network="full"`` on a cluster node (`fence_full_network`, when the operator allows such sandboxes on a
+cluster): they are on Docker's default bridge, with a way out, so that what stops them from reaching the
+cluster's own unauthenticated services (Ray's ports, the engines) is a chain that drops their packets to
+every node's address and to the bridge's own, on the way into the node and on the way through it:
+
+    INPUT    -i docker0 -j BELAYER-FULL
+    FORWARD  -i docker0 -j BELAYER-FULL
+    BELAYER-FULL  -i docker0 -d <address> -j DROP   (one per cluster node, and the bridge's address)
 
 `DockerNetwork` is the Docker side of `sandbox.network.SandboxNetwork` (`DockerSandboxBackend.network`):
 it wraps `GatewayNetwork` and translates its Docker errors.
@@ -32,9 +46,11 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import docker
@@ -46,6 +62,7 @@ from sandbox.docker_backend.engine import docker_errors
 from sandbox.network import SandboxNetwork
 
 CHAIN = "BELAYER-GATEWAY"
+FULL_CHAIN = "BELAYER-FULL"
 GATEWAY_HOST = "belayer-gateway"
 """The name by which a sandbox on the network reaches the host's address on it (its ``/etc/hosts``)."""
 ICC = "com.docker.network.bridge.enable_icc"
@@ -107,7 +124,7 @@ class GatewayNetwork:
         host = self.ensure()
         with self._lock:
             self._ensure_chain()
-            accept = ["-d", host, "-p", "tcp", "--dport", str(port), "-j", "ACCEPT"]
+            accept = accept_rule(self.bridge, host, port)
             if not _iptables("-C", CHAIN, *accept, check=False):
                 _iptables("-I", CHAIN, "1", *accept)
 
@@ -115,9 +132,10 @@ class GatewayNetwork:
         if self._host is None:
             return
         with self._lock:
-            accept = ["-d", self._host, "-p", "tcp", "--dport", str(port), "-j", "ACCEPT"]
-            while _iptables("-C", CHAIN, *accept, check=False):
-                _iptables("-D", CHAIN, *accept)
+            # and the rule as an older Belayer wrote it, without the bridge
+            for accept in (accept_rule(self.bridge, self._host, port), accept_rule(None, self._host, port)):
+                while _iptables("-C", CHAIN, *accept, check=False):
+                    _iptables("-D", CHAIN, *accept)
 
     def _ensure_network(self) -> str:
         engine_check.check_engine(self._api)  # an engine that leaks DNS out of the network is refused
@@ -195,10 +213,71 @@ class GatewayNetwork:
             _iptables("-I", "INPUT", "1", *jump)
 
 
+def accept_rule(bridge: str | None, host: str, port: int) -> list[str]:
+    """The rule that lets a gateway network's sandboxes reach `port` on the host's `host` address, and
+    only from the network's `bridge` (None: as Belayer wrote it before it named the bridge).
+
+    >>> " ".join(accept_rule("belayer-gw0", "172.30.0.1", 8080))
+    '-i belayer-gw0 -d 172.30.0.1 -p tcp --dport 8080 -j ACCEPT'
+    """
+    via = ["-i", bridge] if bridge else []
+    return [*via, "-d", host, "-p", "tcp", "--dport", str(port), "-j", "ACCEPT"]
+
+
+def full_network_rules(bridge: str, addresses: Iterable[str]) -> list[list[str]]:
+    """The rules of `FULL_CHAIN` for the bridge of ``network="full"`` sandboxes: their packets to each of
+    `addresses` (the cluster's nodes, the bridge's own address) dropped.
+
+    >>> [" ".join(r) for r in full_network_rules("docker0", ["10.0.0.2", "172.17.0.1", "10.0.0.2"])]
+    ['-i docker0 -d 10.0.0.2 -j DROP', '-i docker0 -d 172.17.0.1 -j DROP']
+    """
+    ipv4 = {a for a in addresses if _is_ipv4(a)}  # a sandbox has no IPv6 (module docstring)
+    return [["-i", bridge, "-d", address, "-j", "DROP"] for address in sorted(ipv4)]
+
+
+def _is_ipv4(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).version == 4
+    except ValueError:
+        return False
+
+
+def fence_full_network(bridge: str, addresses: Iterable[str]) -> list[str]:
+    """Make `FULL_CHAIN` hold exactly `full_network_rules` (new rules first, stale ones removed after,
+    so the fence never opens), jumped to from INPUT and FORWARD for packets from `bridge`. Returns the
+    addresses fenced off. Raises `SandboxUnavailable` when iptables is missing or refuses (not root)."""
+    wanted = full_network_rules(bridge, addresses)
+    if not _iptables("-n", "-L", FULL_CHAIN, check=False):
+        _iptables("-N", FULL_CHAIN)
+    for rule in wanted:
+        if not _iptables("-C", FULL_CHAIN, *rule, check=False):
+            _iptables("-A", FULL_CHAIN, *rule)
+    keep = {(r[1], r[3]) for r in wanted}
+    for rule in _rules(FULL_CHAIN):  # as iptables prints them: -d 10.0.0.2/32 -i docker0 -j DROP
+        spec = dict(zip(rule[::2], rule[1::2], strict=False))
+        if (spec.get("-i"), spec.get("-d", "").removesuffix("/32")) not in keep:
+            _iptables("-D", FULL_CHAIN, *rule)
+    for hook in ("INPUT", "FORWARD"):
+        jump = ["-i", bridge, "-j", FULL_CHAIN]
+        if not _iptables("-C", hook, *jump, check=False):
+            _iptables("-I", hook, "1", *jump)
+    return [rule[3] for rule in wanted]
+
+
+def _rules(chain: str) -> list[list[str]]:
+    """The rules of `chain`, each as the arguments that follow ``-A <chain>`` in ``iptables -S``."""
+    exe = shutil.which("iptables") or "iptables"
+    done = subprocess.run([exe, "-w", "-S", chain], capture_output=True, text=True, check=False)
+    prefix = f"-A {chain} "
+    return [line[len(prefix) :].split() for line in done.stdout.splitlines() if line.startswith(prefix)]
+
+
 def _unfit(info: dict[str, Any]) -> str | None:
     """How an existing network differs from what sandboxes need (None: it does not)."""
     if not info.get("Internal"):
         return "is not internal (it routes to the outside world)"
+    if info.get("EnableIPv6"):  # the firewall chain is IPv4's
+        return "has IPv6 on (the gateway network's firewall is IPv4's)"
     if (info.get("Options") or {}).get(ICC) != "false":
         return "lets containers reach each other (inter-container communication is on)"
     return None

@@ -126,10 +126,11 @@ def test_gpus_are_split_into_a_group_per_worker_and_shadow(tiny_model_dir: Path)
         assert member.process is not None
         spec = member.process.spec
         assert spec.argv() == [
-            *served(spec.port, model), "--tensor-parallel-size", "2", "--seed", "0",
-            "--max-num-seqs=8", "--gpu-memory-utilization", "0.85",
+            *served(spec.port, model), "--middleware", "core.worker_auth.RequireApiKey",
+            "--tensor-parallel-size", "2", "--seed", "0", "--max-num-seqs=8", "--gpu-memory-utilization", "0.85",
         ]  # fmt: skip
-        assert spec.env() == {**GPU_ENV, "CUDA_VISIBLE_DEVICES": devices}
+        assert spec.api_key is not None and len(spec.api_key) == 43  # the gateway's, 256 random bits
+        assert spec.env() == {**GPU_ENV, "CUDA_VISIBLE_DEVICES": devices, "VLLM_API_KEY": spec.api_key}
 
 
 def test_launch_settings_from_a_config_file_and_the_environment(
