@@ -39,7 +39,9 @@ class Provider:
     def app(self) -> Starlette:
         async def answer(request: Request) -> JSONResponse:
             self.seen.append((request.url.path, request.headers.get("authorization")))
-            return JSONResponse({"id": "x", "object": "chat.completion", "model": "judge-large", "choices": []})
+            return JSONResponse(
+                {"id": "x", "object": "chat.completion", "model": "judge-large", "choices": []}
+            )
 
         return Starlette(routes=[Route("/v1/{endpoint:path}", answer, methods=["POST"])])
 
@@ -112,7 +114,9 @@ def test_plain_v1_defaults_to_token_once_an_api_token_is_set(tmp_path: Path) -> 
     assert plain_v1(api_token="t0ken", plain_v1="off") == "off"
 
 
-def test_plain_v1_defaults_to_token_with_the_token_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_v1_defaults_to_token_with_the_token_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("BELAYER_API_TOKEN", "t0ken")
     assert GatewayConfig(model="m").plain_v1 == "token"
 
