@@ -25,16 +25,27 @@ Example::
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
+import errno
 import os
+import re
+import secrets
 import shutil
+import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from core.errors import CheckpointError, CheckpointMissing, CheckpointUnreadable, SandboxArgumentError
+from core.errors import (
+    CheckpointError,
+    CheckpointMissing,
+    CheckpointTampered,
+    CheckpointUnreadable,
+    SandboxArgumentError,
+)
 
 _CHUNK = 1 << 20
 _S3_MISSING = {"404", "NoSuchKey", "NotFound"}
@@ -116,7 +127,14 @@ class CheckpointStore(abc.ABC):
 
 class LocalDirStore(CheckpointStore):
     """A directory; each key is a file under it. Puts go to a hidden temporary file in the destination's
-    directory, flushed to disk, then renamed over the key (``os.replace``)."""
+    directory, flushed to disk, then renamed over the key (``os.replace``).
+
+    The directory is shared (every node mounts it), so whoever else writes it is not trusted: each part
+    of a key is opened from its folder's descriptor without following a symbolic link (``O_NOFOLLOW``,
+    ``dir_fd``), and a link, or anything but a folder or a regular file where the store expects one, is
+    refused (`CheckpointTampered` on a read, `CheckpointError` on a write, a list or a delete) rather
+    than followed: a link swapped in for ``ckpt/<id>`` would otherwise have an eviction delete, or a put
+    write, wherever it points, as root. Only the root itself, the operator's own setting, may be a link."""
 
     def __init__(self, root: Path) -> None:
         if not root.is_absolute():
@@ -140,66 +158,224 @@ class LocalDirStore(CheckpointStore):
         self._put(key, lambda out: out.write(data))
 
     def get_file(self, key: str, dest: Path) -> None:
-        with self._reading(key), self._path(key).open("rb") as src:
+        with self._opened(key) as src:
             _write_atomic(dest, lambda out: shutil.copyfileobj(src, out, _CHUNK))
 
     def get_bytes(self, key: str) -> bytes:
-        with self._reading(key):
-            return self._path(key).read_bytes()
+        with self._opened(key) as src:
+            return src.read()
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        *folders, name = check_key(key).split("/")
+        with self._errors(key, "read"):
+            try:
+                with self._folder(folders) as fd:
+                    mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            _check_kind(mode, key, stat.S_ISREG, stat.S_ISDIR)
+        return stat.S_ISREG(mode)
 
     def list(self, prefix: str = "") -> list[str]:
-        def fail(exc: OSError) -> None:
-            if not isinstance(exc, FileNotFoundError):  # an absent folder holds nothing; others fail
-                raise self._failed(prefix, exc, "list") from exc
-
-        walk = os.walk(self.root / check_key(prefix, prefix=True), onerror=fail)
-        found = [Path(d, n) for d, _, names in walk for n in names if not n.startswith(".")]  # no temporaries
-        return sorted(p.relative_to(self.root).as_posix() for p in found)
+        path = check_key(prefix, prefix=True)
+        folders = path.split("/") if path else []
+        found: builtins.list[str] = []
+        with self._errors(prefix, "list"):
+            try:
+                with self._folder(folders) as fd:
+                    _walk(fd, path, found)
+            except (FileNotFoundError, NotADirectoryError):
+                return []  # an absent folder holds nothing
+        return sorted(found)
 
     def delete_prefix(self, prefix: str) -> int:
+        path = check_key(prefix, prefix=True)
         removed = 0
         for key in self.list(prefix):
-            try:
-                self._path(key).unlink()
-                removed += 1
-            except FileNotFoundError:
-                pass  # another caller removed it first
-            except OSError as exc:
-                raise self._failed(key, exc, "delete") from exc
-        for folder, _, _ in os.walk(self.root / check_key(prefix, prefix=True), topdown=False):
-            if Path(folder) != self.root:
-                with contextlib.suppress(OSError):  # not empty: a put in flight, or a temporary file
-                    os.rmdir(folder)
+            *folders, name = key.split("/")
+            with self._errors(key, "delete"):
+                try:
+                    with self._folder(folders) as fd:  # never through a link swapped in since the list
+                        os.unlink(name, dir_fd=fd)  # the name itself: unlink never follows it
+                    removed += 1
+                except (FileNotFoundError, NotADirectoryError):
+                    pass  # another caller removed it first
+        self._remove_empty_folders(path.split("/") if path else [])
         return removed
 
-    def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
-
-    def _put(self, key: str, write: Callable[[IO[bytes]], object]) -> None:
-        path = self._path(key)
-        for attempt in (1, 2):  # a second time if a delete_prefix removed the emptied folder meanwhile
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                return _write_atomic(path, write)
-            except FileNotFoundError as exc:
-                if attempt == 2:
-                    raise self._failed(key, exc, "write") from exc
-            except OSError as exc:
-                raise self._failed(key, exc, "write") from exc
+    def _remove_empty_folders(self, folders: Sequence[str]) -> None:
+        """Remove the folders under `folders` (and it) that are empty now, deepest first, through
+        descriptors: a link in there is left where it is, never followed."""
+        with contextlib.suppress(OSError, _NotOurs), self._folder(folders) as fd:
+            _rmdir_empty(fd)
+        if folders:
+            *parent, name = folders
+            with contextlib.suppress(OSError, _NotOurs), self._folder(parent) as fd:
+                os.rmdir(name, dir_fd=fd)  # not empty: a put in flight, or a temporary file
 
     @contextlib.contextmanager
-    def _reading(self, key: str) -> Iterator[None]:
+    def _folder(self, folders: Sequence[str], *, create: bool = False) -> Iterator[int]:
+        """A descriptor of the folder `root/folders…`, each part opened from the one before without
+        following a link (with `create`: made where missing)."""
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for i, name in enumerate(folders):
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, dir_fd=fd)
+                sub = _open_at(fd, name, _DIR_FLAGS, "/".join(folders[: i + 1]), stat.S_ISDIR)
+                os.close(fd)
+                fd = sub
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _opened(self, key: str) -> Iterator[_StoreReader]:
+        """The object's file, opened without following a link; its read errors are the store's."""
+        *folders, name = check_key(key).split("/")
+        with self._errors(key, "read"), self._folder(folders) as fd:
+            # O_NONBLOCK: a FIFO put there must not hang the open; it is refused below
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            file_fd = _open_at(fd, name, flags, key, stat.S_ISREG, stat.S_ISDIR)
+            mode = os.fstat(file_fd).st_mode
+            if stat.S_ISDIR(mode):
+                os.close(file_fd)
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", key)
+            try:
+                _check_kind(mode, key, stat.S_ISREG)
+            except _NotOurs:
+                os.close(file_fd)
+                raise
+        with os.fdopen(file_fd, "rb") as src:
+            yield _StoreReader(src, lambda exc: self._failed(key, exc, "read"))
+
+    def _put(self, key: str, write: Callable[[IO[bytes]], object]) -> None:
+        *folders, name = check_key(key).split("/")
+        for attempt in (1, 2):  # a second time if a delete_prefix removed the emptied folder meanwhile
+            try:
+                with self._errors(key, "write"), self._folder(folders, create=True) as fd:
+                    return _write_at(fd, name, write)
+            except CheckpointError as exc:
+                if attempt == 2 or not isinstance(exc.__cause__, FileNotFoundError):
+                    raise
+
+    @contextlib.contextmanager
+    def _errors(self, key: str, what: str) -> Iterator[None]:
+        """The store's own OSErrors (and a link or a stranger found in it) become its errors."""
         try:
             yield
+        except _NotOurs as exc:
+            error = CheckpointTampered if what == "read" else CheckpointError
+            raise error(
+                f"checkpoint store {self.url}: {exc.where!r} (for {key!r}) is {exc.kind}, which no gateway "
+                "writes: someone else who can write the store put it there, and it is not followed. Find "
+                "who, then remove it"
+            ) from None
+        except CheckpointError:
+            raise
         except OSError as exc:
-            if exc.filename is not None and Path(exc.filename) != self._path(key):
-                raise  # the caller's own destination
-            if isinstance(exc, FileNotFoundError):
+            if what == "read" and isinstance(exc, (FileNotFoundError, NotADirectoryError)):
                 raise self._missing(key) from exc
-            raise self._failed(key, exc, "read") from exc
+            raise self._failed(key, exc, what) from exc
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class _NotOurs(Exception):
+    """A symbolic link, a device, a FIFO or a socket where the store keeps only folders and files."""
+
+    def __init__(self, where: str, kind: str) -> None:
+        super().__init__(where)
+        self.where, self.kind = where, kind
+
+
+def _check_kind(mode: int, where: str, *allowed: Callable[[int], bool]) -> None:
+    if not any(test(mode) for test in allowed):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else f"not a file or a folder ({stat.filemode(mode)})"
+        raise _NotOurs(where, kind)
+
+
+def _open_at(folder: int, name: str, flags: int, where: str, *allowed: Callable[[int], bool]) -> int:
+    """``os.open(name, flags, dir_fd=folder)`` with ``O_NOFOLLOW`` among `flags`; when it fails the way a
+    link makes it fail (``ELOOP``, or ``ENOTDIR`` with ``O_DIRECTORY``), `_NotOurs` if it is one."""
+    try:
+        return os.open(name, flags, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            _check_kind(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode, where, *allowed)
+        raise
+
+
+def _walk(fd: int, path: str, found: list[str]) -> None:
+    """Append the keys of the files under the folder `fd` (the key `path`) to `found`, refusing links."""
+    with os.scandir(fd) as entries:
+        names = [(e.name, e.stat(follow_symlinks=False).st_mode) for e in entries]
+    for name, mode in names:
+        if name.startswith("."):
+            continue  # a put's temporary file
+        key = f"{path}/{name}" if path else name
+        _check_kind(mode, key, stat.S_ISREG, stat.S_ISDIR)
+        if stat.S_ISREG(mode):
+            found.append(key)
+            continue
+        try:
+            sub = _open_at(fd, name, _DIR_FLAGS, key, stat.S_ISDIR)  # a link swapped in since the scan
+        except FileNotFoundError:
+            continue  # removed meanwhile (a delete_prefix): it holds nothing
+        try:
+            _walk(sub, key, found)
+        finally:
+            os.close(sub)
+
+
+def _rmdir_empty(fd: int) -> None:
+    """Remove the empty folders under the folder `fd`, deepest first; links and files stay."""
+    with os.scandir(fd) as entries:
+        folders = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    for name in folders:
+        with contextlib.suppress(OSError):
+            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            try:
+                _rmdir_empty(sub)
+            finally:
+                os.close(sub)
+            os.rmdir(name, dir_fd=fd)  # not empty: a put in flight, or a temporary file
+
+
+class _StoreReader:
+    """A stored object's file whose read errors are the store's (`fail` builds them), so that a copy's
+    errors on the caller's own destination stay `OSError`s."""
+
+    def __init__(self, src: IO[bytes], fail: Callable[[OSError], CheckpointError]) -> None:
+        self._src, self._fail = src, fail
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._src.read(size)
+        except OSError as exc:
+            raise self._fail(exc) from exc
+
+
+def _write_at(folder: int, name: str, write: Callable[[IO[bytes]], object]) -> None:
+    """`_write_atomic` for the file `name` of the folder `folder` (a descriptor): the temporary file made
+    there without following anything, then renamed over `name` (a link there is replaced, not followed)."""
+    tmp = f".{name}.{secrets.token_hex(6)}.part"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600, dir_fd=folder)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=folder)
+        raise
 
 
 def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
@@ -230,6 +406,13 @@ class S3Store(CheckpointStore):
         import boto3
         from botocore.config import Config
 
+        if endpoint_url and "@" in urlsplit(endpoint_url).netloc:
+            # it would show in every error, in describe(), and in each checkpoint's recorded location
+            raise SandboxArgumentError(
+                f"checkpoint store endpoint {_redacted(endpoint_url)!r} carries a user name or password: give "
+                "the endpoint without them, and the credentials as AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or a profile)"
+            )
         self.bucket, self.prefix = bucket, check_key(prefix, prefix=True)
         self.endpoint_url, self.region = endpoint_url, region
         # Another service than AWS: path-style addresses (no DNS per bucket), and checksums only where the
@@ -360,12 +543,18 @@ def store_for(url: str, *, create_bucket: bool = False) -> CheckpointStore:
     ('directory /srv/ckpt', 'file:///srv/ckpt')
     """
     usage = "use /abs/path, file:///abs/path or s3://bucket/prefix?endpoint=URL&region=NAME"
+    shown = _redacted(url)  # what messages show of it: never a password
     if url.startswith("/"):
         return LocalDirStore(Path(url))
     parts = urlsplit(url)
     if parts.scheme == "file" and parts.netloc in ("", "localhost") and parts.path.startswith("/") \
             and not parts.query:  # fmt: skip
         return LocalDirStore(Path(parts.path))
+    if parts.scheme == "s3" and "@" in parts.netloc:
+        raise SandboxArgumentError(
+            f"checkpoint store URL {shown!r} carries a user name or password: give them as "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile) instead"
+        )
     if parts.scheme == "s3" and parts.netloc and not parts.fragment:
         try:
             query = parse_qs(parts.query, strict_parsing=bool(parts.query))
@@ -373,10 +562,19 @@ def store_for(url: str, *, create_bucket: bool = False) -> CheckpointStore:
             query = {"": []}
         if set(query) - {"endpoint", "region"} or any(len(v) != 1 for v in query.values()):
             raise SandboxArgumentError(
-                f"checkpoint store URL {url!r}: unknown or repeated query parameter; {usage}"
+                f"checkpoint store URL {shown!r}: unknown or repeated query parameter; {usage}"
             )
         endpoint = query.get("endpoint", [os.environ.get("AWS_ENDPOINT_URL") or ""])[0] or None
         region = query.get("region", [""])[0] or None
         prefix = parts.path.strip("/")
         return S3Store(parts.netloc, prefix, endpoint, region, create_bucket=create_bucket)
-    raise SandboxArgumentError(f"checkpoint store URL {url!r} is not one this store can use: {usage}")
+    raise SandboxArgumentError(f"checkpoint store URL {shown!r} is not one this store can use: {usage}")
+
+
+def _redacted(url: str) -> str:
+    """`url` (percent-decoded) with each ``user:password@``, its own or its endpoint's, shown as ``***@``.
+
+    >>> _redacted("s3://b/p?endpoint=http%3A%2F%2Fkey:secret%40minio:9000")
+    's3://b/p?endpoint=http://***@minio:9000'
+    """
+    return re.sub(r"//[^/?#@&\s]*@", "//***@", unquote(url))
