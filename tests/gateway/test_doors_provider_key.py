@@ -102,16 +102,15 @@ async def test_a_sessions_own_route_still_reaches_the_external_provider_with_the
 
 
 def test_plain_v1_defaults_to_token_once_an_api_token_is_set(tmp_path: Path) -> None:
-    def plain_v1(**options: str) -> str | None:
-        return GatewayConfig(model="m", **options).plain_v1
-
     token_file = tmp_path / "token"
     token_file.write_text("t0ken\n")
-    assert plain_v1() == "open"  # a laptop: no token, nothing to guard
-    assert plain_v1(api_token="t0ken") == "token"
-    assert plain_v1(api_token_file=str(token_file)) == "token"
-    assert plain_v1(api_token="t0ken", plain_v1="open") == "open"  # the operator's word stands
-    assert plain_v1(api_token="t0ken", plain_v1="off") == "off"
+    assert GatewayConfig(model="m").plain_v1 == "open"  # a laptop: no token, nothing to guard
+    assert GatewayConfig(model="m", api_token="t0ken").plain_v1 == "token"
+    assert GatewayConfig(model="m", api_token_file=str(token_file)).plain_v1 == "token"
+    assert (
+        GatewayConfig(model="m", api_token="t0ken", plain_v1="open").plain_v1 == "open"
+    )  # the operator's word
+    assert GatewayConfig(model="m", api_token="t0ken", plain_v1="off").plain_v1 == "off"
 
 
 def test_plain_v1_defaults_to_token_with_the_token_from_the_environment(

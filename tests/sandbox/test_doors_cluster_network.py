@@ -46,9 +46,8 @@ def test_the_operator_allows_full_network_sandboxes_on_a_cluster_by_name(tmp_pat
     args = parser().parse_args(["serve", "--model", str(tmp_path), FLAG])
     assert getattr(args, "sandbox.allow_full_network_on_cluster") is True
     assert GatewayConfig(model="m").sandbox.allow_full_network_on_cluster is False
-    assert GatewayConfig(
-        model="m", sandbox={"allow_full_network_on_cluster": True}
-    ).sandbox.allow_full_network_on_cluster
+    allowed = GatewayConfig(model="m", sandbox=SandboxConfig(allow_full_network_on_cluster=True))
+    assert allowed.sandbox.allow_full_network_on_cluster is True
 
 
 def test_full_network_sandboxes_are_fenced_off_every_cluster_address() -> None:
