@@ -15,6 +15,7 @@ from core.errors import SandboxArgumentError, TaskError
 from gateway.config import GatewayConfig
 from sandbox.backend import SandboxSpec
 from sandbox.cluster.backend import ClusterConfig, ClusterSandboxBackend
+from sandbox.config import SandboxConfig
 from sandbox.docker_backend.containers import NO_IPV6
 from sandbox.docker_backend.network import _unfit, accept_rule, full_network_rules
 from sandbox.task_images import TaskImage, ensure_task_image
