@@ -58,11 +58,14 @@ def docker_config(
     """What `backend_for` gives the Docker backend for `config`."""
     settings: dict[str, object] = {}
     if config is not None:
+        staged = checkpoint_dir or Path(config.checkpoint_dir)
         settings = {
             "base_url": config.docker_url,
-            "checkpoint_dir": Path(config.checkpoint_dir),
+            "checkpoint_dir": staged,
             "disk_quota_bytes": config.disk_quota_bytes or None,
+            # the gateway's own state, kept where it stages checkpoints (used with a checkpoint store)
+            "checkpoint_key_file": Path(config.checkpoint_key_file or staged / "checkpoint.key"),
         }
-    if checkpoint_dir is not None:
+    elif checkpoint_dir is not None:
         settings["checkpoint_dir"] = checkpoint_dir
     return DockerBackendConfig.model_validate(settings)

@@ -106,6 +106,12 @@ class SandboxConfig(BaseModel):
         description="where checkpoints go so that any node can restore them: a directory every node mounts "
         "(file:///path) or s3://BUCKET/PREFIX?endpoint=URL; needed with sandboxes on Ray",
     )
+    checkpoint_key_file: str | None = Field(
+        default=None,
+        description="the key (a 0600 file, 32+ bytes) with which the gateway signs the checkpoints it puts "
+        "in the checkpoint store, and checks them before a restore; unset: CHECKPOINT_DIR/checkpoint.key, "
+        "made at the first start. A gateway that takes over another's sessions needs that one's file",
+    )
     node_timeout_s: float = Field(
         default=3.0, gt=0, description="a sandbox node whose Docker engine does not answer this long is lost"
     )
@@ -151,6 +157,9 @@ class DockerBackendConfig(BaseModel):
     """Keep checkpoints in this store (`sandbox.checkpoint_store.store_for`: a shared directory or
     ``s3://…``) so that any node can restore them (`sandbox.docker_backend.portable`); None: this
     engine's images plus `checkpoint_dir`, restorable here only."""
+    checkpoint_key_file: Path | None = None
+    """The gateway's key for the store's checkpoints (`sandbox.checkpoint_auth.CheckpointKey`, made there
+    when absent); None: no MAC, only the parts' digests (a cluster node's backend: the gateway signs)."""
     busybox: Path = Path("/bin/busybox")
     """A *static* busybox on the host; it is copied into every sandbox to run the supervisor."""
     api_timeout_s: float = 120.0

@@ -71,11 +71,13 @@ from sandbox.backend import (
     TarStream,
     copy_bounded,
 )
+from sandbox.checkpoint_auth import CheckpointKey
 from sandbox.checkpoint_store import CheckpointStore, store_for
 from sandbox.cluster.agent import SandboxAgent
 from sandbox.cluster.network import ClusterNetwork
 from sandbox.config import DockerBackendConfig
 from sandbox.docker_backend import DockerSandboxBackend
+from sandbox.docker_backend.checkpoints import checkpoint_to_json
 from sandbox.docker_backend.portable import checkpoint_key
 
 log = logging.getLogger("belayer.sandbox.cluster")
@@ -169,8 +171,11 @@ class ClusterSandboxBackend(SandboxBackend):
     ) -> None:
         self.config = config
         self.store = store_for(store) if isinstance(store, str) else store
-        self._docker = (docker or DockerBackendConfig()).model_copy(
-            update={"checkpoint_store": self.store.url}
+        docker = docker or DockerBackendConfig()
+        # The key stays here: nodes record their checkpoints' digests, the gateway signs and checks them.
+        self._key = CheckpointKey.load(docker.checkpoint_key_file) if docker.checkpoint_key_file else None
+        self._docker = docker.model_copy(
+            update={"checkpoint_store": self.store.url, "checkpoint_key_file": None}
         )
         self._lock = threading.RLock()
         self._nodes: dict[str, Node] = {}  # by address
@@ -473,6 +478,8 @@ class ClusterSandboxBackend(SandboxBackend):
             )
 
     def restore(self, checkpoint: Checkpoint) -> Sandbox:
+        if self._key is not None:
+            self._key.verify(checkpoint)  # before a node fetches anything (it checks the parts' digests)
         node = self._place()
 
         def ask() -> Sandbox:
@@ -554,7 +561,11 @@ class ClusterSandboxBackend(SandboxBackend):
 
     def checkpoint(self, sandbox_id: str, *, label: str = "") -> Checkpoint:
         ckpt: Checkpoint = self._box(sandbox_id, "checkpoint", label=label)
-        return ckpt
+        if self._key is None:
+            return ckpt
+        signed = self._key.sign(ckpt)
+        self.store.put_bytes(checkpoint_key(ckpt.id, "meta.json"), checkpoint_to_json(signed).encode())
+        return signed
 
     def delete_checkpoint(self, checkpoint: Checkpoint) -> None:
         self.store.delete_prefix(checkpoint_key(checkpoint.id))

@@ -32,6 +32,7 @@ from sandbox.backend import (
     SandboxStatus,
     TarStream,
 )
+from sandbox.checkpoint_auth import CheckpointKey
 from sandbox.checkpoint_store import store_for
 from sandbox.config import DockerBackendConfig
 from sandbox.docker_backend.checkpoints import Checkpoints
@@ -57,13 +58,11 @@ class DockerSandboxBackend(SandboxBackend):
         self._files = Files(self._engine)
         self._exec = Exec(self._engine, self._containers, self._files)
         self._images = Images(self._engine, self._containers)
-        self._checkpoints = (
-            Checkpoints(self._engine, self._containers, self._images)
-            if config.checkpoint_store is None
-            else PortableCheckpoints(
-                self._engine, self._containers, self._images, store_for(config.checkpoint_store)
-            )
-        )
+        self._checkpoints = Checkpoints(self._engine, self._containers, self._images)
+        if config.checkpoint_store is not None:
+            key = CheckpointKey.load(config.checkpoint_key_file) if config.checkpoint_key_file else None
+            store = store_for(config.checkpoint_store)
+            self._checkpoints = PortableCheckpoints(self._engine, self._containers, self._images, store, key)
 
     @property
     def config(self) -> DockerBackendConfig:
