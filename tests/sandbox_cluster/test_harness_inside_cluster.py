@@ -2,10 +2,11 @@
 
 The agent of `tests.sandbox.test_harness_inside` (stdlib Python, its conversation in memory only) runs in
 a ``network="gateway"`` sandbox on node b or c. It reaches the gateway at ``belayer-gateway:RELAY_PORT``,
-through its node's relay and the gateway's demux, as its own session only. In turn 3's bubble the sandbox
-is checkpointed; in turn 5's bubble its whole node is lost. The sandbox is restored on the other node,
-and the agent, the same process with its memory, retries turn 3 there. The same URL now reaches the
-other node's relay, and the episode ends with every step run once and the kept branch the agent's own.
+through its node's relay, which vouches for it to the gateway's sandbox listener, as its own session
+only. In turn 3's bubble the sandbox is checkpointed; in turn 5's bubble its whole node is lost. The
+sandbox is restored on the other node, and the agent, the same process with its memory, retries turn 3
+there. The same URL now reaches the other node's relay, and the episode ends with every step run once
+and the kept branch the agent's own.
 """
 
 from __future__ import annotations
