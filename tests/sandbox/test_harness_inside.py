@@ -321,7 +321,7 @@ print(json.dumps({{
     assert seen["own"] == 200  # its own session's model endpoint works ...
     status, body = seen["other"]  # ... and nothing else does
     assert (status, body["error"]["type"], body["error"]["code"]) == (403, "permission_error", "forbidden")
-    assert sid not in json.dumps(body) and "BELAYER_SESSION_URL" in body["error"]["message"]  # names no session
+    assert sid not in json.dumps(body) and "BELAYER_SESSION_URL" in body["error"]["message"]  # no session
     status, body = seen["anthropic_other"]
     assert (status, body["type"], body["error"]["type"]) == (403, "error", "permission_error")
     assert seen["sessions"][0] == seen["plain"] == seen["engines"] == seen["sandbox"] == 403
