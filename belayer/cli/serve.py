@@ -81,6 +81,7 @@ SERVE_FLAGS = (
     Flag("--sandbox-ray", "sandbox.ray", metavar="auto|HOST:PORT|off"),
     Flag("--sandbox-ray-node-ip", "sandbox.ray_node_ip", metavar="IP"),
     Flag("--checkpoint-store", "sandbox.checkpoint_store", metavar="URL"),
+    Flag("--checkpoint-key-file", "sandbox.checkpoint_key_file", metavar="FILE"),
     Flag("--sandbox-node-timeout", "sandbox.node_timeout_s", metavar="SECONDS"),
     Flag("--sandbox-docker-url", "sandbox.docker_urls", metavar="NODE_IP=URL"),
     Flag("--sandbox-relay-port", "sandbox.relay_port", metavar="PORT"),
