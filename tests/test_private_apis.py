@@ -75,8 +75,9 @@ def _has_attributes(obj: object, *attributes: str) -> None:
 
 
 def _protocol_shape() -> None:
-    """``LimitedHttpProtocol`` / ``_UnloggedHttp`` subclass it: the constructor's arguments, the per-connection
-    state they read and the parser callbacks they extend."""
+    """``LimitedHttpProtocol`` / ``SandboxProtocol`` subclass it: the constructor's arguments, the
+    per-connection state they read (the sandbox listener: ``client`` for the sandbox's address, ``scope``
+    for its identity) and the parser callbacks they extend."""
     protocol = httptools_impl.HttpToolsProtocol
     assert list(inspect.signature(protocol.__init__).parameters) == [
         "self", "config", "server_state", "app_state", "_loop",
@@ -91,8 +92,8 @@ def _protocol_shape() -> None:
         instance, "loop", "server_state", "connections", "cycle", "timeout_keep_alive_task", "access_log"
     )
     assert instance.connections is instance.server_state.connections, "connections is not server_state's"
-    _assigns(protocol.connection_made, "transport")
-    _assigns(protocol.on_message_begin, "url")
+    _assigns(protocol.connection_made, "transport", "client")
+    _assigns(protocol.on_message_begin, "url", "scope")
 
 
 def _cycle_shape() -> None:
