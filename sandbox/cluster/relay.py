@@ -30,7 +30,8 @@ An answer that does not check out (a wrong key, another connection's nonce, a by
 over `LINE_MAX`) closes the connection with one log line and nothing else, never a traceback.
 
 Limits. The relay holds at most ``each`` connections per sandbox and ``most`` in all (more are closed
-at once), and waits at most `HANDSHAKE_S` for the gateway's challenge. It adds no timeouts of its own to
+at once), and waits at most `HANDSHAKE_S` for the gateway's challenge; a listener at its own limit
+answers an HTTP 503 instead of a challenge, which the relay passes on to the sandbox. It adds no timeouts of its own to
 a relayed connection: the listener's header, body and keep-alive timeouts close the gateway's leg, and
 the relay closes the sandbox's with it; TCP keepalive ends a leg whose peer vanished. It copies
 `CHUNK` bytes at a time, with backpressure: what it holds per connection is bounded.
@@ -290,12 +291,15 @@ class Relay(_LoopThread):
         except (OSError, TimeoutError, ValueError):
             line = b""
         answer = vouch(self.key, self.node, box, line)
-        if answer is None:
+        if answer is not None:
+            upstream[1].write(answer)
+        elif line.startswith(b"HTTP/"):  # the listener refused at once (its connection limit): passed on
+            writer.write(line)
+        else:
             log.warning("relay: the gateway at %s:%d sent no challenge: closed", *self.target)
             await _closed(upstream[1])
             await _closed(writer)
             return
-        upstream[1].write(answer)
         await splice((reader, writer), upstream)
 
 

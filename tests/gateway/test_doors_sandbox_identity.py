@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from core.net import free_port
 from gateway.api.sandbox_listener import IDENTITY_SCOPE_KEY, serve_sandboxes
+from gateway.config import ServerConfig
 from gateway.http.access import SANDBOX_SCOPE_KEY
 from sandbox.backend import SandboxSpec
 from sandbox.cluster.network import ClusterNetwork
@@ -99,7 +100,8 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     store = SqliteStore(tmp_path / "traj.db")
     settings = SandboxConfig(enabled=True, policy=PolicySettings(mode="never"), watch_interval_s=3600.0)
     made.manager = SandboxManager(made.backend, store, settings)
-    async with serve_sandboxes(echo, made.manager, made.backend.network, 0) as url:
+    limits = ServerConfig(sandbox_connections_each=2, sandbox_max_connections=3)
+    async with serve_sandboxes(echo, made.manager, made.backend.network, 0, limits) as url:
         assert url == "http://belayer-gateway:7199" and made.listener[0] == GATEWAY
         for sid in SOURCES:
             store.create_session(SessionRecord(sid, time.time(), {}))
@@ -282,3 +284,35 @@ async def test_two_live_sandboxes_never_share_an_identity(cluster: Cluster) -> N
     for sid, source in SOURCES.items():
         r = await cluster.get(source, f"/s/{sid}/v1/models")
         assert r.json()["session"] == sid
+
+
+def relayed(port: int, source: str) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+
+
+def refusal(conn: socket.socket) -> bytes:
+    got = b""
+    while chunk := conn.recv(4096):
+        got += chunk
+    return got
+
+
+async def test_a_relayed_sandbox_over_its_caps_is_answered_503_through_its_relay(cluster: Cluster) -> None:
+    """Finding 2 on a cluster: the listener's caps (2 per sandbox, 3 in all here) hold for relayed
+    connections, and the refusal reaches the sandbox through its relay (before or after the vouch)."""
+    assert cluster.relay is not None
+    port = cluster.relay.server_port
+    held = [relayed(port, SOURCES["a"]), relayed(port, SOURCES["a"])]
+    try:
+        got = await asyncio.to_thread(refusal, relayed(port, SOURCES["a"]))
+        assert got.startswith(b"HTTP/1.1 503") and b"holds its limit of 2 connections" in got, got
+        held.append(relayed(port, SOURCES["b"]))
+        got = await asyncio.to_thread(refusal, relayed(port, SOURCES["b"]))  # 3 in all: refused at once
+        assert got.startswith(b"HTTP/1.1 503") and b"serving its limit of 3 connections" in got, got
+        for conn, sid in zip(held, "aab", strict=True):  # the held ones are served, each as its sandbox
+            conn.sendall(REQUEST.replace(b"/s/a/", f"/s/{sid}/".encode()))
+        answers = await asyncio.gather(*(asyncio.to_thread(refusal, conn) for conn in held))
+        assert [a.split(b"\r\n", 1)[0] for a in answers] == [b"HTTP/1.1 200 OK"] * 3
+    finally:
+        for conn in held:
+            conn.close()
