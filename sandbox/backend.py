@@ -198,12 +198,19 @@ class SandboxBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        """Return a regular file's bytes; `path` is absolute under, or relative to, the workdir."""
+    def read_file(self, sandbox_id: str, path: str, *, max_bytes: int | None = None) -> bytes:
+        """Return a regular file's bytes; `path` is absolute under, or relative to, the workdir.
+
+        The file's size is asked for first (for Docker, the archive's stat header): over `max_bytes`,
+        `SandboxFileTooLarge` is raised before any of its bytes are read. At most one symbolic link is
+        followed (its target resolved inside the sandbox); a second one, a loop, or a directory raises
+        `SandboxPathRefused`."""
 
     @abc.abstractmethod
     def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
-        """Create or replace a file (parents are created); same path rules as `read_file`."""
+        """Create or replace a file (parents are created); same path rules as `read_file`. A symbolic
+        link at `path` itself is replaced, not followed; a loop of links on the way raises
+        `SandboxPathRefused`."""
 
     @abc.abstractmethod
     def archive(self, sandbox_id: str, path: str, out: IO[bytes], *, max_bytes: int | None = None) -> int:

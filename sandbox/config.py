@@ -86,6 +86,19 @@ class SandboxConfig(BaseModel):
         description="the verify stage copies at most this much of a sandbox's working directory (its tar); "
         "a larger one is not verified (reason workspace_too_large, reward 0)",
     )
+    max_read_bytes: int = Field(
+        default=16 << 20,
+        ge=1,
+        description="the largest file the sandbox file API reads (the gateway holds it whole to answer); "
+        "a larger one is refused with a 413 (file_too_large), told by its size before any byte is read",
+    )
+    max_journal_bytes: int = Field(
+        default=64 << 20,
+        ge=1,
+        description="what the tool calls since a sandbox's last checkpoint may hold for replay (file data "
+        "once per content, commands); a call that would pass it checkpoints first, or is refused with a "
+        "429 (sandbox_journal_full) when no checkpoint can be taken",
+    )
     disk_quota_bytes: int = Field(
         default=10 << 30,
         ge=0,

@@ -22,7 +22,10 @@ block  waits for `Fault.release`, then runs normally (for concurrency tests)
 ====== =====================================================================================
 
 `kill(sandbox_id)` stops a sandbox at once (as ``docker kill`` would), for a failure while idle.
-`calls` records every call as ``(operation, sandbox or checkpoint id)``.
+`symlink(sandbox_id, path, target)` makes a symbolic link (the file API follows at most one).
+`calls` records every call as ``(operation, sandbox or checkpoint id)``; a file read records
+``read_file`` when it asks for the file's size (Docker's archive stat header) and ``file_body`` only
+when it goes on to take the bytes, so a test can tell that a read over its limit took none.
 
 Example:
 
@@ -56,7 +59,9 @@ from core.errors import (
     RestoreError,
     SandboxError,
     SandboxFileNotFound,
+    SandboxFileTooLarge,
     SandboxNotFound,
+    SandboxPathRefused,
 )
 from sandbox.backend import (
     DEFAULT_SESSION,
@@ -87,7 +92,7 @@ from sandbox.network import SandboxNetwork
 __all__ = ["CommandHandler", "FakeNetwork", "FakeSandboxBackend", "Fault", "Shell"]
 
 Operation = Literal[
-    "create", "exec", "read_file", "write_file", "archive", "extract", "checkpoint", "restore",
+    "create", "exec", "read_file", "file_body", "write_file", "archive", "extract", "checkpoint", "restore",
     "destroy", "delete_checkpoint", "status",
 ]  # fmt: skip
 FaultKind = Literal["fail", "hang", "break", "kill", "oom", "block"]
@@ -166,6 +171,13 @@ class FakeSandboxBackend(SandboxBackend):
     def kill(self, sandbox_id: str, *, oom: bool = False, exit_code: int = 137) -> None:
         """Stop the sandbox now, as a crash or the OOM killer would."""
         self._box(sandbox_id).stop(exit_code, oom)
+
+    def symlink(self, sandbox_id: str, path: str, target: str) -> None:
+        """Make `path` (absolute) a symbolic link to `target`, as ``ln -s target path`` in the sandbox would."""
+        box = self._box(sandbox_id)
+        with box.lock:
+            box.state.links[posixpath.normpath(path)] = target
+            box.state.files.pop(posixpath.normpath(path), None)
 
     @property
     def sandboxes(self) -> list[str]:
@@ -252,23 +264,29 @@ class FakeSandboxBackend(SandboxBackend):
         return ExecResult(shell.status, out, err, time.monotonic() - started, out_cut, err_cut)
 
     # ------------------------------------------------------------------ files
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
+    def read_file(self, sandbox_id: str, path: str, *, max_bytes: int | None = None) -> bytes:
         box = self._box(sandbox_id)
         target = resolve_in_root(box.spec.workdir, path)
         with box.lock:
-            self._enter("read_file", sandbox_id, box)
+            self._enter("read_file", sandbox_id, box)  # the size first (Docker: the stat header)
+            target = _follow(box.state.links, target, path, last=True)
             data = box.state.files.get(target)
-            if data is not None:
-                return data
-            if any(name.startswith(target + "/") for name in box.state.files):
-                raise SandboxError(f"{target} is a directory")
-        raise SandboxFileNotFound(f"Could not find the file {target} in container {sandbox_id}")
+            if data is None:
+                if any(name.startswith(target + "/") for name in box.state.files):
+                    raise SandboxPathRefused(f"{target} is a directory, not a file")
+                raise SandboxFileNotFound(f"Could not find the file {target} in container {sandbox_id}")
+            if max_bytes is not None and len(data) > max_bytes:
+                raise SandboxFileTooLarge.of(target, len(data), max_bytes)
+            self._enter("file_body", sandbox_id, box)
+            return data
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
         box = self._box(sandbox_id)
         target = resolve_in_root(box.spec.workdir, path)
         with box.lock:
             self._enter("write_file", sandbox_id, box)
+            target = _follow(box.state.links, target, path, last=False)
+            box.state.links.pop(target, None)  # a link at the path itself is replaced, as tar does
             box.state.files[target] = bytes(data)
 
     def archive(self, sandbox_id: str, path: str, out: IO[bytes], *, max_bytes: int | None = None) -> int:
@@ -393,6 +411,27 @@ def _tar_info(name: str, kind: bytes, size: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type, info.size, info.mode, info.mtime = kind, size, 0o755 if kind == tarfile.DIRTYPE else 0o644, 0
     return info
+
+
+def _follow(links: dict[str, str], target: str, asked: str, *, last: bool) -> str:
+    """`target` with the symbolic links on its way resolved (and the last component's too, when `last`),
+    at most one of them: a second link, or a loop, is refused, as the Docker backend refuses them."""
+    followed = 0
+    parts = target.strip("/").split("/")
+    at = 0
+    while at < len(parts) - (0 if last else 1):
+        prefix = "/" + "/".join(parts[: at + 1])
+        link = links.get(prefix)
+        if link is None:
+            at += 1
+            continue
+        followed += 1
+        if followed > 1:
+            raise SandboxPathRefused.links(asked)
+        resolved = posixpath.normpath(posixpath.join(posixpath.dirname(prefix), link))
+        parts = [*resolved.strip("/").split("/"), *parts[at + 1 :]]
+        at = 0
+    return "/" + "/".join(parts)
 
 
 def _require_running(box: FakeContainer) -> None:

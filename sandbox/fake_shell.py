@@ -40,6 +40,8 @@ class ContainerState:
 
     files: dict[str, bytes]
     sessions: dict[str, ShellSession]
+    links: dict[str, str] = field(default_factory=dict)
+    """Symbolic links: absolute path → target (absolute, or relative to the link's directory)."""
 
 
 @dataclass(slots=True)

@@ -7,7 +7,10 @@ The trainer's routes, under ``/api/`` (behind the API token, `gateway.http.acces
     GET    /api/sessions/{id}/sandbox               state, checkpoints, last restore
     DELETE /api/sessions/{id}/sandbox
     POST   /api/sessions/{id}/sandbox/exec          {"command": ..., "timeout_s"?, "cwd"?, "env"?}
-    GET    /api/sessions/{id}/sandbox/files?path=P  {"content", "encoding": "utf-8" | "base64"}
+    GET    /api/sessions/{id}/sandbox/files?path=P  {"content", "encoding": "utf-8" | "base64"}; a file over
+                                                    sandbox.max_read_bytes: 413 file_too_large (told by its
+                                                    size, none of it read); more than one symbolic link on
+                                                    the way, a loop or a directory: 400 path_refused
     PUT    /api/sessions/{id}/sandbox/files         {"path", "content", "encoding"?, "mode"?}
     GET    /api/sessions/{id}/sandbox/checkpoints
     POST   /api/sessions/{id}/sandbox/checkpoints   checkpoint now
@@ -36,7 +39,9 @@ which the sandbox failed is, by default (`"recovery": "replay"`), run again on t
 after the calls since its checkpoint were replayed: it just answers. With `"recovery": "truncate"` it
 answers 409 `sandbox_restored`: the trajectory was truncated, and `GET .../sandbox` says after which turn
 (`last_restore.keep_through`) to continue. A call that breaks the sandbox twice answers 422
-`command_broke_sandbox`.
+`command_broke_sandbox`. The journal of calls since the last checkpoint is capped
+(``sandbox.max_journal_bytes``): a call that would pass the cap checkpoints the sandbox first, or, where
+no checkpoint can be taken, answers 429 `sandbox_journal_full` (`sandbox.sessions.recovery`).
 
 Example (a harness's tool call, with only its session id)::
 

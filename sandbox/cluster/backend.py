@@ -545,8 +545,8 @@ class ClusterSandboxBackend(SandboxBackend):
         )  # fmt: skip
         return result
 
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        data: bytes = self._box(sandbox_id, "read_file", path)
+    def read_file(self, sandbox_id: str, path: str, *, max_bytes: int | None = None) -> bytes:
+        data: bytes = self._box(sandbox_id, "read_file", path, max_bytes=max_bytes)
         return data
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:

@@ -169,8 +169,8 @@ class DockerSandboxBackend(SandboxBackend):
             max_output_bytes=max_output_bytes,
         )  # fmt: skip
 
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return self._files.read(sandbox_id, path)
+    def read_file(self, sandbox_id: str, path: str, *, max_bytes: int | None = None) -> bytes:
+        return self._files.read(sandbox_id, path, max_bytes=max_bytes)
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
         self._files.write(sandbox_id, path, data, mode=mode)

@@ -248,7 +248,8 @@ class Adoption:
         for info in rec.checkpoints:
             if await self.io.op(self.io.backend.has_checkpoint, info.checkpoint):
                 slot.history.add(info)
-        slot.journal.calls = [self._call(data) for data in rec.calls]
+        for data in rec.calls:
+            slot.journal.record(self._call(data))
         slot.restores.last = rec.last_restore
         turns = self.store.get_turns(rec.session_id)
         slot.turns.last = max((t.index for t in turns if t.status != TURN_DISCARDED), default=-1)
@@ -312,7 +313,9 @@ class Adoption:
             await self.lifecycle.drop(slot)
             slot.failure = f"{failure.kind}: {failure.detail}; {exc}"
             self.events.add(slot.session_id, None, "sandbox_failed", {"reason": slot.failure})
-            log.warning("session %s: sandbox lost at start-up: %s", session_tag(slot.session_id), slot.failure)
+            log.warning(
+                "session %s: sandbox lost at start-up: %s", session_tag(slot.session_id), slot.failure
+            )
             return False
 
     async def _remove_leaked(self, box: Sandbox, report: AdoptionReport) -> None:

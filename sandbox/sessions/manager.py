@@ -239,6 +239,7 @@ class SandboxManager:
             "gateway_url": f"{gateway_url}/s/{session_id}" if gateway_url else None,
             "recovery": slot.recovery,
             "journaled_calls": len(slot.journal),
+            "journal_bytes": slot.journal.held,
             "forked_from": slot.lineage[0] if slot.lineage else None,
             "checkpoints": [c.as_json() for c in slot.history.items],
             "last_restore": slot.restores.last.as_json() if slot.restores.last else None,
@@ -299,7 +300,13 @@ class SandboxManager:
         return result
 
     async def read_file(self, session_id: str, path: str) -> bytes:
-        call = Call("read_file", lambda box: self.backend.read_file(box, path), journaled=False)
+        """A file's bytes; over ``sandbox.max_read_bytes``, `SandboxFileTooLarge` before any is read."""
+        limit = self.settings.max_read_bytes
+
+        def run(box: str) -> bytes:
+            return self.backend.read_file(box, path, max_bytes=limit)
+
+        call = Call("read_file", run, journaled=False)
         data: bytes = await self._run(session_id, call, None)
         return data
 

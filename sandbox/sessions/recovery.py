@@ -14,7 +14,17 @@ What happens next depends on the sandbox's `recovery` mode:
 - ``"truncate"``: the session's later turns are discarded, and the call raises `SandboxRestored`,
   which says after which turn to resume (for harnesses that can rebuild their history).
 
-A harness *inside* the sandbox is always truncated: its memory comes back with the checkpoint.
+A harness *inside* the sandbox is always truncated: its memory comes back with the checkpoint, and so
+is a sandbox whose journal cannot be replayed (a large file write rebuilt by a restarted gateway without
+its content, `journal`).
+
+**The journal is capped** (``sandbox.max_journal_bytes``, `Journal.held`): a journaled call that would
+take it past the cap checkpoints the sandbox first (trigger ``journal_full``), which empties it, so what
+a session holds for replay, in the gateway's memory and in its store, stays under the cap plus one call.
+A checkpoint is chosen over refusing the call because it is what the journal stands in for, and the
+harness (which cannot checkpoint) just goes on. Only where no checkpoint can be taken (the checkpoint
+policy is ``never``, or the checkpoint failed) is the call refused, with `SandboxJournalFull` (429, with
+Retry-After): nothing of it ran; a checkpoint by the trainer, or a restore, empties the journal.
 """
 
 from __future__ import annotations
@@ -24,12 +34,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.errors import (
+    CheckpointError,
     NoCheckpoint,
     SandboxArgumentError,
     SandboxCallFailed,
     SandboxError,
     SandboxFailed,
     SandboxFileNotFound,
+    SandboxJournalFull,
     SandboxRestored,
     SandboxTimeout,
     SandboxUnavailable,
@@ -77,6 +89,7 @@ class Recovery:
         returns the call's result) or raises `SandboxRestored`."""
         async with slot.lock:
             self._report_restore(slot)
+            await self._make_room(slot, call)
             failure = await self._attempt(slot, slot.live(), call, deadline)
             if failure is None:
                 return call.take()
@@ -86,6 +99,30 @@ class Recovery:
                     f"the sandbox failed ({failure.detail}); it was {info.resume_hint}", info
                 )
             return await self._retry(slot, call, deadline, info)
+
+    async def _make_room(self, slot: Slot, call: Call) -> None:
+        """Before a journaled call that would take the journal past ``max_journal_bytes``: checkpoint
+        (the journal starts again), or, where none can be taken, refuse the call (see the module
+        docstring). A journal that is empty takes any one call: the request's size bounds it."""
+        cap = self.settings.max_journal_bytes
+        cost = slot.journal.cost(call)
+        if not len(slot.journal) or slot.journal.held + cost <= cap:
+            return
+        held = f"the tool calls since the sandbox's last checkpoint hold {slot.journal.held} bytes for replay"
+        if self.settings.policy.mode == "never":
+            raise SandboxJournalFull(
+                f"{held}, and this call would take them past sandbox.max_journal_bytes ({cap}); automatic "
+                "checkpoints are off (checkpoint policy never): checkpoint the sandbox (POST "
+                f"/api/sessions/{{id}}/sandbox/checkpoints) and retry, or raise sandbox.max_journal_bytes"
+            )
+        try:
+            await self.checkpointer.take(slot, "journal_full", None)
+        except CheckpointError as exc:
+            raise SandboxJournalFull(
+                f"{held}, and this call would take them past sandbox.max_journal_bytes ({cap}); the "
+                f"checkpoint that would empty them failed ({exc}): retry later, or checkpoint or restore the "
+                "sandbox"
+            ) from exc
 
     def _report_restore(self, slot: Slot) -> None:
         """A harness outside in truncate mode learns of a restore the watcher made from its next call."""
@@ -148,8 +185,9 @@ class Recovery:
         or, with nothing to restore, drop it and raise `SandboxFailed`."""
         self._failure_event(slot, failure)  # logged from the live feed (gateway.observe.event_log)
         reason = f"{failure.kind}: {failure.detail}"
-        # a fork child's journal starts at its fork: without its fork checkpoint, nothing to replay on
-        replayable = bool(slot.history.items) or not slot.lineage
+        # a fork child's journal starts at its fork: without its fork checkpoint, nothing to replay on;
+        # and a journal rebuilt without a large write's content cannot be replayed
+        replayable = (bool(slot.history.items) or not slot.lineage) and slot.journal.replayable
         if self.settings.auto_restore and slot.recovery == "replay" and replayable:
             return await self.replay(slot, reason)
         if self.settings.auto_restore and slot.history.items:
@@ -250,7 +288,14 @@ class Recovery:
                 "from which the journaled tool calls reach it (the journal holds the calls since the newest "
                 f"checkpoint only; checkpoints at turns {sorted(c.keep_through for c in slot.history.items)})"
             )
-        return newest, [c for c in slot.journal if c.turn < at_turn]
+        calls = [c for c in slot.journal if c.turn < at_turn]
+        if not all(c.replayable for c in calls):
+            raise NoCheckpoint(
+                f"session {slot.session_id} cannot be forked at turn {at_turn}: a file write since its newest "
+                "checkpoint was recorded before the gateway restarted, without its content; fork at a turn "
+                f"that has a checkpoint: {sorted({c.keep_through for c in slot.history.items})}"
+            )
+        return newest, calls
 
     async def fork_into(
         self, child: Slot, chosen: CheckpointInfo | None, calls: list[Call], at_turn: int

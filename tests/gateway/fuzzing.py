@@ -22,6 +22,7 @@ in order).
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import json
@@ -31,7 +32,7 @@ import re
 import string
 from dataclasses import dataclass, field
 from typing import Any, Literal
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import httpx
 from hypothesis import strategies as st
@@ -759,6 +760,43 @@ SANDBOX_ROUTES = [
     ("GET", "/s/{sid}/sandbox/files"),
     ("PUT", "/s/{sid}/sandbox/files"),
 ]
+SANDBOX_MAX_READ = 4096
+"""``sandbox.max_read_bytes`` of the gateway that the sandbox file plans go to."""
+SANDBOX_MAX_JOURNAL = 50_000
+"""Its ``sandbox.max_journal_bytes``."""
+SANDBOX_PATHS = [
+    "/workspace/a", "a", "b/c", "/workspace/one", "/workspace/two", "/workspace/loop", "/workspace/loop/x",
+    "/workspace/dir", "/workspace", "", "../etc/passwd", "/etc/passwd", "/workspace/a\x00", "/workspace/é",
+    "/workspace/\ud800", " ", "/workspace/big",
+]  # fmt: skip
+"""File paths: plain, through one link (``one``), two (``two``), a loop, a directory, outside the root."""
+SANDBOX_SIZES = [0, 1, SANDBOX_MAX_READ - 1, SANDBOX_MAX_READ, SANDBOX_MAX_READ + 1, 20_000]
+
+
+@st.composite
+def sandbox_write_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    """A ``PUT .../sandbox/files`` body: sizes about the read and journal limits, both encodings."""
+    size = draw(st.sampled_from(SANDBOX_SIZES))
+    fill = draw(st.sampled_from(["x", "é", "\u0000", "🦀"]))
+    raw = (fill * size).encode()[:size]
+    body: dict[str, Any] = {"path": draw(st.sampled_from(SANDBOX_PATHS))}
+    if draw(st.booleans()):
+        body |= {"content": base64.b64encode(raw).decode(), "encoding": "base64"}
+    else:
+        body["content"] = raw.decode(errors="ignore")
+    if draw(st.booleans()):
+        body["mode"] = draw(st.sampled_from([0o644, 0o755, 0, 0o7777, 0o10000, -1]))
+    return body
+
+
+sandbox_read_queries = st.lists(
+    st.tuples(
+        st.sampled_from(["path", "path", "other"]),
+        st.sampled_from([quote(p, errors="surrogatepass") for p in SANDBOX_PATHS]),
+    ),
+    max_size=2,
+).map(lambda pairs: "&".join(f"{k}={v}" for k, v in pairs))
+"""A ``GET .../sandbox/files`` query: none, one or two paths, and keys the route does not know."""
 ADMIN_ROUTES = frozenset({"register-engine", "remove-engine", "update-weights", "set-routing"})
 """Routes that need the admin token: besides the mutated requests, a third of their draws are clean."""
 ADMIN_AUTH = [None, "", "Bearer", "Bearer wrong", "Basic Zm9vOmJhcg==", "bearer  {admin}", "Bearer {admin}x"]
