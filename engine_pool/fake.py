@@ -418,6 +418,8 @@ async def _die() -> AsyncIterator[str]:
 DIE_OVER_ENV = "BELAYER_FAKE_DIE_OVER"
 """Launched fake workers take no arguments of their own (``--vllm-arg`` is vLLM's): this variable, in the
 gateway's environment, gives them ``--die-on-seeded-prompts-over``."""
+TOKEN_DELAY_ENV = "BELAYER_FAKE_TOKEN_DELAY"
+"""And this one their ``--token-delay``."""
 
 
 def seeded_over(tokens: int) -> Callable[[dict[str, Any]], bool]:
@@ -587,7 +589,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="fake")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=None, help="tokens per request (default: max_tokens)")
-    p.add_argument("--token-delay", type=float, default=0.02, help="seconds between streamed tokens")
+    delay = os.environ.get(
+        TOKEN_DELAY_ENV
+    )  # launched fake workers as fast as an engine: `belayer demo`'s test
+    p.add_argument("--token-delay", type=float, default=float(delay) if delay else 0.02,
+                   help=f"seconds between streamed tokens (default: ${TOKEN_DELAY_ENV}, else 0.02)")  # fmt: skip
     p.add_argument("--words-from", metavar="MODEL_DIR", help="write that model's whole-word tokens")
     die_over = os.environ.get(DIE_OVER_ENV)  # set by `belayer bench query-of-death` for its launched workers
     p.add_argument(

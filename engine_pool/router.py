@@ -42,7 +42,7 @@ from core.errors import EngineUnavailable
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
 from engine_pool.settings import PoolSettings
-from engine_pool.states import DRAINING, READY
+from engine_pool.states import DRAINING, READY, SHADOW
 from engine_pool.versions import WeightVersions
 
 
@@ -160,34 +160,66 @@ class Router:
             states += f"; a weight update to {v.version!r} is running"
         return states
 
-    async def _isolated(self, wait: float, exclude: frozenset[str], version: str | None) -> PoolMember | None:
-        """A worker reserved for one request alone, once the requests already on it have ended (module
-        docstring); None when none could be reserved and emptied within `wait` seconds."""
+    async def _isolated(self, wait: float, exclude: frozenset[str], version: str | None) -> PoolMember:
+        """A worker held for one request alone (module docstring), the first of: an idle routable worker
+        (while another stays for everyone else), a shadow, or the least-loaded routable worker once the
+        requests already on it have ended (reserved meanwhile). Raises `EngineUnavailable` when none is
+        free within `wait` seconds: the request never runs beside others."""
         deadline = time.monotonic() + wait
-        member: PoolMember | None = None
-        held = False
+        reserved: PoolMember | None = None
         try:
             while True:
-                if member is not None and (member.state != READY or not self.versions.current(member)):
-                    member.isolating, member = False, None  # it died or left meanwhile: reserve another
-                if member is None:
-                    free = [m for m in self.routable() if not m.isolating]
-                    mine = [m for m in free if m.name not in exclude]
-                    updating = self.versions.updating and version is not None
-                    if len(free) >= 2 and mine and not updating:
-                        member = min(mine, key=_load)
-                        member.isolating = True
-                if member is not None and member.outstanding == 0:
-                    held = True
-                    return member
+                if reserved is not None and (reserved.state != READY or not self.versions.current(reserved)):
+                    reserved.isolating, reserved = False, None  # it died or left meanwhile
+                found = self._alone(exclude, version, reserved)
+                if found is not None:
+                    if reserved is not None and found is not reserved:
+                        reserved.isolating = False
+                        self.roster.wake()
+                    found.isolating, reserved = True, None
+                    return found
+                if reserved is None:
+                    reserved = self._reserve(exclude, version)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    raise EngineUnavailable(
+                        f"this request was in flight on a worker that crashed, so it runs only on a worker of "
+                        f"its own, and none became free within {wait:.0f} s (workers: {self._states()}); "
+                        "retry it once the pool is back to strength"
+                    )
                 await self.roster.wait_change(left)
         finally:
-            if member is not None and not held:
-                member.isolating = False
+            if reserved is not None:  # reserved, but another came first (or the wait ran out)
+                reserved.isolating = False
                 self.roster.wake()
+
+    def _alone(
+        self, exclude: frozenset[str], version: str | None, reserved: PoolMember | None
+    ) -> PoolMember | None:
+        """A worker the request can have to itself now, or None."""
+        if self.versions.updating and version is not None:
+            return None
+        if reserved is not None and reserved.outstanding == 0:
+            return reserved
+        free = [m for m in self.routable() if not m.isolating]
+        idle = [m for m in free if m.outstanding == 0 and m.name not in exclude]
+        if idle and len(free) >= 2:
+            return idle[0]
+        return next(
+            (m for m in self.roster.members if m.state == SHADOW and not m.isolating and m.name not in exclude
+             and self.versions.current(m) and m.outstanding == 0),
+            None,
+        )  # fmt: skip
+
+    def _reserve(self, exclude: frozenset[str], version: str | None) -> PoolMember | None:
+        """The least-loaded routable worker, taken out of routing until it empties (never the last)."""
+        free = [m for m in self.routable() if not m.isolating]
+        mine = [m for m in free if m.name not in exclude]
+        if len(free) < 2 or not mine or (self.versions.updating and version is not None):
+            return None
+        member = min(mine, key=_load)
+        member.isolating = True
+        return member
 
     @contextlib.asynccontextmanager
     async def lease(
@@ -203,12 +235,11 @@ class Router:
         """`acquire`, with the request counted on the worker while it runs: one request, and `tokens`
         (its prompt and the most it may generate) in the worker's load. `exclusive`: first try, for up
         to that many seconds, to hold a worker alone (module docstring)."""
-        member = await self._isolated(exclusive, exclude, version) if exclusive is not None else None
-        alone = member is not None
-        if member is None:
+        alone = exclusive is not None
+        if exclusive is not None:
+            member = await self._isolated(exclusive, exclude, version)
+        else:
             member = await self.acquire(session_id, wait, exclude, version, group)
-        elif session_id is not None:
-            self._remember(session_id, member.name)
         member.outstanding += 1
         member.outstanding_tokens += tokens
         try:

@@ -140,7 +140,10 @@ class Supervisor:
         """A shadow on the pool's version takes an active worker's place (one that missed an update
         is promoted once it is brought up to the version: `_catch_up`)."""
         members = self.roster.members
-        shadow = next((m for m in members if m.state == SHADOW and self.versions.current(m)), None)
+        # one that holds a suspect request alone (``Router.lease(exclusive=...)``) is promoted last: it
+        # takes no other request until that one ends
+        shadows = [m for m in members if m.state == SHADOW and self.versions.current(m)]
+        shadow = min(shadows, key=lambda m: m.isolating, default=None)
         if shadow is not None:
             self.roster.set(shadow, READY, "promoted from shadow")
             self.roster.publish("shadow_promoted", {"worker": shadow.name})

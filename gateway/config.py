@@ -76,9 +76,12 @@ class QuarantineConfig(BaseModel):
     )
     remember_max: int = Field(default=1024, ge=1, description="convicted fingerprints remembered at most")
     isolate_wait_s: float = Field(
-        default=30.0,
+        default=120.0,
         ge=0,
-        description="seconds a suspect waits for a worker of its own before it resumes beside other requests",
+        description=(
+            "seconds a suspect waits for a worker of its own (it never resumes beside other requests); past "
+            "them it is answered 503"
+        ),
     )
     max_deaths: int = Field(
         default=3,

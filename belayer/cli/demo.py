@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -283,6 +284,8 @@ class Episode:
     texts: list[str] = field(default_factory=list)
     chunks: int = 0
     finish_reason: str | None = None
+    streamed: threading.Event = field(default_factory=threading.Event)
+    """Set once the streamed answer has ended (or failed)."""
 
     @property
     def id(self) -> str:
@@ -292,7 +295,7 @@ class Episode:
     def anthropic_base_url(self) -> str:
         return str(self.session.get("anthropic_base_url") or self.session["base_url"].removesuffix("/v1"))
 
-    def run(self, max_tokens: int, on_token: Callable[[int], None] = lambda n: None) -> None:
+    def run(self, max_tokens: int, before_stream: Callable[[], None] = lambda: None) -> None:
         from anthropic import Anthropic
         from openai import OpenAI
 
@@ -317,20 +320,22 @@ class Episode:
             {"role": "assistant", "content": self.texts[1]},
             {"role": "user", "content": USER_TURNS[2]},
         ]
-        stream = oai.chat.completions.create(
-            model="policy", messages=[{"role": "system", "content": SYSTEM}, *history],
-            tools=OPENAI_TOOLS, temperature=0.0, max_tokens=max_tokens, stream=True,
-        )  # fmt: skip
-        text = ""
-        for chunk in stream:
-            if not chunk.choices:
-                continue
-            text += chunk.choices[0].delta.content or ""
-            self.finish_reason = chunk.choices[0].finish_reason or self.finish_reason
-            if chunk.choices[0].delta.content:
-                self.chunks += 1
-                on_token(self.chunks)
-        self.texts.append(text)
+        before_stream()
+        try:
+            stream = oai.chat.completions.create(
+                model="policy", messages=[{"role": "system", "content": SYSTEM}, *history],
+                tools=OPENAI_TOOLS, temperature=0.0, max_tokens=max_tokens, stream=True,
+            )  # fmt: skip
+            text = ""
+            for chunk in stream:
+                if not chunk.choices:
+                    continue
+                text += chunk.choices[0].delta.content or ""
+                self.finish_reason = chunk.choices[0].finish_reason or self.finish_reason
+                self.chunks += bool(chunk.choices[0].delta.content)
+            self.texts.append(text)
+        finally:
+            self.streamed.set()
 
 
 def new_session(url: str, run: str) -> Json:
@@ -342,25 +347,76 @@ def new_session(url: str, run: str) -> Json:
 
 @dataclass
 class Killer:
-    """Called on each streamed chunk with text: after the `after`-th, ``kill -9`` the worker serving the
-    stream (a chunk is a token, or several when a character spans tokens)."""
+    """``kill -9`` of the worker serving the streamed answer once the gateway has `after` of its tokens,
+    at a point the demo controls, whatever the speed of the engine or of this client.
+
+    Just before the answer is asked for (`start`), every active worker is stopped (SIGSTOP to its process
+    group) and from then on runs only in short slices (SIGCONT, `slice_s`, SIGSTOP). Between slices,
+    with no engine running, the demo reads how many tokens the gateway has from the serving worker
+    (``in_flight_tokens`` of ``GET /api/engines``, the engine's own progress as the gateway received it).
+    Once it has `after` of them, and not the whole answer, that worker is killed while stopped: provably
+    in the middle of the answer. The other workers then run on. (Racing the client's reading against the
+    engine failed on a fresh machine: the tiny model had finished the answer before the client read its
+    32nd chunk.)"""
 
     gateway: GatewayRun
+    episode: Episode
     after: int
+    max_tokens: int
+    slice_s: float = 0.02
     victim: Json | None = None
     at_token: int | None = None
-    too_late: bool = False
+    too_late: str | None = None
+    """Why no worker was killed (None: one was)."""
+    _frozen: list[int] = field(default_factory=list)
+    _thread: threading.Thread | None = None
 
-    def __call__(self, n: int) -> None:
-        if n != self.after:
-            return
-        victim = serving_worker(self.gateway.engines())
-        if victim is None:
-            self.too_late = True  # the engine had already finished: nothing in flight to kill
-            return
-        os.kill(victim["pid"], signal.SIGKILL)
-        self.victim, self.at_token = victim, n
-        say(f"  kill -9 {victim['pid']} ({victim['name']}, serving this stream) after {n} streamed chunks")
+    def start(self) -> None:
+        self._frozen = [
+            int(e["pid"]) for e in self.gateway.engines() if e["state"] == "ready" and e.get("pid")
+        ]
+        self._signal(signal.SIGSTOP)
+        self._thread = threading.Thread(target=self._watch, name="demo-killer", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def _signal(self, sig: int) -> None:
+        for pgid in self._frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + 300
+        try:
+            while time.monotonic() < deadline:
+                self._signal(signal.SIGCONT)
+                time.sleep(self.slice_s)  # the engines' slice of time: how the demo paces them
+                self._signal(signal.SIGSTOP)
+                serving = next((e for e in self.gateway.engines() if e.get("in_flight_tokens")), None)
+                if serving is None:
+                    if self.episode.streamed.is_set():
+                        self.too_late = (
+                            f"the streamed answer ended before the gateway had {self.after} tokens of it"
+                        )
+                        return
+                    continue  # not asked for yet, or still in its prompt
+                tokens = max(serving["in_flight_tokens"])
+                if tokens >= self.max_tokens:
+                    self.too_late = f"the engine sent the whole answer ({tokens} tokens) within one slice"
+                    return
+                if tokens >= self.after:
+                    os.kill(serving["pid"], signal.SIGKILL)
+                    self._frozen.remove(int(serving["pid"]))
+                    self.victim, self.at_token = serving, tokens
+                    say(f"  kill -9 {serving['pid']} ({serving['name']}, serving this stream, stopped) "
+                        f"after {tokens} of its tokens reached the gateway")  # fmt: skip
+                    return
+            self.too_late = "no worker served the streamed answer within 300 s"
+        finally:
+            self._signal(signal.SIGCONT)  # every worker but the killed one runs on
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -417,13 +473,17 @@ def _turn_table(trajectory: Json) -> None:
 
 def _episode_with_kill(gw: GatewayRun, opts: argparse.Namespace, found: Findings) -> tuple[Episode, Killer]:
     episode = Episode(new_session(gw.url, "failover"))
-    killer = Killer(gw, opts.kill_after or max(1, opts.max_tokens // 4))
+    killer = Killer(gw, episode, opts.kill_after, opts.max_tokens)
     say(f"episode {episode.id}: openai SDK (tools), anthropic SDK at {episode.anthropic_base_url},")
     say(
-        f"  then openai streamed ({opts.max_tokens} tokens, greedy), its worker killed after {killer.after} streamed chunks"
+        f"  then openai streamed ({opts.max_tokens} tokens, greedy), its worker killed once the gateway has "
+        f"{killer.after} of its tokens"
     )
     try:
-        episode.run(opts.max_tokens, killer)
+        try:
+            episode.run(opts.max_tokens, killer.start)
+        finally:
+            killer.join()
         found.add("client_error", "none")
     except Exception as exc:  # what the demo is about: an SDK that saw an error
         found.add("client_error", f"{type(exc).__name__}: {exc}")
@@ -431,13 +491,15 @@ def _episode_with_kill(gw: GatewayRun, opts: argparse.Namespace, found: Findings
     found.add("streamed_answer", f"{episode.chunks} chunks with text, finish_reason {episode.finish_reason}")
     if killer.too_late or killer.victim is None:
         raise DemoFailed(
-            f"the streamed answer ended before chunk {killer.after}, so no worker was killed: "
+            f"{killer.too_late or 'the answer was not streamed'}, so no worker was killed: "
             "give a larger --max-tokens or a smaller --kill-after"
         )
     return episode, killer
 
 
-def _failover(gw: GatewayRun, episode: Episode, killer: Killer, found: Findings) -> Json:
+def _failover(
+    gw: GatewayRun, opts: argparse.Namespace, episode: Episode, killer: Killer, found: Findings
+) -> Json:
     trajectory: Json = gw.get(f"/api/sessions/{episode.id}/trajectory")
     _turn_table(trajectory)
     event = failover_event(trajectory)
@@ -446,7 +508,7 @@ def _failover(gw: GatewayRun, episode: Episode, killer: Killer, found: Findings)
     assert event is not None and killer.victim is not None
     found.add(
         "killed",
-        f"{killer.victim['name']} (pid {killer.victim['pid']}) after {killer.at_token} streamed chunks",
+        f"{killer.victim['name']} (pid {killer.victim['pid']}) after {killer.at_token} tokens, mid-answer",
     )
     found.add(
         "failover",
@@ -456,6 +518,11 @@ def _failover(gw: GatewayRun, episode: Episode, killer: Killer, found: Findings)
     found.add("failover_lost_ms", event.get("lost_ms"))
     found.add("failover_sampling", event.get("sampling"))
     found.check(event.get("from_worker") == killer.victim["name"], "the failover names another worker")
+    found.check(
+        killer.at_token is not None
+        and killer.at_token <= int(event.get("token_index") or 0) < opts.max_tokens,
+        "the failover's token index is not where the worker was killed, mid-answer",
+    )
     found.check(event.get("to_worker") is not None, "the stream was not resumed on another worker")
     statuses = [t["status"] for t in trajectory["turns"]]
     found.check(statuses == ["complete"] * 3, f"turn statuses {statuses}")
@@ -464,11 +531,11 @@ def _failover(gw: GatewayRun, episode: Episode, killer: Killer, found: Findings)
 
 def _compare(
     gw: GatewayRun, opts: argparse.Namespace, failed_over: Episode, trajectory: Json, found: Findings
-) -> None:
+) -> list[Json]:
     say("the same episode again in a new session, on the pool that is left, undisturbed")
     reference = Episode(new_session(gw.url, "reference"))
     reference.run(opts.max_tokens)
-    ref_turns = gw.get(f"/api/sessions/{reference.id}/trajectory")["turns"]
+    ref_turns: list[Json] = gw.get(f"/api/sessions/{reference.id}/trajectory")["turns"]
     mismatches = token_mismatches(trajectory["turns"], ref_turns)
     compared = sum(len(t["output_ids"]) for t in ref_turns)
     found.add(
@@ -478,6 +545,7 @@ def _compare(
     found.add("text_equal_undisturbed_run", failed_over.texts == reference.texts)
     found.check(not mismatches, f"token ids differ from the undisturbed run: {mismatches}")
     found.check(failed_over.texts == reference.texts, "the client's text differs from the undisturbed run")
+    return ref_turns
 
 
 def _recovery(gw: GatewayRun, shadow: str, victim: str, found: Findings) -> None:
@@ -519,13 +587,35 @@ def _show(gw: GatewayRun, opts: argparse.Namespace, found: Findings) -> None:
     with found.phase("episode"):
         episode, killer = _episode_with_kill(gw, opts, found)
     assert killer.victim is not None
-    trajectory = _failover(gw, episode, killer, found)
+    trajectory = _failover(gw, opts, episode, killer, found)
     with found.phase("reference"):
-        _compare(gw, opts, episode, trajectory, found)
+        reference = _compare(gw, opts, episode, trajectory, found)
     with found.phase("replacement_wait"):
         _recovery(gw, shadow, killer.victim["name"], found)
     httpx.post(f"{gw.url}/api/sessions/{episode.id}/reward", json={"reward": 1.0}, timeout=30)
+    if opts.kills > 1:
+        with found.phase("more_kills"):
+            _more_kills(gw, opts, reference, found)
     found.add("dashboard", f"{gw.url}/dashboard")
+
+
+def _more_kills(gw: GatewayRun, opts: argparse.Namespace, reference: list[Json], found: Findings) -> None:
+    """``--kills N``: the episode N-1 more times, each with its worker killed mid-answer once the pool is
+    back to full strength, each compared with the undisturbed run."""
+    passed = 1
+    for k in range(2, opts.kills + 1):
+        quiet = Findings()
+        _wait_for(gw, "full strength", lambda es: [e["state"] for e in es].count("shadow") == 1, 300)
+        episode, killer = _episode_with_kill(gw, opts, quiet)
+        trajectory = _failover(gw, opts, episode, killer, quiet)
+        mismatches = token_mismatches(trajectory["turns"], reference)
+        quiet.check(not mismatches, f"token ids differ from the undisturbed run: {mismatches}")
+        assert killer.victim is not None
+        found.add(f"kill_{k}", f"{killer.victim['name']} after {killer.at_token} tokens: "
+                  + ("ok" if not quiet.problems else "; ".join(quiet.problems)))  # fmt: skip
+        passed += not quiet.problems
+        found.problems += [f"kill {k}: {p}" for p in quiet.problems]
+    found.add("kills_mid_answer_exact", f"{passed}/{opts.kills}")
 
 
 def _keep_open(gw: GatewayRun) -> None:
@@ -607,7 +697,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=128, help="tokens of the streamed answer (greedy)")
     p.add_argument(
-        "--kill-after", type=int, default=None, help="streamed chunks before the kill (default max-tokens/4)"
+        "--kill-after", type=int, default=16,
+        help="tokens of the streamed answer the gateway has from its worker when the worker is killed",
+    )  # fmt: skip
+    p.add_argument(
+        "--kills",
+        type=int,
+        default=1,
+        help="run the killed episode this many times (each checked; the first in full)",
     )
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for the workers to start")
     p.add_argument("--dir", help="where the store and the logs go (default: a new temporary directory)")

@@ -37,7 +37,10 @@ log = logging.getLogger(__name__)
 
 
 def _engine_json(m: PoolMember, request: Request) -> dict[str, Any]:
-    return m.view(gateway_of(request).pool.start_timeout)
+    """A worker as the pool sees it, and the tokens it has sent for each request in flight on it."""
+    gw = gateway_of(request)
+    in_flight = gw.runner.failover.quarantine.in_flight().get(m.name, [])
+    return m.view(gw.pool.start_timeout) | {"in_flight_tokens": in_flight}
 
 
 async def engines(request: Request) -> Response:

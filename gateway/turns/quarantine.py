@@ -12,18 +12,23 @@ dies (`judge`), from what the death looked like to it:
   request at any point. A request that could not even connect is never implicated (the worker was gone
   before it).
 - **suspect**: implicated at this death, or in flight at two deaths or more. A suspect resumes *in
-  isolation* (`Router.lease(exclusive=True)`): on a worker that holds nothing else and takes nothing else
-  while it runs, and never on the pool's last routable worker; if no worker frees up within
-  ``isolate_wait_s`` it resumes as any request. The others on the dead worker (*bystanders*) resume at
-  once, as any failover: innocent turns never wait behind a suspect.
+  isolation* (`Router.lease(exclusive=...)`): on a worker that holds nothing else and takes nothing else
+  while it runs: an idle worker (never the pool's last routable one), a shadow, or a worker emptied for it.
+  It never runs beside other requests: with no worker of its own within ``isolate_wait_s`` it is answered
+  503. The others on the dead worker (*bystanders*) resume at once, as any failover: innocent turns never
+  wait behind a suspect.
 - **convicted**: implicated at two deaths, the last of them alone on its worker (so nothing else can
   have done it); or alone at a death after ``max_deaths`` deaths in all (a poison that crashes after its
-  first tokens). A convicted request is not resubmitted again (nor handed to a shadow): its turn ends with
+  first tokens). Deaths it never reached (its connection refused) do not count. A convicted request is not resubmitted again (nor handed to a shadow): its turn ends with
   `QueryOfDeath` (HTTP 500 ``request_killed_workers``, with ``x-should-retry: false`` for the SDKs), and a
   ``query_of_death`` event with its fingerprint goes into the trajectory.
 
 A request that healthy workers answer with an error (a 5xx with the probe passing, twice: the failover's
 own rule, `EngineRequestFailed`) is remembered in the same way, not convicted of killing anything.
+
+Suspects are remembered too, until they complete: a suspect that found no worker of its own in time (or
+whose client went away) comes back, when retried, as the suspect it was, with its deaths, and is isolated
+from its first submission.
 
 Convicted fingerprints are remembered (`check`): the same request again (a harness's retry, a GRPO
 sibling with the same prompt) is refused at once, without touching a worker, for ``remember_s`` seconds,
@@ -150,6 +155,9 @@ class Quarantine:
         self._deaths: OrderedDict[str, tuple[Slot, ...]] = OrderedDict()
         """Worker name -> who was in flight on it when it was found dead (until it takes work again)."""
         self._jail: OrderedDict[str, Conviction] = OrderedDict()
+        self._suspects: OrderedDict[str, tuple[float, Suspicion]] = OrderedDict()
+        """Fingerprint -> when it became a suspect, and its record: a retry of a suspect that gave up (it
+        found no worker of its own) or was cut off arrives as one, with the deaths it was in flight at."""
         self.convicted_total = 0
         self.refused_total = 0
 
@@ -191,9 +199,11 @@ class Quarantine:
         if not self.config.enabled:
             return "bystander"
         present = self._at_death(worker)
+        if not reached:  # the worker was gone before the request got to it: not one of its deaths
+            return "suspect" if suspicion.suspect else "bystander"
         mine = next((s for s in present if s.suspicion is suspicion), None)
         alone = len(present) <= 1
-        implicated = reached and (mine is None or mine.tokens == 0)
+        implicated = mine is None or mine.tokens == 0
         suspicion.deaths += 1
         suspicion.implicated += implicated
         suspicion.killed.append(worker)
@@ -201,7 +211,17 @@ class Quarantine:
         if alone and (suspicion.implicated >= 2 or (limit and suspicion.deaths >= limit)):
             return "convicted"
         suspicion.suspect = implicated or suspicion.deaths >= 2
+        if suspicion.suspect and suspicion.fingerprint:
+            self._suspects.pop(suspicion.fingerprint, None)
+            self._suspects[suspicion.fingerprint] = (time.time(), suspicion)
+            while len(self._suspects) > self.config.remember_max:
+                self._suspects.popitem(last=False)
         return "suspect" if suspicion.suspect else "bystander"
+
+    def cleared(self, suspicion: Suspicion) -> None:
+        """The turn completed: whatever it was in flight at, it is not a query of death."""
+        if suspicion.suspect:
+            self._suspects.pop(suspicion.fingerprint, None)
 
     def admit(self, prompt_ids: list[int], params: SamplingParams, session: str | None) -> Suspicion:
         """A new turn's record; a request convicted within ``remember_s`` raises its error (`check`)."""
@@ -218,7 +238,11 @@ class Quarantine:
             "prompt_hash": prompt_hash(prompt_ids), "prompt_tokens": len(prompt_ids),
             "sampling": _sampling(params), "session": session,
         }  # fmt: skip
-        return Suspicion(fp, about)
+        known = self._suspects.get(fp)
+        if known is None or time.time() - known[0] > self.config.remember_s:
+            return Suspicion(fp, about)
+        earlier = known[1]  # a suspect again: isolated from its first submission on
+        return Suspicion(fp, about, earlier.deaths, earlier.implicated, True, list(earlier.killed))
 
     def convict(self, suspicion: Suspicion) -> QueryOfDeath:
         """The error that ends a convicted request's turn; its fingerprint is remembered. Its

@@ -197,6 +197,7 @@ class TurnRunner:
             raise
         finish = "stop" if st.trimmer.stopped else st.finish
         finish = "tool_calls" if st.parser.calls and finish == "stop" else finish
+        self.failover.quarantine.cleared(st.fo.suspicion)
         try:
             done = self._complete(
                 req, turn, finish, "".join(st.content), st.parser.calls, t0, "".join(st.reasoning)

@@ -191,7 +191,7 @@ def test_judging_two_deaths() -> None:
 
     async def run() -> list[str]:
         q = Quarantine(QuarantineConfig())
-        verdicts = []
+        verdicts: list[str] = []
         poison, bystander = Suspicion("p"), Suspicion("b")
         async with q.running("w0", poison), q.running("w0", bystander) as b:
             b.tokens = 5
@@ -204,11 +204,42 @@ def test_judging_two_deaths() -> None:
                 slot.tokens = 3
                 verdicts.append(q.judge(w, streaming, reached=True))
         never = Suspicion("n")
-        for w in ("w5", "w6"):
+        for w in ("w5", "w6", "w7"):
             async with q.running(w, never):
                 verdicts.append(q.judge(w, never, reached=False))  # the connection was refused
+        assert (never.deaths, never.killed) == (0, [])
         return verdicts
 
     assert asyncio.run(run()) == [
-        "suspect", "bystander", "convicted", "bystander", "suspect", "convicted", "bystander", "suspect",
+        "suspect", "bystander", "convicted", "bystander", "suspect", "convicted", "bystander", "bystander",
+        "bystander",
     ]  # fmt: skip
+
+
+def test_a_retried_suspect_comes_back_as_one_until_it_completes() -> None:
+    """A suspect that found no worker of its own in time is answered 503; its retry arrives as the suspect
+    it was (its deaths kept, isolated at once) and a second death convicts it. One that completes is
+    cleared."""
+    from engine_pool.client import SamplingParams
+
+    async def run() -> tuple[tuple[object, ...], Suspicion, str, Suspicion]:
+        q = Quarantine(QuarantineConfig())
+        params = SamplingParams(seed=1)
+        first = q.admit([1, 2, 3], params, "s1")
+        async with q.running("w0", first), q.running("w0", Suspicion("other")) as other:
+            other.tokens = 9
+            assert q.judge("w0", first, reached=True) == "suspect"
+        retry = q.admit([1, 2, 3], SamplingParams(seed=2), "s2")  # gave up with a 503; the harness retries
+        arrived = (retry.suspect, retry.deaths, list(retry.killed), retry.fingerprint)
+        async with q.running("w1", retry):
+            verdict = q.judge("w1", retry, reached=True)
+        innocent = q.admit([4, 5], params, "s3")
+        async with q.running("w2", innocent), q.running("w2", Suspicion("x")):
+            q.judge("w2", innocent, reached=True)
+        q.cleared(innocent)
+        return arrived, q.admit([4, 5], params, "s4"), verdict, first
+
+    arrived, after_clearing, verdict, first = asyncio.run(run())
+    assert arrived == (True, 1, ["w0"], first.fingerprint)
+    assert verdict == "convicted"
+    assert (after_clearing.suspect, after_clearing.deaths) == (False, 0)
