@@ -5,7 +5,9 @@ A page holds a marker comment; the build replaces it with tables written from th
 - ``<!-- generated: cli -->``: every ``belayer`` command, from the argparse parser the CLI itself builds
   (``belayer.cli.parser()``), and the benchmarks ``belayer bench`` dispatches to;
 - ``<!-- generated: config -->``: every setting of ``GatewayConfig`` and its nested models (key, type,
-  default, environment variable, flag, description), with each table's docstring.
+  default, environment variable, flag, description), with each table's docstring;
+- ``<!-- generated: errors -->``: every error the gateway answers (status, code, type, headers), from its
+  one table (``gateway.http.errors.TABLE``).
 
 ``mkdocs.yml`` names this file under ``hooks:``. A marker that renders to nothing, or a parser or model
 that can no longer be found, fails the build (``make lint`` runs it with ``--strict``).
@@ -219,9 +221,26 @@ def render_config() -> str:
     return "\n".join(lines)
 
 
+# --- the error codes ----------------------------------------------------------------------------------
+
+
+def render_errors() -> str:
+    """Every error the gateway answers, from its one table (``gateway.http.errors.TABLE``)."""
+    from gateway.http.errors import TABLE
+
+    lines = ["| exception | HTTP | code | type | headers | what it means |", "| --- | --- | --- | --- | --- | --- |"]
+    for cls, entry in TABLE.items():
+        headers = ", ".join(f"`{k}: {v}`" for k, v in entry.headers)
+        about = _cell(_first_paragraph(inspect.getdoc(cls) or ""))
+        code = _code(entry.code or "")
+        lines.append(f"| `{cls.__name__}` | {entry.status} | {code} | `{entry.error_type}` | {headers} | {about} |")
+    return "\n".join(lines)
+
+
 GENERATED: dict[str, Callable[[], str]] = {
     "<!-- generated: cli -->": render_cli,
     "<!-- generated: config -->": render_config,
+    "<!-- generated: errors -->": render_errors,
 }
 
 
