@@ -49,6 +49,7 @@ Example::
 
 from __future__ import annotations
 
+import array
 import contextlib
 import hashlib
 import json
@@ -79,13 +80,18 @@ def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
         "seeded": params.seed is not None, "top_logprobs": params.top_logprobs,
         "penalties": [params.presence_penalty, params.frequency_penalty], "ignore_eos": params.ignore_eos,
     }  # fmt: skip
-    digest = hashlib.sha256(json.dumps(prompt_ids, separators=(",", ":")).encode())
+    digest = hashlib.sha256(_ids(prompt_ids))
     digest.update(json.dumps(shape, sort_keys=True).encode())
     return digest.hexdigest()[:32]
 
 
 def prompt_hash(prompt_ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(prompt_ids, separators=(",", ":")).encode()).hexdigest()[:16]
+    return hashlib.sha256(_ids(prompt_ids)).hexdigest()[:16]
+
+
+def _ids(prompt_ids: list[int]) -> bytes:
+    """The ids as bytes, cheaply (every turn is fingerprinted: a JSON text of 100k ids costs milliseconds)."""
+    return array.array("q", prompt_ids).tobytes()
 
 
 @dataclass(slots=True)
@@ -93,7 +99,7 @@ class Suspicion:
     """One turn's record with the quarantine, across its submissions (kept in its `FailoverState`)."""
 
     fingerprint: str = ""
-    """Empty: the quarantine is off (nothing remembered)."""
+    """Worked out when first needed (`key`): most turns never need it. Empty: the quarantine is off."""
     about: dict[str, Any] = field(default_factory=dict)
     """What the ``query_of_death`` event says of the request: prompt hash and length, sampling, session."""
     deaths: int = 0
@@ -104,6 +110,19 @@ class Suspicion:
     """Its next submission runs in isolation."""
     killed: list[str] = field(default_factory=list)
     """The workers that died with it in flight."""
+    request: tuple[list[int], SamplingParams, str | None] | None = None
+    """Its prompt, sampling parameters and session, for the fingerprint."""
+
+    def key(self) -> str:
+        """The request's fingerprint (and `about`), worked out once."""
+        if not self.fingerprint and self.request is not None:
+            prompt_ids, params, session = self.request
+            self.fingerprint = fingerprint(prompt_ids, params)
+            self.about = {
+                "prompt_hash": prompt_hash(prompt_ids), "prompt_tokens": len(prompt_ids),
+                "sampling": _sampling(params), "session": session,
+            }  # fmt: skip
+        return self.fingerprint
 
 
 @dataclass(slots=True)
@@ -211,9 +230,9 @@ class Quarantine:
         if alone and (suspicion.implicated >= 2 or (limit and suspicion.deaths >= limit)):
             return "convicted"
         suspicion.suspect = implicated or suspicion.deaths >= 2
-        if suspicion.suspect and suspicion.fingerprint:
-            self._suspects.pop(suspicion.fingerprint, None)
-            self._suspects[suspicion.fingerprint] = (time.time(), suspicion)
+        if suspicion.suspect and suspicion.key():
+            self._suspects.pop(suspicion.key(), None)
+            self._suspects[suspicion.key()] = (time.time(), suspicion)
             while len(self._suspects) > self.config.remember_max:
                 self._suspects.popitem(last=False)
         return "suspect" if suspicion.suspect else "bystander"
@@ -221,28 +240,28 @@ class Quarantine:
     def cleared(self, suspicion: Suspicion) -> None:
         """The turn completed: whatever it was in flight at, it is not a query of death."""
         if suspicion.suspect:
-            self._suspects.pop(suspicion.fingerprint, None)
+            self._suspects.pop(suspicion.key(), None)
 
     def admit(self, prompt_ids: list[int], params: SamplingParams, session: str | None) -> Suspicion:
         """A new turn's record; a request convicted within ``remember_s`` raises its error (`check`)."""
         if not self.config.enabled:
             return Suspicion()
-        fp = fingerprint(prompt_ids, params)
+        suspicion = Suspicion(request=(prompt_ids, params, session))
+        if not self._jail and not self._suspects:  # nothing to look up: no fingerprint needed now
+            return suspicion
+        fp = suspicion.key()
         try:
             self.check(fp)
         except EngineRequestFailed as refused:
             if self._publish is not None:
                 self._publish("query_of_death_refused", {"fingerprint": fp, "error": str(refused)}, session)
             raise
-        about = {
-            "prompt_hash": prompt_hash(prompt_ids), "prompt_tokens": len(prompt_ids),
-            "sampling": _sampling(params), "session": session,
-        }  # fmt: skip
         known = self._suspects.get(fp)
-        if known is None or time.time() - known[0] > self.config.remember_s:
-            return Suspicion(fp, about)
-        earlier = known[1]  # a suspect again: isolated from its first submission on
-        return Suspicion(fp, about, earlier.deaths, earlier.implicated, True, list(earlier.killed))
+        if known is not None and time.time() - known[0] <= self.config.remember_s:
+            earlier = known[1]  # a suspect again: isolated from its first submission on
+            suspicion.deaths, suspicion.implicated = earlier.deaths, earlier.implicated
+            suspicion.suspect, suspicion.killed = True, list(earlier.killed)
+        return suspicion
 
     def convict(self, suspicion: Suspicion) -> QueryOfDeath:
         """The error that ends a convicted request's turn; its fingerprint is remembered. Its
@@ -253,10 +272,10 @@ class Quarantine:
             "was being computed, and was not retried: it is a query of death for the engine. Change the "
             f"request: the same one is refused for {self.config.remember_s:.0f} s"
         )
+        fp = suspicion.key()
         session = suspicion.about.get("session")
-        self._remember(
-            Conviction(suspicion.fingerprint, reason, tuple(suspicion.killed), time.time(), session)
-        )
+        self._suspects.pop(fp, None)
+        self._remember(Conviction(fp, reason, tuple(suspicion.killed), time.time(), session))
         error = QueryOfDeath(reason)
         error.event = {
             "fingerprint": suspicion.fingerprint, **suspicion.about, "workers_killed": list(suspicion.killed),
@@ -266,9 +285,10 @@ class Quarantine:
 
     def failed_on_healthy(self, suspicion: Suspicion, error: EngineRequestFailed) -> None:
         """Healthy workers failed on this request (`EngineRequestFailed`): remember it too."""
+        fp = suspicion.key()
         session = suspicion.about.get("session")
         kind = "failed_on_healthy_workers"
-        self._remember(Conviction(suspicion.fingerprint, str(error), (), time.time(), session, kind))
+        self._remember(Conviction(fp, str(error), (), time.time(), session, kind))
 
     def _remember(self, conviction: Conviction) -> None:
         if not self.config.enabled or not conviction.fingerprint:
