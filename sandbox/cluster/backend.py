@@ -105,23 +105,27 @@ class ClusterConfig(BaseModel):
         description="a node's Docker engine address, by the node's address (default: the node's own socket)",
     )
     relay_port: int = Field(
-        default=7199,
-        ge=1,
-        le=65535,
+        default=7199, ge=1, le=65535,
         description="the port of each node's relay for network=gateway sandboxes (the same on every node)",
-    )
+    )  # fmt: skip
     probe_interval_s: float = Field(
         default=1.0, gt=0, description="how often the nodes are listed and pinged"
     )
     node_timeout_s: float = Field(
         default=3.0, gt=0, description="a node whose engine does not answer this long is lost"
-    )  # fmt: skip
+    )
     agent_concurrency: int = Field(default=64, ge=1, description="calls one node's agent runs at once")
     allow_full_network: bool = Field(
         default=False,
         description="allow network=full sandboxes (and task setup with network); each node's firewall then "
         "drops their packets to every cluster node's address (`fence_full_network`)",
     )
+    relay_connections_each: int = Field(
+        default=32, ge=1, description="connections one sandbox may hold through its node's relay at once"
+    )
+    relay_max_connections: int = Field(
+        default=1024, ge=1, description="connections one node's relay holds at once, all its sandboxes together",
+    )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -131,12 +135,6 @@ class Node:
     ip: str
     ray_id: str
     slots: int
-    relay_connections_each: int = Field(
-        default=32, ge=1, description="connections one sandbox may hold through its node's relay at once"
-    )
-    relay_max_connections: int = Field(
-        default=1024, ge=1, description="connections one node's relay holds at once, all its sandboxes together",
-    )  # fmt: skip
     agent: Any = None
     state: State = "refused"
     reason: str = ""
