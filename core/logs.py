@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from typing import Any, Literal
 
@@ -88,3 +89,19 @@ def session_tag(session_id: str) -> str:
     ('s-1cec09b2865f', 14)
     """
     return "s-" + hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
+
+
+SESSION_ID = re.compile(r"\b(?:ses|req)_[0-9a-f]{32}\b")
+"""A session id as the gateway makes them (``gateway.turns.sessions.SessionManager.new_record``): a named
+session's ``ses_`` or a plain request's ``req_``, then 128 random bits in hex."""
+
+
+def without_session_ids(text: str) -> str:
+    """`text` with every session id in it shown as its tag: for log lines made of values that may hold
+    one without saying so (a fork child's routing group is named after its parent's id; an error's
+    message may name the session it is about).
+
+    >>> without_session_ids("group ses_" + "0" * 32 + " on worker-1")
+    'group s-3a10d22a2bf4 on worker-1'
+    """
+    return SESSION_ID.sub(lambda match: session_tag(match.group(0)), text)

@@ -4,16 +4,19 @@ worker (the ``group`` routing policy), naming what happened in words
 (``belayer.recovery`` logger).
 
 `log_event` is a `Telemetry` listener; every other kind of event it ignores. The event's session,
-turn and data go with the line as structured fields (``event``, ``session_id``, ``turn_id``, ``data``)
-for ``--log-format json``.
+turn and data go with the line as structured fields (``event``, ``session_tag``, ``turn_id``, ``data``)
+for ``--log-format json``. A session is named by its tag (`core.logs.session_tag`), never by its id,
+which is the capability to drive it: in the words, in the fields, and wherever a value holds a session
+id (a fork child's routing group is its parent's id when the parent named none; an error may name a
+session), so the feed's events (which carry ids, for the token holder) never put one in a log.
 
 Example::
 
     gw.telemetry.listen(log_event)
 
->>> describe(Event(1, 0.0, "failover", "s1", 7, {"token_index": 12, "from_worker": "worker-0",
+>>> describe(Event(1, 0.0, "failover", "ses_3f2a", 7, {"token_index": 12, "from_worker": "worker-0",
 ...     "to_worker": "worker-1", "cause": "dead", "error": "reset", "lost_ms": 412.5}))
-(30, 'session s1 turn 7: worker worker-0 lost at token 12 (dead), resumed on worker-1 after 412 ms')
+(30, 'session s-1cec09b2865f turn 7: worker worker-0 lost at token 12 (dead), resumed on worker-1 after 412 ms')
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from core.logs import session_tag, without_session_ids
 from core.telemetry import Event
 
 log = logging.getLogger("belayer.recovery")
@@ -30,8 +34,12 @@ Line = tuple[int, str]
 """A log level and the message."""
 
 
+def _tag(e: Event) -> str:
+    return session_tag(e.session_id) if e.session_id is not None else "-"
+
+
 def _failover(e: Event, d: dict[str, Any]) -> Line:
-    lost = f"session {e.session_id} turn {e.turn_id}: worker {d.get('from_worker')} lost at token {d.get('token_index')} ({d.get('cause') or d.get('error')})"
+    lost = f"session {_tag(e)} turn {e.turn_id}: worker {d.get('from_worker')} lost at token {d.get('token_index')} ({d.get('cause') or d.get('error')})"
     if d.get("to_worker") is None:
         return logging.WARNING, f"{lost}, not resumed: {d.get('error')}"
     return logging.WARNING, f"{lost}, resumed on {d['to_worker']} after {d.get('lost_ms', 0):.0f} ms"
@@ -41,7 +49,7 @@ def _sandbox_failure(e: Event, d: dict[str, Any]) -> Line:
     again = " again after a replay" if d.get("after_replay") else ""
     return (
         logging.WARNING,
-        f"session {e.session_id}: sandbox {d.get('sandbox_id')} failed{again} ({d.get('kind')}): {d.get('detail')}",
+        f"session {_tag(e)}: sandbox {d.get('sandbox_id')} failed{again} ({d.get('kind')}): {d.get('detail')}",
     )
 
 
@@ -51,7 +59,7 @@ def _sandbox_restored(e: Event, d: dict[str, Any]) -> Line:
         if d.get("checkpoint_id")
         else "scratch"
     )
-    message = f"session {e.session_id}: sandbox restored ({d.get('mode')}) from {origin} into {d.get('sandbox_id')} in {d.get('seconds', 0):.2f} s"
+    message = f"session {_tag(e)}: sandbox restored ({d.get('mode')}) from {origin} into {d.get('sandbox_id')} in {d.get('seconds', 0):.2f} s"
     if d.get("mode") == "replay":
         message += f", {d.get('replayed')} tool calls replayed ({d.get('diverged')} gave another result)"
     if d.get("discarded_turns"):
@@ -62,7 +70,7 @@ def _sandbox_restored(e: Event, d: dict[str, Any]) -> Line:
 def _turns_interrupted(e: Event, d: dict[str, Any]) -> Line:
     return (
         logging.WARNING,
-        f"session {e.session_id}: turns {d.get('turn_indices')} interrupted ({d.get('reason')}), "
+        f"session {_tag(e)}: turns {d.get('turn_indices')} interrupted ({d.get('reason')}), "
         f"keeping {d.get('output_tokens')} generated tokens",
     )
 
@@ -71,7 +79,7 @@ def _turns_discarded(e: Event, d: dict[str, Any]) -> Line:
     after = f" after turn {d['after_turn']}" if d.get("after_turn") is not None else ""
     return (
         logging.WARNING,
-        f"session {e.session_id}: turns {d.get('turn_indices')} discarded{after} ({d.get('reason')})",
+        f"session {_tag(e)}: turns {d.get('turn_indices')} discarded{after} ({d.get('reason')})",
     )
 
 
@@ -79,7 +87,7 @@ def _session_moved(e: Event, d: dict[str, Any]) -> Line:
     group = f" (group {d['group']})" if d.get("group") is not None else ""
     return (
         logging.INFO,
-        f"session {e.session_id}{group}: moved from worker {d.get('from_worker')} "
+        f"session {_tag(e)}{group}: moved from worker {d.get('from_worker')} "
         f"({d.get('from_outstanding_tokens')} outstanding tokens) to {d.get('to_worker')} "
         f"({d.get('to_outstanding_tokens')}) for load",
     )
@@ -88,7 +96,7 @@ def _session_moved(e: Event, d: dict[str, Any]) -> Line:
 def _sandbox_restore_failed(e: Event, d: dict[str, Any]) -> Line:
     return (
         logging.ERROR,
-        f"session {e.session_id}: restoring checkpoint {d.get('checkpoint_id')} failed ({d.get('reason')}): "
+        f"session {_tag(e)}: restoring checkpoint {d.get('checkpoint_id')} failed ({d.get('reason')}): "
         f"{d.get('error')}",
     )
 
@@ -107,7 +115,10 @@ _DESCRIBE: dict[str, Callable[[Event, dict[str, Any]], Line]] = {
 def describe(event: Event) -> Line | None:
     """The level and message for `event`, or None for a kind that is not logged here."""
     how = _DESCRIBE.get(event.kind)
-    return how(event, event.data) if how is not None else None
+    if how is None:
+        return None
+    level, message = how(event, event.data)
+    return level, without_session_ids(message)  # a group or an error's words may hold a session id
 
 
 def log_event(event: Event) -> None:
@@ -118,8 +129,19 @@ def log_event(event: Event) -> None:
     level, message = line
     fields = {
         "event": event.kind,
-        "session_id": event.session_id,
+        "session_tag": session_tag(event.session_id) if event.session_id is not None else None,
         "turn_id": event.turn_id,
-        "data": event.data,
+        "data": _without_session_ids(event.data),
     }
     log.log(level, "%s", message, extra=fields)
+
+
+def _without_session_ids(value: Any) -> Any:
+    """An event's data as JSON values, with every session id in its strings shown as its tag."""
+    if isinstance(value, str):
+        return without_session_ids(value)
+    if isinstance(value, dict):
+        return {key: _without_session_ids(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_without_session_ids(item) for item in value]
+    return value

@@ -84,7 +84,7 @@ class BubbleObserver:
     def _spawn(self, slot: Slot, turn: TurnRecord, decision: Decision) -> None:
         slot.history.pending, slot.history.queued = True, None
         self._taking.setdefault(turn.id, asyncio.Event())
-        self.tasks.spawn(self._checkpoint(slot, turn, decision), f"checkpoint/{turn.session_id}")
+        self.tasks.spawn(self._checkpoint(slot, turn, decision), f"checkpoint/{session_tag(turn.session_id)}")
 
     def _release(self, turn: TurnRecord) -> None:
         taking = self._taking.pop(turn.id, None)
@@ -142,7 +142,9 @@ class BubbleObserver:
                     return
                 await self.checkpointer.take(slot, decision.action, turn)
         except SandboxError as exc:
-            log.warning("session %s: checkpoint in turn %d failed: %s", session_tag(slot.session_id), turn.index, exc)
+            log.warning(
+                "session %s: checkpoint in turn %d failed: %s", session_tag(slot.session_id), turn.index, exc
+            )
             self.events.add(slot.session_id, turn.id, "sandbox_checkpoint_failed", {"error": str(exc)})
         finally:
             slot.history.pending = False

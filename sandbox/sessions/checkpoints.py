@@ -94,7 +94,7 @@ class Checkpointer:
             self.delete_failures += 1
             log.warning(
                 "session %s: could not delete checkpoint %s (its storage leaks): %s",
-                session_id, info.checkpoint.id, exc,
+                session_tag(session_id), info.checkpoint.id, exc,
             )  # fmt: skip
 
     async def delete_all(self, session_id: str, infos: list[CheckpointInfo]) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from core.errors import ImageNotFound, SandboxError, SandboxNotFound
+from core.logs import session_tag
 from sandbox.backend import Sandbox, SandboxSpec
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.records import CheckpointInfo
@@ -88,9 +89,8 @@ class Lifecycle:
             except SandboxNotFound:
                 pass
             except SandboxError as exc:
-                log.warning(
-                    "session %s: could not remove sandbox %s: %s", slot.session_id, slot.sandbox_id, exc
-                )
+                tag = session_tag(slot.session_id)  # the id is the session's capability: never logged
+                log.warning("session %s: could not remove sandbox %s: %s", tag, slot.sandbox_id, exc)
         slot.sandbox_id = None
 
     async def locate(self, slot: Slot) -> None:

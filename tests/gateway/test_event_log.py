@@ -9,12 +9,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.logs import JsonFormatter
+from core.logs import JsonFormatter, session_tag
 from core.telemetry import Event
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
 from gateway.config import GatewayConfig
 from gateway.observe.event_log import describe, log_event
 from tests.support import asgi_gateway
+
+TAG = session_tag("ses_1")
+"""What the lines show of the session: its tag, never its id (the capability)."""
 
 
 def event(kind: str, data: dict[str, object], turn_id: int | None = None) -> Event:
@@ -35,39 +38,39 @@ RESTORE = {
             "failover",
             {"token_index": 5, "from_worker": "w0", "to_worker": "w1", "cause": "stall", "lost_ms": 812.4},
             logging.WARNING,
-            "session ses_1 turn 7: worker w0 lost at token 5 (stall), resumed on w1 after 812 ms",
+            f"session {TAG} turn 7: worker w0 lost at token 5 (stall), resumed on w1 after 812 ms",
         ),
         (
             "failover",
             {"token_index": 0, "from_worker": "w0", "to_worker": None, "cause": "dead", "error": "refused"},
             logging.WARNING,
-            "session ses_1 turn 7: worker w0 lost at token 0 (dead), not resumed: refused",
+            f"session {TAG} turn 7: worker w0 lost at token 0 (dead), not resumed: refused",
         ),
         (
             "sandbox_failure",
             {"kind": "oom", "detail": "exec failed: killed", "sandbox_id": "box-1"},
             logging.WARNING,
-            "session ses_1: sandbox box-1 failed (oom): exec failed: killed",
+            f"session {TAG}: sandbox box-1 failed (oom): exec failed: killed",
         ),
         (
             "sandbox_restored",
             RESTORE,
             logging.INFO,
-            "session ses_1: sandbox restored (truncate) from checkpoint ck-2 (turn 2) into box-9 in 1.25 s, "
+            f"session {TAG}: sandbox restored (truncate) from checkpoint ck-2 (turn 2) into box-9 in 1.25 s, "
             "turns [3, 4] discarded (oom: killed)",
         ),
         (
             "sandbox_restored",
             {**RESTORE, "mode": "replay", "replayed": 3, "diverged": 1, "discarded_turns": []},
             logging.INFO,
-            "session ses_1: sandbox restored (replay) from checkpoint ck-2 (turn 2) into box-9 in 1.25 s, "
+            f"session {TAG}: sandbox restored (replay) from checkpoint ck-2 (turn 2) into box-9 in 1.25 s, "
             "3 tool calls replayed (1 gave another result) (oom: killed)",
         ),
         (
             "turns_discarded",
             {"after_turn": 2, "turn_indices": [3, 4], "reason": "restored"},
             logging.WARNING,
-            "session ses_1: turns [3, 4] discarded after turn 2 (restored)",
+            f"session {TAG}: turns [3, 4] discarded after turn 2 (restored)",
         ),
         (
             "session_moved",
@@ -81,7 +84,7 @@ RESTORE = {
                 "to_outstanding": 1,
             },
             logging.INFO,
-            "session ses_1 (group g7): moved from worker w0 (41000 outstanding tokens) to w1 (1200) for load",
+            f"session {TAG} (group g7): moved from worker w0 (41000 outstanding tokens) to w1 (1200) for load",
         ),
     ],
 )
@@ -101,7 +104,7 @@ def test_the_json_line_carries_the_event(caplog: pytest.LogCaptureFixture) -> No
     log_event(event("sandbox_restored", RESTORE))
     [rec] = caplog.records
     parsed = json.loads(JsonFormatter().format(rec))
-    assert (parsed["event"], parsed["session_id"], parsed["turn_id"]) == ("sandbox_restored", "ses_1", None)
+    assert (parsed["event"], parsed["session_tag"], parsed["turn_id"]) == ("sandbox_restored", TAG, None)
     assert parsed["data"] == RESTORE
 
 
@@ -120,5 +123,8 @@ async def test_a_failover_in_the_gateway_is_one_warning(
     [rec] = [r for r in caplog.records if r.name == "belayer.recovery"]
     assert rec.levelno == logging.WARNING
     message = rec.getMessage()
-    assert message.startswith(f"session {sid} turn ") and " worker remote-0 lost at token 3 (" in message
+    assert (
+        message.startswith(f"session {session_tag(sid)} turn ")
+        and " worker remote-0 lost at token 3 (" in message
+    )
     assert ", resumed on remote-1 after " in message and message.endswith(" ms")

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from core.errors import CheckpointError
+from core.logs import session_tag
 from sandbox.fake import FakeSandboxBackend, Fault
 from tests.sandbox.sessions.conftest import EnvFactory
 
@@ -38,7 +39,7 @@ async def test_a_failed_deletion_is_logged_and_counted(
     assert env.manager.stats()["checkpoint_delete_failures"] == 1
     [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert record.getMessage() == (
-        f"session s1: could not delete checkpoint {c1.checkpoint.id} (its storage leaks): "
+        f"session {session_tag(sid)}: could not delete checkpoint {c1.checkpoint.id} (its storage leaks): "
         "delete_checkpoint failed (injected fault)"
     )
 
