@@ -1,6 +1,7 @@
 """A gateway's engine pool as the recovery benches watch and hurt it: its engines, a wait for its
 strength, a worker killed in the middle of a stream (timed to the client's next token), a cold start.
-Used by ``belayer bench recovery`` and its weight-owner figures (`belayer.bench.weight_owner`).
+Used by ``belayer bench recovery`` and its weight-owner figures (`belayer.bench.weight_owner`). A request
+made to a worker itself (a cold start's first) sends the key the bench gave the gateway (`WorkerKey`).
 
 >>> streamed_tokens('data: {"choices": [{"logprobs": {"content": [{}, {}]}}]}'), streamed_tokens(": ping")
 (2, 0)
@@ -18,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from belayer.bench.stand_up import WorkerKey
 from core.errors import BenchError
 
 
@@ -49,11 +51,12 @@ async def wait_until(
     raise BenchError(f"the pool did not reach {ready} ready + {shadows} shadow workers in {timeout:.0f}s")
 
 
-async def kill_once(url: str, opts: argparse.Namespace) -> dict[str, float]:
+async def kill_once(url: str, opts: argparse.Namespace, key: WorkerKey) -> dict[str, float]:
     """Stream a long greedy reply, SIGKILL its worker after a few tokens, and time the recovery.
 
     Tokens are counted exactly (the stream carries one logprob entry per token), so the client's first
-    token generated *after* the failover is known from the trajectory's failover event."""
+    token generated *after* the failover is known from the trajectory's failover event. `key`: the one the
+    gateway at `url` gave its workers (the cold start's request goes to the replacement itself)."""
     async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
         await wait_until(http, url, opts.workers, opts.shadows, 900)
         sid = (await http.post(f"{url}/api/sessions", json={})).json()["id"]
@@ -80,7 +83,7 @@ async def kill_once(url: str, opts: argparse.Namespace) -> dict[str, float]:
         [failover] = [e["data"] for e in events if e["kind"] == "failover"]
         failover_s = arrivals[failover["token_index"]] - t_kill  # the first resumed token
         full = await full_task - t_kill
-        cold = await cold_start(http, url)
+        cold = await cold_start(http, url, key)
         return {
             "failover_s": failover_s,
             "capacity_restored_s": capacity,
@@ -89,11 +92,11 @@ async def kill_once(url: str, opts: argparse.Namespace) -> dict[str, float]:
         }
 
 
-async def cold_start(http: httpx.AsyncClient, url: str) -> float:
+async def cold_start(http: httpx.AsyncClient, url: str, key: WorkerKey) -> float:
     """The newest worker (the replacement just launched): process start → ready, plus its first (cold)
-    request's first token."""
+    request's first token (sent with `key`, which the worker asks)."""
     newest = max(await engines(http, url), key=lambda e: e["launched_at"] or 0)
     t0 = time.monotonic()
     body = {"model": "policy", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
-    (await http.post(f"{newest['url']}/v1/completions", json=body)).raise_for_status()
+    (await http.post(f"{newest['url']}/v1/completions", json=body, headers=key.headers)).raise_for_status()
     return float(newest["ready_at"] - newest["launched_at"] + time.monotonic() - t0)

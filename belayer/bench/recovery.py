@@ -37,13 +37,13 @@ import httpx
 from belayer.bench import emit, weight_owner
 from belayer.bench.gateway import streaming_rates
 from belayer.bench.pool import engines, kill_once, streamed_tokens
-from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, serve_service, start
+from belayer.bench.stand_up import WorkerKey, ensure_model, interrupt_on_sigterm, serve_service, start
 from belayer.testing.services import Service, base_url, progress, running
 from core.errors import BenchError
 
 
-def _gateway(workdir: Path, name: str, model: str, extra: list[str]) -> Service:
-    return serve_service(workdir, name, model, extra, log_dir=workdir / name)
+def _gateway(workdir: Path, name: str, model: str, extra: list[str], key: WorkerKey | None = None) -> Service:
+    return serve_service(workdir, name, model, extra, log_dir=workdir / name, env=key.env() if key else None)
 
 
 def overhead(workdir: Path, opts: argparse.Namespace) -> None:
@@ -64,12 +64,13 @@ def recovery(workdir: Path, opts: argparse.Namespace) -> None:
     with running(services):
         extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600",
                  "--worker-kind", opts.worker_kind]  # fmt: skip
-        gw = _gateway(workdir, "pool", opts.model, extra)
+        key = WorkerKey()  # a cold start's first request goes to the replacement worker itself
+        gw = _gateway(workdir, "pool", opts.model, extra, key)
         start(services, gw, timeout=900)
         url = base_url(gw)
         samples = []
         for k in range(opts.kills):
-            samples.append(asyncio.run(kill_once(url, opts)))
+            samples.append(asyncio.run(kill_once(url, opts, key)))
             progress(
                 f"kill {k + 1}/{opts.kills}: {json.dumps({n: round(v, 3) for n, v in samples[-1].items()})}"
             )

@@ -1,14 +1,17 @@
 """What several benches repeat to stand things up: the tiny model, SIGTERM as Ctrl-C (so that the
-servers are stopped on the way out), a ``belayer serve`` process and its start. (The streamed-throughput
-comparison of gateways in front of one fake engine is `belayer.bench.gateway.streaming_rates`.)
+servers are stopped on the way out), a ``belayer serve`` process and its start, and the key its launched
+workers ask (`WorkerKey`), for a bench that calls a worker itself. (The streamed-throughput comparison of
+gateways in front of one fake engine is `belayer.bench.gateway.streaming_rates`.)
 
 Example::
 
     interrupt_on_sigterm()
     ensure_model(opts.model)
     services: list[Service] = []
+    key = WorkerKey()  # only for a bench that calls the workers themselves
     with running(services):
-        start(services, serve_service(workdir, "pool", opts.model, ["--workers", "2"]), timeout=900)
+        gw = serve_service(workdir, "pool", opts.model, ["--workers", "2"], env=key.env())
+        start(services, gw, timeout=900)
 """
 
 from __future__ import annotations
@@ -19,15 +22,48 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
 from belayer.testing.services import Service, progress
 from core.net import free_port
+from core.worker_auth import new_worker_key
+from gateway.config import ENV_NESTING, ENV_PREFIX
 
 if TYPE_CHECKING:
     from belayer.testing.postgres_local import PostgresServer
+
+
+WORKER_KEY_ENV = f"{ENV_PREFIX}LAUNCH{ENV_NESTING}WORKER_API_KEY"
+"""Where a ``belayer serve`` process reads ``launch.worker_api_key``, the key its launched workers ask."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerKey:
+    """The key a bench gives the gateway it starts for that gateway's launched workers (`core.worker_auth`),
+    held to call a worker itself (a cold start's first request, a warm-up, a prefill): a launched worker
+    answers 401 without it on every route but ``GET /health`` and ``GET /metrics``. Given through the
+    environment (`env`), never a flag, which every local user sees in ``ps``.
+
+    Example::
+
+        key = WorkerKey()
+        gw = serve_service(workdir, "pool", model, ["--workers", "2"], env=key.env())
+        await http.post(f"{worker_url}/v1/completions", json=body, headers=key.headers)
+    """
+
+    value: str = field(default_factory=new_worker_key, repr=False)
+
+    def env(self) -> dict[str, str | None]:
+        """The gateway process's environment for it (`serve_service`'s ``env``)."""
+        return {WORKER_KEY_ENV: self.value}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a request to one of the gateway's workers sends."""
+        return {"authorization": f"Bearer {self.value}"}
 
 
 def raise_interrupt(signum: int, frame: FrameType | None) -> None:

@@ -12,7 +12,9 @@ loading its own copy from disk, in one run:
   it again: time to the first token for fresh prompts of several lengths on a promoted shadow
   (``kv_rebuild_ttft_s_ctx_<n>``) and the least-squares slope, ``kv_rebuild_s_per_1k_tokens``.
 
-Every worker gets one short request before memory is read, so that each has touched its weights.
+Every worker gets one short request before memory is read, so that each has touched its weights. The
+requests made to a worker itself (that one, the prefills) send the key the bench gave the gateway
+(`belayer.bench.stand_up.WorkerKey`), which launched workers ask.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import httpx
 
 from belayer.bench import emit
 from belayer.bench.pool import engines, kill_once, wait_until
-from belayer.bench.stand_up import serve_service, start
+from belayer.bench.stand_up import WorkerKey, serve_service, start
 from belayer.testing.services import Service, base_url, progress, running
 from core import shm_weights
 
@@ -47,18 +49,18 @@ def group_memory(pgid: int, owner_dir: Path | None) -> dict[str, int]:
     return out
 
 
-async def _warm(http: httpx.AsyncClient, url: str) -> None:
+async def _warm(http: httpx.AsyncClient, url: str, key: WorkerKey) -> None:
     body = {"model": "policy", "prompt": [11, 12, 13, 14], "max_tokens": 4, "temperature": 0}
-    (await http.post(f"{url}/v1/completions", json=body)).raise_for_status()
+    (await http.post(f"{url}/v1/completions", json=body, headers=key.headers)).raise_for_status()
 
 
-async def prefill_seconds(http: httpx.AsyncClient, url: str, tokens: int, seed: int) -> float:
+async def prefill_seconds(http: httpx.AsyncClient, url: str, tokens: int, seed: int, key: WorkerKey) -> float:
     """Time to the first (only) token of a prompt no cache holds (random ids): a KV rebuild of `tokens`."""
     rng = random.Random(seed)
     body = {"model": "policy", "prompt": [rng.randrange(10, 8000) for _ in range(tokens)], "max_tokens": 1,
             "temperature": 0}  # fmt: skip
     t0 = time.monotonic()
-    (await http.post(f"{url}/v1/completions", json=body)).raise_for_status()
+    (await http.post(f"{url}/v1/completions", json=body, headers=key.headers)).raise_for_status()
     return time.monotonic() - t0
 
 
@@ -74,25 +76,27 @@ def slope(points: list[tuple[int, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
 
 
-async def _measure(url: str, opts: argparse.Namespace, owner_dir: Path | None, kv: bool) -> dict[str, float]:
+async def _measure(
+    url: str, opts: argparse.Namespace, owner_dir: Path | None, kv: bool, key: WorkerKey
+) -> dict[str, float]:
     async with httpx.AsyncClient(timeout=900, trust_env=False) as http:
         await wait_until(http, url, opts.workers, opts.shadows, 1800)
         pool = await engines(http, url)
         for e in pool:
-            await _warm(http, e["url"])
+            await _warm(http, e["url"], key)
         active = next(e for e in pool if e["state"] == "ready")
         shadow = next(e for e in pool if e["state"] == "shadow")
         w, s = group_memory(active["pid"], owner_dir), group_memory(shadow["pid"], owner_dir)
         out: dict[str, float] = {"worker_pss": w["pss"], "worker_uss": w["uss"], "shadow_pss": s["pss"], "shadow_uss": s["uss"],
                "shadow_mapped_pss": s["mapped_pss"]}  # fmt: skip
-        killed = await kill_once(url, opts)
+        killed = await kill_once(url, opts, key)
         out["failover_s"] = killed["failover_s"]
         newest = max(await engines(http, url), key=lambda e: e["launched_at"] or 0)
         out["replacement_ready_s"] = float(newest["ready_at"] - newest["launched_at"])
         if kv:  # on the shadow promoted by the kill: what a failover's resubmission costs
             promoted = next(e for e in await engines(http, url) if e["name"] == shadow["name"])
             for i, n in enumerate(opts.kv_contexts):  # the median of 3, each prompt a new one
-                runs = [await prefill_seconds(http, promoted["url"], n, seed=10 * i + r) for r in range(3)]
+                runs = [await prefill_seconds(http, promoted["url"], n, 10 * i + r, key) for r in range(3)]
                 out[f"ttft_{n}"] = statistics.median(runs)
     return out
 
@@ -102,11 +106,12 @@ def _pool(workdir: Path, opts: argparse.Namespace, owner: bool) -> dict[str, flo
     extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "900",
              "--max-model-len", str(opts.owner_context), *(["--weight-owner"] if owner else [])]  # fmt: skip
     services: list[Service] = []
+    key = WorkerKey()  # the bench warms and prefills the workers itself
     with running(services):
-        gw = serve_service(workdir, name, opts.model, extra, log_dir=workdir / name)
+        gw = serve_service(workdir, name, opts.model, extra, log_dir=workdir / name, env=key.env())
         start(services, gw, timeout=1800)
         owner_dir = shm_weights.owner_dir(shm_weights.DEFAULT_BASE, shm_weights.checkpoint_hash(opts.model))
-        result = asyncio.run(_measure(base_url(gw), opts, owner_dir if owner else None, kv=owner))
+        result = asyncio.run(_measure(base_url(gw), opts, owner_dir if owner else None, owner, key))
     progress(f"{name}: { ({k: round(v, 3) for k, v in result.items()}) }")
     return result
 

@@ -27,7 +27,7 @@ def gauge(metrics: str, name: str) -> float:
 async def test_a_passed_through_vllm_argument_is_in_effect(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = GatewayConfig(
         model=str(tiny_model_dir), workers=1, max_model_len=4096, log_dir=str(tmp_path / "logs"),
-        launch=LaunchConfig(vllm_args=["--max-num-seqs=1"]),
+        launch=LaunchConfig(vllm_args=["--max-num-seqs=1"], worker_api_key="k3y"),  # the test calls it too
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=120) as http:
         pool: EnginePool = build_pool(config, http)
@@ -42,8 +42,9 @@ async def test_a_passed_through_vllm_argument_is_in_effect(tiny_model_dir: Path,
                 "ignore_eos": True,
                 "temperature": 0,
             }
-            requests = [asyncio.create_task(http.post(f"{worker.client.base_url}/v1/completions", json=body))
-                        for _ in range(2)]  # fmt: skip
+            auth = {"authorization": "Bearer k3y"}  # the worker's key (core.worker_auth)
+            requests = [asyncio.create_task(http.post(f"{worker.client.base_url}/v1/completions", json=body,
+                                                      headers=auth)) for _ in range(2)]  # fmt: skip
             seen = (0.0, 0.0)
             deadline = time.monotonic() + 60
             while seen != (1.0, 1.0) and not all(r.done() for r in requests):

@@ -28,6 +28,10 @@ from gateway.config import GatewayConfig, LaunchConfig
 from tests.support import serve_config
 
 # answers /health with 200 on the port it is given: what `vllm preload --weight-cache-health-port` does
+WORKER_KEY = "k3y"
+"""The key the launched workers ask (core.worker_auth), given so that the test can call one itself."""
+WORKER_AUTH = {"authorization": f"Bearer {WORKER_KEY}"}
+
 HEALTH_SERVER = """
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
@@ -278,7 +282,7 @@ async def test_a_failed_update_reloads_the_pools_version_on_the_failed_workers_g
     touched."""
     config = GatewayConfig(
         model=str(tiny_model_dir), worker_kind="fake", workers=2, log_dir=str(tmp_path / "logs"),
-        launch=LaunchConfig(profile="gpu", gpus=[6, 7]), worker_start_timeout=60.0,
+        launch=LaunchConfig(profile="gpu", gpus=[6, 7], worker_api_key=WORKER_KEY), worker_start_timeout=60.0,
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=10) as http:
         pool = build_pool(config, http)
@@ -296,9 +300,8 @@ async def test_a_failed_update_reloads_the_pools_version_on_the_failed_workers_g
             reloaded = {}
             for m in pool.members:
                 if m is not first and m.process is not None and m.state in (READY, SHADOW):
-                    reloaded[m.name] = (await http.get(f"{m.client.base_url}/weight_info")).json()[
-                        "weights_path"
-                    ]
+                    info = await http.get(f"{m.client.base_url}/weight_info", headers=WORKER_AUTH)
+                    reloaded[m.name] = info.json()["weights_path"]
             assert reloaded == {
                 name: str(tiny_model_dir) if group == devices[first.name] else None
                 for name, group in devices.items()

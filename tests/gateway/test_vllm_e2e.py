@@ -6,6 +6,7 @@ One `belayer serve` process (real uvicorn) launches and supervises the worker fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -18,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from belayer.bench.stand_up import WORKER_KEY_ENV, WorkerKey
 from engine_pool.client import parse_prompt_logprobs
 from tests.support import belayer_server
 
@@ -25,9 +27,11 @@ pytestmark = pytest.mark.vllm
 
 
 class Server:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, key: WorkerKey) -> None:
         self.url = url
         self.http = httpx.Client(base_url=url, timeout=120)
+        self.key = key
+        """The key the gateway gave its worker (core.worker_auth): the tests call the worker itself too."""
 
     def session(self) -> tuple[str, str]:
         s = self.http.post("/api/sessions", json={"metadata": {"test": True}}).json()
@@ -52,7 +56,7 @@ class Server:
             "logprobs": logprobs,
         }
         choice: dict[str, Any] = httpx.post(
-            f"{self.engine['url']}/v1/completions", json=body, timeout=120
+            f"{self.engine['url']}/v1/completions", json=body, headers=self.key.headers, timeout=120
         ).json()["choices"][0]
         return choice
 
@@ -62,8 +66,12 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     tmp = tmp_path_factory.mktemp("serve")
     args = ["serve", "--model", str(tiny_model_dir), "--store", str(tmp / "t.db"),
             "--log-dir", str(tmp / "logs"), "--max-body-bytes", str(64 << 20)]  # fmt: skip
-    with belayer_server(args, tmp / "gateway.log", timeout=300.0) as process:
-        srv = Server(process.url)
+    key = WorkerKey()
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(WORKER_KEY_ENV, key.value)  # the gateway process's environment, not this one's
+            process = stack.enter_context(belayer_server(args, tmp / "gateway.log", timeout=300.0))
+        srv = Server(process.url, key)
         worker_pid = srv.engine["pid"]
         yield srv
         # uvicorn shuts down gracefully (lifespan stops the worker), then re-raises the signal it caught.
@@ -179,7 +187,7 @@ def test_rewritten_history_gets_the_engines_prompt_logprobs(server: Server) -> N
         f"{server.engine['url']}/v1/completions",
         json={"model": "policy", "prompt": t0["prompt_ids"] + t0["output_ids"], "max_tokens": 1,
               "temperature": 0, "prompt_logprobs": 0, "return_tokens_as_token_ids": True},
-        timeout=120,
+        headers=server.key.headers, timeout=120,
     ).json()["choices"][0]  # fmt: skip
     again = parse_prompt_logprobs(choice["prompt_logprobs"], t0["prompt_ids"] + t0["output_ids"])
     for sampled, recomputed in zip(t0["output_logprobs"], again[len(t0["prompt_ids"]) :], strict=True):

@@ -8,6 +8,7 @@ greedy decoding (a float32 forward pass in ``transformers``), before and after t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from belayer.bench.stand_up import WORKER_KEY_ENV, WorkerKey
 from belayer.testing.tiny_model import build_tiny
 from tests.support import belayer_server
 
@@ -87,7 +89,11 @@ def test_an_update_moves_a_real_worker_to_the_second_models_greedy_output(
         "serve", "--model", str(tiny_model_dir), "--store", str(tmp_path / "t.db"), "--log-dir",
         str(tmp_path / "logs"), "--admin-token", ADMIN, "--max-model-len", "2048",
     ]  # fmt: skip
-    with belayer_server(args, tmp_path / "gateway.log", timeout=240.0) as server:
+    key = WorkerKey()  # the test reads the worker's /weight_info itself
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(WORKER_KEY_ENV, key.value)  # the gateway process's environment, not this one's
+            server = stack.enter_context(belayer_server(args, tmp_path / "gateway.log", timeout=240.0))
         http = httpx.Client(base_url=server.url, timeout=120)
         eos = int(json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"])
         n = 12
@@ -107,7 +113,8 @@ def test_an_update_moves_a_real_worker_to_the_second_models_greedy_output(
         assert (r.json()["updated"], r.json()["stale"]) == (["worker-0"], [])
         worker = http.get("/api/engines").json()["data"][0]
         assert worker["weight_version"] == "seed-1"
-        assert httpx.get(f"{worker['url']}/weight_info").json() == {"weight_version": "seed-1"}
+        info = httpx.get(f"{worker['url']}/weight_info", headers=key.headers).json()
+        assert info == {"weight_version": "seed-1"}
 
         after = turn_of(http, 12)
         assert after["prompt_ids"] == prompt

@@ -1,0 +1,70 @@
+"""The recovery benches call launched workers themselves (a replacement's cold start, the weight-owner
+figures' warm-ups and prefills), and a launched worker asks the key its gateway gave it
+(`core.worker_auth`): each bench gives the gateway it starts a key (`WorkerKey`, in the environment)
+and sends it. Scaled down, on launched fake workers (real processes guarded as vLLM workers are). No
+timing is asserted: the figures are the benches'."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from belayer.bench import weight_owner
+from belayer.bench.pool import engines
+from belayer.bench.stand_up import WORKER_KEY_ENV, WorkerKey, serve_service, start
+from belayer.testing.services import Service, base_url, running
+from gateway.config import GatewayConfig
+
+
+def test_the_key_variable_is_the_one_the_gateway_reads(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path
+) -> None:
+    monkeypatch.setenv(WORKER_KEY_ENV, "k3y")
+    assert GatewayConfig(model=str(tiny_model_dir)).launch.worker_api_key == "k3y"
+    assert WorkerKey("k3y").headers == {"authorization": "Bearer k3y"} and "k3y" not in repr(WorkerKey("k3y"))
+
+
+def test_bench_recovery_times_a_cold_start_on_fake_workers(tiny_model_dir: Path) -> None:
+    argv = [sys.executable, "-m", "belayer.cli", "bench", "recovery", "--model", str(tiny_model_dir)]
+    argv += ["--worker-kind", "fake", "--skip-overhead", "--kills", "1", "--workers", "1", "--shadows", "1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert figures["kills"] == "1"
+    for timed in ("failover_s", "capacity_restored_s", "full_strength_s", "cold_start_s"):
+        assert float(figures[timed]) >= 0, timed
+
+
+def test_the_weight_owner_figures_warm_and_prefill_the_workers_with_the_key(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    opts = argparse.Namespace(workers=1, shadows=1, kill_after=5, kv_contexts=[16, 32])
+    key = WorkerKey()
+    extra = ["--workers", "1", "--shadows", "1", "--worker-kind", "fake", "--no-worker-wait", "600"]
+    services: list[Service] = []
+    with running(services):
+        gw = serve_service(
+            tmp_path, "pool", str(tiny_model_dir), extra, log_dir=tmp_path / "logs", env=key.env()
+        )
+        start(services, gw, timeout=600)
+        url = base_url(gw)
+        worker = asyncio.run(_a_worker(url))
+        body = {"model": "policy", "prompt": [1, 2], "max_tokens": 1}
+        assert httpx.post(f"{worker}/v1/completions", json=body, timeout=30).status_code == 401  # the door
+        figures = asyncio.run(weight_owner._measure(url, opts, None, True, key))
+    assert sorted(figures) == sorted(
+        ["worker_pss", "worker_uss", "shadow_pss", "shadow_uss", "shadow_mapped_pss", "failover_s",
+         "replacement_ready_s", "ttft_16", "ttft_32"]
+    )  # fmt: skip
+    assert figures["shadow_mapped_pss"] == 0 and all(v >= 0 for v in figures.values())
+
+
+async def _a_worker(url: str) -> str:
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        return str((await engines(http, url))[0]["url"])
