@@ -71,9 +71,11 @@ async def _stream(http: httpx.AsyncClient, url: str, who: Innocent, max_tokens: 
                 who.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"error"' in line:
+                if not line.startswith("data: {"):
+                    continue
+                if "error" in json.loads(line[6:]):  # the stream's error event (not a token that reads "error")
                     who.error = line[:300]
-                elif line.startswith("data: {"):
+                else:
                     who.arrivals.append(time.monotonic())
     except httpx.HTTPError as exc:
         who.error = repr(exc)
@@ -139,6 +141,9 @@ async def phase(url: str, opts: argparse.Namespace) -> dict[str, float | int | s
         sampler.cancel()
         dead_end = _dead(await engines(http, url))
         turns = [(await http.get(f"{url}/api/sessions/{w.sid}/trajectory")).json() for w in innocents]
+    for w in innocents:
+        if w.error is not None:
+            progress(f"innocent session {w.sid[:12]}…: {w.error[:300]}")
     after = [s for s in seen if s[0] >= t_poison]
     delays = [
         b - a for w in innocents for a, b in zip(w.arrivals, w.arrivals[1:], strict=False) if b > t_poison
