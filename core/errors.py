@@ -64,7 +64,8 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     ├── DemoFailed                     belayer.cli.demo: the demo could not show what it shows
     └── LayoutUnavailable              belayer_vllm.layout: no weight owner's layout to map (load from disk)
 
-Outside the tree on purpose: ``sandbox.fake_shell._Exit`` (the fake shell's ``exit`` builtin, control
+Outside the tree on purpose: ``sandbox.checkpoint_store._NotOurs`` (a link or device found in the store:
+control flow, always turned into a ``CheckpointError`` there), ``sandbox.fake_shell._Exit`` (the fake shell's ``exit`` builtin, control
 flow its script runner always catches) and ``StepFailed`` in ``deploy/gpu/cuda_ipc_check.py`` (a
 script that needs only PyTorch, so it imports nothing of Belayer).
 

@@ -973,7 +973,11 @@ def check_answer(
 ) -> Any:
     """What every answer must be: under 500 (or one of `allow_5xx`), JSON (or SSE), errors in the
     route's protocol shape. Returns the JSON body (a list of events for a stream; None when empty)."""
-    assert r.status_code < 500 or r.status_code in allow_5xx, f"{where}: {r.status_code}: {r.text[:2000]}"
+    # with failing engines, a request convicted of killing them is documented too (gateway.turns.quarantine)
+    killed = bool(allow_5xx) and r.status_code == 500 and b'"code":"request_killed_workers"' in r.content
+    assert r.status_code < 500 or r.status_code in allow_5xx or killed, (
+        f"{where}: {r.status_code}: {r.text[:2000]}"
+    )
     media = r.headers.get("content-type", "")
     if media.startswith("text/event-stream"):
         assert r.status_code == 200, f"{where}: a stream with status {r.status_code}"
