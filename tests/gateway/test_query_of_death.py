@@ -22,15 +22,12 @@ from engine_pool.fake import FakeEngine, Fault, FaultInjector, seeded_over
 from gateway.config import FailoverConfig, GatewayConfig, QuarantineConfig
 from gateway.gateway import Gateway
 from gateway.turns.quarantine import Quarantine, Suspicion
+from tests.gateway.test_failover import step
 from tests.support import asgi_gateway
 
 HOSTS = ["e0", "e1", "e2"]
 POISON_OVER = 60
 """A seeded request whose prompt is over this many tokens kills its worker (vLLM 0.32's query of death)."""
-
-
-def step(context: list[int]) -> int:
-    return (sum(context[-3:]) * 31 + len(context) * 7) % 700 + 20
 
 
 class Rig:
