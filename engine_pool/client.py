@@ -85,6 +85,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    key: int | None = None
+    """Keyed sampling (``core.keyed``): the turn's key; the worker draws each token from it and the
+    token's position (vLLM: ``belayer_vllm.keyed``, through ``vllm_xargs``). None: the engine's sampler."""
+    position: int = 0
+    """Keyed sampling: the turn's position of the first token this request generates (a resubmission
+    after a failover goes on where the tokens so far end)."""
 
     def to_engine(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -96,7 +102,9 @@ class SamplingParams:
         }
         if self.top_k is not None:
             body["top_k"] = self.top_k
-        if self.seed is not None:
+        if self.key is not None:  # no engine seed: the key decides every draw
+            body["vllm_xargs"] = {"belayer_key": self.key, "belayer_position": self.position}
+        elif self.seed is not None:
             body["seed"] = self.seed
         if self.stop:
             body["stop"] = list(self.stop)

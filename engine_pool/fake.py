@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import time
@@ -47,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from core.keyed import choose
 from core.worker_auth import RequireApiKey
 from engine_pool.client import REQUEST_ID_HEADER, session_of_request
 
@@ -185,6 +187,10 @@ class FakeEngine:
     # Autoregressive mode: each token is a function of the whole context, like greedy decoding, so a
     # request resumed from prompt + k generated tokens yields exactly the rest (failover tests).
     step: Callable[[list[int]], int] | None = None
+    policy: Callable[[list[int]], list[float]] | None = None
+    """Sampled mode: the logits of the token after a context. A request with keyed sampling's
+    ``vllm_xargs`` (``core.keyed``) is drawn from them by its key and positions, as ``belayer_vllm.keyed``
+    draws inside vLLM; any other from this engine's own `rng`, as vLLM's sampler (a failover re-draws)."""
     eos_id: int | None = None
     # Fault hook: called with (prompt, tokens sent so far) before a non-streamed answer (None) and after
     # each streamed token; a harness test's engine process exits in it to die mid-stream for real.
@@ -203,6 +209,30 @@ class FakeEngine:
         context, out = list(prompt), list[int]()
         while len(out) < max_tokens:
             t = self.step(versioned_context(context, self.weight_version))
+            out.append(t)
+            context.append(t)
+            if t == self.eos_id:
+                break
+        return out
+
+    def sampled(self, prompt: list[int], body: dict[str, Any]) -> list[int]:
+        """`policy`'s tokens for a request: keyed (``core.keyed.choose``) or from `rng`."""
+        assert self.policy is not None
+        args = body.get("vllm_xargs") or {}
+        key, start = args.get("belayer_key"), int(args.get("belayer_position", 0))
+        temperature, top_p = float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0))
+        top_k = body.get("top_k")
+        context, out = list(prompt), list[int]()
+        while len(out) < int(body.get("max_tokens") or 16):
+            logits = self.policy(versioned_context(context, self.weight_version))
+            if key is not None:
+                t = choose(logits, int(key), start + len(out), temperature, top_p, top_k)[0]
+            elif temperature < 1e-5:
+                t = max(range(len(logits)), key=lambda i: (logits[i], -i))
+            else:
+                top = max(logits)
+                weights = [math.exp((x - top) / temperature) for x in logits]
+                t = self.rng.choices(range(len(logits)), weights)[0]
             out.append(t)
             context.append(t)
             if t == self.eos_id:
@@ -309,10 +339,13 @@ class FakeEngine:
             msg = f"This model's maximum context length is {self.max_model_len} tokens."
             return JSONResponse({"error": {"message": msg, "type": "BadRequestError"}}, status_code=400)
         session = session_of_request(request.headers.get(REQUEST_ID_HEADER))
-        out = self.next_output(prompt, body.get("max_tokens"), session)
+        if self.policy is not None:
+            out = self.sampled(prompt, body)
+        else:
+            out = self.next_output(prompt, body.get("max_tokens"), session)
         max_tokens = int(body.get("max_tokens") or len(out))
         hit_eos = bool(out) and out[-1] == self.eos_id
-        finish = "length" if len(out) > max_tokens or (self.step and not hit_eos) else "stop"
+        finish = "length" if len(out) > max_tokens or ((self.step or self.policy) and not hit_eos) else "stop"
         out = out[:max_tokens]
         k = body.get("logprobs")
         if body.get("prompt_logprobs") is not None:  # like vLLM: each prompt token's own logprob

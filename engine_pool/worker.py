@@ -33,6 +33,9 @@ from engine_pool.launch import COMMON_ENV, PROFILE_ENV, Profile, profile_args
 
 GUARD = "core.worker_auth.RequireApiKey"
 """The ASGI middleware a launched vLLM worker with a key runs (vLLM's ``--middleware``)."""
+KEYED_SAMPLER = "belayer_vllm.keyed:KeyedSampler"
+"""The logits processor every launched vLLM worker loads (``--logits-processors``): it draws the requests
+that ask for keyed sampling (``core.keyed``) and leaves the others to vLLM's sampler."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +46,8 @@ class WorkerSpec:
     >>> spec = WorkerSpec(model="/m", port=8100, profile="gpu", devices=(2, 3), tensor_parallel_size=2)
     >>> spec.argv()[1:]  # doctest: +NORMALIZE_WHITESPACE
     ['-m', 'vllm.entrypoints.openai.api_server', '--model', '/m', '--served-model-name', 'policy',
-     '--host', '127.0.0.1', '--port', '8100', '--tensor-parallel-size', '2', '--seed', '0']
+     '--host', '127.0.0.1', '--port', '8100', '--logits-processors', 'belayer_vllm.keyed:KeyedSampler',
+     '--tensor-parallel-size', '2', '--seed', '0']
     >>> spec.env()["CUDA_VISIBLE_DEVICES"]
     '2,3'
     """
@@ -82,6 +86,7 @@ class WorkerSpec:
             "--model", self.model, "--served-model-name", self.served_name,
             "--host", self.host, "--port", str(self.port), *context,
             *(["--middleware", GUARD] if self.api_key else []),  # every path, not only vLLM's /v1
+            "--logits-processors", KEYED_SAMPLER,
             "--tensor-parallel-size", str(self.tensor_parallel_size),
             # no --disable-log-stats: it empties /metrics
             *profile_args(self.profile, self.seed, self.extra_args), *self.extra_args,

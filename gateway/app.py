@@ -70,6 +70,10 @@ from store.factory import open_store
 log = logging.getLogger("belayer.gateway")
 
 
+TIES_ENV = "BELAYER_NEAR_TIES_DIR"
+"""Where a launched vLLM worker's keyed sampler writes its near ties (``belayer_vllm.keyed``)."""
+
+
 def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
     """The pool `config` describes: launched workers (unless engine URLs are given) on their device
     groups, the engines at ``engine_urls`` as active workers, and those at ``shadow_urls`` as shadows."""
@@ -86,6 +90,7 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
             model=config.model, port=free_port(), max_model_len=max_model_len, kind=config.worker_kind,
             profile=launch.profile, tensor_parallel_size=launch.tensor_parallel_size,
             extra_args=() if fake else (*launch.vllm_args, *owner_args), api_key=worker_key,
+            extra_env={TIES_ENV: str(Path(config.log_dir).resolve())},  # keyed sampling's near ties
         )  # fmt: skip
 
     owned = launch.weight_owner and not fake and not config.engine_urls and not config.ray.address

@@ -56,6 +56,9 @@ from gateway.policy.parsers import ReasoningParserName, ToolParserName
 from gateway.policy.tokenization import ChatTokenizer
 from sandbox.config import SandboxConfig
 
+SamplingMode = Literal["engine", "keyed"]
+"""``core.keyed.SAMPLING_MODES``."""
+
 ENV_PREFIX = "BELAYER_"
 ENV_NESTING = "__"
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -531,6 +534,12 @@ class GatewayConfig(BaseSettings):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, description="largest request body")
     max_fork_siblings: int = Field(
         default=16, ge=1, le=1024, description="the most child sessions one fork request may create"
+    )
+    sampling: SamplingMode = Field(
+        default="engine",
+        description="how sampled tokens are drawn when a request does not say (its 'sampling' field): engine "
+        "(the engine's own sampler: a failover re-draws the rest of a sampled turn) or keyed (each token a "
+        "function of the policy's distribution, the turn's key and its position: a failover changes nothing)",
     )
     default_max_tokens: int | None = Field(
         default=None,

@@ -40,20 +40,28 @@ TURN_DISCARDED = "discarded"
 GROUP_KEY = "__belayer_group"
 """Where a session's `SessionRecord.group` is stored: a reserved key of its stored metadata (a session's
 own metadata may not use it)."""
+SEED_KEY = "__belayer_seed"
+"""Where a session's `SessionRecord.seed` is stored, as its group is."""
+RESERVED_KEYS = (GROUP_KEY, SEED_KEY)
 
 
 def stored_metadata(session: SessionRecord) -> dict[str, Any]:
-    """The metadata as stored: the session's, and its group under `GROUP_KEY`."""
-    return session.metadata if session.group is None else {**session.metadata, GROUP_KEY: session.group}
+    """The metadata as stored: the session's, its group under `GROUP_KEY` and its seed under `SEED_KEY`."""
+    extra = {k: v for k, v in ((GROUP_KEY, session.group), (SEED_KEY, session.seed)) if v is not None}
+    return {**session.metadata, **extra} if extra else session.metadata
 
 
-def split_group(stored: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    """Stored metadata -> (the session's metadata, its group)."""
-    if GROUP_KEY not in stored:
-        return stored, None
-    metadata = {k: v for k, v in stored.items() if k != GROUP_KEY}
-    group = stored[GROUP_KEY]
-    return metadata, group if isinstance(group, str) else None
+def split_group(stored: dict[str, Any]) -> tuple[dict[str, Any], str | None, int | None]:
+    """Stored metadata -> (the session's metadata, its group, its seed).
+
+    >>> split_group({"a": 1, GROUP_KEY: "g", SEED_KEY: 7}), split_group({"a": 1})
+    (({'a': 1}, 'g', 7), ({'a': 1}, None, None))
+    """
+    if not any(k in stored for k in RESERVED_KEYS):
+        return stored, None, None
+    metadata = {k: v for k, v in stored.items() if k not in RESERVED_KEYS}
+    group, seed = stored.get(GROUP_KEY), stored.get(SEED_KEY)
+    return metadata, group if isinstance(group, str) else None, seed if isinstance(seed, int) else None
 
 
 @dataclass(slots=True)
@@ -74,6 +82,9 @@ class SessionRecord:
     """The routing group it named (``POST /api/sessions {"group": ...}``; a fork child: its parent's, or
     the parent's id): the ``group`` routing policy places a group's sessions together. Stored in the
     metadata column under `GROUP_KEY` (no column of its own), never shown in `metadata`."""
+    seed: int | None = None
+    """The seed its turns' keyed sampling derives from (``POST /api/sessions {"seed": ...}``,
+    ``core.keyed.turn_key``; a fork child: one derived from its parent's). Stored under `SEED_KEY`."""
 
 
 @dataclass(slots=True)

@@ -123,6 +123,7 @@ SERVE_FLAGS = (
     Flag("--keep-alive-timeout", "server.keep_alive_s", metavar="SECONDS"),
     Flag("--max-connections", "server.max_connections", metavar="N"),
     Flag("--shutdown-grace", "server.shutdown_grace_s", metavar="SECONDS"),
+    Flag("--sampling", "sampling"),
     Flag("--default-max-tokens", "default_max_tokens"),
     Flag("--max-tokens-cap", "max_tokens_cap"),
     Flag("--model-alias", "model_aliases", metavar="PATTERN=NAME"),

@@ -18,6 +18,11 @@ Routing groups: a session may name a ``group`` (1 to 200 characters) when it is 
 routing policy (``belayer serve --routing group``, ``engine_pool.router``) places a group's sessions on
 the worker that served the group first, whose prefix cache holds their shared prompt. A fork child is in
 its parent's group, or, when the parent named none, in the group named after the parent's id.
+
+Seeds: a session may carry a ``seed`` (0 to 2^63 - 1); its turns' keyed sampling (``core.keyed``; a request's
+``"sampling": "keyed"``, or ``belayer serve --sampling keyed``) derives each turn's key from it and the
+turn's index, so re-running the episode with the same seed, harness and environment reproduces it token
+for token. A fork child's seed derives from its parent's, the fork turn and its place among its siblings.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.errors import Conflict, InvalidRequest
+from core.keyed import KEY_BITS, child_seed
 from core.logs import session_tag
 from gateway.api import sandbox as sandbox_api
 from gateway.api.observe import encode_cursor, session_query
@@ -39,14 +45,16 @@ from gateway.gateway import Gateway, gateway_of
 from gateway.http.access import base_root, require_admin
 from gateway.http.bodies import read_json, validate
 from store import SessionRecord, TurnRecord
-from store.base import GROUP_KEY
+from store.base import RESERVED_KEYS
 from store.export import Runs, aligned_logprobs, branch_leaves, recomputed_mask, recomputed_runs
 
 
 def _own_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     """Metadata without the key the store keeps a session's group under."""
-    if GROUP_KEY in metadata:
-        raise ValueError(f"the metadata key {GROUP_KEY!r} is reserved (name a routing group with 'group')")
+    if reserved := [k for k in RESERVED_KEYS if k in metadata]:
+        raise ValueError(
+            f"the metadata key {reserved[0]!r} is reserved (name a routing group with 'group', a seed with 'seed')"
+        )
     return metadata
 
 
@@ -57,6 +65,9 @@ class CreateSession(BaseModel):
     """A sandbox spec (the body of POST /api/sessions/{id}/sandbox) to create with the session."""
     group: str | None = Field(default=None, min_length=1, max_length=200, strict=True)
     """A routing group (module docstring)."""
+    seed: int | None = Field(default=None, ge=0, lt=1 << KEY_BITS, strict=True)
+    """The seed its turns' keyed sampling derives from (``core.keyed``): re-running the episode with the
+    same seed, harness and environment draws the same tokens."""
 
     _metadata = field_validator("metadata")(_own_metadata)
 
@@ -103,6 +114,7 @@ def _summary(
         "parent_session": s.parent_session,
         "fork_turn": s.fork_turn,
         "group": s.group,
+        "seed": s.seed,
         "log_tag": session_tag(s.id),  # what the gateway's log lines show of this session
     }
 
@@ -151,7 +163,7 @@ async def create_session(request: Request) -> Response:
     req = validate(CreateSession, body)
     if req.sandbox is not None:
         manager = sandbox_api.manager_of(gw)
-    session = gw.sessions.create(req.metadata, group=req.group)
+    session = gw.sessions.create(req.metadata, group=req.group, seed=req.seed)
     summary = _summary(gw, request, session)
     if req.sandbox is not None:
         try:
@@ -175,8 +187,9 @@ async def fork_session(request: Request) -> Response:
             "too_many_siblings",
         )
     group = parent.group or parent.id  # the children share the parent's prompt, hence its worker's cache
+    seeds = [None if parent.seed is None else child_seed(parent.seed, req.at_turn, i) for i in range(req.n)]
     children = [
-        gw.sessions.new_record({**parent.metadata, **req.metadata}, group=group) for _ in range(req.n)
+        gw.sessions.new_record({**parent.metadata, **req.metadata}, group=group, seed=seed) for seed in seeds
     ]
     await gw.offload(gw.store.fork, parent.id, req.at_turn, children)
     sandboxes: dict[str, dict[str, Any]] = {}

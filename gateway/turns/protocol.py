@@ -36,12 +36,14 @@ class TurnSettings:
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None
     """vLLM's names of the model family's formats (``gateway.policy.parsers``)."""
+    sampling: str = "engine"
+    """A request's sampling when it names none: ``engine`` or ``keyed`` (``core.keyed``)."""
 
     @classmethod
     def of(cls, config: GatewayConfig) -> TurnSettings:
         return cls(
             config.default_max_tokens, config.max_tokens_cap, config.failover, config.inflight,
-            config.tool_call_parser, config.reasoning_parser,
+            config.tool_call_parser, config.reasoning_parser, config.sampling,
         )  # fmt: skip
 
 

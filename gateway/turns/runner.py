@@ -30,6 +30,7 @@ from core.errors import (
     InvalidRequest,
     QueryOfDeath,
 )
+from core.keyed import SAMPLING_MODES, turn_key
 from core.telemetry import Telemetry
 from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
 from engine_pool.pool import EnginePool, PoolMember
@@ -157,13 +158,38 @@ class TurnRunner:
             )
         return prompt_ids, replace(req.params, max_tokens=budget)
 
+    def sampling(self, req: GenerationRequest) -> str:
+        """The request's sampling (its ``sampling`` field, else the gateway's): 400 for a bad one."""
+        mode = req.request.get("sampling", self.settings.sampling)
+        if mode not in SAMPLING_MODES:
+            raise InvalidRequest(
+                f"'sampling' must be one of {', '.join(SAMPLING_MODES)}, not {mode!r}", "sampling"
+            )
+        params = req.params
+        if mode == "keyed" and (params.presence_penalty or params.frequency_penalty):
+            raise InvalidRequest(
+                "keyed sampling draws from the policy's own distribution: remove presence_penalty and "
+                "frequency_penalty, or send 'sampling': 'engine'",
+                "presence_penalty" if params.presence_penalty else "frequency_penalty",
+            )
+        return str(mode)
+
+    @staticmethod
+    def keyed(req: GenerationRequest, turn: TurnRecord, params: SamplingParams) -> SamplingParams:
+        """`params` with the turn's key (``core.keyed.turn_key``); the stored response names it."""
+        key = turn_key(turn.index, req.session.id, req.session.seed, params.seed)
+        return replace(params, key=key, seed=None)
+
     async def run(self, req: GenerationRequest) -> AsyncGenerator[Delta | Done, None]:
         prompt_ids, params = self.prepare(req)
+        mode = self.sampling(req)
         suspicion = self.failover.quarantine.admit(
             prompt_ids, params, req.session.id
         )  # a known poison: refused
         t0 = time.monotonic()
         turn = await self.ledger.begin(req, prompt_ids)
+        if mode == "keyed":
+            params = self.keyed(req, turn, params)
         st = _OutputState(
             self.tok.detokenizer(
                 special=self.settings.tool_call_parser in SPECIAL_TAGS and req.messages is not None
@@ -202,6 +228,8 @@ class TurnRunner:
             done = self._complete(
                 req, turn, finish, "".join(st.content), st.parser.calls, t0, "".join(st.reasoning)
             )
+            if params.key is not None:  # what drew its tokens (core.keyed): a replay needs nothing else
+                turn.response = {**(turn.response or {}), "sampling": {"mode": "keyed", "key": params.key}}
             await self.ledger.finish(turn)
         finally:
             self._published(turn, req, st)
@@ -245,7 +273,10 @@ class TurnRunner:
         """One submission to one leased worker, asking for the tokens still missing. Yields the deltas,
         then a `Failure` when the worker was lost and another may take over (else the error is raised).
         `previous`, the failure this submission recovers from, is recorded at its first token."""
-        remaining = replace(params, max_tokens=params.max_tokens - len(turn.output_ids))
+        # keyed sampling goes on at the turn's next position: the same draws as without the failure
+        remaining = replace(
+            params, max_tokens=params.max_tokens - len(turn.output_ids), position=len(turn.output_ids)
+        )
         affinity = None if req.session.ephemeral else req.session.id  # one-request sessions: not kept
         wait = self.failover.worker_wait
         # A failover stays on the weight version of the tokens so far; a turn cut by a weight update

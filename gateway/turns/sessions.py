@@ -78,17 +78,19 @@ class SessionManager:
         self.tok = tokenizer
 
     def create(
-        self, metadata: dict[str, Any] | None = None, ephemeral: bool = False, group: str | None = None
-    ) -> SessionRecord:
+        self, metadata: dict[str, Any] | None = None, ephemeral: bool = False, group: str | None = None,
+        seed: int | None = None,
+    ) -> SessionRecord:  # fmt: skip
         """A new session (in routing `group`, if given). An ephemeral one (a plain ``/v1`` request) is
         stored with its first turn, so a request rejected before generation leaves nothing behind."""
-        record = self.new_record(metadata, ephemeral, group)
+        record = self.new_record(metadata, ephemeral, group, seed)
         return record if ephemeral else self.store.create_session(record)
 
     @staticmethod
     def new_record(
-        metadata: dict[str, Any] | None = None, ephemeral: bool = False, group: str | None = None
-    ) -> SessionRecord:
+        metadata: dict[str, Any] | None = None, ephemeral: bool = False, group: str | None = None,
+        seed: int | None = None,
+    ) -> SessionRecord:  # fmt: skip
         """A new session's record, not stored yet (`create` stores it; a fork stores its children)."""
         prefix = "req" if ephemeral else "ses"
         return SessionRecord(
@@ -98,6 +100,7 @@ class SessionManager:
             ephemeral=ephemeral,
             status="closed" if ephemeral else "open",  # nothing can send a second request to it
             group=group,
+            seed=seed,
         )
 
     def get(self, session_id: str) -> SessionRecord:

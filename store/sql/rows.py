@@ -86,7 +86,7 @@ def turn_record(row: tuple[Any, ...], base: TurnRecord | None) -> TurnRecord:
 
 def session_record(row: tuple[Any, ...]) -> SessionRecord:
     """A session from its row (`SESSION_COLS`)."""
-    metadata, group = split_group(_loads(row[2]))
+    metadata, group, seed = split_group(_loads(row[2]))
     return SessionRecord(
         id=row[0],
         created_at=row[1],
@@ -99,6 +99,7 @@ def session_record(row: tuple[Any, ...]) -> SessionRecord:
         parent_session=row[8],
         fork_turn=row[9],
         group=group,
+        seed=seed,
     )
 
 

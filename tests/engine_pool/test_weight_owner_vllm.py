@@ -38,6 +38,9 @@ MARGIN = 1024 * 1024
 """Bytes of the weights an update wrote that may not come back after a re-map (page rounding, the worker's
 own allocations meanwhile)."""
 PROMPT = [7, 7, 7, 7, 42, 99, 1000, 2000, 31, 5]
+WORKER_KEY = "k3y"
+"""The key the launched workers ask (core.worker_auth): the test calls each worker itself."""
+AUTH = {"authorization": f"Bearer {WORKER_KEY}"}
 
 
 async def until(check: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -76,11 +79,11 @@ async def test_workers_and_shadows_share_the_owners_weights(tiny_model_dir: Path
     base = f"/dev/shm/belayer-test-{uuid.uuid4().hex[:12]}"
     config = GatewayConfig(
         model=str(tiny_model_dir), workers=2, shadows=1, max_model_len=CONTEXT, log_dir=str(tmp_path),
-        launch=LaunchConfig(weight_owner=True, weight_owner_dir=base),
+        launch=LaunchConfig(weight_owner=True, weight_owner_dir=base, worker_api_key=WORKER_KEY),
     )  # fmt: skip
     # vLLM's own load, for the reference output: no plugin, oneDNN kernels
     plain = VllmWorker(WorkerSpec(str(tiny_model_dir), free_port(), max_model_len=CONTEXT), tmp_path, "plain")
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, headers=AUTH) as http:
         pool = build_pool(config, http)
         pool.owner_restart_delay = 3600.0  # lowered below: first, workers must be seen loading from disk
         owner = pool.weight_owner
@@ -172,9 +175,9 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
     base = f"/dev/shm/belayer-test-{uuid.uuid4().hex[:12]}"
     config = GatewayConfig(
         model=str(tiny_model_dir), workers=1, shadows=0, max_model_len=CONTEXT, log_dir=str(tmp_path),
-        launch=LaunchConfig(weight_owner=True, weight_owner_dir=base),
+        launch=LaunchConfig(weight_owner=True, weight_owner_dir=base, worker_api_key=WORKER_KEY),
     )  # fmt: skip
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, headers=AUTH) as http:
         pool = build_pool(config, http)
         pool.owner_restart_delay = 3600.0  # lowered below: first, a replacement must load from disk
         first = pool.weight_owner
