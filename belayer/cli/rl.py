@@ -21,6 +21,10 @@ from belayer.train.settings import Settings
 
 def run(opts: argparse.Namespace) -> int:
     interrupt_on_sigterm()
+    if opts.model_dir is None:
+        from belayer.cli.demo import default_model_dir
+
+        opts.model_dir = str(default_model_dir())
     ensure_model(opts.model_dir)
     workdir = Path(opts.dir) if opts.dir else Path(tempfile.mkdtemp(prefix="belayer-rl-"))
     from belayer.train import loop
@@ -50,7 +54,10 @@ def run(opts: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings
-    p.add_argument("--model-dir", default=".cache/tiny-model", help="the base model (built when missing)")
+    p.add_argument(
+        "--model-dir",
+        help="the base model, built when missing (default: as `belayer demo`'s, the tiny model)",
+    )
     p.add_argument(
         "--dir", help="where the store, logs, checkpoints and plot go (default: a new temporary directory)"
     )

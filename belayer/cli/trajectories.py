@@ -38,16 +38,44 @@ def since_timestamp(text: str, now: float) -> float:
         ) from None
 
 
+def store_default() -> str:
+    """Where ``belayer serve`` writes its store when not told (``--store``): the same for export and prune."""
+    from belayer.cli.serve import setting_field
+
+    return str(setting_field("store_path").default)
+
+
+STORE_HELP = (
+    "the trajectory store `belayer serve` wrote: its --store, a SQLite file (relative to the directory it "
+    "ran in) or a postgresql:// URL (default: %(default)s, serve's default)"
+)
+
+
+def check_store(store: str) -> None:
+    """A store file that is not there is an error that says where serve writes one (opening it would
+    create an empty store, and the export would silently hold nothing)."""
+    from pathlib import Path
+
+    from store.factory import is_url
+
+    if is_url(store) or Path(store).is_file():
+        return
+    where = "" if Path(store).is_absolute() else f" in {Path.cwd()}"
+    raise ConfigError(
+        f"--store {store}: no such file{where}; give the store `belayer serve` wrote: its --store, by "
+        f"default {store_default()} in the directory it ran in"
+    )
+
+
 def run_export(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
     from store import SessionQuery
     from store.export import export
-    from store.factory import is_url, open_store
+    from store.factory import open_store
 
-    if not is_url(args.store) and not Path(args.store).is_file():  # opening it would create an empty store
-        raise ConfigError(f"--store {args.store}: no such file; give the store `belayer serve --store` wrote")
+    check_store(args.store)
     if Path(args.out).is_dir():
         example = Path(args.out) / f"rollouts.{args.format}"
         raise ConfigError(f"--out {args.out}: is a directory; give a file to write, e.g. --out {example}")
@@ -83,12 +111,10 @@ def older_than(text: str) -> float:
 def run_prune(args: argparse.Namespace) -> int:
     import time
     from datetime import datetime
-    from pathlib import Path
 
-    from store.factory import is_url, open_store
+    from store.factory import open_store
 
-    if not is_url(args.store) and not Path(args.store).is_file():  # opening it would create an empty store
-        raise ConfigError(f"--store {args.store}: no such file; give the store `belayer serve --store` wrote")
+    check_store(args.store)
     cutoff = time.time() - older_than(args.older_than)
     store = open_store(args.store, recover=False)  # a gateway may be running on it: leave its turns be
     try:

@@ -160,6 +160,7 @@ class AsyncBelayer:
         page_size: int = PAGE_SIZE,
         **filters: Any,
     ) -> AsyncIterator[dict[str, Any]]:
+        """As `Belayer.sessions`: oldest first unless ``order="desc"``; times as Unix seconds or datetimes."""
         params = wire.query_params(
             status=status, metadata=metadata, has_reward=has_reward, order=order, **filters
         )
@@ -173,6 +174,7 @@ class AsyncBelayer:
     async def finished(
         self, after: str | None = None, *, follow: bool = True, rows: bool = True, limit: int | None = None
     ) -> AsyncIterator[Finished]:
+        """As `Belayer.finished`: ``follow=True`` (waits for more, forever) and ``rows=True`` by default."""
         feed = Feed(after, limit, follow=follow, rows=rows, backoff=self.backoff)
         while feed.wanted():
             r = feed.request()

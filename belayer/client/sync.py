@@ -147,7 +147,9 @@ class Belayer:
         page_size: int = PAGE_SIZE,
         **filters: Any,
     ) -> Iterator[dict[str, Any]]:
-        """Every session that matches, page by page (``reward_min``, ``created_after``… as keywords)."""
+        """Every session that matches, page by page, oldest first (``order="desc"``: newest first; the
+        HTTP route's own default is newest first). Other filters as keywords: ``reward_min``,
+        ``created_after``/``created_before`` (Unix seconds or a `datetime`)…"""
         params = wire.query_params(
             status=status, metadata=metadata, has_reward=has_reward, order=order, **filters
         )
@@ -160,8 +162,10 @@ class Belayer:
     def finished(
         self, after: str | None = None, *, follow: bool = True, rows: bool = True, limit: int | None = None
     ) -> Iterator[Finished]:
-        """The finished sessions after cursor `after` (None: from the first), in the order they closed;
-        with ``follow`` it waits for more, forever. Reconnects by itself (see `Backoff`)."""
+        """The finished sessions after cursor `after` (None: from the first), in the order they closed.
+        Unlike ``GET /api/finished``, it defaults to ``follow=True`` (after the backlog it waits for more,
+        forever: ``follow=False`` ends after the backlog) and ``rows=True`` (each item's export rows).
+        Reconnects by itself (see `Backoff`)."""
         feed = Feed(after, limit, follow=follow, rows=rows, backoff=self.backoff)
         while feed.wanted():
             r = feed.request()

@@ -20,6 +20,7 @@ import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -236,7 +237,14 @@ def query_params(
     **other: Any,
 ) -> dict[str, str]:
     """``GET /api/sessions``'s (and the export's) filters as query parameters: ``metadata`` becomes
-    ``meta.KEY=value``, booleans ``true``/``false``; other keywords go as they are (None: left out)."""
+    ``meta.KEY=value``, booleans ``true``/``false``, a `datetime` (``created_after``, ``created_before``)
+    Unix seconds (a naive one is local time, as `datetime.timestamp` reads it); other keywords go as
+    they are (None: left out).
+
+    >>> from datetime import datetime, timezone
+    >>> query_params(created_after=datetime(2026, 1, 31, tzinfo=timezone.utc), created_before=1769904000)
+    {'created_after': '1769817600.0', 'created_before': '1769904000'}
+    """
     params: dict[str, str] = {}
     pairs: list[tuple[str, Any]] = [("status", status), ("has_reward", has_reward), *other.items()]
     pairs += [(f"meta.{k}", v) for k, v in (metadata or {}).items()]
@@ -247,6 +255,8 @@ def query_params(
 
 
 def _text(value: Any) -> str:
+    if isinstance(value, datetime):
+        return str(value.timestamp())  # the gateway takes times as Unix seconds
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 

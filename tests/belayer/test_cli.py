@@ -122,19 +122,33 @@ def test_docker_not_running(
     assert _fails(capsys, serve) == f"belayer serve: {DOCKER_DOWN}"
 
 
-def test_export_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     missing = tmp_path / "missing.db"
     out = str(tmp_path / "t.jsonl")
     assert _fails(capsys, ["export", "--store", str(missing), "--format", "jsonl", "--out", out]) == (
-        f"belayer export: --store {missing}: no such file; give the store `belayer serve --store` wrote"
+        f"belayer export: --store {missing}: no such file; give the store `belayer serve` wrote: its --store, "
+        "by default belayer-trajectories.db in the directory it ran in"
     )
     assert not missing.exists()  # not created as an empty store
+    monkeypatch.chdir(tmp_path)
+    assert _fails(capsys, ["export", "--format", "jsonl", "--out", out]) == (  # serve's default store
+        f"belayer export: --store belayer-trajectories.db: no such file in {tmp_path}; give the store "
+        "`belayer serve` wrote: its --store, by default belayer-trajectories.db in the directory it ran in"
+    )
     db = tmp_path / "t.db"
     SqliteStore(str(db)).close()
     assert _fails(capsys, ["export", "--store", str(db), "--format", "parquet", "--out", str(tmp_path)]) == (
         f"belayer export: --out {tmp_path}: is a directory; give a file to write, e.g. --out "
         f"{tmp_path / 'rollouts.parquet'}"
     )
+    monkeypatch.setenv("COLUMNS", "500")  # no wrapping
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--store STORE the trajectory store `belayer serve` wrote: its --store," in shown
+    assert "(default: belayer-trajectories.db, serve's default)" in shown
     argv = ["export", "--store", str(db), "--format", "jsonl", "--out", out, "--session", "nope"]
     assert _fails(capsys, argv) == "belayer export: --session: no session 'nope' in the store"
     assert not Path(out).exists()

@@ -10,6 +10,7 @@ import json
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,10 @@ async def test_a_session_runs_commands_in_its_sandbox(config: GatewayConfig, tmp
                     assert other.exec("cat /workspace/red")["exit_code"] != 0  # its own sandbox
                 with pytest.raises(ClientError) as closed:
                     gw.get_session(sid).exec("true")
-                assert (closed.value.status, closed.value.code) == (404, "sandbox_not_found")  # closed with it
+                assert (closed.value.status, closed.value.code) == (
+                    404,
+                    "sandbox_not_found",
+                )  # closed with it
 
         await in_thread(sync_side)
 
@@ -150,6 +154,33 @@ async def test_both_clients_name_a_sessions_routing_group(config: GatewayConfig)
                 return t.group, sync.get_session(t.id).group, sync.session().group
 
         assert await in_thread(sync_side) == ("task-4", "task-4", None)
+
+
+async def test_listings_take_times_as_datetimes_or_unix_seconds_and_list_oldest_first(
+    config: GatewayConfig,
+) -> None:
+    async with served(config) as url, AsyncBelayer(url, token=TOKEN) as gw:
+        first, second = await gw.session(), await gw.session()
+        made = [first.summary["created_at"], second.summary["created_at"]]
+        between = datetime.fromtimestamp((made[0] + made[1]) / 2)  # naive: local time, as the client reads it
+
+        async def ids(**filters: Any) -> list[str]:
+            return [s["id"] async for s in gw.sessions(**filters)]
+
+        assert await ids() == [first.id, second.id]  # the client's order: oldest first
+        assert await ids(order="desc") == [second.id, first.id]  # the HTTP route's default
+        assert await ids(created_after=between) == [second.id]
+        assert await ids(created_before=between.astimezone(UTC)) == [first.id]
+        assert await ids(created_after=made[1]) == [second.id]  # Unix seconds, as the gateway takes them
+        with pytest.raises(ClientError) as bad:
+            await ids(created_after="yesterday")
+        assert (bad.value.status, bad.value.param) == (400, "created_after")
+
+        def sync_side() -> list[str]:
+            with Belayer(url, token=TOKEN) as sync:
+                return [s["id"] for s in sync.sessions(created_after=between)]
+
+        assert await in_thread(sync_side) == [second.id]
 
 
 async def test_an_async_session_makes_real_sdk_requests_and_closes_on_exit(config: GatewayConfig) -> None:

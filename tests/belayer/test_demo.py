@@ -15,6 +15,7 @@ import pytest
 from belayer import cli
 from belayer.cli import demo
 from engine_pool.fake import TOKEN_DELAY_ENV
+from tests.support import REPO
 
 
 def _findings(out: str) -> dict[str, str]:
@@ -74,6 +75,35 @@ def test_demo_says_when_the_answer_ended_before_the_kill(
     assert "so no worker was killed: give a larger --max-tokens or a smaller --kill-after" in out
     assert _findings(out)["left_running"] == "none (3 worker process groups checked by pid)"
     assert not _holding(tmp_path)
+
+
+def test_demo_that_cannot_start_says_why_from_anywhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside the repository, with a --model (serve's name for it) that holds no model: the report
+    carries the gateway's own error line, not only the log's path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("not a model")
+    code = cli.main(["demo", "--worker-kind", "fake", "--model", "notes", "--dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    [failed] = re.findall(r"^demo FAILED: (.*)$", out, re.M)
+    assert failed == (
+        "the gateway exited with 2 while starting: belayer serve: --model: "
+        f"{tmp_path / 'notes'} holds no tokenizer.json; is it a Hugging Face model directory?"
+    )
+    assert f"gateway log: {tmp_path / 'run' / 'gateway.log'}" in out
+
+
+def test_the_default_model_is_the_checkouts_whatever_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert demo.default_model_dir() == REPO / ".cache" / "tiny-model"
+    args = cli.parser().parse_args(["demo", "--worker-kind", "fake"])
+    assert args.model_dir is None  # resolved when it runs: the default above
+    assert cli.parser().parse_args(["demo", "--model-dir", "m"]).model_dir == "m"  # the older spelling
 
 
 def test_checks_read_the_apis_json() -> None:
