@@ -576,6 +576,23 @@ def word_ids(model_dir: str) -> list[int]:
     return words
 
 
+POLICY_ENV = "BELAYER_FAKE_POLICY"
+"""Set (to anything) in the gateway's environment, its launched fake workers sample from `hashed_policy`
+(``FakeEngine.policy``): keyed sampling's draws, or their own RNG's (``belayer bench determinism``)."""
+POLICY_FLOOR = -1e9
+
+
+def hashed_policy(context: list[int]) -> list[float]:
+    """Logits over ids 0..399 that depend on the context's last 3 tokens; ids below 100 (the tiny model's
+    control tokens among them) are never drawn.
+
+    >>> logits = hashed_policy([5, 6, 7]); len(logits), logits[:100] == [POLICY_FLOOR] * 100
+    (400, True)
+    """
+    h = zlib.crc32(json.dumps(context[-3:]).encode())
+    return [POLICY_FLOOR] * 100 + [((h >> (i % 24)) % 97) / 25.0 + (i % 7) * 0.1 for i in range(100, 400)]
+
+
 def autoregressive_over(vocab: list[int]) -> Callable[[list[int]], int]:
     """`autoregressive`, drawing its tokens from `vocab`."""
     return lambda context: vocab[(context[-1] * 31 + len(context) * 7) % len(vocab)]
@@ -607,6 +624,8 @@ def serve(
     else:
         step = autoregressive_over(word_ids(words_from)) if words_from else autoregressive
         engine = FakeEngine(model=model, max_model_len=max_model_len, token_delay=token_delay, step=step)
+        if os.environ.get(POLICY_ENV):
+            engine.step, engine.policy = None, hashed_policy
     engine.query_of_death = seeded_over(die_over) if die_over is not None else None
     app = RequireApiKey(engine.app())  # the key a launched worker is given (core.worker_auth), if any
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

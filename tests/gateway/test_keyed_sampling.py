@@ -6,8 +6,6 @@ workers: ``tests/engine_pool/test_keyed_vllm.py``."""
 
 from __future__ import annotations
 
-import json
-import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,19 +14,14 @@ import httpx
 import pytest
 
 from core.keyed import child_seed, choose, turn_key
-from engine_pool.fake import FakeEngine, Fault, FaultInjector
+from engine_pool.fake import FakeEngine, Fault, FaultInjector, hashed_policy
 from gateway.config import FailoverConfig, GatewayConfig
 from tests.support import asgi_gateway
 
 HOSTS = ["e0", "e1", "e2"]
-FLOOR = -1e9
-"""The logit of the token ids the policy never samples (control tokens of the tiny model among them)."""
 
 
-def policy(context: list[int]) -> list[float]:
-    """Logits over ids 0..399 that depend on the context's last tokens; ids below 100 never drawn."""
-    h = zlib.crc32(json.dumps(context[-3:]).encode())
-    return [FLOOR] * 100 + [((h >> (i % 24)) % 97) / 25.0 + (i % 7) * 0.1 for i in range(100, 400)]
+policy = hashed_policy
 
 
 class Rig:
