@@ -20,7 +20,7 @@ Example::
 
     failure = Failure(token_index=12, from_worker="worker-0", error="reset", at=now, last_token_at=t)
     store.add_event(EventRecord(sid, turn.id, time.time(), "failover",
-                                failure.event(to_worker="worker-1", now=time.monotonic(), greedy=True)))
+                                failure.event(to_worker="worker-1", now=time.monotonic(), sampling=GREEDY)))
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from gateway.turns.quarantine import Publish, Quarantine, Suspicion
 
 GREEDY = "greedy: bit-identical"
 SAMPLED = "sampled: prefix kept exactly, continuation re-sampled (seeded RNG restarts on the new worker)"
+KEYED = "keyed: the same draws as without the failure (core.keyed), up to near ties"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class Failure:
     """A worker lost in the middle of a turn: at which token, which worker, why, and when.
 
     >>> f = Failure(token_index=3, from_worker="w0", error="reset", at=10.0, last_token_at=9.5)
-    >>> f.event(to_worker="w1", now=10.25, greedy=True)["lost_ms"]
+    >>> f.event(to_worker="w1", now=10.25, sampling=GREEDY)["lost_ms"]
     750.0
     """
 
@@ -71,7 +72,7 @@ class Failure:
     version: str | None = None
     """The weight version of the turn's tokens so far (None: it had none)."""
 
-    def event(self, *, to_worker: str | None, now: float, greedy: bool) -> dict[str, Any]:
+    def event(self, *, to_worker: str | None, now: float, sampling: str) -> dict[str, Any]:
         """The ``failover`` event's data, once the turn resumed on `to_worker` (None: it did not)."""
         since = self.last_token_at or self.at
         return {
@@ -82,7 +83,7 @@ class Failure:
             "to_worker": to_worker,
             "detect_ms": round((self.at - since) * 1000, 3),
             "lost_ms": round((now - since) * 1000, 3),
-            "sampling": GREEDY if greedy else SAMPLED,
+            "sampling": sampling,
         }
 
 
@@ -193,6 +194,9 @@ class FailoverState:
     """Healthy workers that answered this turn with an error (a second one makes it the request's)."""
     version: str | None = None
     """The weight version of the turn's latest tokens: a failover stays on it (None: no tokens yet)."""
+    keyed: bool = False
+    """Its tokens are drawn by keyed sampling (``core.keyed``): a resubmission draws what the lost worker
+    would have."""
     suspicion: Suspicion = field(default_factory=Suspicion)
     """Its record with the quarantine (``gateway.turns.quarantine``): deaths it was in flight at."""
 
@@ -286,9 +290,15 @@ def finished_before(
 
 
 def switch_event(
-    request: dict[str, Any], failure: Failure, to_worker: str | None, to_version: str | None
+    request: dict[str, Any],
+    failure: Failure,
+    to_worker: str | None,
+    to_version: str | None,
+    keyed: bool = False,
 ) -> tuple[str, dict[str, Any]]:
-    """The event a resumed turn records: ``failover``, or ``weight_switch`` when a weight update cut it."""
-    data = failure.event(to_worker=to_worker, now=time.monotonic(), greedy=request.get("temperature") == 0)
+    """The event a resumed turn records: ``failover``, or ``weight_switch`` when a weight update cut it;
+    its ``sampling`` says what the continuation is (`GREEDY`, `KEYED` or `SAMPLED`)."""
+    sampling = KEYED if keyed else GREEDY if request.get("temperature") == 0 else SAMPLED
+    data = failure.event(to_worker=to_worker, now=time.monotonic(), sampling=sampling)
     data |= {"from_version": failure.version, "to_version": to_version}
     return ("weight_switch" if failure.cause == "weights" else "failover"), data

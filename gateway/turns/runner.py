@@ -202,7 +202,7 @@ class TurnRunner:
             else None,
         )
         st.parser.feed(req.forced_prefix)
-        st.fo.suspicion = suspicion
+        st.fo.suspicion, st.fo.keyed = suspicion, params.key is not None
         try:
             async with contextlib.aclosing(self._generate(req, turn, params, st, t0)) as deltas:
                 async for delta in deltas:
@@ -256,7 +256,7 @@ class TurnRunner:
             if failure is None:
                 break
         if failure is not None:  # the output was complete when the worker was lost
-            self._record_failover(turn, failure, None)
+            self._record_failover(turn, st, failure, None)
         tail = self._delta(turn, st.parse(st.trimmer.finish(), final=True), st)
         if tail.content or tail.tool_calls or tail.reasoning:
             yield tail
@@ -297,7 +297,7 @@ class TurnRunner:
             try:
                 async for chunk in stream:
                     if previous is not None:
-                        self._record_failover(turn, previous, member.name, version)
+                        self._record_failover(turn, st, previous, member.name, version)
                         previous = None
                     turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
                     start = len(turn.output_ids)
@@ -311,7 +311,7 @@ class TurnRunner:
                         break
             except Preempted as e:
                 if previous is not None:  # the failover that brought the turn here, before the cut
-                    self._record_failover(turn, previous, member.name, version)
+                    self._record_failover(turn, st, previous, member.name, version)
                 now = time.monotonic()
                 yield Failure(
                     len(turn.output_ids), member.name, str(e), now, st.last_token_at, "weights", st.fo.version
@@ -378,10 +378,15 @@ class TurnRunner:
         return delta
 
     def _record_failover(
-        self, turn: TurnRecord, failure: Failure, to_worker: str | None, to_version: str | None = None
+        self,
+        turn: TurnRecord,
+        st: _OutputState,
+        failure: Failure,
+        to_worker: str | None,
+        to_version: str | None = None,
     ) -> None:
         """A ``failover`` event, or a ``weight_switch`` when a weight update cut the turn."""
-        self.ledger.event(turn, *switch_event(turn.request, failure, to_worker, to_version))
+        self.ledger.event(turn, *switch_event(turn.request, failure, to_worker, to_version, st.fo.keyed))
 
     def _delta(self, turn: TurnRecord, events: list[Any], st: _OutputState) -> Delta:
         delta = Delta("", [], [], [], [])

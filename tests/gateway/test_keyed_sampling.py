@@ -16,6 +16,7 @@ import pytest
 from core.keyed import child_seed, choose, turn_key
 from engine_pool.fake import FakeEngine, Fault, FaultInjector, hashed_policy
 from gateway.config import FailoverConfig, GatewayConfig
+from gateway.turns.failover import KEYED
 from tests.support import asgi_gateway
 
 HOSTS = ["e0", "e1", "e2"]
@@ -86,6 +87,7 @@ async def test_a_sampled_turn_killed_mid_way_yields_the_undisturbed_tokens(rig: 
         (5, "remote-0"),
         (9, "remote-1"),
     ]
+    assert {f["sampling"] for f in failovers(events)} == {KEYED}
     key = turn_key(0, sid, 7, None)
     assert disturbed["output_ids"] == undisturbed["output_ids"] == expected(disturbed["prompt_ids"], key, 16)
     assert disturbed["response"]["sampling"] == {"mode": "keyed", "key": key}
