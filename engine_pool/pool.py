@@ -353,6 +353,11 @@ class EnginePool(PoolSettings):
         `exclusive`, on a worker of its own when one frees up within that many seconds (`Router.lease`)."""
         return self.router.lease(session_id, wait, exclude, version, group, tokens, exclusive)
 
+    def share(self, member: PoolMember) -> None:
+        """A suspect running alone on `member` got past its prefill (its first token): the worker takes
+        other requests again (`Router.share`)."""
+        self.router.share(member)
+
     def forget(self, session_id: str) -> None:
         """The session is over: its worker need not be remembered."""
         self.router.forget(session_id)

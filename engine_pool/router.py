@@ -256,6 +256,14 @@ class Router:
             if (member.state == DRAINING and not member.outstanding) or self.versions.updating:
                 self.roster.wake()  # a removal, or a weight update's drain, waits for this
 
+    def share(self, member: PoolMember) -> None:
+        """End `member`'s isolation before its suspect ends: a query of death kills its worker before
+        its first token (``gateway.turns.quarantine``), so once the suspect has one, holding the worker
+        alone for the rest of its answer only serializes the turns a kill left behind."""
+        if member.isolating:
+            member.isolating = False
+            self.roster.wake()
+
     def _remember(self, session_id: str, worker: str) -> None:
         self._affinity[session_id] = worker
         self._affinity.move_to_end(session_id)

@@ -300,6 +300,8 @@ class TurnRunner:
                         self._record_failover(turn, st, previous, member.name, version)
                         previous = None
                     turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
+                    if alone is not None and first:  # a suspect past its prefill: the worker is shared again
+                        self.pool.share(member)
                     start = len(turn.output_ids)
                     slot.tokens += len(chunk.token_ids)
                     delta = self._consume(turn, chunk, st)

@@ -179,6 +179,27 @@ async def test_a_suspect_that_was_only_unlucky_completes_alone(rig: Rig) -> None
     assert not any(m.isolating for m in rig.gw.pool.members)  # the worker it held is everyone's again
 
 
+async def test_a_suspect_holds_its_worker_alone_only_until_its_first_token(rig: Rig) -> None:
+    """A query of death kills its worker before its first token: once the suspect has one on the worker
+    it holds, the worker takes other requests again (a kill's survivors are not serialized)."""
+    rig.faults.faults["e0"] = [Fault("drop_after", 0)]
+    rig.engine.token_delay = 0.05
+    sid = await rig.session()
+    task = asyncio.create_task(rig.chat(sid, "hello", max_tokens=40))
+    [worker] = [m for m in rig.gw.pool.members if m.name == "remote-1"]
+    while worker.outstanding == 0 and not task.done():  # the suspect is on its worker of its own
+        await asyncio.sleep(0.01)
+    while worker.isolating and not task.done():  # ... until its first token
+        await asyncio.sleep(0.01)
+    assert not task.done() and worker.outstanding == 1 and not worker.isolating
+    other = await rig.chat(await rig.session(), "hi", max_tokens=4)  # served beside it
+    assert other.status_code == 200
+    r = await task
+    assert r.status_code == 200 and stream_errors(r) == []
+    [turn] = (await rig.trajectory(sid))["turns"]
+    assert turn["output_ids"] == rig.engine.greedy(turn["prompt_ids"], 40)
+
+
 async def test_the_quarantine_off_lets_it_walk_through_the_pool(rig: Rig) -> None:
     """The baseline: without the quarantine, the poison is resubmitted until no worker is left."""
     rig.gw.runner.failover.quarantine.config = QuarantineConfig(enabled=False)
