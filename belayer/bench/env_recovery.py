@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from belayer.bench import emit
+from belayer.bench.waits import within
 from belayer.testing.services import progress
 from core.errors import BenchError
 from engine_pool.fake import FakeEngine, LatentEngine
@@ -62,7 +63,7 @@ BUILD = (
     'for _ in range({n}): h = hashlib.sha256(h).digest()\nprint(h.hex()[:16])"'
 )
 GEN_DATA = (
-    'python3 -c "import random, hashlib; r = random.Random(7); d = r.randbytes(24 << 20)\n'
+    'python3 -c "import random, hashlib; r = random.Random(7); d = r.randbytes({mib} << 20)\n'
     "open('data.bin','wb').write(d); print(hashlib.sha256(d).hexdigest()[:16])\""
 )
 INSTALL = (
@@ -75,10 +76,12 @@ ANALYSE = (
 )
 
 
-def tool_calls(n: int, work: int) -> list[str]:
-    """The episode's commands: expensive steps early and in the middle, cheap ones in between."""
+def tool_calls(n: int, work: int, data_mib: int = 24) -> list[str]:
+    """The episode's commands: expensive steps early and in the middle, cheap ones in between. `work`:
+    sha256 rounds of each build; `data_mib`: the generated data's size."""
     expensive = {
-        1: GEN_SRC, 3: BUILD.replace("{n}", str(work)), 5: GEN_DATA, 7: INSTALL, 9: ANALYSE,
+        1: GEN_SRC, 3: BUILD.replace("{n}", str(work)), 5: GEN_DATA.replace("{mib}", str(data_mib)),
+        7: INSTALL, 9: ANALYSE,
         12: BUILD.replace("{n}", str(work)).replace("build", "rebuild"), 15: ANALYSE,
     }  # fmt: skip
     cheap = [QUERY, "echo edit-{i} >> notes.txt && wc -l < notes.txt", QUERY, "grep -c def src/pkg/m1.py"]
@@ -153,13 +156,18 @@ async def run_episode(
         gw: Gateway = app.state.gateway
         assert gw.sandboxes is not None
         engine.script = script_for(gw, commands)
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw", timeout=600)
-        sid = (await client.post("/api/sessions", json={})).json()["id"]
+        # a Host the gateway answers (its default allowed hosts: the loopback names, `gateway.http.access`)
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=600
+        )
+        created = await client.post("/api/sessions", json={})
+        created.raise_for_status()
+        sid = created.json()["id"]
         spec = {"image": PYTHON_IMAGE, "shell": "/bin/bash", "memory_mb": 1024, "cpus": 1.0}
         (await client.post(f"/api/sessions/{sid}/sandbox", json=spec)).raise_for_status()
         episode = Episode(client, gw, commands)
         seconds = await episode.run(sid)
-        await gw.sandboxes.idle()
+        await within(gw.sandboxes.idle(), "the sandbox manager's checkpoints in the background", 600)
         ckpts = gw.sandboxes.release_checkpoints(sid)  # kept for the recovery measurement
         events = [
             e.data | {"kind": e.kind} for e in gw.store.get_events(sid) if e.kind.startswith("sandbox_")
@@ -201,6 +209,8 @@ def measure_checkpoint(
     """Recovery from the newest checkpoint at least `lag` tool calls older than the failure (0: the
     newest that existed): restore it, replay the calls after it. Returns (seconds, its turn)."""
     usable = [c for c in ckpts if c.keep_through <= fail_at - lag]
+    if not usable:
+        raise BenchError(f"no checkpoint of the first {fail_at - lag} tool calls (of {len(ckpts)} taken)")
     chosen = max(usable, key=lambda c: c.keep_through)
     k = chosen.keep_through
     started = time.monotonic()
@@ -213,7 +223,7 @@ def measure_checkpoint(
 
 
 async def run(opts: argparse.Namespace) -> bool:
-    commands = tool_calls(opts.tool_calls, opts.work)
+    commands = tool_calls(opts.tool_calls, opts.work, opts.data_mib)
     workdir = Path(tempfile.mkdtemp(prefix="belayer-env-bench-"))
     with backend_for(checkpoint_dir=workdir / "checkpoints") as backend:
         ensure_python_image(backend)
@@ -277,6 +287,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tool-calls", type=int, default=22)
     p.add_argument("--llm-latency", type=float, default=2.0, help="seconds each LLM call takes (the bubble)")
     p.add_argument("--work", type=int, default=1_500_000, help="sha256 rounds of each build step")
+    p.add_argument("--data-mib", type=int, default=24, help="MiB of data the episode generates and analyses")
     p.add_argument("--rounds", type=int, default=1, help="episodes per mode (the fastest counts)")
     p.add_argument(
         "--stale-lag", type=int, default=5, help="tool calls between the failure and the older checkpoint"

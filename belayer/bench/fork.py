@@ -85,7 +85,7 @@ class Episode:
             ]
 
 
-async def run(opts: argparse.Namespace) -> bool:
+async def run(opts: argparse.Namespace) -> None:
     k, n = opts.at_turn, opts.siblings
     with tempfile.TemporaryDirectory(prefix="belayer-bench-fork-") as tmp:
         store_path = Path(tmp) / "traj.db"
@@ -102,7 +102,10 @@ async def run(opts: argparse.Namespace) -> bool:
         app = build_app(config, pool=pool, sandbox_backend=backend)
         async with app.router.lifespan_context(app):
             gw: Gateway = app.state.gateway
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw", timeout=600)
+            # a Host the gateway answers (its default allowed hosts: the loopback names, `gateway.http.access`)
+            client = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=600
+            )
             ep = Episode(client, gw, engine, opts)
             parent = await ep.session()
             progress(f"parent episode to turn {k} (checkpoint after turn {k - 3}'s tool call)")
@@ -149,10 +152,8 @@ async def run(opts: argparse.Namespace) -> bool:
     emit("fork_store_bytes", fork_bytes)
     emit("rerun_store_bytes", rerun_bytes)
     emit("fork_store_bytes_ratio", ratio)
-    ok_speed, ok_bytes = speedup >= 5, ratio <= 0.10
-    emit("target_fork_speedup", "pass" if ok_speed else "fail")
-    emit("target_fork_store_bytes_ratio", "pass" if ok_bytes else "fail")
-    return ok_speed and ok_bytes
+    emit("target_fork_speedup", "pass" if speedup >= 5 else "fail")
+    emit("target_fork_store_bytes_ratio", "pass" if ratio <= 0.10 else "fail")
 
 
 def sandbox_backend(kind: str, tmp: Path) -> SandboxBackend:
@@ -198,4 +199,5 @@ def main(argv: list[str]) -> int:
         from belayer.testing.tiny_model import build_tiny
 
         build_tiny(opts.model)
-    return 0 if asyncio.run(run(opts)) else 1
+    asyncio.run(run(opts))  # a target missed is a figure (target_*: fail), as in every bench: exit 0
+    return 0

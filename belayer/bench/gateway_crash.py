@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from belayer.bench import emit
 from belayer.bench.gateway import streaming_rates
 from belayer.bench.pool import streamed_tokens
 from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, serve_service, start
+from belayer.bench.waits import failure, until
 from belayer.testing.services import (
     Service,
     base_url,
@@ -93,13 +94,14 @@ class _Session:
     """Tokens of the long reply received before the kill."""
     first_after_crash: float | None = None
     retries: int = 0
-    reached: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 async def _session(
     http: httpx.AsyncClient, url: str, s: _Session, killed: asyncio.Event, opts: argparse.Namespace
 ) -> None:
-    s.sid = (await http.post(f"{url}/api/sessions", json={})).json()["id"]
+    created = await http.post(f"{url}/api/sessions", json={})
+    created.raise_for_status()
+    s.sid = created.json()["id"]
     chat = f"{url}/s/{s.sid}/v1/chat/completions"
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"session {s.sid[-6:]}"}]
     first = await http.post(
@@ -114,8 +116,6 @@ async def _session(
             async for line in r.aiter_lines():
                 if not killed.is_set():
                     s.received += streamed_tokens(line)
-                if s.received >= opts.kill_after:
-                    s.reached.set()
     except httpx.HTTPError:
         pass  # the gateway died: retry below
     else:
@@ -183,7 +183,10 @@ async def _settled(http: httpx.AsyncClient, url: str, sid: str, timeout: float) 
     while True:
         traj: dict[str, Any] = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()
         turns = traj["turns"]
-        if len(turns) < 2 or turns[1]["status"] != "running" or time.monotonic() > deadline:
+        if len(turns) < 2 or turns[1]["status"] != "running":
+            return traj
+        if time.monotonic() > deadline:  # figured as not continued, and said here
+            progress(f"session {sid}: its interrupted turn still reads running after {timeout:g} s")
             return traj
         await asyncio.sleep(0.1)  # polling another process's progress, with a deadline
 
@@ -199,9 +202,12 @@ async def _crash_run(
     killed = asyncio.Event()
     limits = httpx.Limits(max_connections=opts.sessions * 2, max_keepalive_connections=opts.sessions * 2)
     async with httpx.AsyncClient(limits=limits, timeout=120.0, trust_env=False) as http:
-        tasks = [asyncio.create_task(_session(http, url, s, killed, opts)) for s in sessions]
-        waits = [asyncio.create_task(s.reached.wait()) for s in sessions]
-        await asyncio.wait_for(asyncio.gather(*waits), 300)
+        tasks = [
+            asyncio.create_task(_session(http, url, s, killed, opts), name=f"session {i}")
+            for i, s in enumerate(sessions)
+        ]
+        await until(lambda: all(s.received >= opts.kill_after for s in sessions),
+                    f"every stream's first {opts.kill_after} tokens", 300, hopeless=lambda: failure(tasks))  # fmt: skip
         assert victim.proc is not None
         proc = victim.proc
         killed.set()

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from belayer.bench.stand_up import WorkerKey
+from belayer.bench.waits import failure, found, until
 from core.errors import BenchError
 
 
@@ -42,47 +43,91 @@ async def wait_until(
 ) -> float:
     """When (``time.monotonic()``) the pool has `ready` ready workers and `shadows` shadows, not counting
     `exclude`."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
+
+    async def reached() -> float | None:
         states = [e["state"] for e in await engines(http, url) if e["name"] != exclude]
-        if states.count("ready") >= ready and states.count("shadow") >= shadows:
-            return time.monotonic()
-        await asyncio.sleep(0.02)
-    raise BenchError(f"the pool did not reach {ready} ready + {shadows} shadow workers in {timeout:.0f}s")
+        return (
+            time.monotonic() if states.count("ready") >= ready and states.count("shadow") >= shadows else None
+        )
+
+    return await found(reached, f"the pool to have {ready} ready + {shadows} shadow workers", timeout)
+
+
+async def busy_worker(http: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    """A live worker with a request outstanding (the one serving a bench's only stream), or None."""
+    return next((e for e in await engines(http, url) if e["state"] != "dead" and e["outstanding"] > 0), None)
+
+
+def ended(stream: asyncio.Task[Any], tokens: list[float]) -> str | None:
+    """Why waiting on the running `stream` (`tokens`: its arrivals so far) is hopeless, if it is."""
+    if not stream.done():
+        return None
+    return failure([stream]) or f"the stream ended after {len(tokens)} tokens"
+
+
+async def serving_worker(
+    http: httpx.AsyncClient, url: str, stream: asyncio.Task[Any], arrivals: list[float], after: int
+) -> dict[str, Any]:
+    """The worker serving `stream` (the only one running), once its client has `after` tokens (their
+    `arrivals`): waited for with deadlines while the stream goes on; a `BenchError` that says which wait
+    gave up, and why when the stream ended (or failed) first."""
+
+    def hopeless() -> str | None:
+        return ended(stream, arrivals)
+
+    await until(lambda: len(arrivals) >= after, f"the stream's first {after} tokens", 300, hopeless=hopeless)
+    return await found(
+        lambda: busy_worker(http, url), "a worker with the stream outstanding", 60, hopeless=hopeless
+    )
+
+
+async def _stream(http: httpx.AsyncClient, url: str, body: dict[str, Any], arrivals: list[float]) -> None:
+    async with http.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            arrivals += [time.monotonic()] * streamed_tokens(line)
 
 
 async def kill_once(url: str, opts: argparse.Namespace, key: WorkerKey) -> dict[str, float]:
-    """Stream a long greedy reply, SIGKILL its worker after a few tokens, and time the recovery.
+    """Stream a long greedy reply, SIGKILL its worker after ``--kill-after`` tokens, and time the recovery.
 
     Tokens are counted exactly (the stream carries one logprob entry per token), so the client's first
-    token generated *after* the failover is known from the trajectory's failover event. `key`: the one the
+    token generated *after* the failover is known from the trajectory's failover event. The worker killed
+    is the one the pool shows with the request outstanding, waited for (with a deadline) while the stream
+    goes on: an engine that already finished the reply has no request left to kill. `key`: the one the
     gateway at `url` gave its workers (the cold start's request goes to the replacement itself)."""
     async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
         await wait_until(http, url, opts.workers, opts.shadows, 900)
-        sid = (await http.post(f"{url}/api/sessions", json={})).json()["id"]
+        created = await http.post(f"{url}/api/sessions", json={})
+        created.raise_for_status()
+        sid = created.json()["id"]
         body = {"model": "policy", "messages": [{"role": "user", "content": "count"}], "temperature": 0,
-                "max_tokens": opts.kill_after + 400, "stream": True, "logprobs": True}  # fmt: skip
+                "max_tokens": opts.kill_after + opts.reply_tokens, "stream": True, "logprobs": True}  # fmt: skip
         arrivals: list[float] = []  # arrival time of each token at the client
-        t_kill = 0.0
-        async with http.stream("POST", f"{url}/s/{sid}/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                arrivals += [time.monotonic()] * streamed_tokens(line)
-                if not t_kill and len(arrivals) >= opts.kill_after:
-                    victim = next(e for e in await engines(http, url) if e["outstanding"] > 0)
-                    t_kill = time.monotonic()
-                    os.killpg(victim["pid"], signal.SIGKILL)
-                    # polled alongside the stream: the pool is back at its configured ready count when?
-                    restored = asyncio.create_task(
-                        wait_until(http, url, opts.workers, 0, 600, exclude=victim["name"])
-                    )
-                    full_task = asyncio.create_task(  # polled alongside too: not bounded by the stream's end
-                        wait_until(http, url, opts.workers, opts.shadows, 900, exclude=victim["name"])
-                    )
-        capacity = await restored - t_kill
+        stream = asyncio.create_task(_stream(http, f"{url}/s/{sid}/v1/chat/completions", body, arrivals))
+        polls: list[asyncio.Task[float]] = []
+        try:
+            victim = await serving_worker(http, url, stream, arrivals, opts.kill_after)
+            t_kill = time.monotonic()
+            os.killpg(victim["pid"], signal.SIGKILL)
+            # polled alongside the stream, not bounded by its end: when is the pool back at its configured
+            # ready count (a shadow promoted), and when at full strength (the replacement shadow ready)?
+            polls = [asyncio.create_task(wait_until(http, url, opts.workers, s, t, exclude=victim["name"]))
+                     for s, t in ((0, 600), (opts.shadows, 900))]  # fmt: skip
+            await stream
+            capacity, full = [await p - t_kill for p in polls]
+        finally:
+            for task in (stream, *polls):
+                task.cancel()
+            await asyncio.gather(stream, *polls, return_exceptions=True)
         events = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()["events"]
-        [failover] = [e["data"] for e in events if e["kind"] == "failover"]
-        failover_s = arrivals[failover["token_index"]] - t_kill  # the first resumed token
-        full = await full_task - t_kill
+        failovers = [e["data"] for e in events if e["kind"] == "failover"]
+        if len(failovers) != 1:
+            raise BenchError(
+                f"killing {victim['name']} after {opts.kill_after} tokens gave {len(failovers)} failovers, "
+                f"not 1 (its engine may have finished the {len(arrivals)}-token reply first: raise --reply-tokens)"
+            )
+        failover_s = arrivals[failovers[0]["token_index"]] - t_kill  # the first resumed token
         cold = await cold_start(http, url, key)
         return {
             "failover_s": failover_s,

@@ -42,6 +42,7 @@ import httpx
 from belayer.bench import emit
 from belayer.bench.pool import engines, wait_until
 from belayer.bench.stand_up import bench_workdir, ensure_model, interrupt_on_sigterm, serve_service, start
+from belayer.bench.waits import until
 from belayer.testing.services import Service, base_url, progress, running
 from core.errors import BenchError
 from engine_pool.fake import DIE_OVER_ENV
@@ -73,7 +74,8 @@ async def _stream(http: httpx.AsyncClient, url: str, who: Innocent, max_tokens: 
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
-                if "error" in json.loads(line[6:]):  # the stream's error event (not a token that reads "error")
+                # the stream's error event (not a token that reads "error")
+                if "error" in json.loads(line[6:]):
                     who.error = line[:300]
                 else:
                     who.arrivals.append(time.monotonic())
@@ -119,11 +121,8 @@ async def phase(url: str, opts: argparse.Namespace) -> dict[str, float | int | s
         streams = [
             asyncio.create_task(_stream(http, url, w, opts.max_tokens, i)) for i, w in enumerate(innocents)
         ]
-        deadline = time.monotonic() + 300
-        while not all(len(w.arrivals) >= 3 or w.error for w in innocents):  # every innocent is streaming
-            if time.monotonic() > deadline:
-                raise BenchError("the innocent streams did not start within 300 s; see the gateway's log")
-            await asyncio.sleep(0.01)
+        await until(lambda: all(len(w.arrivals) >= 3 or w.error for w in innocents),
+                    "every innocent stream's first 3 tokens (see the gateway's log)", 300, interval=0.01)  # fmt: skip
         if any(w.error or len(w.arrivals) >= opts.max_tokens for w in innocents):
             raise BenchError(f"an innocent stream ended before the poison: {[w.error for w in innocents]}")
         seen: list[tuple[float, list[dict[str, Any]]]] = []

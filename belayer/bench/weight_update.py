@@ -41,6 +41,7 @@ import httpx
 from belayer.bench import emit
 from belayer.bench.pool import streamed_tokens
 from belayer.bench.stand_up import bench_workdir, ensure_model, interrupt_on_sigterm, serve_service, start
+from belayer.bench.waits import failure, until
 from belayer.testing.services import Service, base_url, metric_total, progress, running
 
 ADMIN = "bench-admin"
@@ -100,10 +101,18 @@ async def update(http: httpx.AsyncClient, version: str, path: Path) -> tuple[flo
     return t0, time.monotonic()
 
 
-async def wait_tokens(streams: list[Stream], more: int, since: list[int]) -> None:
-    """Until every stream not done has `more` tokens past `since`."""
-    while any(not s.done and len(s.arrivals) - since[s.index] < more for s in streams):
-        await asyncio.sleep(0.01)
+async def wait_tokens(
+    streams: list[Stream], more: int, since: list[int], tasks: list[asyncio.Task[Any]], timeout: float = 300
+) -> None:
+    """Until every stream not done has `more` tokens past `since` (`tasks`: what runs them; one failing
+    ends the wait, as does `timeout`, with a `BenchError` that says so)."""
+    await until(
+        lambda: all(s.done or len(s.arrivals) - since[s.index] >= more for s in streams),
+        f"{more} more tokens on every running stream",
+        timeout,
+        interval=0.01,
+        hopeless=lambda: failure(tasks),
+    )
 
 
 def longest_gap(arrivals: list[float], t0: float, t1: float) -> float | None:
@@ -129,7 +138,7 @@ async def belayer_phase(
     tasks = [asyncio.create_task(run(s)) for s in streams]
     windows = []
     for k in range(opts.updates):
-        await wait_tokens(streams, opts.every, [len(s.arrivals) if k else 0 for s in streams])
+        await wait_tokens(streams, opts.every, [len(s.arrivals) if k else 0 for s in streams], tasks)
         windows.append(await update(http, f"belayer-{k}", models[(k + 1) % 2]))
         progress(f"belayer: update {k + 1}/{opts.updates} in {windows[-1][1] - windows[-1][0]:.2f} s")
     await asyncio.gather(*tasks)
@@ -154,13 +163,13 @@ async def abort_restart_phase(
             if not s.done
         }
         if k > 0:  # the first token of each restarted stream ends its pause
-            await wait_tokens(streams, 1, since)
+            await wait_tokens(streams, 1, since, list(tasks.values()))
             pauses += [s.arrivals[since[s.index]] - aborted_at for s in streams if not s.done]
         if k == opts.updates:
             for i, t in tasks.items():
                 streams[i].done = await t
             break
-        await wait_tokens(streams, opts.every, since)
+        await wait_tokens(streams, opts.every, since, list(tasks.values()))
         stop.set()  # abort every running stream (its tokens are lost), then update, then restart
         aborted_at = time.monotonic()
         for i, t in tasks.items():

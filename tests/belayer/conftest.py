@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from tests.sandbox.conftest import docker_config, docker_engine
+from tests.sandbox.conftest import backend, busybox_image, docker_config, docker_engine, python_image
 
-__all__ = ["docker_config", "docker_engine"]
+__all__ = ["backend", "busybox_image", "docker_config", "docker_engine", "python_image"]
 
 
 @pytest.fixture(autouse=True)

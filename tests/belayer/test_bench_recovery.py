@@ -30,21 +30,46 @@ def test_the_key_variable_is_the_one_the_gateway_reads(
     assert WorkerKey("k3y").headers == {"authorization": "Bearer k3y"} and "k3y" not in repr(WorkerKey("k3y"))
 
 
-def test_bench_recovery_times_a_cold_start_on_fake_workers(tiny_model_dir: Path) -> None:
+def test_bench_recovery_kills_again_and_again_on_fake_workers(tiny_model_dir: Path) -> None:
+    """Scaled down, every figure of the run (the overhead rounds, three kills, each a cold start): the bench
+    crashed on a later kill when its wait for the worker serving the stream found none (a StopIteration)."""
     argv = [sys.executable, "-m", "belayer.cli", "bench", "recovery", "--model", str(tiny_model_dir)]
-    argv += ["--worker-kind", "fake", "--skip-overhead", "--kills", "1", "--workers", "1", "--shadows", "1"]
+    argv += ["--worker-kind", "fake", "--kills", "3", "--kill-after", "5", "--reply-tokens", "60"]
+    argv += [
+        "--workers",
+        "1",
+        "--shadows",
+        "1",
+        "--rounds",
+        "1",
+        "--concurrency",
+        "4",
+        "--stream-tokens",
+        "16",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = dict(line.split(": ", 1) for line in done.stdout.splitlines())
-    assert figures["kills"] == "1"
-    for timed in ("failover_s", "capacity_restored_s", "full_strength_s", "cold_start_s"):
+    assert sorted(figures) == sorted(
+        ["stream_tokens_per_s_failover_on", "stream_tokens_per_s_failover_off", "failover_overhead_pct",
+         "target_failover_overhead_le_2pct", "failover_s", "capacity_restored_s", "full_strength_s",
+         "cold_start_s", "kills", "worker_recovery_speedup", "target_worker_recovery_speedup_ge_50",
+         "bench_wall_s"]
+    ), done.stdout  # fmt: skip
+    assert figures["kills"] == "3"
+    assert done.stderr.count("[bench] kill ") == 3
+    for timed in ("failover_s", "capacity_restored_s", "full_strength_s", "cold_start_s", "bench_wall_s"):
         assert float(figures[timed]) >= 0, timed
+    for rate in ("stream_tokens_per_s_failover_on", "stream_tokens_per_s_failover_off"):
+        assert float(figures[rate]) > 0, rate
+    assert figures["target_failover_overhead_le_2pct"] in ("pass", "fail")
+    assert figures["target_worker_recovery_speedup_ge_50"] in ("pass", "fail")
 
 
 def test_the_weight_owner_figures_warm_and_prefill_the_workers_with_the_key(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    opts = argparse.Namespace(workers=1, shadows=1, kill_after=5, kv_contexts=[16, 32])
+    opts = argparse.Namespace(workers=1, shadows=1, kill_after=5, reply_tokens=60, kv_contexts=[16, 32])
     key = WorkerKey()
     extra = ["--workers", "1", "--shadows", "1", "--worker-kind", "fake", "--no-worker-wait", "600"]
     services: list[Service] = []
