@@ -162,8 +162,9 @@ class Router:
 
     async def _isolated(self, wait: float, exclude: frozenset[str], version: str | None) -> PoolMember:
         """A worker held for one request alone (module docstring), the first of: an idle routable worker
-        (while another stays for everyone else), a shadow, or the least-loaded routable worker once the
-        requests already on it have ended (reserved meanwhile). Raises `EngineUnavailable` when none is
+        (while another stays for everyone else), a shadow, the last routable worker when it is idle, or
+        the least-loaded routable worker once the requests already on it have ended (reserved meanwhile;
+        never the last one: its new requests would wait for all of them). Raises `EngineUnavailable` when none is
         free within `wait` seconds: the request never runs beside others."""
         deadline = time.monotonic() + wait
         reserved: PoolMember | None = None
@@ -205,11 +206,14 @@ class Router:
         idle = [m for m in free if m.outstanding == 0 and m.name not in exclude]
         if idle and len(free) >= 2:
             return idle[0]
-        return next(
+        shadow = next(
             (m for m in self.roster.members if m.state == SHADOW and not m.isolating and m.name not in exclude
              and self.versions.current(m) and m.outstanding == 0),
             None,
         )  # fmt: skip
+        # the last routable worker, when it is idle and no shadow stands by: held only until the suspect's
+        # first token (`share`), where waiting for another would starve the suspect of a one-worker pool
+        return shadow or (idle[0] if idle else None)
 
     def _reserve(self, exclude: frozenset[str], version: str | None) -> PoolMember | None:
         """The least-loaded routable worker, taken out of routing until it empties (never the last)."""

@@ -13,9 +13,10 @@ dies (`judge`), from what the death looked like to it:
   before it).
 - **suspect**: implicated at this death, or in flight at two deaths or more. A suspect resumes *in
   isolation* (`Router.lease(exclusive=...)`): on a worker that holds nothing else and takes nothing else
-  while it runs: an idle worker (never the pool's last routable one), a shadow, or a worker emptied for it.
-  It never runs beside other requests: with no worker of its own within ``isolate_wait_s`` it is answered
-  503. The others on the dead worker (*bystanders*) resume at once, as any failover: innocent turns never
+  until the suspect's first token (a query of death strikes before it): an idle worker while another
+  stays routable, a shadow, the last routable worker if it is idle, or a worker emptied for it (never the
+  last one). It never starts beside other requests: with no worker of its own within ``isolate_wait_s``
+  it is answered 503. The others on the dead worker (*bystanders*) resume at once, as any failover: innocent turns never
   wait behind a suspect.
 - **convicted**: implicated at two deaths, the last of them alone on its worker (so nothing else can
   have done it); or alone at a death after ``max_deaths`` deaths in all (a poison that crashes after its

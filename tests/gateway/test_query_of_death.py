@@ -200,6 +200,33 @@ async def test_a_suspect_holds_its_worker_alone_only_until_its_first_token(rig: 
     assert turn["output_ids"] == rig.engine.greedy(turn["prompt_ids"], 40)
 
 
+async def test_a_one_worker_pool_serves_its_suspect_on_its_only_worker(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """With one worker and no shadow, a suspect resumes on that worker once it is idle (held until its
+    first token) rather than waiting out --quarantine-isolate-wait for a second worker that never comes."""
+    engine = FakeEngine(step=step, max_model_len=4096)
+    faults = FaultInjector(httpx.ASGITransport(engine.app()))
+    faults.faults["e0"] = [Fault("drop_after", 0)]
+    quarantine = QuarantineConfig(isolate_wait_s=20.0)  # the test fails (503) if the suspect waits it out
+    config = GatewayConfig(
+        model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"),
+        failover=FailoverConfig(stall_timeout=2.0, no_worker_wait=30.0, max_failovers=4, quarantine=quarantine),
+    )  # fmt: skip
+    probes = {"probe_interval": 0.05, "probe_timeout": 0.5}
+    async with asgi_gateway(config, faults, hosts=["http://e0"], pool_options=probes) as (app, client):
+        rig = Rig(app, client, engine, faults)
+        sid = await rig.session()
+        r = await rig.chat(sid, "hello")
+        assert r.status_code == 200 and stream_errors(r) == []
+        traj = await rig.trajectory(sid)
+        [turn] = traj["turns"]
+        assert turn["output_ids"] == engine.greedy(turn["prompt_ids"], 12)
+        [fo] = events(traj, "failover")
+        assert (fo["from_worker"], fo["to_worker"], fo["token_index"]) == ("remote-0", "remote-0", 0)
+        assert not rig.gw.pool.members[0].isolating
+
+
 async def test_the_quarantine_off_lets_it_walk_through_the_pool(rig: Rig) -> None:
     """The baseline: without the quarantine, the poison is resubmitted until no worker is left."""
     rig.gw.runner.failover.quarantine.config = QuarantineConfig(enabled=False)
