@@ -53,15 +53,20 @@ def turn_of(http: httpx.Client, max_tokens: int) -> dict[str, Any]:
     return dict(turn)
 
 
-def cut_turn(http: httpx.Client, new_weights: Path, n: int, cut_after: int) -> dict[str, Any]:
-    """Stream a greedy turn of `n` tokens; after `cut_after` chunks, update to `new_weights` (version
-    ``base-again``, no drain) from another thread; the turn as recorded."""
-    sid = http.post("/api/sessions", json={}).json()["id"]
-    body = {"model": "policy", "messages": MESSAGES, "temperature": 0, "max_tokens": n, "stream": True}
+def cut_turn(
+    http: httpx.Client, new_weights: Path, n: int, cut_after: int, version: str = "base-again",
+    session: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Stream a turn of `n` tokens (greedy, or `sampling`) in a new session (`session`: its body); after
+    `cut_after` chunks, update to `new_weights` (`version`, no drain) from another thread; the turn as
+    recorded."""
+    sid = http.post("/api/sessions", json=session or {}).json()["id"]
+    body = {"model": "policy", "messages": MESSAGES, "temperature": 0, "max_tokens": n, "stream": True,
+            **(sampling or {})}  # fmt: skip
     update: dict[str, Any] = {}
 
     def post_update() -> None:
-        r = http.post("/api/weights", json={"version": "base-again", "path": str(new_weights), "drain_s": 0},
+        r = http.post("/api/weights", json={"version": version, "path": str(new_weights), "drain_s": 0},
                       headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
         update.update(status=r.status_code, body=r.json())
 
@@ -77,6 +82,18 @@ def cut_turn(http: httpx.Client, new_weights: Path, n: int, cut_after: int) -> d
     assert update["status"] == 200 and update["body"]["preempted"] == 1, update
     [turn] = http.get(f"/api/sessions/{sid}/trajectory").json()["turns"]
     assert turn["status"] == "complete"
+    return dict(turn)
+
+
+def cut_turn_reference(
+    http: httpx.Client, session: dict[str, Any], sampling: dict[str, Any], n: int
+) -> dict[str, Any]:
+    """An undisturbed turn of `n` tokens in a new session (`session`: its body)."""
+    sid = http.post("/api/sessions", json=session).json()["id"]
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": n, **sampling}
+    r = http.post(f"/s/{sid}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    [turn] = http.get(f"/api/sessions/{sid}/trajectory").json()["turns"]
     return dict(turn)
 
 
@@ -138,4 +155,24 @@ def test_an_update_moves_a_real_worker_to_the_second_models_greedy_output(
         assert out[:k] == hf_greedy(second, prompt, k, eos)
         assert out[k:] == hf_greedy(tiny_model_dir, prompt + out[:k], len(out) - k, eos)
         assert out[k:] != hf_greedy(second, prompt + out[:k], len(out) - k, eos)  # not the old weights'
+
+        # The same with keyed sampling at temperature 1 (core.keyed): the part before the cut is the
+        # undisturbed turn's (same weights, same seed and turn: same key), and the part after it is the
+        # new weights' draws with the same key from the position the cut left off at.
+        keyed = {"temperature": 1.0, "sampling": "keyed"}
+        whole = cut_turn_reference(http, {"seed": 5}, keyed, 300)
+        cut = cut_turn(http, second, 300, 20, "seed-1-again", {"seed": 5}, keyed)
+        k, out = cut["weight_segments"][0]["end"], cut["output_ids"]
+        assert [s["version"] for s in cut["weight_segments"]] == ["base-again", "seed-1-again"]
+        assert 20 <= k < len(out) <= 300
+        assert cut["response"]["sampling"] == whole["response"]["sampling"]  # the same key
+        assert out[:k] == whole["output_ids"][:k]
+        worker = http.get("/api/engines").json()["data"][0]["url"]
+        xargs = {"belayer_key": cut["response"]["sampling"]["key"], "belayer_position": k}
+        rest = httpx.post(f"{worker}/v1/completions", headers=key.headers, timeout=120, json={
+            "model": "policy", "prompt": prompt + out[:k], "max_tokens": 300 - k, "temperature": 1.0,
+            "return_token_ids": True, "vllm_xargs": xargs,
+        }).json()["choices"][0]["token_ids"]  # fmt: skip
+        assert out[k:] == rest
+        assert out[k:] != whole["output_ids"][k:]  # the new weights' draws, not the old ones'
         assert server.stop(signal.SIGTERM, grace=60) in (0, -signal.SIGTERM)
