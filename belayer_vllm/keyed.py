@@ -18,6 +18,7 @@ Near ties (`core.keyed.NEAR_TIE`) are appended, one JSON line each, to
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -34,6 +35,10 @@ from core.keyed import GOLDEN, KEY_BITS, M1, M2, NEAR_TIE, row_seed
 
 KEY_ARG = "belayer_key"
 POSITION_ARG = "belayer_position"
+TEMPERATURE_ARG, TOP_P_ARG, TOP_K_ARG = "belayer_temperature", "belayer_top_p", "belayer_top_k"
+"""The distribution a keyed request is drawn from. The gateway asks vLLM itself for greedy decoding
+(temperature 0): vLLM's sampler then takes the one choice this processor leaves, without a draw of its
+own; a request without them is drawn at its own temperature, top-p and top-k."""
 TIES_ENV = "BELAYER_NEAR_TIES_DIR"
 
 
@@ -48,20 +53,29 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """`core.keyed.mix64` on int64 tensors: multiplication wraps modulo 2^64, as unsigned arithmetic."""
-    x = (x ^ _shr(x, 30)) * _signed(M1)
-    x = (x ^ _shr(x, 27)) * _signed(M2)
-    return x ^ _shr(x, 31)
+    """`core.keyed.mix64` on int64 tensors, in place: multiplication wraps modulo 2^64, as unsigned
+    arithmetic."""
+    x ^= _shr(x, 30)
+    x *= _signed(M1)
+    x ^= _shr(x, 27)
+    x *= _signed(M2)
+    x ^= _shr(x, 31)
+    return x
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(vocab: int, device: torch.device) -> torch.Tensor:
+    """``(t + 1) * GOLDEN`` for every token id t, modulo 2^64: each token's offset from its row's seed."""
+    return torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(GOLDEN)
 
 
 def gumbel_rows(seeds: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """Float64 Gumbel noise ``[len(seeds), vocab]``, bit for bit `core.keyed`'s ``gumbel(token_bits(seed,
     t))`` but for the last rounding of the logarithms."""
-    steps = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(GOLDEN)
     rows = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64, device=device)[:, None]
-    bits = _mix64(rows + steps)
-    u = (_shr(bits, 11).to(torch.float64) + 0.5) * 2.0**-53
-    return -torch.log(-torch.log(u))
+    bits = _mix64(rows + _steps(vocab, device))
+    u = _shr(bits, 11).to(torch.float64).add_(0.5).mul_(2.0**-53)
+    return u.log_().neg_().log_().neg_()
 
 
 def keep_mask(scores: torch.Tensor, top_p: float, top_k: int | None) -> torch.Tensor | None:
@@ -101,9 +115,10 @@ def _state(params: SamplingParams, _prompt: list[int] | None, output: list[int])
     args = params.extra_args or {}
     if KEY_ARG not in args:
         return None
-    top_k = params.top_k if params.top_k and params.top_k > 0 else None
-    return _Keyed(int(args[KEY_ARG]), int(args.get(POSITION_ARG, 0)), params.temperature, params.top_p,
-                  top_k, output)  # fmt: skip
+    top_k = args.get(TOP_K_ARG, params.top_k)
+    return _Keyed(int(args[KEY_ARG]), int(args.get(POSITION_ARG, 0)),
+                  float(args.get(TEMPERATURE_ARG, params.temperature)), float(args.get(TOP_P_ARG, params.top_p)),
+                  int(top_k) if top_k and top_k > 0 else None, output)  # fmt: skip
 
 
 class KeyedSampler(LogitsProcessor):
@@ -126,6 +141,16 @@ class KeyedSampler(LogitsProcessor):
             raise ValueError(f"{KEY_ARG} must be an integer in [0, 2^{KEY_BITS}), not {key!r}")
         if not isinstance(position, int) or isinstance(position, bool) or position < 0:
             raise ValueError(f"{POSITION_ARG} must be a non-negative integer, not {position!r}")
+        for name, low, high in (
+            (TEMPERATURE_ARG, 0.0, 100.0),
+            (TOP_P_ARG, 1e-9, 1.0),
+            (TOP_K_ARG, -1, 1 << 31),
+        ):
+            value = args.get(name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high
+            ):
+                raise ValueError(f"{name} must be a number in [{low}, {high}], not {value!r}")
 
     def is_argmax_invariant(self) -> bool:
         return False  # it decides the token: vLLM must apply it to greedy requests too
@@ -137,29 +162,33 @@ class KeyedSampler(LogitsProcessor):
         if not self.rows:
             return logits
         indices = sorted(i for i in self.rows if i < logits.shape[0])
-        sampled = [i for i in indices if self.rows[i].temperature >= 1e-5]
-        chosen: dict[int, int] = {}
-        for i in indices:
-            if self.rows[i].temperature < 1e-5:  # greedy: the argmax (lowest id among equals)
-                chosen[i] = int(torch.argmax(logits[i]).item())
+        rows = [self.rows[i] for i in indices]
+        greedy = [r.temperature < 1e-5 for r in rows]
+        chosen = torch.argmax(logits[indices], dim=-1)  # greedy rows: the argmax (lowest id among equals)
+        sampled = [j for j, g in enumerate(greedy) if not g]
         if sampled:
-            positions = [self.rows[i].start + len(self.rows[i].output) for i in sampled]
-            seeds = [row_seed(self.rows[i].key, p) for i, p in zip(sampled, positions, strict=True)]
-            noise = gumbel_rows(seeds, logits.shape[-1], logits.device)
-            for j, i in enumerate(sampled):
-                row = self.rows[i]
-                scores = logits[i].to(torch.float64) / row.temperature + noise[j]
-                mask = keep_mask(logits[i] / row.temperature, row.top_p, row.top_k)
+            idx = [indices[j] for j in sampled]
+            positions = [rows[j].start + len(rows[j].output) for j in sampled]
+            seeds = [row_seed(rows[j].key, p) for j, p in zip(sampled, positions, strict=True)]
+            temps = torch.tensor(
+                [rows[j].temperature for j in sampled], dtype=torch.float64, device=logits.device
+            )
+            scaled = logits[idx].to(torch.float64) / temps[:, None]
+            scores = scaled + gumbel_rows(seeds, logits.shape[-1], logits.device)
+            for k, j in enumerate(sampled):  # top-k / top-p, where asked for
+                mask = keep_mask(scaled[k], rows[j].top_p, rows[j].top_k)
                 if mask is not None:
-                    scores = scores.masked_fill(~mask, float("-inf"))
-                top2 = torch.topk(scores, 2)
-                chosen[i] = int(top2.indices[0].item())
-                gap = float(top2.values[0] - top2.values[1])
+                    scores[k].masked_fill_(~mask, float("-inf"))
+            top2 = torch.topk(scores, 2, dim=-1)
+            chosen[sampled] = top2.indices[:, 0]
+            gaps = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+            for k, gap in enumerate(gaps):
                 if gap < NEAR_TIE:
-                    self._near_tie(row.key, positions[j], gap)
-        for i, token in chosen.items():
-            logits[i].fill_(float("-inf"))
-            logits[i, token] = 0.0
+                    self._near_tie(rows[sampled[k]].key, positions[k], gap)
+        forced = torch.full(
+            (len(indices), logits.shape[-1]), float("-inf"), dtype=logits.dtype, device=logits.device
+        )
+        logits[indices] = forced.scatter_(1, chosen[:, None], 0.0)  # one finite logit: the choice
         return logits
 
     def _near_tie(self, key: int, position: int, gap: float) -> None:

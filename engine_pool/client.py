@@ -92,6 +92,19 @@ class SamplingParams:
     """Keyed sampling: the turn's position of the first token this request generates (a resubmission
     after a failover goes on where the tokens so far end)."""
 
+    def keyed_args(self) -> dict[str, Any]:
+        """Keyed sampling's ``vllm_xargs`` (``belayer_vllm.keyed``): the key, the position, and the
+        distribution to draw from (the engine itself is asked for greedy decoding of the one choice).
+
+        >>> SamplingParams(temperature=0.7, top_k=5, key=9, position=3).keyed_args()
+        {'belayer_key': 9, 'belayer_position': 3, 'belayer_temperature': 0.7, 'belayer_top_p': 1.0, 'belayer_top_k': 5}
+        """
+        args: dict[str, Any] = {"belayer_key": self.key, "belayer_position": self.position,
+                                "belayer_temperature": self.temperature, "belayer_top_p": self.top_p}  # fmt: skip
+        if self.top_k is not None:
+            args["belayer_top_k"] = self.top_k
+        return args
+
     def to_engine(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "max_tokens": self.max_tokens,
@@ -102,8 +115,10 @@ class SamplingParams:
         }
         if self.top_k is not None:
             body["top_k"] = self.top_k
-        if self.key is not None:  # no engine seed: the key decides every draw
-            body["vllm_xargs"] = {"belayer_key": self.key, "belayer_position": self.position}
+        if self.key is not None:  # the worker's keyed sampler draws: its own sampler only takes that choice
+            body["vllm_xargs"] = self.keyed_args()
+            body.update(temperature=0.0, top_p=1.0)  # greedy there: no second draw, no sort
+            body.pop("top_k", None)
         elif self.seed is not None:
             body["seed"] = self.seed
         if self.stop:

@@ -220,8 +220,9 @@ class FakeEngine:
         assert self.policy is not None
         args = body.get("vllm_xargs") or {}
         key, start = args.get("belayer_key"), int(args.get("belayer_position", 0))
-        temperature, top_p = float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0))
-        top_k = body.get("top_k")
+        temperature = float(args.get("belayer_temperature", body.get("temperature", 1.0)))
+        top_p = float(args.get("belayer_top_p", body.get("top_p", 1.0)))
+        top_k = args.get("belayer_top_k", body.get("top_k"))
         context, out = list(prompt), list[int]()
         while len(out) < int(body.get("max_tokens") or 16):
             logits = self.policy(versioned_context(context, self.weight_version))

@@ -55,6 +55,7 @@ from belayer.bench.stand_up import (
 from belayer.testing.services import Service, base_url, progress, running
 from core.errors import BenchError
 from core.keyed import SAMPLING_MODES
+from engine_pool.client import SamplingParams
 from engine_pool.fake import POLICY_ENV, TOKEN_DELAY_ENV
 
 
@@ -188,8 +189,8 @@ async def worker_figures(url: str, key: WorkerKey, opts: argparse.Namespace) -> 
     async with httpx.AsyncClient(base_url=worker, timeout=900, headers=key.headers, trust_env=False) as http:
 
         async def complete(extra: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-            payload = {"model": "policy", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
-                       "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
+            payload = {"model": "policy", "prompt": prompt, "temperature": 1.0, "ignore_eos": True,
+                       "return_token_ids": True, **extra, "max_tokens": max_tokens}  # fmt: skip
             r = await http.post("/v1/completions", json=payload)
             if r.status_code != 200:
                 raise BenchError(f"the worker answered {r.status_code}: {r.text[:300]}")
@@ -198,8 +199,10 @@ async def worker_figures(url: str, key: WorkerKey, opts: argparse.Namespace) -> 
 
         async def batch(keyed: bool) -> float:
             t0 = time.monotonic()
-            extras = [{"vllm_xargs": {"belayer_key": 77 + j, "belayer_position": 0}} if keyed else {"seed": 77 + j}
-                      for j in range(opts.overhead_batch)]  # fmt: skip
+            extras = [
+                SamplingParams(key=77 + j).to_engine() if keyed else {"seed": 77 + j, "logprobs": 0}
+                for j in range(opts.overhead_batch)
+            ]  # fmt: skip as the gateway sends them
             await asyncio.gather(*(complete(x, opts.overhead_tokens) for x in extras))
             tokens: int = opts.overhead_batch * opts.overhead_tokens
             return (time.monotonic() - t0) * 1000 / tokens
@@ -215,8 +218,8 @@ async def worker_figures(url: str, key: WorkerKey, opts: argparse.Namespace) -> 
 
         async def draw(k: int) -> int:
             async with sem:
-                xargs = {"vllm_xargs": {"belayer_key": k, "belayer_position": 0}, "top_k": 8}
-                return int((await complete(xargs, 1))["token_ids"][0])
+                keyed = SamplingParams(top_k=8, key=k).to_engine()
+                return int((await complete(keyed, 1))["token_ids"][0])
 
         counts = Counter(await asyncio.gather(*(draw(k) for k in range(opts.draws))))
     norm = math.log(sum(math.exp(v) for v in logprobs.values()))

@@ -201,8 +201,11 @@ FIELD_NAMES = [
     "best_of", "mcp_servers", "container", "output_format", "include_usage", "is_error", "signature",
     "parallel_tool_calls", "user", "__proto__", "", "\ud800", "é", "instructions", "previous_response_id",
     "max_output_tokens", "include", "store", "call_id", "arguments", "output", "summary", "background",
-    "reasoning_content", "reasoning", "group", "__belayer_group",
+    "reasoning_content", "reasoning", "group", "__belayer_group", "sampling", "__belayer_seed",
 ]  # fmt: skip
+
+samplings = st.sampled_from(["keyed", "engine", "keyed", "Keyed", "", 1])
+"""A request's sampling (core.keyed): mostly valid, now and then not."""
 
 # Strings that mean something somewhere: a role, a block or tool-choice type, a tool name.
 WORDS = [
@@ -355,6 +358,7 @@ def chat_bodies(draw: st.DrawFn) -> dict[str, Any]:
         "stop": texts | st.lists(words, max_size=2),
         "seed": st.integers(0, 2**31),
         "presence_penalty": st.floats(-2, 2),
+        "sampling": samplings,
         "user": texts,
         "parallel_tool_calls": st.booleans(),
     }
@@ -457,6 +461,7 @@ def messages_bodies(draw: st.DrawFn) -> dict[str, Any]:
         "top_k": st.integers(0, 50),
         "stop_sequences": st.lists(words, max_size=2),
         "metadata": st.fixed_dictionaries({"user_id": texts}),
+        "sampling": samplings,
     }
     for name in draw(st.lists(st.sampled_from(sorted(optional)), max_size=3, unique=True)):
         body[name] = draw(optional[name])
@@ -518,6 +523,7 @@ def responses_bodies(draw: st.DrawFn) -> dict[str, Any]:
         "parallel_tool_calls": st.booleans(),
         "truncation": st.sampled_from(["auto", "disabled"]),
         "metadata": st.fixed_dictionaries({"k": words}),
+        "sampling": samplings,
         "user": texts,
         "previous_response_id": st.sampled_from(["resp_0", "resp_" + "0" * 25]) | texts,
         "text": st.just({"format": {"type": "text"}}),
@@ -533,6 +539,11 @@ def responses_bodies(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
+seeds = st.one_of(
+    st.integers(0, 2**63 - 1),
+    st.sampled_from([0, 2**63 - 1, 2**63, -1, "7", 1.5, True, None, 10**30]),
+)
+"""A session's seed (keyed sampling): mostly valid (0 to 2^63 - 1), now and then just outside."""
 groups = st.one_of(
     st.text(min_size=1, max_size=12),
     st.sampled_from(["", "g" * 199, "g" * 200, "g" * 201, "é" * 200, "🦀" * 200, "__belayer_group"]),
@@ -540,8 +551,9 @@ groups = st.one_of(
 """A session's routing group: mostly valid (1 to 200 characters), now and then just outside."""
 session_bodies = st.fixed_dictionaries(
     {},
-    optional={"metadata": st.dictionaries(st.text(max_size=8), scalars, max_size=3), "group": groups},
-)
+    optional={"metadata": st.dictionaries(st.text(max_size=8), scalars, max_size=3), "group": groups,
+              "seed": seeds},
+)  # fmt: skip
 reward_bodies = st.fixed_dictionaries(
     {"reward": st.floats(-10, 10)},
     optional={"info": st.dictionaries(st.text(max_size=8), scalars, max_size=2), "override": st.booleans()},

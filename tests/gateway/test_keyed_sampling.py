@@ -94,8 +94,10 @@ async def test_a_sampled_turn_killed_mid_way_yields_the_undisturbed_tokens(rig: 
     # each resubmission carried the key and the position it resumed at, and no engine seed
     submitted = [r for r in rig.engine.requests if r.get("vllm_xargs")][-3:]
     assert [r["vllm_xargs"] for r in submitted] == [
-        {"belayer_key": key, "belayer_position": p} for p in (0, 5, 9)
+        {"belayer_key": key, "belayer_position": p, "belayer_temperature": 1.0, "belayer_top_p": 1.0}
+        for p in (0, 5, 9)
     ]
+    assert {r["temperature"] for r in submitted} == {0.0}  # the engine takes the keyed draw, greedily
     assert [r["max_tokens"] for r in submitted] == [16, 11, 7]
     assert all("seed" not in r for r in submitted)
 
