@@ -6,6 +6,10 @@ mid-run (with ``--sandboxes``, each episode's tool runs in its own Docker sandbo
 containers are killed too), and prints ``name: value`` lines and a PNG plot of the mean reward per step. Exit status 1
 when the run broke one of its promises (`Report.problems`: the reward's rise, no lost episode, every
 token with a weight version, the trainer's recompute matching the recorded logprobs).
+
+With ``--deterministic`` it runs a seeded synchronous schedule twice, undisturbed and with the faults,
+and prints the comparison (`belayer.train.deterministic`); exit status 1 when tokens, rewards, losses or
+weights differ.
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ def run(opts: argparse.Namespace) -> int:
         max_staleness=opts.max_staleness, drain_s=opts.drain_s,
         kill_after_step=None if opts.no_kill else opts.kill_after_step, seed=opts.seed,
         sandboxes=opts.sandboxes, sandbox_kills=0 if opts.no_kill else opts.sandbox_kills,
+        deterministic=opts.deterministic,
     )  # fmt: skip
     progress(f"RL run in {workdir} (store, logs, checkpoints, plot)")
+    if opts.deterministic:
+        return run_deterministic(settings)
     try:
         report = loop.run(settings)
     except KeyboardInterrupt:
@@ -47,6 +54,23 @@ def run(opts: argparse.Namespace) -> int:
         print(f"{name}: {value}")
     print(f"plot: {png}")
     problems = report.problems(opts.min_rise)
+    for p in problems:
+        print(f"problem: {p}")
+    return 1 if problems else 0
+
+
+def run_deterministic(settings: Settings) -> int:
+    """``--deterministic``: the seeded synchronous schedule twice, compared (`belayer.train.deterministic`)."""
+    from belayer.train import deterministic
+
+    try:
+        comparison = deterministic.run(settings)
+    except KeyboardInterrupt:
+        print("interrupted: the gateway and its workers were stopped")
+        return 130
+    for name, value in comparison.lines():
+        print(f"{name}: {value}")
+    problems = comparison.problems()
     for p in problems:
         print(f"problem: {p}")
     return 1 if problems else 0
@@ -83,3 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--min-rise", type=float, default=0.3, help="the rise of the mean reward the run must show"
     )
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--deterministic", action="store_true",
+                   help="a synchronous schedule of seeded episodes with keyed sampling, run twice (undisturbed, "
+                        "then with the kills and an update that cuts turns) and compared: tokens, rewards, "
+                        "losses and weights must be identical")  # fmt: skip

@@ -144,8 +144,9 @@ class AsyncBelayer:
         metadata: Mapping[str, Any] | None = None,
         sandbox: Mapping[str, Any] | None = None,
         group: str | None = None,
+        seed: int | None = None,
     ) -> _SessionStart:
-        return _SessionStart(self, wire.create_session_request(metadata, sandbox, group))
+        return _SessionStart(self, wire.create_session_request(metadata, sandbox, group, seed))
 
     async def get_session(self, session_id: str) -> AsyncSession:
         return AsyncSession(self, await self._call(wire.session_request(session_id)))

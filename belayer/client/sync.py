@@ -129,10 +129,11 @@ class Belayer:
         metadata: Mapping[str, Any] | None = None,
         sandbox: Mapping[str, Any] | None = None,
         group: str | None = None,
+        seed: int | None = None,
     ) -> Session:
-        """Create a session (with a sandbox, given its spec; in a routing `group`, given one); use it as
-        ``with gw.session() as s:``."""
-        return Session(self, self._call(wire.create_session_request(metadata, sandbox, group)))
+        """Create a session (with a sandbox, given its spec; in a routing `group`, given one; with the
+        `seed` its keyed sampling derives from, given one); use it as ``with gw.session() as s:``."""
+        return Session(self, self._call(wire.create_session_request(metadata, sandbox, group, seed)))
 
     def get_session(self, session_id: str) -> Session:
         return Session(self, self._call(wire.session_request(session_id)))

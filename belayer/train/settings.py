@@ -38,3 +38,7 @@ class Settings:  # no slots: the CLI reads the defaults off the class
     warm_up_correct: float = 0.2
     seed: int = 0
     start_timeout: float = 900.0
+    deterministic: bool = False
+    """The deterministic mode (`belayer.train.deterministic`): a synchronous schedule, seeded episodes with
+    keyed sampling, the trainer's own logprobs in the ratio; run twice, undisturbed and with the faults,
+    and compared."""

@@ -156,6 +156,24 @@ async def test_both_clients_name_a_sessions_routing_group(config: GatewayConfig)
         assert await in_thread(sync_side) == ("task-4", "task-4", None)
 
 
+async def test_both_clients_give_a_session_the_seed_its_keyed_sampling_derives_from(
+    config: GatewayConfig,
+) -> None:
+    async with served(config) as url, AsyncBelayer(url, token=TOKEN) as gw:
+        async with gw.session(seed=2**63 - 1) as s:
+            assert s.summary["seed"] == 2**63 - 1 == (await gw.get_session(s.id)).summary["seed"]
+        assert (await gw.session()).summary["seed"] is None
+        with pytest.raises(ClientError) as bad:
+            await gw.session(seed=2**63)
+        assert (bad.value.status, bad.value.param) == (400, "seed")
+
+        def sync_side() -> int | None:
+            with Belayer(url, token=TOKEN) as sync, sync.session(seed=7) as t:
+                return sync.get_session(t.id).summary["seed"]  # type: ignore[no-any-return]
+
+        assert await in_thread(sync_side) == 7
+
+
 async def test_listings_take_times_as_datetimes_or_unix_seconds_and_list_oldest_first(
     config: GatewayConfig,
 ) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from belayer.client import Finished
 from belayer.train import grpo, task
-from belayer.train.loop import Report, account
+from belayer.train.deterministic import Run, compare
+from belayer.train.loop import Report, Trainer, account
+from belayer.train.settings import Settings
 
 ROW = {
     "prompt_ids": [1, 2, 3],
@@ -97,3 +101,58 @@ def test_response_slice_aligns_the_sequence_logprobs_with_the_response():
     lp = torch.arange(8.0)[None, :]  # sequence of 9 tokens: position j scores token j + 1
     row = {"prompt_ids": [0, 0, 0], "response_ids": [0] * 6}
     assert grpo.response_slice(lp, row, 0).tolist() == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+
+
+def _finished(reward: float, logprobs: list[float], version: str = "v0") -> Finished:
+    row = {**ROW, "response_logprobs": logprobs, "branch": 0,
+           "weight_segments": [{"start": 0, "end": 3, "version": version}, {"start": 4, "end": 6, "version": version}]}  # fmt: skip
+    return Finished("c", {"id": "s", "reward": reward}, [row])
+
+
+def test_the_deterministic_trainer_ignores_the_recorded_logprobs_and_takes_an_alias_for_its_version(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Its ratio's "old" logprobs are its own: rows that differ only in their recorded logprobs give the
+    same loss and the same weights; tokens of an alias of the served version have lag 0 and count."""
+    states, losses = [], []
+    shifted = [x - 0.001 for x in ROW["response_logprobs"]]
+    for deterministic, logprobs in [(True, ROW["response_logprobs"]), (True, shifted), (False, shifted)]:
+        settings = Settings(model_dir=str(tiny_model_dir), workdir=tmp_path, deterministic=deterministic)
+        trainer = Trainer(settings, tiny_model_dir, "v0")
+        trainer.alias("v0.recut")
+        report = Report()
+        trainer.step([[_finished(1.0, logprobs), _finished(0.0, logprobs, "v0.recut")]], report)
+        states.append(trainer.model.state_dict())
+        losses.append(trainer.losses)
+        assert report.max_version_lag == 0 and report.tokens_without_version == 0
+    assert losses[0] == losses[1] and len(losses[0]) == 1
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert not all(torch.equal(states[1][k], states[2][k]) for k in states[0])  # the recorded ones move it
+
+
+def _run(name: str, response_ids: list[int], logprob: float, reward: float) -> Run:
+    row = {**ROW, "response_ids": response_ids, "response_logprobs": [logprob] * 6, "branch": 0}
+    run = Run(name, losses=[0.5], state={"w": torch.ones(2)})
+    run.episodes[(1, 0, 0)] = Finished("c", {"id": name, "reward": reward}, [row])
+    return run
+
+
+def test_the_comparison_of_two_runs_names_what_differs() -> None:
+    settings = Settings(model_dir="m", workdir=Path("w"), kill_after_step=None)
+    same = compare(
+        _run("a", [10, 11, 12, 13, 14, 15], -1.0, 1.0),
+        _run("b", [10, 11, 12, 13, 14, 15], -1.0 + 2**-20, 1.0),
+        settings,
+    )
+    assert same.trajectories_identical and same.rewards_identical and same.weights_identical
+    assert same.tokens_compared == 5 and same.recorded_logprob_max_abs_diff == 2**-20
+    assert same.loss_max_abs_diff == 0.0 and same.problems() == []
+    other = compare(
+        _run("a", [10, 11, 12, 13, 14, 15], -1.0, 1.0),
+        _run("b", [10, 11, 99, 13, 14, 15], -1.0, 0.5),
+        settings,
+    )
+    assert not other.trajectories_identical and not other.rewards_identical
+    assert other.problems() == ["the trajectories differ: [\"(1, 0, 0): branch 0's token ids differ\"]",
+                                "the rewards differ"]  # fmt: skip
+    assert dict(other.lines())["trajectories_identical"] == "false"
