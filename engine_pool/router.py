@@ -255,8 +255,8 @@ class Router:
             if alone:
                 member.isolating = False
                 self.roster.wake()  # everyone else may use it again
-            elif member.isolating:
-                self.roster.wake()  # a reserved worker empties as its requests end: its suspect waits for that
+            elif member.isolating or not member.outstanding:
+                self.roster.wake()  # a suspect waits for a worker to empty (a reserved one, or the last one)
             if (member.state == DRAINING and not member.outstanding) or self.versions.updating:
                 self.roster.wake()  # a removal, or a weight update's drain, waits for this
 

@@ -179,25 +179,30 @@ async def test_a_suspect_that_was_only_unlucky_completes_alone(rig: Rig) -> None
     assert not any(m.isolating for m in rig.gw.pool.members)  # the worker it held is everyone's again
 
 
-async def test_a_suspect_holds_its_worker_alone_only_until_its_first_token(rig: Rig) -> None:
+async def test_a_suspect_holds_its_worker_alone_only_until_its_first_token(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A query of death kills its worker before its first token: once the suspect has one on the worker
-    it holds, the worker takes other requests again (a kill's survivors are not serialized)."""
+    it holds, the worker is shared again, while the suspect still streams (a kill's survivors are not
+    serialized). (The fake engine's transport delivers a stream at once: the hand-back is observed.)"""
     rig.faults.faults["e0"] = [Fault("drop_after", 0)]
-    rig.engine.token_delay = 0.05
+    pool, shared = rig.gw.pool, list[tuple[str, bool, int]]()
+    share = type(pool).share
+
+    def spy(self: Any, member: Any) -> None:
+        shared.append((member.name, member.isolating, member.outstanding))
+        share(self, member)
+        assert not member.isolating
+
+    monkeypatch.setattr(type(pool), "share", spy)
     sid = await rig.session()
-    task = asyncio.create_task(rig.chat(sid, "hello", max_tokens=40))
-    [worker] = [m for m in rig.gw.pool.members if m.name == "remote-1"]
-    while worker.outstanding == 0 and not task.done():  # the suspect is on its worker of its own
-        await asyncio.sleep(0.01)
-    while worker.isolating and not task.done():  # ... until its first token
-        await asyncio.sleep(0.01)
-    assert not task.done() and worker.outstanding == 1 and not worker.isolating
-    other = await rig.chat(await rig.session(), "hi", max_tokens=4)  # served beside it
-    assert other.status_code == 200
-    r = await task
+    r = await rig.chat(sid, "hello", max_tokens=40)
     assert r.status_code == 200 and stream_errors(r) == []
     [turn] = (await rig.trajectory(sid))["turns"]
     assert turn["output_ids"] == rig.engine.greedy(turn["prompt_ids"], 40)
+    [fo] = events(await rig.trajectory(sid), "failover")
+    assert shared == [(fo["to_worker"], True, 1)]  # once, at its first token, while it held the worker
+    assert not any(m.isolating for m in pool.members)
 
 
 async def test_a_one_worker_pool_serves_its_suspect_on_its_only_worker(
@@ -225,6 +230,33 @@ async def test_a_one_worker_pool_serves_its_suspect_on_its_only_worker(
         [fo] = events(traj, "failover")
         assert (fo["from_worker"], fo["to_worker"], fo["token_index"]) == ("remote-0", "remote-0", 0)
         assert not rig.gw.pool.members[0].isolating
+
+
+async def test_a_suspect_waiting_for_the_last_worker_runs_when_that_worker_empties(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """One worker, busy with another turn when a suspect needs it alone: the suspect starts when that
+    turn ends (its end wakes the waiters), not when --quarantine-isolate-wait runs out."""
+    engine = FakeEngine(step=step, max_model_len=4096, token_delay=0.02)
+    faults = FaultInjector(httpx.ASGITransport(engine.app()))
+    quarantine = QuarantineConfig(isolate_wait_s=20.0)  # the test fails (503) if the suspect waits it out
+    config = GatewayConfig(
+        model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"),
+        failover=FailoverConfig(stall_timeout=2.0, no_worker_wait=30.0, max_failovers=4, quarantine=quarantine),
+    )  # fmt: skip
+    probes = {"probe_interval": 0.05, "probe_timeout": 0.5}
+    async with asgi_gateway(config, faults, hosts=["http://e0"], pool_options=probes) as (app, client):
+        rig = Rig(app, client, engine, faults)
+        busy = asyncio.create_task(rig.chat(await rig.session(), "a long one", max_tokens=60))
+        [worker] = rig.gw.pool.members
+        while worker.outstanding == 0:
+            await asyncio.sleep(0.01)
+        faults.faults["e0"] = [Fault("drop_after", 0)]  # the next request's worker "dies" before its token
+        r = await rig.chat(await rig.session(), "hello")
+        assert r.status_code == 200 and stream_errors(r) == [], (
+            r.text
+        )  # a 503 after 20 s had it waited it out
+        assert (await busy).status_code == 200
 
 
 async def test_the_quarantine_off_lets_it_walk_through_the_pool(rig: Rig) -> None:
