@@ -71,11 +71,37 @@ def _steps(vocab: int, device: torch.device) -> torch.Tensor:
 
 def gumbel_rows(seeds: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """Float64 Gumbel noise ``[len(seeds), vocab]``, bit for bit `core.keyed`'s ``gumbel(token_bits(seed,
-    t))`` but for the last rounding of the logarithms."""
+    t))`` but for the last rounding of the logarithms. On the CPU in NumPy (single-threaded: torch's
+    small ops there pay the engine's OpenMP threads a visit each), elsewhere in torch on the device."""
+    if device.type == "cpu":
+        return torch.from_numpy(_gumbel_numpy(seeds, vocab))
     rows = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64, device=device)[:, None]
     bits = _mix64(rows + _steps(vocab, device))
     u = _shr(bits, 11).to(torch.float64).add_(0.5).mul_(2.0**-53)
     return u.log_().neg_().log_().neg_()
+
+
+@functools.lru_cache(maxsize=8)
+def _steps_numpy(vocab: int) -> Any:
+    import numpy as np
+
+    return np.arange(1, vocab + 1, dtype=np.uint64) * np.uint64(GOLDEN)
+
+
+def _gumbel_numpy(seeds: list[int], vocab: int) -> Any:
+    import numpy as np
+
+    x = np.array(seeds, dtype=np.uint64)[:, None] + _steps_numpy(vocab)  # uint64 arithmetic wraps
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(M1)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(M2)
+    x ^= x >> np.uint64(31)
+    u = ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    np.log(u, out=u)
+    return np.negative(u, out=u)
 
 
 def keep_mask(scores: torch.Tensor, top_p: float, top_k: int | None) -> torch.Tensor | None:

@@ -207,11 +207,12 @@ async def worker_figures(url: str, key: WorkerKey, opts: argparse.Namespace) -> 
             tokens: int = opts.overhead_batch * opts.overhead_tokens
             return (time.monotonic() - t0) * 1000 / tokens
 
-        await batch(True)  # warm-up
+        await batch(True)  # warm-ups
+        await batch(False)
         keyed_ms, engine_ms = [], []
-        for _ in range(opts.overhead_repeats):  # interleaved: the machine's noise falls on both
-            keyed_ms.append(await batch(True))
-            engine_ms.append(await batch(False))
+        for r in range(opts.overhead_repeats):  # interleaved, each first in turn: noise falls on both
+            for keyed in (True, False) if r % 2 == 0 else (False, True):
+                (keyed_ms if keyed else engine_ms).append(await batch(keyed))
         top = (await complete({"top_k": 8, "logprobs": 8, "return_tokens_as_token_ids": True}, 1))["logprobs"]
         logprobs = {int(t.removeprefix("token_id:")): v for t, v in top["top_logprobs"][0].items()}
         sem = asyncio.Semaphore(32)
@@ -287,7 +288,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--overhead-batch", type=int, default=8, help="vLLM: concurrent requests per timing batch")
     p.add_argument("--overhead-tokens", type=int, default=64, help="vLLM: tokens per timed request")
     p.add_argument(
-        "--overhead-repeats", type=int, default=5, help="vLLM: timing batches per sampler (median)"
+        "--overhead-repeats", type=int, default=9, help="vLLM: timing batches per sampler (median)"
     )
     p.add_argument("--seed", type=int, default=7, help="which worker each round kills")
     p.add_argument("--dir", help="where the store and logs go (default: a temporary directory)")

@@ -109,9 +109,9 @@ def chi_square_p(observed: list[int], expected: list[float]) -> float:
 
 
 async def test_keyed_samples_follow_the_policys_distribution(worker: str) -> None:
-    """600 first tokens under 600 keys, at temperature 1 with top-k 8: their frequencies against the
+    """400 first tokens under 400 keys, at temperature 1 with top-k 8: their frequencies against the
     policy's probabilities (the worker's top-8 logprobs, renormalized), by Pearson's chi-square."""
-    draws = 600
+    draws = 400
     ref = await complete(
         worker, PROMPT, SamplingParams(max_tokens=1, temperature=1.0, top_k=8, top_logprobs=8)
     )
