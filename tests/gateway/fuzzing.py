@@ -986,7 +986,11 @@ def check_answer(
     """What every answer must be: under 500 (or one of `allow_5xx`), JSON (or SSE), errors in the
     route's protocol shape. Returns the JSON body (a list of events for a stream; None when empty)."""
     # with failing engines, a request convicted of killing them is documented too (gateway.turns.quarantine)
-    killed = bool(allow_5xx) and r.status_code == 500 and b'"code":"request_killed_workers"' in r.content
+    # (OpenAI's shape names the code; Anthropic's has none: its message and the no-retry header say it)
+    convicted = b'"code":"request_killed_workers"' in r.content or (
+        r.headers.get("x-should-retry") == "false" and b"query of death" in r.content
+    )
+    killed = bool(allow_5xx) and r.status_code == 500 and convicted
     assert r.status_code < 500 or r.status_code in allow_5xx or killed, (
         f"{where}: {r.status_code}: {r.text[:2000]}"
     )

@@ -94,10 +94,11 @@ class ListenerFuzz(FuzzGateway):
         """The sandbox the request comes from: mostly the one of the session in its path, now and then
         another's or none; and the session it is."""
         pick = sent.plan.session if isinstance(sent.plan.session, int) else len(sent.plan.session)
-        own = self.boxes.get(sent.sid)
+        live = {sid: box for sid, box in self.boxes.items() if sid not in self.closed}  # a retired
+        own = live.get(sent.sid)  # session's sandbox is gone with it: its address is nobody's
         if own is not None and pick % 5 != 4:
             return own, sent.sid
-        others = [(box, sid) for sid, box in self.boxes.items() if sid != sent.sid]
+        others = [(box, sid) for sid, box in live.items() if sid != sent.sid]
         return others[pick % len(others)] if others and pick % 2 == 0 else (NOBODY, None)
 
     async def exchange(self, sent: Sent) -> httpx.Response | None:
