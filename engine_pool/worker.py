@@ -34,8 +34,10 @@ from engine_pool.launch import COMMON_ENV, PROFILE_ENV, Profile, profile_args
 GUARD = "core.worker_auth.RequireApiKey"
 """The ASGI middleware a launched vLLM worker with a key runs (vLLM's ``--middleware``)."""
 KEYED_SAMPLER = "belayer_vllm.keyed:KeyedSampler"
-"""The logits processor every launched vLLM worker loads (``--logits-processors``): it draws the requests
-that ask for keyed sampling (``core.keyed``) and leaves the others to vLLM's sampler."""
+"""The logits processor a launched vLLM worker loads (``--logits-processors``) on a gateway started with
+``--sampling keyed``: it draws the requests that ask for keyed sampling (``core.keyed``). Only then: a
+custom logits processor changes how vLLM 0.32 samples the other requests (the RL demo's async run stopped
+learning with it loaded), so a gateway that samples with the engine's sampler does not load it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +48,7 @@ class WorkerSpec:
     >>> spec = WorkerSpec(model="/m", port=8100, profile="gpu", devices=(2, 3), tensor_parallel_size=2)
     >>> spec.argv()[1:]  # doctest: +NORMALIZE_WHITESPACE
     ['-m', 'vllm.entrypoints.openai.api_server', '--model', '/m', '--served-model-name', 'policy',
-     '--host', '127.0.0.1', '--port', '8100', '--logits-processors', 'belayer_vllm.keyed:KeyedSampler',
-     '--tensor-parallel-size', '2', '--seed', '0']
+     '--host', '127.0.0.1', '--port', '8100', '--tensor-parallel-size', '2', '--seed', '0']
     >>> spec.env()["CUDA_VISIBLE_DEVICES"]
     '2,3'
     """
@@ -70,6 +71,8 @@ class WorkerSpec:
     devices: tuple[int, ...] | None = None
     """The devices this worker sees (``CUDA_VISIBLE_DEVICES``); None: whatever the gateway sees."""
     tensor_parallel_size: int = 1
+    keyed_sampler: bool = False
+    """Load `KEYED_SAMPLER` (a gateway with ``--sampling keyed``)."""
     api_key: str | None = field(default=None, repr=False)
     """The key the worker asks of every caller (`core.worker_auth`), in its environment: never in its
     command line, which ``ps`` shows to every local user; the gateway sends it."""
@@ -86,7 +89,7 @@ class WorkerSpec:
             "--model", self.model, "--served-model-name", self.served_name,
             "--host", self.host, "--port", str(self.port), *context,
             *(["--middleware", GUARD] if self.api_key else []),  # every path, not only vLLM's /v1
-            "--logits-processors", KEYED_SAMPLER,
+            *(["--logits-processors", KEYED_SAMPLER] if self.keyed_sampler else []),
             "--tensor-parallel-size", str(self.tensor_parallel_size),
             # no --disable-log-stats: it empties /metrics
             *profile_args(self.profile, self.seed, self.extra_args), *self.extra_args,

@@ -90,6 +90,7 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
             model=config.model, port=free_port(), max_model_len=max_model_len, kind=config.worker_kind,
             profile=launch.profile, tensor_parallel_size=launch.tensor_parallel_size,
             extra_args=() if fake else (*launch.vllm_args, *owner_args), api_key=worker_key,
+            keyed_sampler=config.sampling == "keyed",
             extra_env={TIES_ENV: str(Path(config.log_dir).resolve())},  # keyed sampling's near ties
         )  # fmt: skip
 

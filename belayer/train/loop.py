@@ -299,6 +299,7 @@ def gateway(settings: Settings, start_dir: Path, weights_root: Path, tokens: Tok
     argv += ["--store", str(settings.workdir / "rl.db"), "--log-dir", str(settings.workdir)]
     argv += ["--workers", str(settings.workers), "--shadows", str(settings.shadows)]
     argv += ["--weights-root", str(weights_root), "--log-level", "WARNING"]
+    argv += ["--sampling", "keyed"] if settings.deterministic else []  # its workers load the keyed sampler
     if settings.sandboxes:
         argv += ["--sandboxes", "--checkpoint-dir", str(settings.workdir / "checkpoints")]
     env: dict[str, str | None] = {"BELAYER_API_TOKEN": tokens.api, "BELAYER_ADMIN_TOKEN": tokens.admin}

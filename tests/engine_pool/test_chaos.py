@@ -32,7 +32,7 @@ MAX_TOKENS = 160
 def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("chaos")
     args = ["serve", "--model", str(tiny_model_dir), "--workers", "2", "--shadows", "1",
-            "--stall-timeout", "3", "--no-worker-wait", "240",
+            "--stall-timeout", "3", "--no-worker-wait", "240", "--sampling", "keyed",
             "--store", str(tmp / "t.db"), "--log-dir", str(tmp / "logs")]  # fmt: skip
     with belayer_server(args, tmp / "gateway.log", timeout=400.0) as gw:
         yield gw.url

@@ -32,7 +32,7 @@ KEY = 0x5EED_1234_ABCD
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("keyed")
-    spec = WorkerSpec(str(tiny_model_dir), free_port(), max_model_len=1024)
+    spec = WorkerSpec(str(tiny_model_dir), free_port(), max_model_len=1024, keyed_sampler=True)
     w = VllmWorker(spec, tmp, "keyed")
     w.launch()
     try:

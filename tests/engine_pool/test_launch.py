@@ -39,7 +39,12 @@ GPU_ENV = {
 
 
 KEYED = ["--logits-processors", "belayer_vllm.keyed:KeyedSampler"]
-"""Every launched vLLM worker's keyed sampler (core.keyed)."""
+"""A launched vLLM worker's keyed sampler (core.keyed), with --sampling keyed only."""
+
+
+def test_the_keyed_sampler_is_loaded_with_keyed_sampling_only() -> None:
+    assert KEYED[1] in WorkerSpec(model="/m", port=8100, keyed_sampler=True).argv()
+    assert "--logits-processors" not in WorkerSpec(model="/m", port=8100).argv()
 
 
 def served(port: int, model: str = "/m") -> list[str]:
@@ -62,14 +67,14 @@ def served(port: int, model: str = "/m") -> list[str]:
 def test_cpu_profile_is_todays_vllm_cpu_settings() -> None:
     spec = WorkerSpec(model="/m", port=8100)
     assert spec.argv() == [
-        *served(8100), *KEYED, "--tensor-parallel-size", "1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
+        *served(8100), "--tensor-parallel-size", "1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
     ]  # fmt: skip
     assert spec.env() == CPU_ENV
 
 
 def test_gpu_profile_forces_nothing_and_sees_its_devices() -> None:
     spec = WorkerSpec(model="/m", port=8100, profile="gpu", devices=(2, 3), tensor_parallel_size=2)
-    assert spec.argv() == [*served(8100), *KEYED, "--tensor-parallel-size", "2", "--seed", "0"]
+    assert spec.argv() == [*served(8100), "--tensor-parallel-size", "2", "--seed", "0"]
     assert spec.env() == {**GPU_ENV, "CUDA_VISIBLE_DEVICES": "2,3"}
     assert "CUDA_VISIBLE_DEVICES" not in WorkerSpec(model="/m", port=1, profile="gpu").env()
 
@@ -77,7 +82,7 @@ def test_gpu_profile_forces_nothing_and_sees_its_devices() -> None:
 def test_vllm_args_come_last_and_replace_the_profiles_own() -> None:
     args = ("--dtype=bfloat16", "--no-enforce-eager", "--seed", "7", "--max-num-seqs=8")
     spec = WorkerSpec(model="/m", port=8100, extra_args=args, max_model_len=4096)
-    assert spec.argv() == [*served(8100), "--max-model-len", "4096", *KEYED, "--tensor-parallel-size", "1", *args]
+    assert spec.argv() == [*served(8100), "--max-model-len", "4096", "--tensor-parallel-size", "1", *args]
     spec = WorkerSpec(model="/m", port=8100, extra_args=("--max_num_seqs", "8"))  # vLLM's underscores
     assert spec.argv()[-7:] == ["--dtype", "float32", "--enforce-eager", "--seed", "0", "--max_num_seqs", "8"]
 
@@ -130,12 +135,17 @@ def test_gpus_are_split_into_a_group_per_worker_and_shadow(tiny_model_dir: Path)
         assert member.process is not None
         spec = member.process.spec
         assert spec.argv() == [
-            *served(spec.port, model), "--middleware", "core.worker_auth.RequireApiKey", *KEYED,
+            *served(spec.port, model), "--middleware", "core.worker_auth.RequireApiKey",
             "--tensor-parallel-size", "2", "--seed", "0", "--max-num-seqs=8", "--gpu-memory-utilization", "0.85",
         ]  # fmt: skip
         assert spec.api_key is not None and len(spec.api_key) == 43  # the gateway's, 256 random bits
         ties = {"BELAYER_NEAR_TIES_DIR": str(Path(config.log_dir).resolve())}  # keyed sampling's near ties
-        assert spec.env() == {**GPU_ENV, "CUDA_VISIBLE_DEVICES": devices, "VLLM_API_KEY": spec.api_key, **ties}
+        assert spec.env() == {
+            **GPU_ENV,
+            "CUDA_VISIBLE_DEVICES": devices,
+            "VLLM_API_KEY": spec.api_key,
+            **ties,
+        }
 
 
 def test_launch_settings_from_a_config_file_and_the_environment(

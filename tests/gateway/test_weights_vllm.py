@@ -104,7 +104,7 @@ def test_an_update_moves_a_real_worker_to_the_second_models_greedy_output(
     build_tiny(second, seed=1)
     args = [
         "serve", "--model", str(tiny_model_dir), "--store", str(tmp_path / "t.db"), "--log-dir",
-        str(tmp_path / "logs"), "--admin-token", ADMIN, "--max-model-len", "2048",
+        str(tmp_path / "logs"), "--admin-token", ADMIN, "--max-model-len", "2048", "--sampling", "keyed",
     ]  # fmt: skip
     key = WorkerKey()  # the test reads the worker's /weight_info itself
     with contextlib.ExitStack() as stack:
