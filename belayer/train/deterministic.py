@@ -360,12 +360,7 @@ async def both_runs(
 ) -> Comparison:
     """The undisturbed run, then the disturbed one, against the gateway at `url`; compared."""
     started = time.monotonic()
-    auth = {"Authorization": f"Bearer {tokens.api}"}
-    async with (
-        AsyncBelayer(url, token=tokens.api, timeout=600.0) as gw,
-        AsyncBelayer(url, token=tokens.admin, timeout=600.0) as admin,
-        httpx.AsyncClient(base_url=url, timeout=30.0, headers=auth) as http,
-    ):
+    async with tokens.clients(url) as (gw, admin, http):
         schedule = Schedule(settings, (gw, admin, http), start_dir, weights_root, sandbox)
         progress("the undisturbed run")
         a = await schedule.run("undisturbed", "", disturbed=False)

@@ -19,6 +19,7 @@ per step. The checks a run must pass (`Report.problems`) are the test's and the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import math
 import os
@@ -28,7 +29,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -291,6 +292,18 @@ class Tokens:
     api: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     admin: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
+    @contextlib.asynccontextmanager
+    async def clients(self, url: str) -> AsyncIterator[tuple[AsyncBelayer, AsyncBelayer, httpx.AsyncClient]]:
+        """The run's clients of the gateway at `url`: the trainer's, the admin's (weight updates), and
+        plain HTTP with the trainer's token (``/api/engines``, ``/metrics``)."""
+        auth = {"Authorization": f"Bearer {self.api}"}
+        async with (
+            AsyncBelayer(url, token=self.api, timeout=600.0) as gw,
+            AsyncBelayer(url, token=self.admin, timeout=600.0) as admin,
+            httpx.AsyncClient(base_url=url, timeout=30.0, headers=auth) as http,
+        ):
+            yield gw, admin, http
+
 
 def gateway(settings: Settings, start_dir: Path, weights_root: Path, tokens: Tokens) -> Service:
     """``belayer serve`` for the run (its tokens in its environment, not its argv: ``ps`` shows that)."""
@@ -375,12 +388,7 @@ async def train(
     """The run against the gateway at `url`; with `sandbox` (a sandbox spec) each episode gets one."""
     report, rng = Report(), random.Random(settings.seed)
     started = time.monotonic()
-    auth = {"Authorization": f"Bearer {tokens.api}"}
-    async with (
-        AsyncBelayer(url, token=tokens.api, timeout=600.0) as gw,
-        AsyncBelayer(url, token=tokens.admin, timeout=600.0) as admin,
-        httpx.AsyncClient(base_url=url, timeout=30.0, headers=auth) as http,
-    ):
+    async with tokens.clients(url) as (gw, admin, http):
         trainer = Trainer(settings, start_dir, (await gw.weights())["version"])
         live: set[str] = set()  # episodes set up and running (with sandboxes: those that may be killed)
         stop, tasks = asyncio.Event(), set()
