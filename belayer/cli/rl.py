@@ -89,7 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=d.group_size, help="episodes per prompt (a GRPO group)")
     p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="episodes in flight at once")
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=d.lr,
+        help="the first step's learning rate (it decays linearly over the run)",
+    )
     p.add_argument("--max-staleness", type=int, default=d.max_staleness,
                    help="versions a token may lag and still count (with its importance ratio); older ones are masked")  # fmt: skip
     p.add_argument(

@@ -269,8 +269,20 @@ class Trainer:
         self.losses.append(float(loss.item()))
         self.optim.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
+        for group in self.optim.param_groups:
+            group["lr"] = self.learning_rate(len(self.losses))
         self.optim.step()
         return sum(rewards) / len(rewards)
+
+    def learning_rate(self, step: int) -> float:
+        """Step `step`'s (from 1) learning rate: `Settings.lr`, decaying linearly to ``lr / steps``.
+
+        >>> t = Trainer.__new__(Trainer); t.settings = Settings(model_dir="m", workdir=Path("w"), steps=4)
+        >>> [round(t.learning_rate(i) / t.settings.lr, 2) for i in (1, 2, 3, 4, 5)]
+        [1.0, 0.75, 0.5, 0.25, 0.25]
+        """
+        steps = max(self.settings.steps, 1)
+        return self.settings.lr * max(steps - step + 1, 1) / steps
 
     def new_version(self, name: str) -> None:
         self.version += 1

@@ -38,12 +38,19 @@ class TurnSettings:
     """vLLM's names of the model family's formats (``gateway.policy.parsers``)."""
     sampling: str = "engine"
     """A request's sampling when it names none: ``engine`` or ``keyed`` (``core.keyed``)."""
+    keyed_workers: bool = True
+    """Whether the workers draw keyed requests by their key: False for launched vLLM workers on a gateway
+    without ``--sampling keyed`` (they do not load the keyed sampler), so a request's ``"sampling":
+    "keyed"`` is refused there rather than silently drawn by vLLM's own sampler."""
 
     @classmethod
-    def of(cls, config: GatewayConfig) -> TurnSettings:
+    def of(cls, config: GatewayConfig, launched: bool = True) -> TurnSettings:
+        """`launched`: the gateway launches its pool's workers (False: a pool it was handed)."""
+        launched_vllm = launched and not config.engine_urls and config.worker_kind != "fake"
+        keyed_workers = config.sampling == "keyed" or not launched_vllm
         return cls(
             config.default_max_tokens, config.max_tokens_cap, config.failover, config.inflight,
-            config.tool_call_parser, config.reasoning_parser, config.sampling,
+            config.tool_call_parser, config.reasoning_parser, config.sampling, keyed_workers,
         )  # fmt: skip
 
 

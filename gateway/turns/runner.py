@@ -165,6 +165,12 @@ class TurnRunner:
             raise InvalidRequest(
                 f"'sampling' must be one of {', '.join(SAMPLING_MODES)}, not {mode!r}", "sampling"
             )
+        if mode == "keyed" and not self.settings.keyed_workers:
+            raise InvalidRequest(
+                "this gateway's vLLM workers do not load the keyed sampler: restart it with "
+                "`belayer serve --sampling keyed` (or send 'sampling': 'engine')",
+                "sampling",
+            )
         params = req.params
         if mode == "keyed" and (params.presence_penalty or params.frequency_penalty):
             raise InvalidRequest(

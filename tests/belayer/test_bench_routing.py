@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # minutes: make test-all
 
 
 def test_group_routing_hits_the_engines_prefix_caches_more_than_round_robin(

@@ -14,7 +14,12 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.sandbox_cluster, pytest.mark.docker, pytest.mark.ray]
+pytestmark = [
+    pytest.mark.sandbox_cluster,
+    pytest.mark.docker,
+    pytest.mark.ray,
+    pytest.mark.slow,
+]  # minutes: make test-all
 
 FIRST_IP = int(os.environ.get("BELAYER_TEST_RAY_FIRST_IP", "2")) + 3
 """The bench's nodes: after the shared cluster's three (read before the autouse fixture drops BELAYER_*)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # minutes: make test-all
 
 
 def test_updates_discard_nothing_that_abort_and_restart_throws_away(

@@ -18,7 +18,12 @@ import pytest
 from belayer.train import loop
 from belayer.train.settings import Settings
 
-pytestmark = [pytest.mark.vllm, pytest.mark.chaos, pytest.mark.docker]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.chaos,
+    pytest.mark.docker,
+    pytest.mark.slow,
+]  # minutes: make test-all
 
 
 @pytest.fixture(scope="module")

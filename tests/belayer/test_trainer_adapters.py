@@ -23,7 +23,7 @@ from belayer.testing.services import ensure_venv
 from belayer.train import policy, task
 from tests.support import belayer_server
 
-pytestmark = [pytest.mark.vllm, pytest.mark.external]
+pytestmark = [pytest.mark.vllm, pytest.mark.external, pytest.mark.slow]  # minutes: make test-all
 
 REPO = Path(__file__).resolve().parents[2]
 VERL = "verl==0.9.1"

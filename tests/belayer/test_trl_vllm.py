@@ -17,7 +17,7 @@ from belayer.train.rollout import play
 from belayer.train.trl_rollout import BelayerRollout, belayer_reward, weight_sync_callback
 from tests.support import belayer_server
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # minutes: make test-all
 
 API, ADMIN = "trl-api", "trl-admin"
 

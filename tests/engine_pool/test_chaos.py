@@ -21,7 +21,7 @@ import pytest
 
 from tests.support import belayer_server
 
-pytestmark = [pytest.mark.chaos, pytest.mark.vllm]
+pytestmark = [pytest.mark.chaos, pytest.mark.vllm, pytest.mark.slow]  # minutes: make test-all
 
 SESSIONS = 16
 TURNS = 3

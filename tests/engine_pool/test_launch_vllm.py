@@ -15,7 +15,7 @@ from engine_pool.pool import EnginePool
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # minutes: make test-all
 
 
 def gauge(metrics: str, name: str) -> float:

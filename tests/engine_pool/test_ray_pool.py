@@ -31,7 +31,7 @@ import pytest
 from belayer.testing.ray_local import LocalRayCluster
 from tests.support import belayer_server, poll
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # minutes: make test-all
 
 SESSIONS = 8
 MAX_TOKENS = 120

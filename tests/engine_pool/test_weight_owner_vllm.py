@@ -75,6 +75,7 @@ def launched(pool: EnginePool, name: str) -> PoolMember:
     return next(m for m in pool.members if m.name == name)
 
 
+@pytest.mark.slow  # minutes: make test-all
 async def test_workers_and_shadows_share_the_owners_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
     base = f"/dev/shm/belayer-test-{uuid.uuid4().hex[:12]}"
     config = GatewayConfig(
@@ -161,6 +162,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t in ids[0, len(prompt) :]]
 
 
+@pytest.mark.slow  # minutes: make test-all
 async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement_maps_them(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -24,7 +24,7 @@ from gateway.config import GatewayConfig
 from gateway.gateway import Gateway
 from tests.support import asgi_gateway, sdk_http
 
-pytestmark = pytest.mark.external
+pytestmark = [pytest.mark.external, pytest.mark.slow]  # minutes: make test-all
 
 REPO = Path(__file__).resolve().parents[2]
 MASTER_KEY = "sk-belayer-test"

@@ -7,6 +7,7 @@ workers: ``tests/engine_pool/test_keyed_vllm.py``."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from core.keyed import child_seed, choose, turn_key
 from engine_pool.fake import FakeEngine, Fault, FaultInjector, hashed_policy
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.turns.failover import KEYED
+from gateway.turns.protocol import TurnSettings
 from tests.support import asgi_gateway
 
 HOSTS = ["e0", "e1", "e2"]
@@ -191,3 +193,43 @@ async def test_the_gateways_default_sampling_applies_to_requests_that_name_none(
         assert turn["output_ids"] == expected(turn["prompt_ids"], turn_key(0, sid, 3, None), 8)
         plain = await rig.chat(await rig.session(), max_tokens=8, sampling="engine")
         assert "sampling" not in plain["response"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "urls", "sampling", "keyed"),
+    [
+        ("vllm", [], "engine", False),
+        ("vllm", [], "keyed", True),
+        ("fake", [], "engine", True),
+        ("vllm", ["http://127.0.0.1:9"], "engine", True),
+    ],
+)
+def test_keyed_requests_are_refused_where_launched_vllm_workers_lack_the_sampler(
+    tiny_model_dir: Path, kind: str, urls: list[str], sampling: str, keyed: bool
+) -> None:
+    """Launched vLLM workers load the keyed sampler only with ``--sampling keyed``: elsewhere a keyed
+    request would be drawn by vLLM's own sampler, so it is refused (engines given by URL are the
+    operator's to start with the processor, and fake workers always draw by the key)."""
+    config = GatewayConfig(model=str(tiny_model_dir), worker_kind=kind, engine_urls=urls, sampling=sampling)
+    assert TurnSettings.of(config).keyed_workers is keyed
+    assert TurnSettings.of(config, launched=False).keyed_workers is True
+
+
+async def test_a_keyed_request_on_workers_without_the_sampler_gets_a_400_naming_the_flag(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    engine = FakeEngine(policy=policy, max_model_len=4096)
+    config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"))
+    async with asgi_gateway(config, httpx.ASGITransport(engine.app())) as (app, client):
+        runner = app.state.gateway.runner  # as launched vLLM workers on a gateway without --sampling keyed
+        runner.settings = replace(runner.settings, keyed_workers=False)
+        sid = (await client.post("/api/sessions", json={})).json()["id"]
+        body = {"model": "policy", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4,
+                "sampling": "keyed"}  # fmt: skip
+        r = await client.post(f"/s/{sid}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "sampling", r.text
+        assert "--sampling keyed" in r.json()["error"]["message"]
+        r = await client.post(f"/s/{sid}/v1/messages", json={**body, "model": "policy"})
+        assert r.status_code == 400 and "--sampling keyed" in r.json()["error"]["message"], r.text
+        body["sampling"] = "engine"
+        assert (await client.post(f"/s/{sid}/v1/chat/completions", json=body)).status_code == 200

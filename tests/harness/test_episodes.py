@@ -44,7 +44,7 @@ from harness_adapters.opencode import OpenCode
 from harness_adapters.scripted_engine import Emission, read_log, tool_call
 from tests.support import belayer_argv, spawn, stop, wait_healthy
 
-pytestmark = [pytest.mark.harness, pytest.mark.docker]
+pytestmark = [pytest.mark.harness, pytest.mark.docker, pytest.mark.slow]  # minutes: make test-all
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "harness"

@@ -23,7 +23,7 @@ from harness_adapters.episode import EpisodeRunner
 from harness_adapters.scripted_engine import tool_call
 from tests.harness.test_episodes import CACHE, FIX, RUN_TEST, Stack, make_task, start_stack
 
-pytestmark = [pytest.mark.harness, pytest.mark.docker]
+pytestmark = [pytest.mark.harness, pytest.mark.docker, pytest.mark.slow]  # minutes: make test-all
 
 MARKER = "CLAUDE-FORK"
 FORK_AT = 3

@@ -41,7 +41,7 @@ from tests.harness.test_episodes import (
     start_stack,
 )
 
-pytestmark = [pytest.mark.harness, pytest.mark.docker]
+pytestmark = [pytest.mark.harness, pytest.mark.docker, pytest.mark.slow]  # minutes: make test-all
 
 HELLO = "/workspace/hello.py"
 DONE = 'Done: greet() returns "hello, world" and the test passes.'

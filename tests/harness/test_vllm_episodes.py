@@ -23,7 +23,12 @@ from harness_adapters.opencode import OpenCode
 from harness_adapters.openhands import OpenHands
 from tests.support import belayer_server
 
-pytestmark = [pytest.mark.vllm, pytest.mark.harness, pytest.mark.docker]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.harness,
+    pytest.mark.docker,
+    pytest.mark.slow,
+]  # minutes: make test-all
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "harness"
