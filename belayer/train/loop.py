@@ -269,8 +269,8 @@ class Trainer:
         self.losses.append(float(loss.item()))
         self.optim.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
-        for group in self.optim.param_groups:
-            group["lr"] = self.learning_rate(len(self.losses))
+        for params in self.optim.param_groups:
+            params["lr"] = self.learning_rate(len(self.losses))
         self.optim.step()
         return sum(rewards) / len(rewards)
 
