@@ -51,10 +51,11 @@ lint: $(STAMP)
 # The suite in two parts. The unit tests (nothing beyond the venv: no vLLM worker, Docker, harness
 # program, browser, PostgreSQL, Ray cluster or third-party service) run in $(UNIT_JOBS) processes: most of
 # their time is spent waiting on timers. The tests of real parts run in one process: they share one
-# dockerd, one Ray cluster and one PostgreSQL, and a vLLM worker takes a core. `make test` leaves out the
+# dockerd, one Ray cluster and one PostgreSQL, and a vLLM worker takes a core (so do the tests marked
+# `serial`, which start processes of their own that each import torch). `make test` leaves out the
 # tests marked `slow` (each takes minutes: the RL runs, chaos, the trainers' adapters...); `make test-all`
 # runs them too.
-UNIT_MARKS := not vllm and not docker and not harness and not chaos and not external and not browser and not postgres and not ray and not sandbox_cluster
+UNIT_MARKS := not vllm and not docker and not harness and not chaos and not external and not browser and not postgres and not ray and not sandbox_cluster and not serial
 UNIT_JOBS ?= 3
 PYTEST := BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
 

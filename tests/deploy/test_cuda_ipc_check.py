@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO
 
 SCRIPT = REPO / "deploy" / "gpu" / "cuda_ipc_check.py"
@@ -39,6 +41,7 @@ def test_without_a_cuda_device_it_says_so() -> None:
     assert check("--mib", "0").returncode == 2
 
 
+@pytest.mark.serial  # its owner and consumers each import torch: beside 3 test processes, one run hung
 def test_the_protocol_in_shared_memory() -> None:
     done = check("--device", "cpu", "--mib", "4", "--dim", "128")
     assert done.returncode == 0, done.stdout + done.stderr
