@@ -59,14 +59,18 @@ UNIT_MARKS := not vllm and not docker and not harness and not chaos and not exte
 UNIT_JOBS ?= 3
 PYTEST := BELAYER_TINY_MODEL=$(MODEL) $(PY) -m pytest
 
-# both parts run even when the first fails (the whole picture in one run); either failing fails the target
-test: setup sandbox-host browser-host postgres-host lint
+# The two parts, the real-part tests narrowed by $(1) (a marker expression's tail, e.g. " and not slow").
+# Both parts run even when the first fails (the whole picture in one run); either failing fails the target.
+define suite
 	$(PYTEST) -n $(UNIT_JOBS) -m "$(UNIT_MARKS)"; unit=$$?; \
-	$(PYTEST) -m "not ($(UNIT_MARKS)) and not slow"; real=$$?; exit $$((unit | real))
+	$(PYTEST) -m "not ($(UNIT_MARKS))$(1)"; real=$$?; exit $$((unit | real))
+endef
+
+test: setup sandbox-host browser-host postgres-host lint
+	$(call suite, and not slow)
 
 test-all: setup sandbox-host browser-host postgres-host lint
-	$(PYTEST) -n $(UNIT_JOBS) -m "$(UNIT_MARKS)"; unit=$$?; \
-	$(PYTEST) -m "not ($(UNIT_MARKS))"; real=$$?; exit $$((unit | real))
+	$(call suite,)
 
 unit: setup
 	$(PYTEST) -n $(UNIT_JOBS) -m "$(UNIT_MARKS)"
