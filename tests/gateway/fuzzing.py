@@ -867,7 +867,9 @@ def plans(draw: st.DrawFn, routes: list[str]) -> Plan:
     elif name == "list-sessions":
         plan = dataclasses.replace(plan, query=draw(list_queries))
     elif name in ("export", "export-mark"):
-        fmt = draw(st.sampled_from(["format=jsonl", "format=parquet", "format=csv", "", "format=%ff"]))
+        fmt = draw(
+            st.sampled_from(["format=jsonl", "format=parquet", "format=atif", "format=csv", "", "format=%ff"])
+        )
         plan = dataclasses.replace(plan, query="&".join(q for q in (fmt, draw(list_queries)) if q))
     elif name == "finished":  # follow=false last, always: a followed feed never ends in-process
         pairs = draw(
