@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.atif import write_trajectories
 from core.errors import NotFound
 from store import EventRecord, SessionQuery, SessionRecord, TrajectoryStore, TurnRecord
 from store.base import TURN_COMPLETE
@@ -218,7 +219,8 @@ def export(
     session_ids: list[str] | None = None,
     query: SessionQuery | None = None,
 ) -> int:
-    """Write the sessions' branches to ``out``; returns the number of rows. Without `query`, every
+    """Write the sessions' branches to ``out``; returns the number of rows (ATIF: trajectories, one
+    ``trajectory.json`` each under the directory ``out``, `core.atif`). Without `query`, every
     stored session (one-off ``/v1`` requests included) or the given ones; with it, the sessions its
     filters match (among the given ones, if any). An unknown session id raises `NotFound` before
     anything is written."""
@@ -230,17 +232,40 @@ def export(
     else:
         wanted = set(session_ids or [])
         ids = [s.id for s in matching_sessions(store, query) if not wanted or s.id in wanted]
-    rows = [row for sid in ids for row in session_rows(store, sid)]
     path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as f:
-        f.write(encode_rows(rows, fmt))
+    if fmt == "atif":  # a directory: one trajectory.json per branch, as Harbor lays them out
+        from store.atif import session_trajectories  # it builds on this module
+
+        n = write_trajectories((t for sid in ids for t in session_trajectories(store, sid)), path)
+    else:
+        rows = [row for sid in ids for row in session_rows(store, sid)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as f:
+            f.write(encode_rows(rows, fmt))
+        n = len(rows)
     store.mark_exported(ids)  # for `belayer store prune --exported-only`
-    return len(rows)
+    return n
 
 
-FORMATS = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
-"""The export formats and their media types."""
+def encode_sessions(store: TrajectoryStore, session_ids: list[str], fmt: str) -> tuple[bytes, int]:
+    """The sessions' export in `fmt` as one body (ATIF: JSON Lines, one trajectory per line), and how
+    many rows or trajectories it holds."""
+    if fmt == "atif":
+        from store.atif import encode_trajectories, session_trajectories
+
+        trajectories = [t for sid in session_ids for t in session_trajectories(store, sid)]
+        return encode_trajectories(trajectories), len(trajectories)
+    rows = [row for sid in session_ids for row in session_rows(store, sid)]
+    return encode_rows(rows, fmt), len(rows)
+
+
+FORMATS = {
+    "jsonl": "application/x-ndjson",
+    "parquet": "application/vnd.apache.parquet",
+    "atif": "application/x-ndjson",
+}
+"""The export formats and their media types over HTTP (``atif``: one ATIF trajectory per line;
+``belayer export`` writes those to a directory instead, `core.atif`)."""
 
 
 def row_schema(metadata_keys: list[str]) -> pa.Schema:
@@ -299,8 +324,8 @@ def rows_table(rows: list[dict[str, Any]]) -> pa.Table:
 
 def encode_rows(rows: list[dict[str, Any]], fmt: str) -> bytes:
     """Rows as a JSONL or Parquet file's bytes, both from the same Arrow table."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format '{fmt}'; use jsonl or parquet")
+    if fmt not in ("jsonl", "parquet"):
+        raise ValueError(f"unknown export format '{fmt}' for rows; use jsonl or parquet")
     table = rows_table(rows)
     if fmt == "jsonl":
         return "".join(_dumps(row) + "\n" for row in table.to_pylist()).encode()

@@ -7,6 +7,7 @@ belayer serve --model DIR [--engine-url URL]       start the gateway (launching 
               [--ray auto|HOST:PORT]              workers and shadows as actors on a Ray cluster (docs/ray.md)
 belayer model build-tiny DIR                       build the deterministic tiny test model
 belayer export --store DB --format jsonl|parquet --out FILE   trajectories for a trainer (docs/export.md)
+              [--format atif --out DIR]           Harbor's ATIF: one trajectory.json per branch
               [--status closed] [--rewarded-only] [--since 7d|2026-01-31] [--session ID]
 belayer store prune --store DB --older-than 7d    delete closed sessions (--exported-only), shrink the file
 belayer fake-engine --port P                       a scripted fake engine (benchmarks)
@@ -167,8 +168,14 @@ def parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="write trajectories for a trainer")
     e.add_argument("--store", default=trajectories.store_default(), help=trajectories.STORE_HELP)
-    e.add_argument("--format", choices=["jsonl", "parquet"], required=True)
-    e.add_argument("--out", required=True)
+    e.add_argument(
+        "--format",
+        choices=["jsonl", "parquet", "atif"],
+        required=True,
+        help="jsonl or parquet: one row per branch (a file); atif: Harbor's ATIF, one trajectory per branch "
+        "(a directory: OUT/<session>-branch-<n>/agent/trajectory.json)",
+    )
+    e.add_argument("--out", required=True, help="the file to write (atif: the directory)")
     e.add_argument("--session", action="append", help="only this session (repeatable)")
     e.add_argument("--status", choices=["open", "closed"], help="only sessions with this status")
     e.add_argument("--rewarded-only", action="store_true", help="only sessions that have a reward")

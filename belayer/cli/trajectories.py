@@ -76,7 +76,12 @@ def run_export(args: argparse.Namespace) -> int:
     from store.factory import open_store
 
     check_store(args.store)
-    if Path(args.out).is_dir():
+    if args.format == "atif" and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(
+            f"--out {args.out}: is a file; --format atif writes a directory (one trajectory.json per "
+            "branch), e.g. --out atif/"
+        )
+    if args.format != "atif" and Path(args.out).is_dir():
         example = Path(args.out) / f"rollouts.{args.format}"
         raise ConfigError(f"--out {args.out}: is a directory; give a file to write, e.g. --out {example}")
     since = since_timestamp(args.since, time.time()) if args.since is not None else None

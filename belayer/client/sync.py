@@ -205,7 +205,9 @@ class Belayer:
         """Write the matching sessions' rows (one per branch) to `path` as JSONL or Parquet, page by page
         through ``POST /api/export``, which marks them exported (for ``belayer store prune
         --exported-only``); with ``mark=False``, through ``GET /api/export``, which only reads. Returns
-        the number of rows."""
+        the number of rows. ``format="atif"``: Harbor's ATIF trajectories (one per branch) instead,
+        each written to ``path/<session>-branch-<n>/agent/trajectory.json`` (`path` is a directory);
+        returns the number of trajectories."""
         export = ExportPages.of(format, status, metadata, has_reward, page_size, mark, filters)
         while (r := export.next_request()) is not None:
             export.add(self._request(r))

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from core.atif import write_trajectories
 from core.errors import BelayerError
 
 DEFAULT_TIMEOUT = 30.0
@@ -299,7 +300,8 @@ class Pages:
 @dataclass(slots=True)
 class ExportPages:
     """An export, page by page: ``POST /api/export`` marks the rows exported, ``GET`` (``mark=False``)
-    only reads. `next_request` is None once every row came; `write` joins the pages into one file."""
+    only reads. `next_request` is None once every row came; `write` joins the pages into one file (ATIF:
+    writes each trajectory to its ``trajectory.json`` under the directory, `core.atif`)."""
 
     params: dict[str, str]
     page_size: int
@@ -345,6 +347,10 @@ class ExportPages:
 
     def write(self, path: str | Path) -> None:
         out = Path(path)
+        if self.params["format"] == "atif":  # a directory, as `belayer export --format atif` writes
+            lines = (line for page in self.pages for line in page.splitlines() if line.strip())
+            write_trajectories((json.loads(line) for line in lines), out)
+            return
         if self.params["format"] != "parquet" or len(self.pages) == 1:
             out.write_bytes(b"".join(self.pages))
             return

@@ -3,9 +3,10 @@ beside the gateway. GET only reads; POST answers the same and marks the page's s
 (for ``belayer store prune --exported-only``), so no link or image on a web page can mark anything.
 
 Both take ``GET /api/sessions``'s filters and page (``status``, ``reward_min``, ``meta.KEY``, ``limit``,
-``offset``...) and ``format=jsonl|parquet``, and answers the matching sessions' rows (one per branch,
-with ``belayer export``'s columns: docs/export.md) as a file, with ``X-Total-Count`` (sessions that
-match) so that a trainer pages through them. Each run is published on the live feed (``export``) and counted in ``belayer_exports_total{format}``.
+``offset``...) and ``format=jsonl|parquet|atif``, and answers the matching sessions' rows (one per
+branch, with ``belayer export``'s columns: docs/export.md) as a file, or with ``format=atif`` their
+ATIF trajectories (one per branch, one per line: ``store.atif``), with ``X-Total-Count`` (sessions that
+match) so that a trainer pages through them; ``X-Row-Count`` counts the rows or trajectories. Each run is published on the live feed (``export``) and counted in ``belayer_exports_total{format}``.
 
 Example::
 
@@ -24,7 +25,7 @@ from gateway.api.observe import session_query
 from gateway.gateway import Gateway, gateway_of
 from gateway.http.bodies import read_json
 from store import SessionQuery
-from store.export import FORMATS, encode_rows, session_rows
+from store.export import FORMATS, encode_sessions
 
 
 async def export(request: Request) -> Response:
@@ -46,11 +47,10 @@ async def export(request: Request) -> Response:
 
 def _export(gw: Gateway, query: SessionQuery, fmt: str, mark: bool) -> tuple[bytes, int, int]:
     sessions, total = gw.store.query_sessions(query)
-    rows = [row for s in sessions for row in session_rows(gw.store, s.id)]
-    body = encode_rows(rows, fmt)
+    body, rows = encode_sessions(gw.store, [s.id for s in sessions], fmt)
     if mark:
         gw.store.mark_exported([s.id for s in sessions])  # for `belayer store prune --exported-only`
-    return body, len(rows), total
+    return body, rows, total
 
 
 def routes() -> list[Route]:
