@@ -48,6 +48,7 @@ class Episode:
     timeout_s: float = 180.0
     home: Path | None = None  # the harness's HOME (its config and state); a fresh temp dir if None
     sandbox: SandboxRef | None = None  # run the harness's commands in this sandbox (harnesses beside)
+    task_dir: Path | None = None  # the task's directory here (the oracle reads its solution/ from it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,8 +74,8 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -83,7 +83,9 @@ import httpx
 
 from core.errors import HarnessError, TaskError
 from harness_adapters.base import Episode, HarnessAdapter, Outcome, SandboxRef
-from sandbox.sessions.verify import is_protected
+from harness_adapters.harbor_task import HarborSpec, VerifyMode, interpreter, load_harbor, resolve_env
+from sandbox.sessions.verify import LOGS_DIRS, is_protected
+from sandbox.supervisor import BUSYBOX
 from sandbox.task_images import TaskImage, ensure_task_image
 
 OUT_DIR = "/tmp/belayer-harness"
@@ -113,10 +115,17 @@ class Task:
     verify_timeout_s: float = 300.0
     setup_network: bool = False
     setup_cap_add: tuple[str, ...] = ()
+    workdir: str = "/workspace"
+    """The agent's working directory: what a clean verification copies."""
+    harbor: HarborSpec | None = None
+    """A Harbor-format task's ``task.toml`` (`harness_adapters.harbor_task`); None: Belayer's format."""
 
     @classmethod
     def load(cls, root: Path) -> Task:
+        """The task at `root`: Harbor's format when it holds ``task.toml``, else Belayer's."""
         root = root.resolve()
+        if (root / "task.toml").is_file():
+            return cls.load_harbor(root)
         need = {
             "instruction.md": root / "instruction.md",
             "repo/": root / "repo",
@@ -137,12 +146,26 @@ class Task:
             **options,
         )
 
+    @classmethod
+    def load_harbor(cls, root: Path) -> Task:
+        """A Harbor task (`harness_adapters.harbor_task`): its image is its own, its repository in it."""
+        spec, instruction = load_harbor(root)
+        return cls(
+            name=root.name, root=root, instruction=instruction, repo=root / "environment",
+            verifier=root / "tests" / "test.sh", timeout_s=spec.agent_timeout_s or 600.0,
+            verify_timeout_s=spec.verifier_timeout_s, workdir=spec.workdir or "", harbor=spec,
+        )  # fmt: skip
+
     def files(self) -> list[tuple[str, bytes, int]]:
-        """The repository's files: (relative path, content, mode)."""
-        return _tree(self.repo)
+        """The repository's files: (relative path, content, mode); none for a Harbor task (its image holds
+        them)."""
+        return [] if self.harbor is not None else _tree(self.repo)
 
     def verifier_files(self) -> list[tuple[str, bytes, int]]:
-        """What the verify stage gets and the agent never sees: verify.sh and the hidden directories."""
+        """What the verify stage gets and the agent never sees: verify.sh and the hidden directories (a
+        Harbor task's tests/, relative to it)."""
+        if self.harbor is not None:
+            return _tree(self.root / "tests")
         files = [("verify.sh", self.verifier.read_bytes(), 0o644)]
         for name in HIDDEN_DIRS:
             files += [(f"{name}/{path}", data, mode) for path, data, mode in _tree(self.root / name)]
@@ -196,10 +219,16 @@ class EpisodeRunner:
         poll_s: float = 1.0,
         api_token: str | None = None,
         allow_setup_caps: tuple[str, ...] = (),
+        base_images: Mapping[str, str] | None = None,
+        verify: VerifyMode | None = None,
+        build_network: bool = False,
     ) -> None:
         self.gateway = gateway.rstrip("/")
         self.adapter = adapter
         self.allow_setup_caps = allow_setup_caps  # the operator's word, never the task's
+        self.base_images = dict(base_images or {})  # a Harbor Dockerfile's FROM NAME -> a local image
+        self.verify = verify  # clean | shared: over the task's [metadata] belayer_verify
+        self.build_network = build_network  # a Harbor Dockerfile's RUN steps get the network
         auth = {"authorization": f"Bearer {api_token}"} if api_token else {}
         self.http = client or httpx.Client(timeout=600, headers=auth)  # the sessions API (trainer side)
         self.progress = progress or (lambda _m: None)
@@ -227,6 +256,7 @@ class EpisodeRunner:
         self.adapter.install()
         setup_started = time.monotonic()
         image = self.task_image(task, inside)
+        task = harbor_workdir(task, image.name)
         sid, base_url, sandbox = self._session(task, image.name, inside, metadata or {})
         task_start_s = time.monotonic() - setup_started
         started = time.monotonic()
@@ -261,6 +291,7 @@ class EpisodeRunner:
             "session_id": sid,
             "inside": inside,
             **_verdict_report(verdict),
+            **_harbor_report(task),
             "task_image": image.name,
             "task_image_cached": image.cached,
             "task_start_s": round(task_start_s, 3),
@@ -275,7 +306,7 @@ class EpisodeRunner:
     def _finish(self, sid: str, task: Task, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """The verify stage, the reward from its verdict, and the session's trajectory."""
         verdict = self._verify(sid, task, keep)
-        reward = {"reward": 1.0 if verdict["verified"] else 0.0, "info": _reward_info(verdict)}
+        reward = {"reward": verdict["reward"], "info": _reward_info(verdict)}
         self._ok(self.http.post(f"{self.gateway}/api/sessions/{sid}/reward", json=reward))
         trajectory = self._ok(self.http.get(f"{self.gateway}/api/sessions/{sid}/trajectory")).json()
         return verdict, dict(trajectory)
@@ -333,7 +364,11 @@ class EpisodeRunner:
 
     def task_image(self, task: Task, inside: bool) -> TaskImage:
         """The setup stage: the task's image, from the cache or built now (`sandbox.task_images`); on
-        the harness's image for a harness inside the sandbox."""
+        the harness's image for a harness inside the sandbox (a Harbor task's image: with the harness's
+        files added on top)."""
+        if task.harbor is not None:
+            image = build_harbor_image(task, self.base_images, network=self.build_network)
+            return self._harness_layer(task, image) if inside else image
         if not inside:
             return build_task_image(task, allow_caps=self.allow_setup_caps)
         from sandbox.backends import backend_for
@@ -344,28 +379,49 @@ class EpisodeRunner:
             base = ensure_harness_image(backend, self.adapter.name, version, self.adapter.image_files())
         return build_task_image(task, base, allow_caps=self.allow_setup_caps)
 
+    def _harness_layer(self, task: Task, image: TaskImage) -> TaskImage:
+        from sandbox.backends import backend_for
+        from sandbox.task_images import ensure_harness_layer
+
+        with backend_for() as backend:
+            version = getattr(self.adapter, "installed_version", lambda: None)() or "latest"
+            files = self.adapter.image_files()
+            layer = ensure_harness_layer(backend, task.name, image.name, self.adapter.name, version, files)
+        return TaskImage(
+            layer.name, image.cached and layer.cached, image.seconds + layer.seconds, image.setup_output
+        )
+
     def _session(
         self, task: Task, image: str, inside: bool, metadata: dict[str, Any]
     ) -> tuple[str, str, dict[str, Any]]:
-        spec = {
+        spec: dict[str, Any] = {
             "image": image,
             "network": "gateway" if inside else "none",
             "harness_inside": inside,
             "memory_mb": 2048 if inside else 1024,
             "pids_limit": 1024,
         }
+        if task.harbor is not None:
+            spec |= harbor_sandbox(task, task.harbor, inside)
         meta = {"harness": self.adapter.name, "task": task.name, **metadata}
         body = self._ok(
             self.http.post(f"{self.gateway}/api/sessions", json={"metadata": meta, "sandbox": spec})
         ).json()
-        return str(body["id"]), str(body["base_url"]), dict(body["sandbox"])
+        sid = str(body["id"])
+        if task.harbor is not None:  # Harbor's scripts write their logs there
+            self._sh(
+                sid, f"{BUSYBOX} mkdir -p {' '.join(LOGS_DIRS)} && {BUSYBOX} chmod 777 {' '.join(LOGS_DIRS)}"
+            )
+        return sid, str(body["base_url"]), dict(body["sandbox"])
 
     def _launch(self, sid: str, task: Task, sandbox: dict[str, Any]) -> float:
         """Start the harness in its sandbox, detached; return the episode's deadline."""
         if not sandbox.get("gateway_url"):
             raise HarnessError("the gateway has no sandbox listener; start it with --sandboxes as root")
         base_url = f"{sandbox['gateway_url']}/v1"
-        episode = Episode(task.instruction, Path("/workspace"), task.max_turns, task.timeout_s)
+        episode = Episode(
+            task.instruction, Path(task.workdir), task.max_turns, task.timeout_s, task_dir=task.root
+        )
         script = self.adapter.inside_script(episode, base_url, HOME, OUT_DIR)
         started = time.monotonic()
         launch = f"rm -rf {OUT_DIR}; mkdir -p {OUT_DIR}; setsid sh -c {shlex.quote(script)} >/dev/null 2>&1 &"
@@ -390,20 +446,31 @@ class EpisodeRunner:
 
     def _run_beside(self, sid: str, task: Task, base_url: str) -> Outcome:
         with tempfile.TemporaryDirectory(prefix="belayer-episode-") as tmp:
-            sandbox = SandboxRef(self.gateway, sid)
-            episode = Episode(task.instruction, Path(tmp), task.max_turns, task.timeout_s, sandbox=sandbox)
+            sandbox = SandboxRef(self.gateway, sid, task.workdir)
+            episode = Episode(
+                task.instruction,
+                Path(tmp),
+                task.max_turns,
+                task.timeout_s,
+                sandbox=sandbox,
+                task_dir=task.root,
+            )
             return self.adapter.run(episode, base_url)
 
     def _verify(self, sid: str, task: Task, keep: bool) -> dict[str, Any]:
         """The verify stage, run by the gateway (`sandbox.sessions.verify`)."""
-        body = {
+        body: dict[str, Any] = {
             "files": [_file(p, d, m) for p, d, m in task.verifier_files()],
             "originals": [_file(p, d, m) for p, d, m in task.originals()],
             "protected_paths": list(task.protected_paths),
             "on_tamper": task.on_tamper,
             "timeout_s": task.verify_timeout_s,
             "keep_sandbox": keep,
+            "mode": self.verify or (task.harbor.verify if task.harbor else None) or "clean",
         }
+        if task.harbor is not None:
+            env = resolve_env(task.harbor.verifier_env, "verifier.env")
+            body |= {"format": "harbor", "env": env}
         response = self.http.post(
             f"{self.gateway}/api/sessions/{sid}/sandbox/verify",
             json=body,
@@ -443,6 +510,8 @@ def build_task_image(task: Task, base: str | None = None, allow_caps: tuple[str,
     only when the operator allows them (`allow_caps`, checked before anything is built)."""
     from sandbox.task_images import check_setup_caps
 
+    if task.harbor is not None:
+        return build_harbor_image(task, {})
     check_setup_caps(task.name, task.setup_cap_add, allow_caps)
     from sandbox.backends import backend_for
     from sandbox.images import ensure_python_image
@@ -455,8 +524,108 @@ def build_task_image(task: Task, base: str | None = None, allow_caps: tuple[str,
         )  # fmt: skip
 
 
+def build_harbor_image(task: Task, base_images: Mapping[str, str], *, network: bool = False) -> TaskImage:
+    """A Harbor task's image: ``docker build`` of environment/ (or of ``FROM [environment].docker_image``),
+    its base images mapped by `base_images` and found on this host's engine first (never pulled), cached
+    by content hash (`sandbox.task_images.ensure_dockerfile_image`); refused when it lacks what the sandbox
+    runs from it (/bin/sh, find, tests/test.sh's interpreter)."""
+    from sandbox.backends import backend_for
+    from sandbox.task_images import SANDBOX_NEEDS, ensure_dockerfile_image
+
+    spec = task.harbor
+    if spec is None:
+        raise TaskError(f"task {task.name} is not a Harbor task")
+    if spec.docker_image is not None:
+        context, where = (
+            [("Dockerfile", f"FROM {spec.docker_image}\n".encode(), 0o644)],
+            "[environment].docker_image",
+        )
+    else:
+        context, where = _tree(task.root / "environment"), "environment/Dockerfile"
+    needs = (*SANDBOX_NEEDS, *script_needs("tests/test.sh", task.verifier.read_bytes()))
+    with backend_for() as backend:
+        return ensure_dockerfile_image(
+            backend, task.name, context, where=where, base_images=base_images, timeout_s=spec.build_timeout_s,
+            network=network, needs=needs,
+        )  # fmt: skip
+
+
+def script_needs(name: str, script: bytes) -> list[tuple[str, tuple[str, ...]]]:
+    """What an image needs to run `script` by its path, as Harbor runs it: its ``#!`` interpreter (for
+    ``#!/usr/bin/env X``: env, and X on the usual PATH).
+
+    >>> script_needs("tests/test.sh", b"#!/usr/bin/env bash\\n")[0]
+    ('/usr/bin/env (tests/test.sh runs with it)', ('/usr/bin/env',))
+    """
+    paths = interpreter(script)
+    first = script.split(b"\n", 1)[0].decode(errors="replace")
+    if first.startswith("#!") and first[2:].split()[:1] == ["/usr/bin/env"] and len(paths) > 1:
+        name_of = paths[0].rsplit("/", 1)[-1]
+        return [
+            (f"/usr/bin/env ({name} runs with it)", ("/usr/bin/env",)),
+            (f"{name_of} on PATH ({name}'s interpreter)", paths),
+        ]
+    return [(f"{paths[0]} ({name}'s interpreter)", paths)]
+
+
+def harbor_workdir(task: Task, image: str) -> Task:
+    """`task` with its working directory: ``[environment].workdir``, else the image's ``WORKDIR``."""
+    if task.harbor is None or task.workdir:
+        return task
+    from sandbox.backends import backend_for
+
+    with backend_for() as backend:
+        workdir = backend.image_workdir(image)
+    if workdir in ("", "/"):
+        raise TaskError(
+            f"task {task.name}: its image sets no WORKDIR (or /) and task.toml no [environment].workdir; set "
+            "one: the agent works there, and a clean verification copies it"
+        )
+    return replace(task, workdir=workdir)
+
+
+def harbor_sandbox(task: Task, spec: HarborSpec, inside: bool) -> dict[str, Any]:
+    """A Harbor task's sandbox fields: working directory, variables, CPUs, memory and network."""
+    out: dict[str, Any] = {"workdir": task.workdir, "env": resolve_env(spec.env, "environment.env")}
+    if spec.cpus is not None:
+        out["cpus"] = spec.cpus
+    if spec.memory_mb is not None:
+        out["memory_mb"] = spec.memory_mb
+    if spec.network == "public":
+        if inside:
+            raise TaskError(
+                f"task {task.name}: environment.network_mode = 'public' gives the sandbox the network, but a "
+                "harness inside its sandbox needs the gateway-only network; run a harness beside it (--beside, "
+                "mini-swe-agent, openhands, oracle) or set network_mode = 'no-network'"
+            )
+        out["network"] = "full"
+    return out
+
+
+def _harbor_report(task: Task) -> dict[str, Any]:
+    if task.harbor is None:
+        return {}
+    spec = task.harbor
+    storage = None
+    if spec.storage_mb is not None:
+        storage = {
+            "asked_mb": spec.storage_mb,
+            "enforced": False,
+            "why": "the gateway's sandbox disk quota applies",
+        }
+    return {
+        "harbor": {
+            "name": spec.name, "workdir": task.workdir, "network": spec.network, "storage_mb": storage,
+        }
+    }  # fmt: skip
+
+
 def _verdict_report(verdict: dict[str, Any]) -> dict[str, Any]:
     return {
+        "reward": verdict["reward"],
+        "rewards": verdict.get("rewards"),
+        "verify_mode": verdict.get("mode"),
+        "verify_format": verdict.get("format"),
         "verified": verdict["verified"],
         "verifier_output": verdict["output"][-2000:],
         "verifier_exit_code": verdict["exit_code"],
@@ -483,7 +652,10 @@ def _file(path: str, data: bytes, mode: int) -> dict[str, Any]:
 def _reward_info(verdict: dict[str, Any]) -> dict[str, Any]:
     """The verdict without the verifier's output (the reward is part of what a trainer reads back)."""
     keys = ("verified", "exit_code", "timed_out", "tamper_action", "protected_paths_modified", "seconds")
-    return {**{f"verify_{k}": verdict[k] for k in keys}, "verify_reason": verdict.get("reason")}
+    extra = {"verify_reason": verdict.get("reason"), "verify_mode": verdict.get("mode")}
+    if verdict.get("rewards") is not None:
+        extra["rewards"] = verdict["rewards"]
+    return {**{f"verify_{k}": verdict[k] for k in keys}, **extra}
 
 
 # --------------------------------------------------------------------------- the report

@@ -11,6 +11,7 @@ from harness_adapters.codex import Codex
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.opencode import OpenCode
 from harness_adapters.openhands import OpenHands
+from harness_adapters.oracle import Oracle
 
 ADAPTERS: dict[str, type[HarnessAdapter]] = {
     ClaudeCode.name: ClaudeCode,
@@ -18,6 +19,7 @@ ADAPTERS: dict[str, type[HarnessAdapter]] = {
     MiniSweAgent.name: MiniSweAgent,
     OpenCode.name: OpenCode,
     OpenHands.name: OpenHands,
+    Oracle.name: Oracle,
 }
 
 

@@ -295,6 +295,8 @@ class FakeSandboxBackend(SandboxBackend):
         with box.lock:
             self._enter("archive", sandbox_id, box)
             files = {k: v for k, v in box.state.files.items() if k.startswith(root.rstrip("/") + "/")}
+            if root in box.state.files:  # a file: its tar holds it alone, as the engine's does
+                files = {root: box.state.files[root]}
         return copy_bounded(tar_chunks(_members(root, files)), out, max_bytes)
 
     def extract(self, sandbox_id: str, tar: TarStream) -> None:
@@ -402,7 +404,8 @@ def _play(fault: Fault, box: FakeContainer | None) -> None:
 
 def _members(root: str, files: dict[str, bytes]) -> Iterator[tuple[tarfile.TarInfo, IO[bytes] | None]]:
     top = posixpath.dirname(root)
-    yield _tar_info(posixpath.relpath(root, top), tarfile.DIRTYPE, 0), None
+    if root not in files:  # a directory's own entry first (a file's tar holds the file alone)
+        yield _tar_info(posixpath.relpath(root, top), tarfile.DIRTYPE, 0), None
     for name, data in sorted(files.items()):
         yield _tar_info(posixpath.relpath(name, top), tarfile.REGTYPE, len(data)), io.BytesIO(data)
 

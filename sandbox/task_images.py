@@ -20,11 +20,12 @@ import io
 import re
 import tarfile
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
-from core.errors import TaskError
+from core.errors import ImageBuildError, TaskError
 
 TASK_LABEL = "belayer.task"
 HASH_LABEL = "belayer.task.hash"
@@ -37,6 +38,17 @@ SETUP_CAPS = frozenset({
 ``NET_RAW``. Any other (``SYS_ADMIN``, ``SYS_PTRACE``, ``NET_ADMIN``...) reaches past the container, on
 every node that builds the image, so the operator must allow it by name (`ensure_task_image`'s
 ``allow_caps``, ``belayer task build --allow-setup-cap``)."""
+
+
+Need = tuple[str, tuple[str, ...]]
+"""What a sandbox runs from a task's image, and the paths that provide it (any one will do)."""
+SANDBOX_NEEDS: tuple[Need, ...] = (
+    ("/bin/sh (the sandbox's shells run every command with it)", ("/bin/sh",)),
+    ("find (a clean verification empties the working directory with it)", ("/usr/bin/find", "/bin/find")),
+)
+"""What every Belayer sandbox needs of an image it did not build itself: the supervisor (PID 1) and its
+tools are Belayer's own static busybox, put in at start, and files move through the engine's archive
+API (no ``tar`` in the image)."""
 
 
 class TaskImageStore(Protocol):
@@ -63,6 +75,24 @@ class TaskImageStore(Protocol):
     def images(self, label: str) -> list[dict[str, Any]]: ...
 
     def remove_image(self, name: str) -> bool: ...
+
+
+class DockerfileStore(TaskImageStore, Protocol):
+    """What a task image built from a Dockerfile needs besides (`DockerSandboxBackend` provides it)."""
+
+    def build_dockerfile(
+        self,
+        name: str,
+        context: bytes,
+        *,
+        labels: dict[str, str],
+        timeout_s: float = 600.0,
+        network: bool = False,
+    ) -> str: ...
+
+    def missing_in_image(self, name: str, needs: list[Need]) -> list[str]: ...
+
+    def derive_image(self, name: str, base: str, files: dict[str, Path]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +165,77 @@ def ensure_task_image(
     return TaskImage(name, False, time.monotonic() - started, output)
 
 
+def ensure_dockerfile_image(
+    store: DockerfileStore,
+    task: str,
+    context: list[tuple[str, bytes, int]],
+    *,
+    dockerfile: str = "Dockerfile",
+    where: str = "environment/Dockerfile",
+    base_images: Mapping[str, str] | None = None,
+    timeout_s: float = 600.0,
+    network: bool = False,
+    needs: tuple[Need, ...] = SANDBOX_NEEDS,
+) -> TaskImage:
+    """The task's image built by ``docker build`` of `context` (files relative to the build context,
+    `dockerfile` among them), found by its content hash or built now.
+
+    Offline first: every image the Dockerfile builds from (`sandbox.dockerfiles`), after the operator's
+    `base_images` mapping (``NAME`` → a local image), must be on the engine, or nothing is built and the
+    error says how to provide it; the engine never asks a registry. The key hashes those images' ids, the
+    mapped Dockerfile and every context file, so a new mapping or a changed base is a new image. The
+    builder's ``RUN`` steps have no network unless `network`. A new image that lacks one of `needs`
+    (`SANDBOX_NEEDS`, plus e.g. the test script's interpreter) is removed again and refused by name."""
+    from sandbox.dockerfiles import map_bases, missing_base_message
+
+    started = time.monotonic()
+    files = {path: (data, mode) for path, data, mode in context}
+    if dockerfile not in files:
+        raise TaskError(f"task {task}: {where} is missing")
+    mapped, bases = map_bases(files[dockerfile][0].decode(errors="replace"), base_images or {})
+    missing = [b for b in bases if not store.has_image(b)]
+    if missing:
+        raise ImageBuildError(missing_base_message(task, where, missing))
+    files[dockerfile] = (mapped.encode(), files[dockerfile][1])
+    tree = [(p, d, m) for p, (d, m) in files.items()]
+    key = task_image_key("\0".join(store.image_id(b) for b in bases), "dockerfile:" + dockerfile, tree, [])
+    name = task_image_name(task, key)
+    if store.has_image(name):
+        return TaskImage(name, True, time.monotonic() - started)
+    labels = {TASK_LABEL: task, HASH_LABEL: key, "belayer.task.base": ",".join(bases)}
+    output = store.build_dockerfile(
+        name, context_tar(tree), labels=labels, timeout_s=timeout_s, network=network
+    )
+    lacks = store.missing_in_image(name, list(needs))
+    if lacks:
+        store.remove_image(name)
+        raise ImageBuildError(
+            f"task {task}: its image (from {where}) lacks {'; '.join(lacks)}; install it in the Dockerfile or "
+            "build from a base image that has it"
+        )
+    return TaskImage(name, False, time.monotonic() - started, output)
+
+
+def ensure_harness_layer(
+    store: DockerfileStore, task: str, base: str, harness: str, version: str, files: dict[str, Path]
+) -> TaskImage:
+    """Task image `base` plus a harness's files (container path → host file), for a harness that runs
+    inside the sandbox of a task that brings its own image (a Harbor task); keyed by the base's id, the
+    harness and its version."""
+    started = time.monotonic()
+    key = task_image_key(store.image_id(base), f"harness:{harness}:{version}", [], sorted(files))
+    name = task_image_name(task, key)
+    if store.has_image(name):
+        return TaskImage(name, True, time.monotonic() - started)
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        raise ImageBuildError(
+            f"cannot add {harness} {version} to {base}: missing {missing}; install it first"
+        )
+    store.derive_image(name, base, files)
+    return TaskImage(name, False, time.monotonic() - started)
+
+
 def check_setup_caps(task: str, asked: Collection[str], allowed: Collection[str] = ()) -> None:
     """Refuse a task's setup capabilities outside `SETUP_CAPS` and the operator's `allowed` (names as
     Docker takes them, with or without ``CAP_``, in any case).
@@ -195,5 +296,16 @@ def repository_tar(files: list[tuple[str, bytes, int]], workdir: str) -> bytes:
         for path, data, mode in sorted(files):
             info = tarfile.TarInfo(f"{root}/{path}")
             info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def context_tar(files: list[tuple[str, bytes, int]]) -> bytes:
+    """A build context: `files` under their relative paths (dated 0: the same files, the same tar)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path, data, mode in sorted(files):
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), mode
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()

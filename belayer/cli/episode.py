@@ -1,5 +1,7 @@
 """``belayer run-episode``: one real harness episode on a task directory through a running gateway,
 then the task's verifier (`harness_adapters.episode`); forked at a turn into siblings with ``--fork-at``.
+A Harbor-format task (``task.toml``) works too (`harness_adapters.harbor_task`), with ``--harness oracle``
+for its reference solution, ``--base-image`` for its Dockerfile offline and ``--verify clean|shared``.
 
 Example::
 
@@ -13,17 +15,21 @@ import json
 import os
 import sys
 
-from belayer.cli.task import add_allow_setup_cap
+from belayer.cli.task import add_allow_setup_cap, add_harbor_image_flags
 
 
 def add_arguments(r: argparse.ArgumentParser) -> None:
     """The flags of ``belayer run-episode``."""
     r.add_argument(
-        "--harness", required=True, help="claude-code | codex | mini-swe-agent | opencode | openhands"
-    )
+        "--harness", required=True,
+        help="claude-code | codex | mini-swe-agent | opencode | openhands | oracle (a Harbor task's "
+        "solution/solve.sh, no model)",
+    )  # fmt: skip
     r.add_argument(
-        "--task", required=True, help="directory with instruction.md, repo/, verify.sh (+ tests/, task.json)"
-    )
+        "--task", required=True,
+        help="a task directory: Belayer's (instruction.md, repo/, verify.sh, + tests/, task.json) or Harbor's "
+        "(task.toml, instruction.md, environment/, tests/test.sh, solution/)",
+    )  # fmt: skip
     r.add_argument("--gateway", default="http://127.0.0.1:8000", help="a running `belayer serve --sandboxes`")
     r.add_argument("--model", default="policy", help="the served model name the harness asks for")
     where = r.add_mutually_exclusive_group()
@@ -46,12 +52,19 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--siblings", type=int, default=2, metavar="N", help="how many siblings a fork makes")
     add_allow_setup_cap(r)
+    add_harbor_image_flags(r)
+    r.add_argument(
+        "--verify", choices=["clean", "shared"],
+        help="clean (default): the tests run on a copy of the agent's working directory in a new sandbox from "
+        "the clean image, so nothing the agent left elsewhere counts; shared: in the agent's own sandbox, as "
+        "Harbor runs them. Over the task's [metadata] belayer_verify",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from core.errors import HarnessError, TaskError
+    from core.errors import HarnessError, ImageBuildError, TaskError
     from harness_adapters.episode import EpisodeRunner, Task
     from harness_adapters.registry import adapter
 
@@ -64,12 +77,13 @@ def run(args: argparse.Namespace) -> int:
         token = os.environ.get("BELAYER_API_TOKEN")  # the gateway's --api-token, if it has one
         runner = EpisodeRunner(
             args.gateway, harness, progress=progress, api_token=token,
-            allow_setup_caps=tuple(args.allow_setup_cap),
+            allow_setup_caps=tuple(args.allow_setup_cap), base_images=dict(args.base_image), verify=args.verify,
+            build_network=args.build_network,
         )  # fmt: skip
         report = runner.run(
             task, inside=args.inside, keep=args.keep, fork_at=args.fork_at, siblings=args.siblings
         )
-    except (TaskError, HarnessError) as exc:
+    except (TaskError, HarnessError, ImageBuildError) as exc:
         print(f"belayer run-episode: {exc}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=1)
@@ -77,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out).write_text(text + "\n")
     print(text)
     progress(
-        f"verified={report['verified']} turns={report['turns']} prefix_reuse={report['prefix_reuse']} "
+        f"verified={report['verified']} reward={report['reward']} verify={report['verify_mode']} "
+        f"turns={report['turns']} prefix_reuse={report['prefix_reuse']} "
         f"branches={report['branches']} failovers={report['failovers']}"
     )
     for sibling in report.get("fork", {}).get("siblings", []):

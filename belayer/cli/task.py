@@ -1,12 +1,14 @@
 """``belayer task build DIR`` and ``belayer task prune``: the cached task images (`sandbox.task_images`).
 
-``build`` builds a task's environment image (its base image, repo/ and task.json's ``setup`` steps)
+``build`` builds a task's environment image (its base image, repo/ and task.json's ``setup`` steps; for a
+Harbor task, ``docker build`` of environment/ with its base images found here first: `sandbox.dockerfiles`)
 unless one with the same content hash exists, and prints its name; ``run-episode`` then starts from it.
 ``prune`` removes task images beyond the ``--keep`` newest and those older than ``--older-than``.
 
 Example::
 
     belayer task build tasks/fix-greet                 # belayer-task:fix-greet-3f1c…  built in 2.1s
+    belayer task build harbor/hello --base-image ubuntu:24.04=belayer-sandbox-python
     belayer task prune --keep 50 --older-than 14d
 """
 
@@ -26,10 +28,14 @@ def add_arguments(
     t = sub.add_parser("task", help="task images: build once, reuse in every episode")
     tsub = t.add_subparsers(dest="task_command", required=True)
     b = tsub.add_parser("build", help="build a task's environment image (cached by content hash)")
-    b.add_argument("dir", help="the task directory (instruction.md, repo/, verify.sh, task.json)")
+    b.add_argument(
+        "dir",
+        help="the task directory: Belayer's (instruction.md, repo/, verify.sh, task.json) or Harbor's (task.toml)",
+    )
     b.add_argument("--harness", help="build on this harness's image (one that runs inside the sandbox)")
     b.add_argument("--cache", default=".cache/harness", help="where harnesses are installed")
     add_allow_setup_cap(b)
+    add_harbor_image_flags(b)
     leaf(b, _build)
     p = tsub.add_parser("prune", help="remove old task images")
     p.add_argument("--keep", type=int, default=20, help="keep this many of the newest (default 20)")
@@ -52,9 +58,33 @@ def add_allow_setup_cap(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_harbor_image_flags(p: argparse.ArgumentParser) -> None:
+    """``--base-image NAME=LOCAL`` and ``--build-network``: how a Harbor task's Dockerfile is built here."""
+    p.add_argument(
+        "--base-image", action="append", default=[], metavar="NAME=LOCAL", type=base_image,
+        help="build a Harbor task's Dockerfile FROM the local image LOCAL where it says FROM NAME (e.g. "
+        "ubuntu:24.04=belayer-sandbox-python); repeatable, part of the image's cache key. Belayer never "
+        "pulls: a base image that is neither here nor mapped is an error that names it",
+    )  # fmt: skip
+    p.add_argument(
+        "--build-network", action="store_true",
+        help="give a Harbor Dockerfile's RUN steps the network while it is built (default: none)",
+    )  # fmt: skip
+
+
+def base_image(text: str) -> tuple[str, str]:
+    """``NAME=LOCAL`` as a pair (argparse's type for ``--base-image``)."""
+    name, sep, local = text.partition("=")
+    if not sep or not name.strip() or not local.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=LOCAL (e.g. ubuntu:24.04=belayer-sandbox-python)"
+        )
+    return name.strip(), local.strip()
+
+
 def _build(args: argparse.Namespace) -> int:
     from core.errors import HarnessError, ImageBuildError, TaskError
-    from harness_adapters.episode import EpisodeRunner, Task, build_task_image
+    from harness_adapters.episode import EpisodeRunner, Task, build_harbor_image, build_task_image
     from harness_adapters.registry import adapter
 
     try:
@@ -62,8 +92,13 @@ def _build(args: argparse.Namespace) -> int:
         if args.harness:
             harness = adapter(args.harness, Path(args.cache))
             harness.install()
-            runner = EpisodeRunner("http://unused", harness, allow_setup_caps=tuple(args.allow_setup_cap))
+            runner = EpisodeRunner(
+                "http://unused", harness, allow_setup_caps=tuple(args.allow_setup_cap),
+                base_images=dict(args.base_image), build_network=args.build_network,
+            )  # fmt: skip
             image = runner.task_image(task, inside=True)
+        elif task.harbor is not None:
+            image = build_harbor_image(task, dict(args.base_image), network=args.build_network)
         else:
             image = build_task_image(task, allow_caps=tuple(args.allow_setup_cap))
     except (TaskError, HarnessError, ImageBuildError) as exc:

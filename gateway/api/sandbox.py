@@ -16,7 +16,9 @@ The trainer's routes, under ``/api/`` (behind the API token, `gateway.http.acces
     POST   /api/sessions/{id}/sandbox/checkpoints   checkpoint now
     POST   /api/sessions/{id}/sandbox/restore       {"checkpoint_id"?}: newest when absent
     POST   /api/sessions/{id}/sandbox/verify        {"files": [{"path", "content" (base64), "mode"?}], ...}:
-                                                    the verify stage (`sandbox.sessions.verify`)
+                                                    the verify stage (`sandbox.sessions.verify`); "format":
+                                                    belayer | harbor (reward files), "mode": clean |
+                                                    shared; answers the verdict, "reward" and "rewards"
 
 The harness's routes, under the session's capability URL (no token: the session id is the capability,
 as for ``/s/{id}/v1/*``), for a harness beside its sandbox that runs its tool calls there: the same
@@ -58,7 +60,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -68,7 +70,7 @@ from engine_pool.pool import EnginePool
 from gateway.gateway import Gateway, gateway_of
 from gateway.http.access import SANDBOX_SCOPE_KEY
 from gateway.http.bodies import read_json, validate
-from sandbox.backend import SandboxBackend, SandboxSpec
+from sandbox.backend import SandboxBackend, SandboxSpec, check_env_name
 from sandbox.config import SandboxConfig
 from sandbox.sessions.manager import SandboxManager
 from sandbox.sessions.verify import VerifyPlan
@@ -173,8 +175,12 @@ class TaskFile(BaseModel):
 
 
 class VerifyRequest(BaseModel):
-    """The verify stage: `files` go to /belayer-verify (``verify.sh`` required: the verifier; e.g.
-    ``tests/...``: hidden tests); `originals` are the task's own versions of the protected files."""
+    """The verify stage. ``format="belayer"``: `files` go to /belayer-verify (``verify.sh`` required: the
+    verifier, its exit code the verdict; e.g. ``tests/...``: hidden tests); ``format="harbor"``: `files`
+    go to /tests (``test.sh`` required), and the reward is read from /logs/verifier/reward.json or
+    reward.txt. `originals` are the task's own versions of the protected files. ``mode="clean"`` judges a
+    copy of the working directory in a new sandbox from the clean image; ``"shared"`` runs the verifier in
+    the agent's own sandbox (Harbor's way; no protected paths). `env`: the verifier's variables."""
 
     model_config = ConfigDict(extra="forbid")
     files: list[TaskFile] = Field(min_length=1)
@@ -184,6 +190,18 @@ class VerifyRequest(BaseModel):
     timeout_s: float = Field(default=300.0, gt=0, le=3600)
     image: str | None = None
     keep_sandbox: bool = False
+    format: Literal["belayer", "harbor"] = "belayer"
+    mode: Literal["clean", "shared"] = "clean"
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            check_env_name(name)
+            if "\0" in text:
+                raise ValueError(f"the value of {name} holds a NUL byte")
+        return value
 
 
 def _decoded(files: list[TaskFile], param: str) -> dict[str, tuple[bytes, int]]:
@@ -344,11 +362,20 @@ async def verify(request: Request) -> Response:
     gateway_of(request).sessions.get_open(sid)
     req = validate(VerifyRequest, await _body(request))
     files = _decoded(req.files, "files")
-    if "verify.sh" not in files:
-        raise InvalidRequest("'files' must hold verify.sh", "files", "invalid_value")
+    script = "verify.sh" if req.format == "belayer" else "test.sh"
+    if script not in files:
+        raise InvalidRequest(f"'files' must hold {script} (format {req.format})", "files", "invalid_value")
+    if req.mode == "shared" and (req.originals or req.protected_paths or req.image):
+        raise InvalidRequest(
+            "mode 'shared' runs the verifier in the agent's own sandbox: no originals, protected_paths or "
+            "image there (use mode 'clean')",
+            "mode",
+            "invalid_value",
+        )
     plan = VerifyPlan(
         files=files, originals=_decoded(req.originals, "originals"), protected=tuple(req.protected_paths),
         on_tamper=req.on_tamper, timeout_s=req.timeout_s, image=req.image, keep_agent_sandbox=req.keep_sandbox,
+        format=req.format, mode=req.mode, env=req.env,
     )  # fmt: skip
     outcome = await manager.verify(sid, plan)
     body = {**outcome.summary(), "output": outcome.output, "changes": [c.as_json() for c in outcome.changes]}

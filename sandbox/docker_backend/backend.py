@@ -245,6 +245,30 @@ class DockerSandboxBackend(SandboxBackend):
             cap_add=cap_add,
         )  # fmt: skip
 
+    def build_dockerfile(
+        self,
+        name: str,
+        context: bytes,
+        *,
+        labels: dict[str, str],
+        timeout_s: float = 600.0,
+        network: bool = False,
+    ) -> str:
+        """``docker build`` of the build context `context` (a tar holding ``Dockerfile``) as image `name`
+        with `labels`; returns the builder's output. Never pulls (the caller checked every base image:
+        `sandbox.dockerfiles`); its ``RUN`` steps have no network unless `network`."""
+        return self._images.build_dockerfile(
+            name, context, labels=labels, timeout_s=timeout_s, network=network
+        )
+
+    def missing_in_image(self, name: str, needs: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+        """What of `needs` (what, alternative absolute paths) image `name` lacks (none of the paths is in it)."""
+        return self._images.missing(name, needs)
+
+    def image_workdir(self, name: str) -> str:
+        """Image `name`'s ``WORKDIR`` ("" when it sets none)."""
+        return self._images.workdir_of(name)
+
     def save_image(self, name: str, out: IO[bytes]) -> None:
         """``docker save`` image `name` into `out` (for another engine's `load_image`)."""
         self._images.save(name, out)

@@ -8,16 +8,17 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+import time
 from pathlib import Path
 from typing import IO, Any
 
 import docker.errors
 import requests
 
-from core.errors import ImageBuildError
+from core.errors import ImageBuildError, SandboxUnavailable
 from sandbox.backend import SandboxSpec
 from sandbox.docker_backend.containers import Containers
-from sandbox.docker_backend.engine import DockerEngine, docker_errors
+from sandbox.docker_backend.engine import DockerEngine, docker_errors, raise_for_status
 
 
 class Images:
@@ -145,6 +146,61 @@ class Images:
             finally:
                 self._api.remove_container(container["Id"], force=True)
         return logs
+
+    def build_dockerfile(
+        self, name: str, context: bytes, *, labels: dict[str, str], timeout_s: float, network: bool
+    ) -> str:
+        """See `DockerSandboxBackend.build_dockerfile`."""
+        started, lines = time.monotonic(), list[str]()
+        try:
+            with docker_errors(ImageBuildError):
+                stream = self._api.build(
+                    fileobj=io.BytesIO(context), custom_context=True, tag=name, labels=labels, rm=True,
+                    forcerm=True, pull=False, decode=True, timeout=timeout_s, use_config_proxy=False,
+                    network_mode="default" if network else "none",
+                )  # fmt: skip
+                for chunk in stream:
+                    if "error" in chunk:
+                        raise ImageBuildError(
+                            f"building {name}: {str(chunk['error']).strip()}\n{''.join(lines)[-2000:]}"
+                        )
+                    lines.append(str(chunk.get("stream", "")))
+                    if time.monotonic() - started > timeout_s:
+                        raise ImageBuildError(f"building {name}: ran over {timeout_s:g}s")
+        except (requests.exceptions.ReadTimeout, SandboxUnavailable) as exc:
+            if time.monotonic() - started < timeout_s:
+                raise
+            raise ImageBuildError(f"building {name}: ran over {timeout_s:g}s") from exc
+        if not self.has(name):
+            raise ImageBuildError(
+                f"building {name}: the build ended without an image\n{''.join(lines)[-2000:]}"
+            )
+        return "".join(lines)
+
+    def missing(self, name: str, needs: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+        """What of `needs` (what, alternative paths) image `name` lacks: none of its paths is there. The
+        image's files are looked at in a container created from it and never started."""
+        with docker_errors(ImageBuildError):
+            container = self._api.create_container(name, command=["true"], labels={"belayer": "image-probe"})
+            try:
+                return [
+                    what for what, paths in needs if not any(self._exists(container["Id"], p) for p in paths)
+                ]
+            finally:
+                self._api.remove_container(container["Id"], force=True)
+
+    def workdir_of(self, name: str) -> str:
+        """Image `name`'s ``WORKDIR`` ("" when it sets none)."""
+        with docker_errors():
+            return str(self._engine.inspect_image(name)["Config"].get("WorkingDir") or "")
+
+    def _exists(self, container: str, path: str) -> bool:
+        url = self._engine.container_url(container, "archive")
+        response = self._api.head(url, params={"path": path}, timeout=self._engine.config.api_timeout_s)
+        if response.status_code == 404:
+            return False
+        raise_for_status(response)
+        return True
 
     def _import(self, stream: io.BufferedIOBase, name: str, changes: list[str]) -> None:
         chunks = iter(lambda: stream.read(1 << 20), b"")

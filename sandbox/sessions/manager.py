@@ -343,18 +343,24 @@ class SandboxManager:
     async def verify(self, session_id: str, plan: VerifyPlan) -> VerifyOutcome:
         """The verify stage (`sandbox.sessions.verify`): copy the agent's working directory out with its
         processes frozen, destroy its sandbox (unless `plan.keep_agent_sandbox`), and judge the copy
-        in a new sandbox from the clean image. Only ``protected_path_modified`` events are recorded."""
+        in a new sandbox from the clean image; with ``plan.mode == "shared"``, run the verifier in the
+        agent's sandbox itself first. Only ``protected_path_modified`` events are recorded."""
         slot = self._slots.require(session_id)
         async with slot.lock:
             box = slot.live()
             spec = slot.spec
-            agent_tar = await self._verify.copy_out(session_id, box, spec.workdir)
+            if plan.mode == "shared":  # Harbor's way: in the agent's own sandbox, then as below
+                outcome = await self._verify.shared(box, spec, plan, plan.keep_agent_sandbox)
+            else:
+                agent_tar = await self._verify.copy_out(session_id, box, spec.workdir)
             if not plan.keep_agent_sandbox:
                 self._slots.remove(slot)
                 await self._lifecycle.drop(slot)
                 await self._checkpointer.delete_all(session_id, slot.history.release())
         if not plan.keep_agent_sandbox:
             self._events.add(session_id, None, "sandbox_destroyed", {"sandbox_id": box, "stage": "verify"})
+        if plan.mode == "shared":
+            return outcome
         return await self._verify.judge(session_id, spec, plan, agent_tar, plan.keep_agent_sandbox)
 
     # ------------------------------------------------------------------ TurnObserver: the bubble

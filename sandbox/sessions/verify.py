@@ -38,6 +38,8 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import io
+import json
+import math
 import posixpath
 import shlex
 import tarfile
@@ -47,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
-from core.errors import SandboxError, SandboxTimeout
+from core.errors import SandboxError, SandboxFileNotFound, SandboxTimeout
 from sandbox.backend import ExecResult, SandboxSpec, tar_chunks
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.records import EventLog
@@ -74,6 +76,14 @@ DIFF_MAX_BYTES = 1 << 20
 """A protected file's diff is counted when both versions are at most this size (else ``diff_lines`` is
 -1)."""
 OnTamper = Literal["reset", "fail"]
+VerifyFormat = Literal["belayer", "harbor"]
+VerifyMode = Literal["clean", "shared"]
+TESTS_DIR = "/tests"
+LOGS_DIRS = ("/logs/agent", "/logs/verifier", "/logs/artifacts")
+REWARD_JSON = "/logs/verifier/reward.json"
+REWARD_TEXT = "/logs/verifier/reward.txt"
+REWARD_MAX_BYTES = 64 * 1024
+"""A reward file larger than this is not read (an error in the verdict)."""
 Change = Literal["modified", "deleted", "added"]
 
 
@@ -93,6 +103,14 @@ class VerifyPlan:
     """The clean image to verify in; None: the image the agent's sandbox was created from."""
     keep_agent_sandbox: bool = False
     max_output_bytes: int = 1 << 20
+    format: VerifyFormat = "belayer"
+    """belayer: `files` under ``/belayer-verify``, ``verify.sh``'s exit code is the verdict; harbor: `files`
+    under ``/tests``, ``test.sh`` runs, and the reward is read from ``/logs/verifier`` (`read_rewards`)."""
+    mode: VerifyMode = "clean"
+    """clean: in a new sandbox from the clean image, on a copy of the working directory; shared: in the
+    agent's own sandbox, as Harbor runs its verifier (no protected paths there)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables the verifier runs with (Harbor's ``[verifier].env``), on top of the image's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +145,12 @@ class VerifyOutcome:
     """Why the verifier did not run, when it was for want of a verdict: ``workspace_too_large``."""
     limits: dict[str, int] = field(default_factory=dict)
     """With `reason`: the figures behind it (``workspace_bytes`` read, ``max_workspace_bytes``)."""
+    reward: float = 0.0
+    """The RL reward: 1.0 or 0.0 by `verified` (belayer), or the reward files' (harbor; 0.0 on an error)."""
+    rewards: dict[str, float] | None = None
+    """Harbor's reward files, every key (None: belayer, or no valid file)."""
+    format: VerifyFormat = "belayer"
+    mode: VerifyMode = "clean"
 
     def summary(self) -> dict[str, Any]:
         """The verdict without the verifier's output (for the reward)."""
@@ -134,6 +158,7 @@ class VerifyOutcome:
             "verified": self.verified, "exit_code": self.exit_code, "timed_out": self.timed_out,
             "tamper_action": self.action, "protected_paths_modified": [c.path for c in self.changes],
             "seconds": round(self.seconds, 3), "reason": self.reason, **self.limits,
+            "reward": self.reward, "rewards": self.rewards, "format": self.format, "mode": self.mode,
         }  # fmt: skip
 
 
@@ -401,7 +426,7 @@ class VerifyStage:
         started = time.monotonic()
         try:
             if copy.too_large:
-                return _too_large(copy, spec.workdir, time.monotonic() - started, kept)
+                return _too_large(copy, spec.workdir, time.monotonic() - started, kept, plan)
             tree = await self.io.op(AgentTree, copy.tar, spec.workdir)  # reads the file: off the loop
             changes = await self.io.op(protect, tree, plan.originals, plan.protected)
             action: Literal["none", "reset", "fail"] = "none" if not changes else plan.on_tamper
@@ -409,56 +434,225 @@ class VerifyStage:
                 data = {**change.as_json(), "action": plan.on_tamper}
                 self.events.add(session_id, None, "protected_path_modified", data)
             if action == "fail":
-                return VerifyOutcome(
-                    False, None, "", False, tuple(changes), action, time.monotonic() - started, kept
-                )
+                return _outcome(_Verdict(False, None, "", False), plan, changes, action, started, kept)
             workspace = write_tree(tree, spec.workdir, plan.originals, plan.protected)
-            verified, code, output, timed_out = await self._run(spec, plan, workspace)
-            return VerifyOutcome(
-                verified, code, output, timed_out, tuple(changes), action, time.monotonic() - started, kept
-            )
+            verdict = await self._run(spec, plan, workspace)
+            return _outcome(verdict, plan, changes, action, started, kept)
         finally:
             copy.close()
 
-    async def _run(
-        self, agent_spec: SandboxSpec, plan: VerifyPlan, workspace: Iterator[bytes]
-    ) -> tuple[bool, int | None, str, bool]:
+    async def shared(self, box: str, spec: SandboxSpec, plan: VerifyPlan, kept: bool) -> VerifyOutcome:
+        """Run the verifier in the agent's own sandbox `box`, as Harbor does (``mode="shared"``): what the
+        agent left there (its processes, files outside the working directory) is still there."""
+        started = time.monotonic()
+        verdict = await self._execute(box, spec.workdir, plan)
+        return _outcome(verdict, plan, [], "none", started, kept)
+
+    async def _run(self, agent_spec: SandboxSpec, plan: VerifyPlan, workspace: Iterator[bytes]) -> _Verdict:
         backend = self.io.backend
         spec = SandboxSpec(
             image=plan.image or agent_spec.image, workdir=agent_spec.workdir, network="none",
             memory_bytes=agent_spec.memory_bytes, pids_limit=agent_spec.pids_limit, cpus=agent_spec.cpus,
             labels={**self.labels, "belayer.stage": "verify"},
+            env=agent_spec.env if plan.format == "harbor" else {},
         )  # fmt: skip
         box = await self.io.op(backend.create, spec)
         try:
             clear = f"find {shlex.quote(spec.workdir)} -mindepth 1 -delete"
             await self.io.op(backend.exec, box.id, clear, timeout_s=120)
             await self.io.op(backend.extract, box.id, workspace)
-            await self.io.op(backend.extract, box.id, verifier_tar(plan.files))
-            command = verify_command(spec.workdir)
-
-            def run(sandbox_id: str) -> ExecResult:
-                return backend.exec(
-                    sandbox_id, command, timeout_s=plan.timeout_s, session="verify",
-                    max_output_bytes=plan.max_output_bytes,
-                )  # fmt: skip
-
-            try:
-                result = await self.io.call(run, box.id, long=True, deadline=plan.timeout_s + 60)
-            except (SandboxTimeout, TimeoutError) as exc:
-                note = f"\n[belayer] the verifier ran over its time limit ({plan.timeout_s:g}s)"
-                return False, None, getattr(exc, "stdout", "") + note, True
-            return result.exit_code == 0, result.exit_code, result.stdout + result.stderr, False
+            return await self._execute(box.id, spec.workdir, plan)
         finally:
             await self.io.op(backend.destroy, box.id)
 
+    async def _execute(self, box: str, workdir: str, plan: VerifyPlan) -> _Verdict:
+        """Put the verifier's files in `box` (which holds the working directory to judge) and run it."""
+        backend = self.io.backend
+        if plan.format == "belayer":
+            await self.io.op(backend.extract, box, verifier_tar(plan.files))
+            code, output, timed_out = await self._exec(box, verify_command(workdir), plan)
+            return _Verdict(code == 0, code, output, timed_out)
+        # Harbor: stale reward files go first (the agent may have written some), then the tests
+        cleared = await self.io.op(backend.exec, box, f"rm -f {REWARD_JSON} {REWARD_TEXT}", timeout_s=60)
+        if cleared.exit_code != 0:
+            note = f"[belayer] could not remove stale reward files: {cleared.stdout}{cleared.stderr}"
+            return _Verdict(False, None, note, False, reason="reward_file_invalid")
+        await self.io.op(backend.extract, box, harbor_tests_tar(plan.files))
+        code, output, timed_out = await self._exec(box, f"{TESTS_DIR}/test.sh", plan, cwd=workdir)
+        if timed_out:
+            return _Verdict(False, None, output, True, reason="verifier_timed_out")
+        try:
+            found = (await self._reward_file(box, REWARD_JSON), await self._reward_file(box, REWARD_TEXT))
+            reward, rewards = read_rewards(*found)
+        except RewardFileError as exc:
+            note = f"\n[belayer] no reward: {exc}"
+            return _Verdict(False, code, output + note, False, reason=exc.reason, rewards=exc.rewards)
+        return _Verdict(reward >= 1.0, code, output, False, reward=reward, rewards=rewards)
 
-def _too_large(copy: WorkspaceCopy, workdir: str, seconds: float, kept: bool) -> VerifyOutcome:
+    async def _exec(
+        self, box: str, command: str, plan: VerifyPlan, cwd: str | None = None
+    ) -> tuple[int | None, str, bool]:
+        backend = self.io.backend
+
+        def run(sandbox_id: str) -> ExecResult:
+            return backend.exec(
+                sandbox_id, command, timeout_s=plan.timeout_s, session="verify", cwd=cwd,
+                env=dict(plan.env) or None, max_output_bytes=plan.max_output_bytes,
+            )  # fmt: skip
+
+        try:
+            result = await self.io.call(run, box, long=True, deadline=plan.timeout_s + 60)
+        except (SandboxTimeout, TimeoutError) as exc:
+            note = f"\n[belayer] the verifier ran over its time limit ({plan.timeout_s:g}s)"
+            return None, getattr(exc, "stdout", "") + note, True
+        return result.exit_code, result.stdout + result.stderr, False
+
+    async def _reward_file(self, box: str, path: str) -> bytes | None:
+        """The file at `path` in `box`, read through the engine's archive (no tool of the image); None
+        when there is none."""
+        buf = io.BytesIO()
+        try:
+            size = await self.io.op(
+                self.io.backend.archive, box, path, buf, max_bytes=REWARD_MAX_BYTES + 4096
+            )
+        except SandboxFileNotFound:
+            return None
+        if size > REWARD_MAX_BYTES + 4096:
+            raise RewardFileError("reward_file_invalid", f"{path} is over {REWARD_MAX_BYTES} bytes")
+        buf.seek(0)
+        with tarfile.open(fileobj=buf, mode="r:") as tar:
+            member = tar.next()
+            if member is None:
+                return None
+            stream = tar.extractfile(member) if member.isreg() else None
+            if stream is None:
+                raise RewardFileError("reward_file_invalid", f"{path} is not a regular file")
+            return stream.read()
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    verified: bool
+    exit_code: int | None
+    output: str
+    timed_out: bool
+    reward: float | None = None
+    rewards: dict[str, float] | None = None
+    reason: str | None = None
+
+
+def _outcome(
+    verdict: _Verdict,
+    plan: VerifyPlan,
+    changes: list[ProtectedChange],
+    action: Literal["none", "reset", "fail"],
+    started: float,
+    kept: bool,
+) -> VerifyOutcome:
+    reward = verdict.reward if verdict.reward is not None else (1.0 if verdict.verified else 0.0)
+    return VerifyOutcome(
+        verdict.verified, verdict.exit_code, verdict.output, verdict.timed_out, tuple(changes), action,
+        time.monotonic() - started, kept, reason=verdict.reason, reward=reward, rewards=verdict.rewards,
+        format=plan.format, mode=plan.mode,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- Harbor's reward files
+class RewardFileError(ValueError):
+    """The reward files give no reward; `reason` says which way (``no_reward_file``,
+    ``reward_file_invalid``, ``no_reward_key``)."""
+
+    def __init__(self, reason: str, message: str, rewards: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.rewards = rewards
+
+
+def read_rewards(json_data: bytes | None, text_data: bytes | None) -> tuple[float, dict[str, float]]:
+    """The RL reward and every reward, read as Harbor reads ``/logs/verifier``: ``reward.json`` (an object
+    of finite numbers) wins over ``reward.txt`` (one finite number, ``{"reward": x}``); the reward is the
+    ``reward`` key, or the only key. Anything else is a `RewardFileError`.
+
+    >>> read_rewards(b'{"reward": 1, "tests": 0.5}', b"0"), read_rewards(None, b" 0.25\\n")
+    ((1.0, {'reward': 1.0, 'tests': 0.5}), (0.25, {'reward': 0.25}))
+    >>> read_rewards(b'{"score": 3}', None)
+    (3.0, {'score': 3.0})
+    >>> read_rewards(None, b"nan")
+    Traceback (most recent call last):
+    ...
+    sandbox.sessions.verify.RewardFileError: reward.txt holds 'nan', not one finite number
+    """
+    if json_data is not None:
+        return _reward_of(_json_rewards(json_data))
+    if text_data is not None:
+        text = text_data.decode(errors="replace")
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not text.strip() or not math.isfinite(value):
+            raise RewardFileError(
+                "reward_file_invalid", f"reward.txt holds {text[:100]!r}, not one finite number"
+            )
+        return value, {"reward": value}
+    raise RewardFileError("no_reward_file", f"tests/test.sh wrote neither {REWARD_JSON} nor {REWARD_TEXT}")
+
+
+def _json_rewards(data: bytes) -> dict[str, float]:
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RewardFileError("reward_file_invalid", f"reward.json is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise RewardFileError(
+            "reward_file_invalid", f"reward.json holds {type(value).__name__}, not an object"
+        )
+    for key, item in value.items():
+        if isinstance(item, bool) or not isinstance(item, int | float) or not math.isfinite(item):
+            raise RewardFileError(
+                "reward_file_invalid", f"reward.json's {key!r} is {item!r}, not a finite number"
+            )
+    return {str(k): float(v) for k, v in value.items()}
+
+
+def _reward_of(rewards: dict[str, float]) -> tuple[float, dict[str, float]]:
+    if "reward" in rewards:
+        return rewards["reward"], rewards
+    if len(rewards) == 1:
+        return next(iter(rewards.values())), rewards
+    raise RewardFileError(
+        "no_reward_key", f"reward.json has keys {sorted(rewards)} and none is 'reward': which one is the reward?",
+        rewards,
+    )  # fmt: skip
+
+
+def harbor_tests_tar(files: dict[str, tuple[bytes, int]]) -> bytes:
+    """Harbor's tests under ``/tests``, and the empty ``/logs`` directories its scripts write to."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in ("tests", *(d.strip("/") for d in ("/logs", *LOGS_DIRS))):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755 if name == "tests" else 0o777
+            tar.addfile(info)
+        for rel, (data, mode) in sorted(files.items()):
+            clean = posixpath.normpath(rel)
+            if clean.startswith(("/", "..")):
+                raise SandboxError(f"test file {rel!r} is not a relative path inside the task")
+            info = tarfile.TarInfo(f"tests/{clean}")
+            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _too_large(
+    copy: WorkspaceCopy, workdir: str, seconds: float, kept: bool, plan: VerifyPlan
+) -> VerifyOutcome:
     note = (
         f"[belayer] not verified: {workdir} is over sandbox.max_workspace_bytes ({copy.limit} bytes); "
         f"its copy was stopped after {copy.size} bytes"
     )
     limits = {"workspace_bytes": copy.size, "max_workspace_bytes": copy.limit or 0}
     return VerifyOutcome(
-        False, None, note, False, (), "none", seconds, kept, reason="workspace_too_large", limits=limits
-    )
+        False, None, note, False, (), "none", seconds, kept, reason="workspace_too_large", limits=limits,
+        format=plan.format, mode=plan.mode,
+    )  # fmt: skip
