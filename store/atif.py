@@ -62,12 +62,13 @@ class Message:
 # --- requests as messages --------------------------------------------------------------------------------
 
 
-def text_of(content: Any) -> str:
-    """A message's (or tool result's) text: a string as it is, the text parts of a list joined."""
+def text_of(content: Any, sep: str = "") -> str:
+    """A message's (or tool result's) text: a string as it is, the text parts of a list joined with
+    `sep` (as the gateway joins them: ``""`` for OpenAI's parts, newlines for Anthropic's blocks)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
+        return sep.join(
             p["text"] for p in content if isinstance(p, dict) and p.get("type") in TEXT_PARTS and "text" in p
         )
     return ""
@@ -88,14 +89,15 @@ def tool_call(call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:
     return call
 
 
-def _chat_message(m: dict[str, Any]) -> list[Message]:
-    """An OpenAI chat or Anthropic message: Anthropic's ``tool_result`` blocks become tool messages of
-    their own (in block order), its ``tool_use`` blocks tool calls, its ``thinking`` blocks reasoning."""
+def _chat_message(m: dict[str, Any], sep: str = "") -> list[Message]:
+    """An OpenAI chat or Anthropic message (`sep`: ``"\n"``): Anthropic's ``tool_result`` blocks become
+    tool messages of their own (in block order), its ``tool_use`` blocks tool calls, its ``thinking``
+    blocks reasoning."""
     role = "system" if m.get("role") == "developer" else str(m.get("role"))
     content = m.get("content")
     blocks = content if isinstance(content, list) else []
     out: list[Message] = []
-    msg = Message(role, text_of(content), tool_call_id=m.get("tool_call_id"))
+    msg = Message(role, text_of(content, sep), tool_call_id=m.get("tool_call_id"))
     msg.reasoning = m.get("reasoning_content") or m.get("reasoning") or None
     for c in m.get("tool_calls") or []:
         fn = c.get("function") or {}
@@ -109,9 +111,9 @@ def _chat_message(m: dict[str, Any]) -> list[Message]:
             msg.reasoning = (msg.reasoning or "") + str(b.get("thinking", ""))
         elif kind == "tool_result":
             if texts:
-                out.append(Message(role, "".join(texts)))
+                out.append(Message(role, sep.join(texts)))
                 texts = []
-            tool = Message("tool", text_of(b.get("content")), tool_call_id=b.get("tool_use_id"))
+            tool = Message("tool", text_of(b.get("content"), sep), tool_call_id=b.get("tool_use_id"))
             tool.is_error = bool(b.get("is_error"))
             out.append(tool)
         elif kind in TEXT_PARTS:
@@ -119,7 +121,7 @@ def _chat_message(m: dict[str, Any]) -> list[Message]:
     if not out:
         return [msg]
     if texts:
-        out.append(Message(role, "".join(texts)))
+        out.append(Message(role, sep.join(texts)))
     return out
 
 
@@ -138,9 +140,10 @@ def _input_items(items: list[Any]) -> list[Message]:
         if not assistant_side:
             reply = None
             if kind == "function_call_output":
-                out.append(Message("tool", text_of(item.get("output")), tool_call_id=item.get("call_id")))
+                output = text_of(item.get("output"), "\n")
+                out.append(Message("tool", output, tool_call_id=item.get("call_id")))
             elif kind == "message":
-                out += _chat_message(item)
+                out += _chat_message(item, "\n")
             continue
         if reply is None:
             reply = Message("assistant")
@@ -172,17 +175,35 @@ def request_messages(request: dict[str, Any]) -> tuple[list[Message], bool]:
             prompt if isinstance(prompt, str) else prompt[0] if prompt and isinstance(prompt[0], str) else ""
         )
         return [Message("user", text)], False
+    sep = "\n" if is_anthropic(request) else ""
     msgs = [] if not request.get("system") else [Message("system", text_of(request["system"]))]
     for m in request.get("messages") or []:
         if isinstance(m, dict):
-            msgs += _chat_message(m)
+            msgs += _chat_message(m, sep)
     return msgs, False
 
 
-def is_anthropic(request: dict[str, Any]) -> bool:
-    """Whether the request came in Anthropic's shape (its tools have an ``input_schema``): a turn stores
-    its tool calls with OpenAI's ``call_`` ids, and the Anthropic route shows them as ``toolu_``."""
+ANTHROPIC_BLOCKS = frozenset({"tool_use", "tool_result", "thinking", "redacted_thinking"})
+
+
+def anthropic_tools(request: dict[str, Any]) -> bool:
+    """Whether the request's tools are Anthropic's (an ``input_schema``): a turn stores its tool calls
+    with OpenAI's ``call_`` ids, and the Anthropic route shows them as ``toolu_``; a call needs a tool,
+    so the tools' shape says which ids the harness saw."""
     return any(isinstance(t, dict) and "input_schema" in t for t in request.get("tools") or [])
+
+
+def is_anthropic(request: dict[str, Any]) -> bool:
+    """Whether the request came in Anthropic's shape: Anthropic's tools, a top-level ``system``, or
+    content blocks only Anthropic has (a request with none of these reads the same either way)."""
+    if anthropic_tools(request) or "system" in request:
+        return True
+    return any(
+        isinstance(b, dict) and b.get("type") in ANTHROPIC_BLOCKS
+        for m in request.get("messages") or []
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+        for b in m["content"]
+    )
 
 
 def tool_definitions(request: dict[str, Any]) -> list[dict[str, Any]]:
@@ -262,7 +283,7 @@ def agent_step(
 ) -> Step:
     """A generated turn as an agent step: its response, its exact tokens and Belayer's own fields."""
     message = (turn.response or {}).get("message") or {}
-    anthropic = is_anthropic(turn.request)
+    anthropic = anthropic_tools(turn.request)
     calls = []
     for c in message.get("tool_calls") or []:
         call_id = str(c.get("id"))

@@ -161,6 +161,7 @@ async def test_anthropic_tool_use_keeps_its_ids_and_results(gateway: GatewayHarn
         {"type": "tool_result", "tool_use_id": uses[1]["id"], "is_error": True,
          "content": [{"type": "text", "text": "denied"}]},
         {"type": "text", "text": "and?"},
+        {"type": "text", "text": "go on"},
     ]  # fmt: skip
     await ask(
         [*msgs, {"role": "assistant", "content": reply["content"]}, {"role": "user", "content": results}]
@@ -175,7 +176,7 @@ async def test_anthropic_tool_use_keeps_its_ids_and_results(gateway: GatewayHarn
         ("system", "be brief"),
         ("user", "list files"),
         ("agent", turns[0].response["message"]["content"]),  # type: ignore[index]
-        ("user", "and?"),
+        ("user", "and?\ngo on"),  # text blocks joined as the gateway renders them
         ("agent", "Done."),
     ]
     step = trajectory["steps"][2]
@@ -211,6 +212,17 @@ async def test_responses_continued_by_previous_response_id(gateway: GatewayHarne
     assert step["tool_calls"][0]["tool_call_id"] == call["call_id"] == call_ids(turns[0])[0]
     assert step["observation"] == {"results": [{"content": "a.py", "source_call_id": call["call_id"]}]}
     assert trajectory["agent"]["name"] == "codex" and trajectory["agent"]["version"] == "0.1"
+
+
+async def test_a_completion_is_its_prompt_and_the_generated_text(gateway: GatewayHarness) -> None:
+    gateway.queue_replies("four")
+    sid, _ = await gateway.new_session()
+    body = {"model": "policy", "prompt": "2 + 2 =", "max_tokens": 8}
+    assert (await gateway.client.post(f"/s/{sid}/v1/completions", json=body)).status_code == 200
+    [trajectory] = session_trajectories(gateway.gw.store, sid)
+    turns = turns_of(gateway.gw.store, sid)
+    check_tokens(trajectory, turns)
+    assert shape(trajectory) == [("user", "2 + 2 ="), ("agent", "four")]
 
 
 async def test_a_failover_and_its_weight_segments_are_in_extra(rig: Rig) -> None:  # noqa: F811
