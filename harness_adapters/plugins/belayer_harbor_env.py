@@ -9,7 +9,9 @@ only harbor, httpx and the standard library; Belayer's packages are never import
 ``start`` builds the task's image (``environment/Dockerfile``, with the local ``docker build``, tagged
 by the environment's content hash, never pulled) or takes its ``docker_image`` (which must be on the
 gateway's Docker engine already), then creates the session with its sandbox in one call
-(``POST /api/sessions`` with a sandbox spec: the image, workdir, env, cpus, memory). ``exec``,
+(``POST /api/sessions`` with a sandbox spec: the image, env, cpus, memory, and ``/`` as the sandbox's
+workdir, the root of the paths its file API takes: Harbor's files go to /tests, /solution, /logs...).
+``exec``,
 ``upload_*`` and ``download_*`` go through the session's sandbox routes
 (``/api/sessions/{id}/sandbox/{exec,files}``): the gateway journals each call, checkpoints the
 sandbox in the inference bubbles of the session's model calls, and restores it (replaying the calls
@@ -124,6 +126,8 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
         self._defaults = {"memory_mb": memory_mb, "cpus": cpus, "pids_limit": pids_limit}
         self._metadata = metadata or {}
         self._exec_timeout = min(float(exec_timeout_sec), MAX_EXEC_S)
+        self._workdir = "/"
+        """Where commands start: the task's workdir, else its image's WORKDIR."""
         self.belayer_session: str | None = None
         """The Belayer session's id, once `start` has created it."""
         self.sandbox_session_url: str | None = None
@@ -175,9 +179,10 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, force_build: bool) -> None:
         image = await self._image(force_build)
+        self._workdir = self.task_env_config.workdir or await _image_workdir(image)
         spec: dict[str, Any] = {
             "image": image,
-            "workdir": self.task_env_config.workdir or await _image_workdir(image),
+            "workdir": "/",  # where the file API may reach: anywhere
             "env": self._startup_env(),
             "memory_mb": self._effective_memory_mb or self._defaults["memory_mb"],
             "cpus": self._effective_cpus or self._defaults["cpus"],
@@ -203,6 +208,7 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
         self.belayer_session = session["id"]
         self.sandbox_session_url = session["sandbox"].get("gateway_url")
         self.logger.info("Belayer session %s (%s)", session["id"], session["base_url"])
+        await self._check(f"mkdir -p {shlex.quote(self._workdir)}", f"make the workdir {self._workdir}")
         await self.ensure_dirs(self._mount_targets(writable_only=True))
         await self._upload_environment_dir_after_start()
         if self._checkpoint_after_start:
@@ -298,9 +304,7 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
         user: str | int | None = None,
     ) -> ExecResult:
         timeout = min(float(timeout_sec), MAX_EXEC_S) if timeout_sec else self._exec_timeout
-        script = exec_script(
-            command, cwd or self.task_env_config.workdir, self._session_env(env), self._resolve_user(user)
-        )
+        script = exec_script(command, cwd or self._workdir, self._session_env(env), self._resolve_user(user))
         body = {"command": script, "timeout_s": timeout, "max_output_bytes": 16 << 20}
         try:
             r = await self._call("POST", self._sandbox("exec"), body, timeout=timeout + 600)
@@ -319,7 +323,6 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
                 if value == self.gateway or value.startswith(f"{self.gateway}/"):
                     rest = value[len(self.gateway) :]
                     merged[key] = inside + rest if not rest.startswith("/s/") else value
-            merged["BELAYER_SESSION_URL"] = inside
         return merged
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
@@ -375,7 +378,7 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
             tar.extractall(target, filter=transfer_tar_filter)
 
     async def _check(self, command: str, what: str) -> ExecResult:
-        result = await self.exec(command, user="root")
+        result = await self.exec(command, cwd="/", user="root")
         if result.return_code != 0:
             raise RuntimeError(
                 f"could not {what} (exit {result.return_code}): {result.stderr or result.stdout}"
