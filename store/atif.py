@@ -90,10 +90,12 @@ def tool_call(call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:
 
 
 def _chat_message(m: dict[str, Any], sep: str = "") -> list[Message]:
-    """An OpenAI chat or Anthropic message (`sep`: ``"\n"``): Anthropic's ``tool_result`` blocks become
-    tool messages of their own (in block order), its ``tool_use`` blocks tool calls, its ``thinking``
-    blocks reasoning."""
+    """An OpenAI chat or Anthropic message (`sep`: a newline, as the gateway joins a user message's
+    blocks; an assistant's are joined as they are): Anthropic's ``tool_result`` blocks become tool
+    messages of their own (in block order), its ``tool_use`` blocks tool calls, its ``thinking`` blocks
+    reasoning."""
     role = "system" if m.get("role") == "developer" else str(m.get("role"))
+    sep = "" if role == "assistant" else sep
     content = m.get("content")
     blocks = content if isinstance(content, list) else []
     out: list[Message] = []
