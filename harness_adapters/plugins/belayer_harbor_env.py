@@ -66,7 +66,7 @@ import subprocess
 import tarfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 from harbor.agents.terminus_2 import Terminus2
@@ -91,6 +91,9 @@ class BelayerError(RuntimeError):
 
 class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its own venv
     """One Harbor trial's environment: a Belayer session and its sandbox (module docstring)."""
+
+    _builds: ClassVar[dict[str, asyncio.Lock]] = {}
+    """One build per image tag at a time: concurrent trials of a task wait for the first one's."""
 
     def __init__(
         self,
@@ -274,8 +277,9 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
             return docker_image
         name = re.sub(r"[^a-z0-9_.-]+", "-", self.environment_name.lower()).strip("-.") or "task"
         tag = f"{IMAGE_PREFIX}-{name}:{str(self.environment_id)[:16]}"
-        if force_build or not await _has_image(tag):
-            await self._build(tag)
+        async with self._builds.setdefault(tag, asyncio.Lock()):
+            if force_build or not await _has_image(tag):
+                await self._build(tag)
         return tag
 
     async def _build(self, tag: str) -> None:

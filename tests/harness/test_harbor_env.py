@@ -55,7 +55,13 @@ TERMINUS_TURNS = [
     json.dumps({"analysis": "The file holds hello.", "plan": "Done.", "commands": [], "task_complete": True}),
     # (the last turn repeats: terminus-2 asks once more before it ends, and gets task_complete again)
 ]
-TEST_SH = """#!/bin/bash
+PARTS = 20
+"""Files in solution/parts/ and verifier outputs: more than `TAR_ABOVE`, so both travel as one tar.gz."""
+SOLVE_SH = f"""#!/bin/bash
+[ "$(ls /solution/parts | wc -l)" = {PARTS} ] && echo hello > /app/hello.txt
+"""
+TEST_SH = f"""#!/bin/bash
+for i in $(seq -w 1 {PARTS}); do echo "check $i" > /logs/verifier/check-$i.txt; done
 if [ "$(cat /app/hello.txt 2>/dev/null)" = hello ]; then echo 1 > /logs/verifier/reward.txt
 else echo 0 > /logs/verifier/reward.txt; fi
 """
@@ -104,7 +110,10 @@ def write_task(root: Path, python_image: str, *, tmux: bool = False) -> Path:
     dockerfile += ["RUN mkdir -p /app", "WORKDIR /app"]
     (root / "environment" / "Dockerfile").write_text("\n".join(dockerfile) + "\n")
     (root / "tests" / "test.sh").write_text(TEST_SH)
-    (root / "solution" / "solve.sh").write_text("#!/bin/bash\necho hello > /app/hello.txt\n")
+    (root / "solution" / "solve.sh").write_text(SOLVE_SH)
+    (root / "solution" / "parts").mkdir()
+    for i in range(PARTS):
+        (root / "solution" / "parts" / f"{i:02}").write_text(f"part {i}\n")
     for script in (root / "tests" / "test.sh", root / "solution" / "solve.sh"):
         script.chmod(0o755)
     return root
@@ -144,6 +153,11 @@ def harbor_run(harbor: Path, stack: Stack, tmp: Path, task: Path, *args: str) ->
     [path] = jobs.glob("*/*/result.json")
     result: dict[str, Any] = json.loads(path.read_text())
     assert result["exception_info"] is None, (path.parent / "exception.txt").read_text()
+    verifier = path.parent / "verifier"  # downloaded from the sandbox, as one tar.gz
+    assert sorted(p.name for p in verifier.glob("check-*.txt")) == [
+        f"check-{i:02}.txt" for i in range(1, PARTS + 1)
+    ]
+    assert (verifier / "check-07.txt").read_text() == "check 07\n"
     return result
 
 
@@ -179,7 +193,8 @@ def test_oracle_trial_is_a_belayer_session(
     [checkpoint] = [e["data"] for e in traj["events"] if e["kind"] == "sandbox_checkpoint"]
     assert checkpoint["trigger"] == "explicit"  # --ek checkpoint_after_start=true
     writes = [c["args"]["path"] for c in calls(traj) if c["op"] == "write_file"]
-    assert writes == ["/solution/solve.sh", "/logs/agent/oracle.txt", "/tests/test.sh"]
+    assert writes[0].startswith("/tmp/.belayer-upload-") and writes[0].endswith(".tar.gz")  # solution/
+    assert writes[1:] == ["/logs/agent/oracle.txt", "/tests/test.sh"]
     commands = [c["args"]["command"] for c in calls(traj) if c["op"] == "exec"]
     assert any("/solution/solve.sh" in c and "cd -- /app" in c for c in commands)
     assert any("/tests/test.sh" in c for c in commands)
