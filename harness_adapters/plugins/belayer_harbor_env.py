@@ -11,8 +11,7 @@ by the environment's content hash, never pulled) or takes its ``docker_image`` (
 gateway's Docker engine already), then creates the session with its sandbox in one call
 (``POST /api/sessions`` with a sandbox spec: the image, env, cpus, memory, and ``/`` as the sandbox's
 workdir, the root of the paths its file API takes: Harbor's files go to /tests, /solution, /logs...).
-``exec``,
-``upload_*`` and ``download_*`` go through the session's sandbox routes
+``exec``, ``upload_*`` and ``download_*`` go through the session's sandbox routes
 (``/api/sessions/{id}/sandbox/{exec,files}``): the gateway journals each call, checkpoints the
 sandbox in the inference bubbles of the session's model calls, and restores it (replaying the calls
 since the checkpoint) when it fails. ``stop`` gives the session the trial's reward (the verifier's
@@ -30,7 +29,7 @@ has no bash), so its ``cd`` and variables do not leak into the next one, as with
   ``BELAYER_SESSION_URL`` for their session. The variables Harbor passes to an ``exec`` win over the
   container's, so any of their values that starts with the gateway's own URL (give Harbor
   ``--base-url <gateway>/v1``, or ``--ae OPENAI_BASE_URL=<gateway>/v1``) is rewritten to the session's
-  in-sandbox URL, and ``BELAYER_SESSION_URL`` is always set;
+  in-sandbox URL;
 - an agent on the host that calls the model itself (terminus-2): `BelayerTerminus2`, terminus-2 whose
   LiteLLM client is pointed at the trial's ``{gateway}/s/{id}/v1`` before it runs
   (``--agent belayer_harbor_env:BelayerTerminus2 --model openai/policy``). Any other host-side agent can
@@ -43,7 +42,8 @@ Options (``--ek key=value``): ``gateway`` (else ``BELAYER_URL``), ``api_token`` 
 ``checkpoint_after_start`` (checkpoint once the sandbox is ready, so a failure before the first model
 call restores there instead of failing the trial), ``build_network`` (``docker build --network``),
 ``memory_mb`` and ``cpus`` (when the task names none: 2048 and 1), ``pids_limit``, ``metadata`` (a
-JSON object merged into the session's metadata), ``exec_timeout_sec`` (for an exec Harbor gives no
+JSON object merged into the session's metadata), ``group`` (the session's routing group; ``{task}`` in it
+is the task's name), ``exec_timeout_sec`` (for an exec Harbor gives no
 timeout: 3600, the gateway's most). The checkpoint policy itself is the gateway's
 (``belayer serve --checkpoint-policy``).
 
@@ -108,6 +108,7 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
         cpus: float = 1.0,
         pids_limit: int = 1024,
         metadata: dict[str, Any] | None = None,
+        group: str | None = None,
         exec_timeout_sec: float = MAX_EXEC_S,
         **kwargs: Any,
     ) -> None:
@@ -128,6 +129,7 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
         self._build_network = build_network
         self._defaults = {"memory_mb": memory_mb, "cpus": cpus, "pids_limit": pids_limit}
         self._metadata = metadata or {}
+        self._group = group
         self._exec_timeout = min(float(exec_timeout_sec), MAX_EXEC_S)
         self._workdir = "/"
         """Where commands start: the task's workdir, else its image's WORKDIR."""
@@ -207,7 +209,12 @@ class BelayerEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor: its 
             headers={"Authorization": f"Bearer {self._token}"} if self._token else {},
             timeout=httpx.Timeout(120.0, connect=10.0),
         )
-        session = await self._call("POST", "/api/sessions", {"metadata": metadata, "sandbox": spec})
+        body: dict[str, Any] = {"metadata": metadata, "sandbox": spec}
+        if (
+            self._group
+        ):  # e.g. {task}: a task's attempts share a worker, whose prefix cache holds their prompt
+            body["group"] = self._group.replace("{task}", self.environment_name)
+        session = await self._call("POST", "/api/sessions", body)
         self.belayer_session = session["id"]
         self.sandbox_session_url = session["sandbox"].get("gateway_url")
         self.logger.info("Belayer session %s (%s)", session["id"], session["base_url"])

@@ -134,8 +134,11 @@ def copy_tmux(context: Path) -> list[str]:
     return [Path(lib).name for lib in libs]
 
 
-def harbor_run(harbor: Path, stack: Stack, tmp: Path, task: Path, *args: str) -> dict[str, Any]:
-    """Run one trial of `task` with ``harbor run`` on Belayer; return its trial result."""
+def harbor_run(
+    harbor: Path, stack: Stack, tmp: Path, task: Path, *args: str, ok: bool = True
+) -> dict[str, Any]:
+    """Run one trial of `task` with ``harbor run`` on Belayer; return its trial result (which, unless
+    `ok` is false, must be a success with the verifier's outputs downloaded)."""
     jobs = tmp / "jobs"
     env = {
         **os.environ,
@@ -152,6 +155,8 @@ def harbor_run(harbor: Path, stack: Stack, tmp: Path, task: Path, *args: str) ->
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [path] = jobs.glob("*/*/result.json")
     result: dict[str, Any] = json.loads(path.read_text())
+    if not ok:
+        return result
     assert result["exception_info"] is None, (path.parent / "exception.txt").read_text()
     verifier = path.parent / "verifier"  # downloaded from the sandbox, as one tar.gz
     assert sorted(p.name for p in verifier.glob("check-*.txt")) == [
@@ -177,15 +182,14 @@ def test_oracle_trial_is_a_belayer_session(
     harbor: Path, stack: Stack, tmp_path: Path, python_image: str
 ) -> None:
     task = write_task(tmp_path / "hello-task", python_image)
-    trial = harbor_run(
-        harbor, stack, tmp_path, task, "--agent", "oracle", "--ek", "checkpoint_after_start=true"
-    )
+    args = ["--agent", "oracle", "--ek", "checkpoint_after_start=true", "--ek", "group={task}"]
+    trial = harbor_run(harbor, stack, tmp_path, task, *args)
     assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
 
     traj = belayer_session(stack, trial)
     session = traj["session"]
     assert (session["status"], session["reward"], session["num_turns"]) == ("closed", 1.0, 0)
-    assert session["metadata"]["harbor"]["task"] == "hello-task"
+    assert session["metadata"]["harbor"]["task"] == session["group"] == "hello-task"
     kinds = [e["kind"] for e in traj["events"]]
     assert kinds[0] == "sandbox_created" and kinds[-2:] == ["session_closed", "sandbox_destroyed"]
     created = traj["events"][0]["data"]
@@ -231,3 +235,16 @@ def test_terminus_2_trial_survives_its_sandbox_dying(
         c["args"]["command"] for c in calls(traj) if c["op"] == "exec" and "send-keys" in c["args"]["command"]
     ]
     assert any("echo hello > /app/hello.txt" in k for k in keys)
+
+
+def test_a_missing_base_image_is_an_error_that_names_it(
+    harbor: Path, stack: Stack, tmp_path: Path, python_image: str
+) -> None:
+    task = write_task(tmp_path / "no-base", python_image)
+    (task / "environment" / "Dockerfile").write_text("FROM belayer-no-such-base:1\nWORKDIR /app\n")
+    before = stack.api("sessions?limit=100")["total"]
+    trial = harbor_run(harbor, stack, tmp_path, task, "--agent", "oracle", ok=False)
+    message = trial["exception_info"]["exception_message"]
+    assert "base image 'belayer-no-such-base:1' is not on this Docker engine" in message
+    assert "never pulls" in message and trial["verifier_result"] is None
+    assert stack.api("sessions?limit=100")["total"] == before  # no session without its sandbox
