@@ -11,6 +11,7 @@ the same task with a scripted policy.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,6 +188,52 @@ def test_base_images_are_found_here_or_mapped_never_pulled(
     finally:
         backend.remove_image(built.name)
         backend.remove_image(plain.name)
+
+
+def test_run_episode_takes_base_images_and_the_verify_mode_from_its_flags(
+    stack: Stack, tmp_path: Path
+) -> None:
+    ubuntu = DOCKERFILE.replace("FROM belayer-sandbox-busybox", "FROM ubuntu:24.04")
+    task = harbor_task(tmp_path, "cli", dockerfile=ubuntu)
+    argv = belayer_argv(
+        "run-episode", "--harness", "oracle", "--task", str(task.root), "--gateway", stack.url,
+        "--base-image", "ubuntu:24.04=belayer-sandbox-busybox", "--verify", "shared", "--out", str(tmp_path / "r.json"),
+    )  # fmt: skip
+    env = {**os.environ, "BELAYER_API_TOKEN": API_TOKEN}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    check_report(report, 1.0, "shared")
+    assert "reward=1.0 verify=shared" in done.stderr
+    refused = subprocess.run(argv[:-6], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert refused.returncode == 2 and "builds from ubuntu:24.04" in refused.stderr
+
+
+def test_a_harness_inside_gets_its_files_on_the_task_s_own_image(
+    backend: DockerSandboxBackend, busybox_image: str, tmp_path: Path
+) -> None:
+    """Claude Code, Codex and OpenCode run inside the sandbox: on a Harbor task, from its image plus the
+    harness's files (cached per task image and harness version)."""
+    from sandbox.backend import SandboxSpec
+    from sandbox.task_images import ensure_harness_layer
+
+    task = harbor_task(tmp_path, "inside")
+    base = build_harbor_image(task, {})
+    tool = tmp_path / "tool"
+    tool.write_text("#!/bin/sh\necho harness-ran\n")
+    tool.chmod(0o755)
+    layer = ensure_harness_layer(backend, task.name, base.name, "fake-harness", "1.0", {"/opt/h/tool": tool})
+    again = ensure_harness_layer(backend, task.name, base.name, "fake-harness", "1.0", {"/opt/h/tool": tool})
+    try:
+        assert (layer.cached, again.cached, again.name) == (False, True, layer.name)
+        assert layer.name != base.name and backend.image_workdir(layer.name) == "/app"
+        box = backend.create(SandboxSpec(image=layer.name, workdir="/app"))
+        try:
+            assert backend.exec(box.id, "/opt/h/tool; sh greet.sh").stdout == "harness-ran\nhello\n"
+        finally:
+            backend.destroy(box.id)
+    finally:
+        backend.remove_image(layer.name)
 
 
 def test_an_image_without_the_test_interpreter_is_refused_by_name(busybox_image: str, tmp_path: Path) -> None:
