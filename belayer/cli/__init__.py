@@ -18,6 +18,7 @@ belayer bench routing                              prefix-cache hits and through
 belayer bench sandbox-restart                      a restarted gateway re-adopting its sandboxes vs restoring them
 belayer bench query-of-death                       one request that crashes its engine: the pool with and without the quarantine
 belayer bench determinism                          sampled streams a killed worker does not change (keyed sampling), against the engine's sampler
+belayer bench harbor-task                          a Harbor task by the oracle: cold vs warm start, clean vs shared (Harbor's) verify
 belayer sandbox build-image [busybox|python|all]   build (or find cached) the sandbox base images
 belayer demo [--worker-kind fake]                  2 workers + 1 shadow, an SDK episode, a worker killed mid-stream
 belayer demo rl                                    GRPO through the gateway: weight updates mid-rollout, a worker killed
@@ -79,6 +80,7 @@ BENCHES = {
     "sandbox-node-loss": "belayer.bench.sandbox_node_loss",
     "query-of-death": "belayer.bench.query_of_death",
     "determinism": "belayer.bench.determinism",
+    "harbor-task": "belayer.bench.harbor_task",
 }
 
 
