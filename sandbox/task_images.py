@@ -45,6 +45,7 @@ Need = tuple[str, tuple[str, ...]]
 SANDBOX_NEEDS: tuple[Need, ...] = (
     ("/bin/sh (the sandbox's shells run every command with it)", ("/bin/sh",)),
     ("find (a clean verification empties the working directory with it)", ("/usr/bin/find", "/bin/find")),
+    ("rm (stale reward files are removed with it before the tests run)", ("/bin/rm", "/usr/bin/rm")),
 )
 """What every Belayer sandbox needs of an image it did not build itself: the supervisor (PID 1) and its
 tools are Belayer's own static busybox, put in at start, and files move through the engine's archive

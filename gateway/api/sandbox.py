@@ -57,6 +57,7 @@ import base64
 import binascii
 import contextlib
 import logging
+import posixpath
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -363,6 +364,11 @@ async def verify(request: Request) -> Response:
     req = validate(VerifyRequest, await _body(request))
     files = _decoded(req.files, "files")
     script = "verify.sh" if req.format == "belayer" else "test.sh"
+    outside = [p for p in files if posixpath.normpath(p).startswith(("/", ".."))]
+    if outside:  # refused before the agent's sandbox is touched
+        raise InvalidRequest(
+            f"'files': {outside[0]!r} is not a relative path inside the task", "files", "invalid_value"
+        )
     if script not in files:
         raise InvalidRequest(f"'files' must hold {script} (format {req.format})", "files", "invalid_value")
     if req.mode == "shared" and (req.originals or req.protected_paths or req.image):

@@ -150,6 +150,10 @@ def test_the_verify_route_survives_drawn_and_mutated_requests(boxes: SandboxFuzz
         ({"env": {"A": "\u0000"}}, "env"),
         ({"env": {"A": 1}}, "env"),
         ({"env": ["A"]}, "env"),
+        (
+            {"files": [{"path": "verify.sh", "content": b64("exit 0")}, {"path": "../x", "content": ""}]},
+            "files",
+        ),
     ],
 )
 def test_bad_verify_fields_are_a_400_naming_them(
