@@ -12,6 +12,14 @@ A task is a directory::
                                   "on_tamper": "reset", "verify_timeout_s": 300,
                                   "setup_network": false, "setup_cap_add": []}
 
+A directory with ``task.toml`` is a Harbor-format task instead (`harness_adapters.harbor_task`, docs/harbor.md):
+its image is a ``docker build`` of environment/ (`build_harbor_image`: base images found on this host or
+mapped by the operator's ``base_images``, never pulled), its working directory, variables, CPUs, memory
+and network come from task.toml, and the verify stage runs tests/test.sh on Harbor's reward files, on a
+clean copy (the default) or in the agent's own sandbox (``verify="shared"``, or the task's
+``[metadata] belayer_verify``); the report adds ``reward``, ``rewards`` and ``verify_mode``. The
+``oracle`` harness runs its solution/solve.sh.
+
 An episode runs in three stages:
 
 - **setup**: the task's image (the base image + repo/ + the ``setup`` commands) is built once and cached
