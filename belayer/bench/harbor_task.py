@@ -10,18 +10,24 @@ cold, then warm clean and warm shared (those two swapped every other round):
 - **cold** (verified clean): the task image removed first, so ``docker build`` of environment/Dockerfile
   runs again; ``harbor_task_start_s_cold`` is the episode's ``task_start_s`` (the build, the sandbox's
   start, Harbor's log directories made in it);
-- **warm clean**: the image found by its content hash; ``task_start_s``, ``verify_s`` and the whole
-  episode's wall time (``harbor_episode_s_warm``: start, solve.sh, verification, reward, trajectory, close);
-- **warm shared**: the same with ``--verify shared``: test.sh in the agent's sandbox, as Harbor runs it.
+- **warm clean**: the image found by its content hash (``harbor_task_start_s_warm``), verified
+  Belayer's way (``harbor_verify_s_clean``); ``harbor_episode_s_warm`` is the whole episode's wall time
+  (start, solve.sh, verification, reward, trajectory, close);
+- **warm shared**: the same with ``--verify shared`` (``harbor_verify_s_shared``,
+  ``harbor_episode_s_warm_shared``): test.sh in the agent's sandbox, as Harbor runs it.
 
-Figures (medians over the rounds; the warm start over both warm episodes of each round), as
-``name: value`` lines on stdout, progress on stderr: ``harbor_task_start_s_cold``,
-``harbor_task_start_s_warm``, ``harbor_start_cold_over_warm``, ``harbor_verify_s_clean`` and
-``harbor_verify_s_shared`` (the gateway's own verify-stage time, ``verify_s``),
-``harbor_verify_clean_over_shared``, ``harbor_episode_s_warm``, and per kind the lowest reward seen
-(``harbor_reward_cold``, ``harbor_reward_clean``, ``harbor_reward_shared``): each must be 1.0, else the
-bench fails after printing its figures. The ratios are the figures to compare across runs: the machine
-is noisy, and both sides of each ratio ran in the same rounds.
+A verify time is the gateway's verify route as the runner waits for it (`TimedRunner`): in both modes
+it ends with the agent's sandbox removed; clean adds the copy out (the agent frozen), a new sandbox from
+the clean image and the copy written into it. ``harbor_verify_reported_s_*`` are run-episode's own
+``verify_s`` for comparison: the verdict's time, which leaves out the copy out and the agent sandbox's
+removal.
+
+Figures, as ``name: value`` lines on stdout (progress on stderr): the medians over the rounds (the warm
+start over both warm episodes of each round), ``harbor_start_cold_over_warm`` and
+``harbor_verify_clean_over_shared``, and per kind the lowest reward seen (``harbor_reward_cold``,
+``harbor_reward_clean``, ``harbor_reward_shared``), each of which must be 1.0, else the bench fails after
+printing its figures. The ratios are the figures to compare across runs: the machine is noisy, and both
+sides of each ratio ran in the same rounds.
 
 Without ``--task``, the bench writes its own task (`write_task`): environment/Dockerfile ``FROM`` the
 project's python sandbox image (built offline, ``belayer sandbox build-image python``), a working
@@ -116,12 +122,16 @@ def write_task(root: Path, base: str, run_id: str, workspace_mib: int) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class Episode:
-    """One oracle episode's figures, from run-episode's report."""
+    """One oracle episode's figures, from run-episode's report and `TimedRunner`."""
 
     kind: str
     """cold, clean or shared."""
     start_s: float
     verify_s: float
+    """The gateway's verify route, as the runner waits for it (`TimedRunner`)."""
+    reported_verify_s: float
+    """The report's ``verify_s``: the verdict's own time, which leaves the copy out (clean) and the agent
+    sandbox's removal out."""
     episode_s: float
     reward: float
     image: str
@@ -129,7 +139,22 @@ class Episode:
     """The verifier's output (the end of it), for a reward that is not 1.0."""
 
 
-def episode(runner: EpisodeRunner, task: Task, kind: str) -> Episode:
+class TimedRunner(EpisodeRunner):
+    """run-episode's runner, timing its verify stage as an episode pays for it: the gateway's verify route,
+    whole (clean: the working directory copied out with the agent frozen, the agent's sandbox removed, the
+    copy judged in a new sandbox; shared: test.sh in the agent's sandbox, then that sandbox removed)."""
+
+    verify_wall_s = 0.0
+
+    def _verify(self, sid: str, task: Task, keep: bool) -> dict[str, Any]:
+        started = time.monotonic()
+        try:
+            return super()._verify(sid, task, keep)
+        finally:
+            self.verify_wall_s = time.monotonic() - started
+
+
+def episode(runner: TimedRunner, task: Task, kind: str) -> Episode:
     """One episode of `task` by `runner` (its ``verify`` the mode), checked to have found its image cached
     (or not, for a cold one) and verified in the mode asked."""
     started = time.monotonic()
@@ -142,8 +167,8 @@ def episode(runner: EpisodeRunner, task: Task, kind: str) -> Episode:
     if report["verify_mode"] != runner.verify:
         raise BenchError(f"the {kind} episode was verified {report['verify_mode']}, not {runner.verify}")
     return Episode(
-        kind, float(report["task_start_s"]), float(report["verify_s"]), seconds, float(report["reward"]),
-        str(report["task_image"]), str(report["verifier_output"]),
+        kind, float(report["task_start_s"]), runner.verify_wall_s, float(report["verify_s"]), seconds,
+        float(report["reward"]), str(report["task_image"]), str(report["verifier_output"]),
     )  # fmt: skip
 
 
@@ -160,7 +185,7 @@ def remove_image(backend: DockerSandboxBackend, name: str) -> None:
 
 
 def rounds(
-    runners: dict[VerifyMode, EpisodeRunner],
+    runners: dict[VerifyMode, TimedRunner],
     task: Task,
     image: str | None,
     repeat: int,
@@ -175,7 +200,7 @@ def rounds(
             remove_image(backend, image)
         plan: list[tuple[str, VerifyMode]] = [("cold", "clean"), ("clean", "clean"), ("shared", "shared")]
         if i % 2:
-            plan[1:] = plan[:0:-1]
+            plan = [plan[0], plan[2], plan[1]]
         for kind, mode in plan:
             ep = episode(runners[mode], task, kind)
             progress(
@@ -197,6 +222,7 @@ def figures(episodes: list[Episode]) -> dict[str, float]:
     warm = statistics.median(e.start_s for e in of("clean", "shared"))
     clean = statistics.median(e.verify_s for e in of("clean"))
     shared = statistics.median(e.verify_s for e in of("shared"))
+    reported = {k: statistics.median(e.reported_verify_s for e in of(k)) for k in ("clean", "shared")}
     return {
         "harbor_task_start_s_cold": cold,
         "harbor_task_start_s_warm": warm,
@@ -204,7 +230,9 @@ def figures(episodes: list[Episode]) -> dict[str, float]:
         "harbor_verify_s_clean": clean,
         "harbor_verify_s_shared": shared,
         "harbor_verify_clean_over_shared": clean / shared,
+        **{f"harbor_verify_reported_s_{k}": v for k, v in reported.items()},
         "harbor_episode_s_warm": statistics.median(e.episode_s for e in of("clean")),
+        "harbor_episode_s_warm_shared": statistics.median(e.episode_s for e in of("shared")),
         **{f"harbor_reward_{k}": min(e.reward for e in of(k)) for k in ("cold", "clean", "shared")},
     }
 
@@ -231,7 +259,7 @@ def measure(
         progress(f"building (or finding) the image of task {task.name}")
         image = build_harbor_image(task, base_images).name
     services: list[Service] = []
-    runners: dict[VerifyMode, EpisodeRunner] = {}
+    runners: dict[VerifyMode, TimedRunner] = {}
     episodes: list[Episode] = []
     try:
         with running(services):
@@ -244,7 +272,7 @@ def measure(
             start(services, gw, timeout=300)
             oracle = Oracle(workdir / "harness")
             for mode in ("clean", "shared"):
-                runners[mode] = EpisodeRunner(base_url(gw), oracle, base_images=base_images, verify=mode)
+                runners[mode] = TimedRunner(base_url(gw), oracle, base_images=base_images, verify=mode)
             episodes = rounds(runners, task, image, opts.repeat, backend, episodes)
     finally:
         for runner in runners.values():

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.docker
 
 TIMED = ["harbor_task_start_s_cold", "harbor_task_start_s_warm", "harbor_start_cold_over_warm",
          "harbor_verify_s_clean", "harbor_verify_s_shared", "harbor_verify_clean_over_shared",
-         "harbor_episode_s_warm"]  # fmt: skip
+         "harbor_verify_reported_s_clean", "harbor_verify_reported_s_shared", "harbor_episode_s_warm",
+         "harbor_episode_s_warm_shared"]  # fmt: skip
 REWARDS = ["harbor_reward_cold", "harbor_reward_clean", "harbor_reward_shared"]
 
 
