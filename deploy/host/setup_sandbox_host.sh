@@ -2,7 +2,7 @@
 # Prepare a Debian 12 host (root, no systemd) for Belayer's Docker + CRIU sandboxes.
 #
 #   setup_sandbox_host.sh [install]  install what is missing: Docker (Debian's docker.io), debootstrap,
-#                                    busybox-static, docker-compose (Debian's, for deploy/compose.yaml's
+#                                    busybox-static, tmux (Harbor's terminus-2 test), docker-compose (Debian's, for deploy/compose.yaml's
 #                                    test), and CRIU >= 4.2 built from Debian's source archive;
 #                                    make /etc/criu/runc.conf enable tcp-close and irmap scan paths; run `criu check`
 #   setup_sandbox_host.sh check      report what is present and what is missing; change nothing
@@ -97,6 +97,7 @@ install_runtime_pkgs() {
   fi
   command -v debootstrap >/dev/null 2>&1 || want+=(debootstrap)
   command -v docker-compose >/dev/null 2>&1 || want+=(docker-compose)  # reads deploy/compose.yaml
+  command -v tmux >/dev/null 2>&1 || want+=(tmux)  # Harbor's terminus-2 drives tmux in its sandbox (tests/harness/test_harbor_env.py)
   [ -x /bin/busybox ] && /bin/busybox --list >/dev/null 2>&1 && ldd /bin/busybox 2>&1 | grep -q 'not a dynamic' \
     || want+=(busybox-static)
   mapfile -t missing < <(missing_pkgs "${want[@]}")
