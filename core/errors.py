@@ -8,7 +8,8 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     │   └── UnsafeStore (PermissionError)            core.shm_weights: a weight store others could write to
     ├── EngineError                    anything between the gateway and an inference worker
     │   ├── EngineUnavailable          connection refused/reset, worker died, no healthy worker
-    │   │   └── EngineUnreachable      the connection could not be made: the request never reached it
+    │   │   ├── EngineUnreachable      the connection could not be made: the request never reached it
+    │   │   └── WorkerExited           a launched worker's process exited (engine_pool.exits): streams cut at once
     │   ├── EngineTimeout              no answer (or no token) within a deadline
     │   ├── EngineRejected             the engine answered 4xx: bad input, never retried
     │   ├── EngineServerError          the engine answered 5xx (or an error event) for one request
@@ -104,6 +105,15 @@ class EngineUnavailable(EngineError):
 
 class EngineUnreachable(EngineUnavailable):
     """The connection to the worker could not be made: the request never reached it."""
+
+
+class WorkerExited(EngineUnavailable):
+    """A vital process of a launched worker exited (``engine_pool.exits``): the streams it was running are
+    failed at once, before their connections break. `at`: when the pool noticed (``time.monotonic()``)."""
+
+    def __init__(self, message: str, at: float) -> None:
+        super().__init__(message)
+        self.at = at
 
 
 class EngineTimeout(EngineError, TimeoutError):

@@ -32,6 +32,8 @@ import json
 import math
 import os
 import random
+import shutil
+import subprocess
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -454,6 +456,17 @@ DIE_OVER_ENV = "BELAYER_FAKE_DIE_OVER"
 gateway's environment, gives them ``--die-on-seeded-prompts-over``."""
 TOKEN_DELAY_ENV = "BELAYER_FAKE_TOKEN_DELAY"
 """And this one their ``--token-delay``."""
+ENGINE_CORE_ENV = "BELAYER_FAKE_ENGINE_CORE"
+"""And this one (``1``) their ``--engine-core``."""
+ENGINE_CORE_TITLE = "VLLM::EngineCore"
+
+
+def engine_core() -> subprocess.Popen[bytes]:
+    """A stand-in for vLLM's engine core process: a child titled as vLLM titles its own, which does
+    nothing. When it dies, the fake server lingers and streams on, as vLLM's API server lingers after
+    its engine core died (until its watchdog looks): only a watch of the worker's processes
+    (``engine_pool.exits``) tells the gateway."""
+    return subprocess.Popen([ENGINE_CORE_TITLE, "infinity"], executable=shutil.which("sleep") or "/bin/sleep")
 
 
 def seeded_over(tokens: int) -> Callable[[dict[str, Any]], bool]:
@@ -609,11 +622,13 @@ def serve(
     words_from: str | None = None,
     token_delay_max: float | None = None,
     die_over: int | None = None,
+    with_engine_core: bool = False,
 ) -> None:
     """Serve a fake engine until interrupted: `tokens` tokens per request when given (benchmarks),
     else autoregressive output up to ``max_tokens`` (launched fake workers: failover stays exact),
     drawn from the whole words of the model in `words_from` when given; each stream's delay between
-    tokens is drawn from [`token_delay`, `token_delay_max`] when that is given."""
+    tokens is drawn from [`token_delay`, `token_delay_max`] when that is given; `with_engine_core`: with a
+    stand-in engine core process (`engine_core`)."""
     import uvicorn
 
     if tokens is not None:
@@ -629,7 +644,13 @@ def serve(
             engine.step, engine.policy = None, hashed_policy
     engine.query_of_death = seeded_over(die_over) if die_over is not None else None
     app = RequireApiKey(engine.app())  # the key a launched worker is given (core.worker_auth), if any
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    core = engine_core() if with_engine_core else None
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        if core is not None:
+            core.kill()
+            core.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -654,13 +675,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"exit, as vLLM 0.32's engine does, on a seeded request whose prompt is over TOKENS tokens "
         f"(default: ${DIE_OVER_ENV}, else never)",
     )  # fmt: skip
+    p.add_argument(
+        "--engine-core", action="store_true", default=os.environ.get(ENGINE_CORE_ENV) == "1",
+        help=f"run a stand-in engine core process, titled {ENGINE_CORE_TITLE} (default: ${ENGINE_CORE_ENV}=1)",
+    )  # fmt: skip
     for option in ("--load-format", "--model-loader-extra-config", "--gpu-memory-utilization"):
         # vLLM's, as a pool with a weight owner passes them: a fake engine loads no weights
         p.add_argument(option, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     serve(
         args.host, args.port, args.model, args.tokens, args.token_delay, args.max_model_len, args.words_from,
-        die_over=args.die_on_seeded_prompts_over,
+        die_over=args.die_on_seeded_prompts_over, with_engine_core=args.engine_core,
     )  # fmt: skip
     return 0
 

@@ -4,6 +4,7 @@ counters) and the seam for launching workers elsewhere (`WorkerLauncher`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -42,6 +43,9 @@ class PoolMember:
     """Held for one suspect request alone (``Router.lease(exclusive=True)``): routed nothing else."""
     synced: int = 0
     """Times the pool brought it up to a version by loading weights from disk (`WeightUpdater.sync`)."""
+    streams: set[Callable[[Exception], None]] = field(default_factory=set)
+    """How to cut each stream running on it (the failover guard's, ``gateway.turns.failover``): when a
+    vital process of a launched worker exits, `Supervisor.exited` cuts them all at once, with the error."""
 
     def view(self, start_timeout: float) -> dict[str, object]:
         """The member as ``GET /api/engines`` and the dashboard show it."""

@@ -63,6 +63,7 @@ from typing import Any, TypeVar
 
 from core.errors import EngineUnavailable
 from core.net import free_port
+from engine_pool.exits import OnExit
 from engine_pool.member import PoolMember
 from engine_pool.states import READY, SHADOW, STARTING
 from engine_pool.worker import VllmWorker, WorkerSpec, _group_alive, _signal_group
@@ -222,6 +223,10 @@ class RayWorker(VllmWorker):
 
     def _where(self) -> str:
         return f"worker {self.name} on Ray node {self.node_ip}"
+
+    def watch(self, on_exit: OnExit) -> bool:
+        """Not watched: its processes are on a Ray node (probes and broken connections notice its loss)."""
+        return False
 
     def alive(self) -> bool:
         """Placed, and neither the engine nor its actor has ended (a local check: no call to the head)."""

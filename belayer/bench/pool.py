@@ -1,6 +1,7 @@
 """A gateway's engine pool as the recovery benches watch and hurt it: its engines, a wait for its
 strength, a worker killed in the middle of a stream (timed to the client's next token), a cold start.
-Used by ``belayer bench recovery`` and its weight-owner figures (`belayer.bench.weight_owner`). A request
+The failover event's clock times (``noticed_at``...) say where a failover's time went, from the kill
+(`loss_timeline`). Used by ``belayer bench recovery`` and its weight-owner figures (`belayer.bench.weight_owner`). A request
 made to a worker itself (a cold start's first) sends the key the bench gave the gateway (`WorkerKey`).
 
 >>> streamed_tokens('data: {"choices": [{"logprobs": {"content": [{}, {}]}}]}'), streamed_tokens(": ping")
@@ -134,7 +135,29 @@ async def kill_once(url: str, opts: argparse.Namespace, key: WorkerKey) -> dict[
             "capacity_restored_s": capacity,
             "full_strength_s": full,
             "cold_start_s": cold,
+            **loss_timeline(failovers[0], t_kill, failover_s),
         }
+
+
+def loss_timeline(event: dict[str, Any], t_kill: float, failover_s: float) -> dict[str, float]:
+    """Where a failover's time went, in milliseconds from the kill (at `t_kill`, ``time.monotonic()``):
+    the gateway noticed the loss (``detect``), resubmitted the turn to its new worker (``resubmitted``),
+    had that worker's first token (``new_worker_token``), and the client had it (``lost``:
+    `failover_s`). The failover event's times are the gateway's ``time.monotonic()``, the clock
+    (``CLOCK_MONOTONIC``) every process of the host shares.
+
+    >>> loss_timeline({"noticed_at": 10.002, "resubmitted_at": 10.003, "resumed_at": 10.02}, 10.0, 0.021)
+    {'detect_ms': 2.0, 'resubmitted_ms': 3.0, 'new_worker_token_ms': 20.0, 'lost_ms': 21.0}
+    """
+    ms = {
+        "detect_ms": event["noticed_at"],
+        "resubmitted_ms": event["resubmitted_at"],
+        "new_worker_token_ms": event["resumed_at"],
+    }
+    return {
+        **{k: round((v - t_kill) * 1000, 3) for k, v in ms.items()},
+        "lost_ms": round(failover_s * 1000, 3),
+    }
 
 
 async def cold_start(http: httpx.AsyncClient, url: str, key: WorkerKey) -> float:

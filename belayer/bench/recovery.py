@@ -12,6 +12,12 @@ In one run:
   - ``capacity_restored_s``: the kill → the pool has its configured number of ready workers again
     (a shadow is promoted);
   - ``full_strength_s``: the kill → the replacement shadow is ready too;
+  - ``failover_detect_ms_p50``: the kill → the gateway noticed the loss (its ``failover`` event's
+    ``noticed_at``, on the host's ``CLOCK_MONOTONIC``); ``failover_resubmitted_ms_p50``: → the turn was
+    resubmitted to its new worker; ``failover_new_worker_token_ms_p50``: → the new worker's first token
+    reached the gateway; ``failover_lost_ms_p50``: → the client's first resumed token (``failover_s``, in ms).
+    With ``--no-exit-watch`` the gateway does not watch its workers' processes (``engine_pool.exits``):
+    a loss is noticed by the broken connection, as before the watch (the baseline);
 * ``cold_start_s``: each replacement worker, from process start to its first generated token;
 * with ``--ray``: the same pool on a 3-node Ray cluster of its own on 127.0.0.2-4 (``--first-ip``)
   (``belayer.testing.ray_local``, stopped by the pids it recorded); ``--node-kills`` times, while ``--sessions``
@@ -44,6 +50,9 @@ from belayer.bench.waits import failure, found, until
 from belayer.testing.services import Service, base_url, progress, running
 from core.errors import BenchError
 
+EXIT_WATCH_ENV = "BELAYER_FAILOVER__EXIT_WATCH"
+"""The gateway's ``failover.exit_watch``, off for ``--no-exit-watch``."""
+
 
 def _gateway(workdir: Path, name: str, model: str, extra: list[str], key: WorkerKey | None = None) -> Service:
     return serve_service(workdir, name, model, extra, log_dir=workdir / name, env=key.env() if key else None)
@@ -68,7 +77,10 @@ def recovery(workdir: Path, opts: argparse.Namespace) -> None:
         extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600",
                  "--worker-kind", opts.worker_kind]  # fmt: skip
         key = WorkerKey()  # a cold start's first request goes to the replacement worker itself
-        gw = _gateway(workdir, "pool", opts.model, extra, key)
+        watch = {} if opts.exit_watch else {EXIT_WATCH_ENV: "false"}
+        gw = serve_service(
+            workdir, "pool", opts.model, extra, log_dir=workdir / "pool", env={**key.env(), **watch}
+        )
         start(services, gw, timeout=900)
         url = base_url(gw)
         samples = []
@@ -79,6 +91,8 @@ def recovery(workdir: Path, opts: argparse.Namespace) -> None:
             )
     for name in ("failover_s", "capacity_restored_s", "full_strength_s", "cold_start_s"):
         emit(name, statistics.median(s[name] for s in samples))
+    for name in ("detect_ms", "resubmitted_ms", "new_worker_token_ms", "lost_ms"):
+        emit(f"failover_{name}_p50", statistics.median(s[name] for s in samples))
     emit("kills", len(samples))
     cold = statistics.median(s["cold_start_s"] for s in samples)
     speedup = cold / statistics.median(s["failover_s"] for s in samples)
@@ -211,6 +225,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stream-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="alternating throughput rounds per gateway")
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument(
+        "--no-exit-watch", dest="exit_watch", action="store_false",
+        help="the gateway does not watch its workers' processes: losses noticed as before (a baseline)",
+    )  # fmt: skip
     p.add_argument(
         "--worker-kind", choices=["vllm", "fake"], default="vllm", help="what the pool's workers run"
     )

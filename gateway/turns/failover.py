@@ -39,6 +39,7 @@ from core.errors import (
     EngineServerError,
     EngineTimeout,
     EngineUnreachable,
+    WorkerExited,
 )
 from engine_pool.client import TokenChunk, merge_chunks
 from engine_pool.pool import EnginePool, PoolMember, Preemption
@@ -63,7 +64,8 @@ class Failure:
     from_worker: str
     error: str
     at: float
-    """When it was noticed (``time.monotonic()``)."""
+    """When it was noticed (``time.monotonic()``): for a launched worker whose process exited, when the
+    pool's watch saw it (`WorkerExited.at`)."""
     last_token_at: float | None
     """When the turn's last token arrived (None: before its first)."""
     cause: str = "dead"
@@ -72,8 +74,17 @@ class Failure:
     version: str | None = None
     """The weight version of the turn's tokens so far (None: it had none)."""
 
-    def event(self, *, to_worker: str | None, now: float, sampling: str) -> dict[str, Any]:
-        """The ``failover`` event's data, once the turn resumed on `to_worker` (None: it did not)."""
+    def event(
+        self, *, to_worker: str | None, now: float, sampling: str, resubmitted: float | None = None
+    ) -> dict[str, Any]:
+        """The ``failover`` event's data, once the turn resumed on `to_worker` (None: it did not) with
+        its first token at `now`, after its resubmission at `resubmitted` (``time.monotonic()`` both).
+
+        ``detect_ms`` and ``lost_ms`` count from the turn's last token. ``noticed_at``,
+        ``resubmitted_at`` and ``resumed_at`` are the gateway's ``time.monotonic()`` (Linux's
+        ``CLOCK_MONOTONIC``, which every process of the host shares, so a process that killed the worker
+        can time the loss from the kill: ``belayer bench recovery``): when the loss was noticed, when
+        the resubmission went to its new worker, and when that worker's first token arrived."""
         since = self.last_token_at or self.at
         return {
             "token_index": self.token_index,
@@ -84,6 +95,9 @@ class Failure:
             "detect_ms": round((self.at - since) * 1000, 3),
             "lost_ms": round((now - since) * 1000, 3),
             "sampling": sampling,
+            "noticed_at": round(self.at, 6),
+            "resubmitted_at": round(resubmitted, 6) if resubmitted is not None else None,
+            "resumed_at": round(now, 6) if to_worker is not None else None,
         }
 
 
@@ -121,10 +135,14 @@ class _Pipe:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     done: bool = False
     error: Exception | None = None
+    lost: Exception | None = None
+    """Set by `cut`: the worker is gone; what arrives after it is not read."""
 
     async def fill(self, chunks: AsyncGenerator[TokenChunk, None]) -> None:
         try:
             async for chunk in chunks:
+                if self.lost is not None:
+                    break
                 self.items.append(chunk)
                 self.wake.set()
         except Exception as e:
@@ -134,6 +152,14 @@ class _Pipe:
             self.wake.set()
             await chunks.aclose()
 
+    def cut(self, error: Exception) -> None:
+        """The worker's process exited (``engine_pool.exits``): the stream fails now, after the chunks
+        that already arrived, whatever its socket still holds or is still sent. A stream read to its
+        end is left to end."""
+        if not (self.done and self.error is None):
+            self.lost = self.lost or error
+            self.wake.set()
+
 
 async def stall_guarded(
     chunks: AsyncGenerator[TokenChunk, None],
@@ -141,22 +167,32 @@ async def stall_guarded(
     stall_timeout: float,
     confirm_failure: Callable[[], Awaitable[bool]],
     preemption: Preemption | None = None,
+    streams: set[Callable[[Exception], None]] | None = None,
 ) -> AsyncGenerator[TokenChunk, None]:
     """The engine's chunks, read by a pump task while this side waits with a deadline: no token within
     `stall_timeout` and a failed health probe (`confirm_failure`) raise ``EngineTimeout``. Chunks that
     piled up while the client was being served are merged, so the hand-off costs one wake-up per
-    batch, not per token. A triggered `preemption` raises `Preempted` (the chunks read are kept)."""
+    batch, not per token. A triggered `preemption` raises `Preempted` (the chunks read are kept). While
+    it runs, its cut is in `streams` (the worker's, `PoolMember.streams`): a cut raises its error at
+    once, after the chunks that arrived before it."""
     pipe = _Pipe()
     pump = asyncio.create_task(pipe.fill(chunks), name=f"engine-pump/{worker}")
     if preemption is not None:
         preemption.watch(pipe.wake)
+    if streams is not None:
+        streams.add(pipe.cut)
     try:
         while True:
-            if preemption is not None and preemption.triggered and not pipe.done:
+            cut = pipe.lost or (
+                Preempted(f"a weight update cut the stream from {worker}")
+                if preemption is not None and preemption.triggered and not pipe.done
+                else None
+            )
+            if cut is not None:
                 if pipe.items:  # what arrived before the cut is the turn's; what comes after is dropped
                     batch, pipe.items = pipe.items, []
                     yield merge_chunks(batch) or batch[0]
-                raise Preempted(f"a weight update cut the stream from {worker}")
+                raise cut
             if not pipe.items and not pipe.done:
                 pipe.wake.clear()
                 try:
@@ -180,6 +216,8 @@ async def stall_guarded(
     finally:
         if preemption is not None:
             preemption.unwatch(pipe.wake)
+        if streams is not None:
+            streams.discard(pipe.cut)
         pump.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pump
@@ -229,7 +267,9 @@ class Failover:
         async def confirm() -> bool:
             return await self.pool.confirm_failure(member)
 
-        return stall_guarded(chunks, member.name, self.config.stall_timeout, confirm, self.pool.preemption)
+        return stall_guarded(
+            chunks, member.name, self.config.stall_timeout, confirm, self.pool.preemption, member.streams
+        )
 
     async def lost(
         self, member: PoolMember, error: EngineError, produced: int, last_token_at: float | None,
@@ -272,9 +312,8 @@ class Failover:
             if isinstance(error, EngineServerError)
             else "dead"
         )
-        return Failure(
-            produced, member.name, str(error), time.monotonic(), last_token_at, cause, state.version
-        )
+        at = error.at if isinstance(error, WorkerExited) else time.monotonic()
+        return Failure(produced, member.name, str(error), at, last_token_at, cause, state.version)
 
 
 def finished_before(
@@ -295,10 +334,13 @@ def switch_event(
     to_worker: str | None,
     to_version: str | None,
     keyed: bool = False,
+    resubmitted: float | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The event a resumed turn records: ``failover``, or ``weight_switch`` when a weight update cut it;
     its ``sampling`` says what the continuation is (`GREEDY`, `KEYED` or `SAMPLED`)."""
     sampling = KEYED if keyed else GREEDY if request.get("temperature") == 0 else SAMPLED
-    data = failure.event(to_worker=to_worker, now=time.monotonic(), sampling=sampling)
+    data = failure.event(
+        to_worker=to_worker, now=time.monotonic(), sampling=sampling, resubmitted=resubmitted
+    )
     data |= {"from_version": failure.version, "to_version": to_version}
     return ("weight_switch" if failure.cause == "weights" else "failover"), data

@@ -303,7 +303,7 @@ class TurnRunner:
             try:
                 async for chunk in stream:
                     if previous is not None:
-                        self._record_failover(turn, st, previous, member.name, version)
+                        self._record_failover(turn, st, previous, member.name, version, submitted)
                         previous = None
                     turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
                     if alone is not None and first:  # a suspect past its prefill: the worker is shared again
@@ -319,7 +319,7 @@ class TurnRunner:
                         break
             except Preempted as e:
                 if previous is not None:  # the failover that brought the turn here, before the cut
-                    self._record_failover(turn, st, previous, member.name, version)
+                    self._record_failover(turn, st, previous, member.name, version, submitted)
                 now = time.monotonic()
                 yield Failure(
                     len(turn.output_ids), member.name, str(e), now, st.last_token_at, "weights", st.fo.version
@@ -392,9 +392,12 @@ class TurnRunner:
         failure: Failure,
         to_worker: str | None,
         to_version: str | None = None,
+        resubmitted: float | None = None,
     ) -> None:
-        """A ``failover`` event, or a ``weight_switch`` when a weight update cut the turn."""
-        self.ledger.event(turn, *switch_event(turn.request, failure, to_worker, to_version, st.fo.keyed))
+        """A ``failover`` event, or a ``weight_switch`` when a weight update cut the turn (`resubmitted`:
+        when the resubmission went to `to_worker`, ``time.monotonic()``)."""
+        event = switch_event(turn.request, failure, to_worker, to_version, st.fo.keyed, resubmitted)
+        self.ledger.event(turn, *event)
 
     def _delta(self, turn: TurnRecord, events: list[Any], st: _OutputState) -> Delta:
         delta = Delta("", [], [], [], [])

@@ -53,13 +53,17 @@ def test_bench_recovery_kills_again_and_again_on_fake_workers(tiny_model_dir: Pa
     assert sorted(figures) == sorted(
         ["stream_tokens_per_s_failover_on", "stream_tokens_per_s_failover_off", "failover_overhead_pct",
          "target_failover_overhead_le_2pct", "failover_s", "capacity_restored_s", "full_strength_s",
-         "cold_start_s", "kills", "worker_recovery_speedup", "target_worker_recovery_speedup_ge_50",
-         "bench_wall_s"]
+         "cold_start_s", "failover_detect_ms_p50", "failover_resubmitted_ms_p50",
+         "failover_new_worker_token_ms_p50", "failover_lost_ms_p50", "kills", "worker_recovery_speedup",
+         "target_worker_recovery_speedup_ge_50", "bench_wall_s"]
     ), done.stdout  # fmt: skip
     assert figures["kills"] == "3"
     assert done.stderr.count("[bench] kill ") == 3
     for timed in ("failover_s", "capacity_restored_s", "full_strength_s", "cold_start_s", "bench_wall_s"):
         assert float(figures[timed]) >= 0, timed
+    # the kill → the gateway noticed → resubmitted → the new worker's token → the client's: in that order
+    timeline = [float(figures[f"failover_{n}_ms_p50"]) for n in ("detect", "resubmitted", "new_worker_token")]
+    assert 0 <= timeline[0] <= timeline[1] <= timeline[2] <= float(figures["failover_lost_ms_p50"])
     for rate in ("stream_tokens_per_s_failover_on", "stream_tokens_per_s_failover_off"):
         assert float(figures[rate]) > 0, rate
     assert figures["target_failover_overhead_le_2pct"] in ("pass", "fail")
