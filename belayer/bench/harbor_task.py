@@ -19,8 +19,8 @@ cold, then warm clean and warm shared (those two swapped every other round):
 A verify time is the gateway's verify route as the runner waits for it (`TimedRunner`): in both modes
 it ends with the agent's sandbox removed; clean adds the copy out (the agent frozen), a new sandbox from
 the clean image and the copy written into it. ``harbor_verify_reported_s_*`` are run-episode's own
-``verify_s`` for comparison: the verdict's time, which leaves out the copy out and the agent sandbox's
-removal.
+``verify_s`` for comparison: the stage's time inside the gateway (since the copy out is counted in it
+too, the difference is the route's HTTP and the runner's side).
 
 Figures, as ``name: value`` lines on stdout (progress on stderr): the medians over the rounds (the warm
 start over both warm episodes of each round), ``harbor_start_cold_over_warm`` and

@@ -33,6 +33,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -344,7 +346,9 @@ class SandboxManager:
         """The verify stage (`sandbox.sessions.verify`): copy the agent's working directory out with its
         processes frozen, destroy its sandbox (unless `plan.keep_agent_sandbox`), and judge the copy
         in a new sandbox from the clean image; with ``plan.mode == "shared"``, run the verifier in the
-        agent's sandbox itself first. Only ``protected_path_modified`` events are recorded."""
+        agent's sandbox itself first. Only ``protected_path_modified`` events are recorded. The outcome's
+        ``seconds`` is the whole stage: the copy out and the agent sandbox's removal included."""
+        started = time.monotonic()
         slot = self._slots.require(session_id)
         async with slot.lock:
             box = slot.live()
@@ -359,9 +363,9 @@ class SandboxManager:
                 await self._checkpointer.delete_all(session_id, slot.history.release())
         if not plan.keep_agent_sandbox:
             self._events.add(session_id, None, "sandbox_destroyed", {"sandbox_id": box, "stage": "verify"})
-        if plan.mode == "shared":
-            return outcome
-        return await self._verify.judge(session_id, spec, plan, agent_tar, plan.keep_agent_sandbox)
+        if plan.mode != "shared":
+            outcome = await self._verify.judge(session_id, spec, plan, agent_tar, plan.keep_agent_sandbox)
+        return dataclasses.replace(outcome, seconds=time.monotonic() - started)
 
     # ------------------------------------------------------------------ TurnObserver: the bubble
     def turn_started(self, turn: TurnRecord) -> None:
