@@ -148,8 +148,10 @@ class Supervisor:
 
     async def _fence(self, m: PoolMember) -> None:
         """Kill a failed (dead or hung) worker's whole process group, so it cannot come back; then
-        launch its replacement (after: the replacement may need the devices, and memory, it held)."""
+        launch its replacement (after: the replacement may need the devices, and memory, it held). The
+        group is killed at the lowest CPU priority, so that its teardown yields to the resumed streams."""
         assert m.process is not None
+        m.process.yield_cpu()  # its teardown must not slow the streams resuming elsewhere
         await m.process.stop(grace=0.0)
         self.roster.set(m, DEAD, "fenced")
         if not self.roster.closing:

@@ -203,7 +203,7 @@ async def stall_guarded(
                         raise EngineTimeout(
                             f"{worker} sent no token for {stall_timeout}s and failed its health probe"
                         ) from None
-                    continue
+                continue  # look again from the top: a cut (whose pump ends the stream early) first
             if pipe.items:
                 batch, pipe.items = pipe.items, []
                 merged = merge_chunks(batch)
