@@ -56,6 +56,7 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     │   └── ImageBuildError                          building a sandbox image failed
     ├── HarnessError                   a harness could not be installed or run
     ├── TaskError (ValueError)         a task directory is not usable
+    │   └── RewardFileError                          a Harbor task's reward files give no reward (sandbox.sessions.verify)
     ├── BenchError (RuntimeError)      a benchmark (or a service it starts) could not run
     │
     │   raised outside this module, by the layer that owns them:
@@ -356,6 +357,17 @@ class HarnessError(BelayerError):
 
 class TaskError(BelayerError, ValueError):
     """A task directory is missing something or holds something invalid."""
+
+
+class RewardFileError(TaskError):
+    """The reward files a Harbor task's tests wrote give no reward (`sandbox.sessions.verify.read_rewards`);
+    `reason` says which way (``no_reward_file``, ``reward_file_invalid``, ``no_reward_key``), `rewards`
+    holds what was read (a reward.json without a ``reward`` key)."""
+
+    def __init__(self, reason: str, message: str, rewards: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.rewards = rewards
 
 
 class BenchError(BelayerError, RuntimeError):

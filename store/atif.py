@@ -454,5 +454,7 @@ def session_trajectories(store: TrajectoryStore, session_id: str) -> list[dict[s
 
 
 def encode_trajectories(trajectories: list[dict[str, Any]]) -> bytes:
-    """Trajectories as JSON Lines: one trajectory per line (the HTTP export's body)."""
-    return "".join(json.dumps(t, allow_nan=False, ensure_ascii=False) + "\n" for t in trajectories).encode()
+    """Trajectories as JSON Lines: one trajectory per line (the HTTP export's body). ASCII, as the rows'
+    JSON Lines are: a message's U+2028, U+0085... would end a line for readers that split on every
+    Unicode line break (Python's ``str.splitlines``)."""
+    return "".join(json.dumps(t, allow_nan=False) + "\n" for t in trajectories).encode()

@@ -91,10 +91,10 @@ def _bench(args: argparse.Namespace) -> int:
     if name not in BENCHES:
         print(f"usage: belayer bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
         return 2
-    from belayer.bench import keep_stdout_for_figures
+    from belayer.bench import stdout_for_figures
 
-    keep_stdout_for_figures()  # a library's or a child's line on stdout would break the name: value lines
-    rc: int = importlib.import_module(BENCHES[name]).main(args.rest[1:])
+    with stdout_for_figures():  # a library's or a child's line on stdout would break the name: value lines
+        rc: int = importlib.import_module(BENCHES[name]).main(args.rest[1:])
     return rc
 
 

@@ -49,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
-from core.errors import SandboxError, SandboxFileNotFound, SandboxTimeout
+from core.errors import RewardFileError, SandboxError, SandboxFileNotFound, SandboxTimeout
 from sandbox.backend import ExecResult, SandboxSpec, tar_chunks
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.records import EventLog
@@ -558,16 +558,6 @@ def _outcome(
 
 
 # --------------------------------------------------------------------------- Harbor's reward files
-class RewardFileError(ValueError):
-    """The reward files give no reward; `reason` says which way (``no_reward_file``,
-    ``reward_file_invalid``, ``no_reward_key``)."""
-
-    def __init__(self, reason: str, message: str, rewards: dict[str, float] | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.rewards = rewards
-
-
 def read_rewards(json_data: bytes | None, text_data: bytes | None) -> tuple[float, dict[str, float]]:
     """The RL reward and every reward, read as Harbor reads ``/logs/verifier``: ``reward.json`` (an object
     of finite numbers) wins over ``reward.txt`` (one finite number, ``{"reward": x}``); the reward is the
@@ -580,7 +570,7 @@ def read_rewards(json_data: bytes | None, text_data: bytes | None) -> tuple[floa
     >>> read_rewards(None, b"nan")
     Traceback (most recent call last):
     ...
-    sandbox.sessions.verify.RewardFileError: reward.txt holds 'nan', not one finite number
+    core.errors.RewardFileError: reward.txt holds 'nan', not one finite number
     """
     if json_data is not None:
         return _reward_of(_json_rewards(json_data))
