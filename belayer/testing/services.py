@@ -282,7 +282,9 @@ def ensure_venv(venv: Path, specs: list[str], check: str, interpreter: str | Non
     t0 = time.monotonic()
     if not python.exists():
         progress(f"creating virtual environment {venv}")
-        subprocess.run([interpreter or sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr)
+        subprocess.run(
+            [interpreter or sys.executable, "-m", "venv", str(venv)], check=True, stdout=sys.stderr
+        )
     progress(f"installing {wanted} into {venv} (once; this takes a few minutes)")
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
     subprocess.run([*pip, *specs], check=True, stdout=sys.stderr)
@@ -297,20 +299,20 @@ HARBOR = "harbor==0.25.0"
 
 
 def python312() -> str:
-    """A Python 3.12 interpreter: ``python3.12`` on PATH, else pyenv's newest 3.12."""
-    found = shutil.which("python3.12")
-    if found:
-        return found
+    """A Python 3.12 interpreter that runs: pyenv's newest 3.12, else ``python3.12`` on PATH (pyenv's shim
+    there fails unless 3.12 is a selected version, so each candidate is tried)."""
     root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    versions = sorted(
+    found = sorted(
         root.glob("3.12*/bin/python3.12"),
         key=lambda p: [int(x) for x in p.parts[-3].split(".") if x.isdigit()],
+        reverse=True,
     )
-    if not versions:
-        raise BenchError(
-            "harbor needs Python 3.12: install it (pyenv install 3.12) or put python3.12 on PATH"
-        )
-    return str(versions[-1])
+    on_path = shutil.which("python3.12")
+    for candidate in [*map(str, found), *([on_path] if on_path else [])]:
+        check = [candidate, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"]
+        if subprocess.run(check, capture_output=True).returncode == 0:
+            return candidate
+    raise BenchError("harbor needs Python 3.12: install it (pyenv install 3.12) or put python3.12 on PATH")
 
 
 def ensure_harbor_venv(venv: Path | None = None) -> Path:
