@@ -42,6 +42,7 @@ def test_without_a_cuda_device_it_says_so() -> None:
 
 
 @pytest.mark.serial  # its owner and consumers each import torch: beside 3 test processes, one run hung
+@pytest.mark.slow  # and on a loaded machine it hung past its 600 s once more (cause unknown): make test-all
 def test_the_protocol_in_shared_memory() -> None:
     done = check("--device", "cpu", "--mib", "4", "--dim", "128")
     assert done.returncode == 0, done.stdout + done.stderr
