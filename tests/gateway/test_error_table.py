@@ -8,8 +8,12 @@ import core.errors as errors
 from gateway.http.errors import TABLE, entry_for, error_body, for_exception, for_route, is_anthropic_path
 from gateway.observe.metrics import protocol_of
 
-# Errors that never reach a client: start-up, harness programs, task directories and benches (CLI-side).
-OFFLINE = {errors.BelayerError, errors.ConfigError, errors.HarnessError, errors.TaskError, errors.BenchError}
+# Errors that never reach a client: start-up, harness programs, task directories and benches (CLI-side);
+# a Harbor task's reward files are read into the verdict (its reason), never answered as an error.
+OFFLINE = {
+    errors.BelayerError, errors.ConfigError, errors.HarnessError, errors.TaskError, errors.RewardFileError,
+    errors.BenchError,
+}  # fmt: skip
 
 
 def test_every_error_class_has_a_table_entry_and_no_instance_status() -> None:
