@@ -4,7 +4,9 @@ when no CUDA device is visible, and its whole owner/consumer/kill/remap protocol
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 
@@ -18,10 +20,22 @@ NO_GPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no device visible, ev
 
 def check(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     # The timeout only turns a hang into a failure: the protocol run starts several processes that each
-    # import torch, which took over 120 s on a loaded 2-core machine.
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=NO_GPU_ENV, timeout=timeout
-    )
+    # import torch, which took over 120 s on a loaded 2-core machine. It runs in a session of its own, and
+    # a hang kills the whole group: a consumer orphaned by a hung run spun on a core for an hour after it.
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=NO_GPU_ENV, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what the script left behind, if anything
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_help() -> None:
