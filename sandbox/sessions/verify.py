@@ -322,17 +322,23 @@ def write_tree(
 
 def verifier_tar(files: dict[str, tuple[bytes, int]]) -> bytes:
     """The verifier's files under ``/belayer-verify`` (and its empty HOME)."""
-    buf = io.BytesIO()
     root = VERIFY_DIR.strip("/")
+    return files_tar(root, files, {root: 0o755, f"{root}/home": 0o755}, "verifier file")
+
+
+def files_tar(root: str, files: dict[str, tuple[bytes, int]], dirs: dict[str, int], what: str) -> bytes:
+    """A tar to unpack at ``/``: the directories `dirs` (name: mode), then `files` under `root`; a file
+    path that leaves `root` is a `SandboxError` naming it as `what`."""
+    buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in (root, f"{root}/home"):
+        for name, dir_mode in dirs.items():
             info = tarfile.TarInfo(name)
-            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            info.type, info.mode = tarfile.DIRTYPE, dir_mode
             tar.addfile(info)
         for rel, (data, mode) in sorted(files.items()):
             clean = posixpath.normpath(rel)
             if clean.startswith(("/", "..")):
-                raise SandboxError(f"verifier file {rel!r} is not a relative path inside the task")
+                raise SandboxError(f"{what} {rel!r} is not a relative path inside the task")
             info = tarfile.TarInfo(f"{root}/{clean}")
             info.size, info.mode, info.mtime = len(data), mode, int(time.time())
             tar.addfile(info, io.BytesIO(data))
@@ -618,20 +624,8 @@ def _reward_of(rewards: dict[str, float]) -> tuple[float, dict[str, float]]:
 
 def harbor_tests_tar(files: dict[str, tuple[bytes, int]]) -> bytes:
     """Harbor's tests under ``/tests``, and the empty ``/logs`` directories its scripts write to."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in ("tests", *(d.strip("/") for d in ("/logs", *LOGS_DIRS))):
-            info = tarfile.TarInfo(name)
-            info.type, info.mode = tarfile.DIRTYPE, 0o755 if name == "tests" else 0o777
-            tar.addfile(info)
-        for rel, (data, mode) in sorted(files.items()):
-            clean = posixpath.normpath(rel)
-            if clean.startswith(("/", "..")):
-                raise SandboxError(f"test file {rel!r} is not a relative path inside the task")
-            info = tarfile.TarInfo(f"tests/{clean}")
-            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    logs = {d.strip("/"): 0o777 for d in ("/logs", *LOGS_DIRS)}
+    return files_tar("tests", files, {"tests": 0o755, **logs}, "test file")
 
 
 def _too_large(
