@@ -217,6 +217,7 @@ class EnginePool(PoolSettings):
             self.supervisor.cold_start(m, time.monotonic() - started)
             await self.weights.adopt_mapped_version(m)
             await self.updater.sync(m)  # a restarted gateway whose version is not the launch weights'
+            await self.supervisor.warm(m)
             self.supervisor.watch(m)
         for m in sorted(self.members, key=lambda m: m.standby):  # shadows take what actives leave
             if m.process is None and not await self._admit(m):

@@ -64,3 +64,6 @@ class PoolSettings:
     watch_exits: bool = True
     """Watch each launched local worker's vital processes (``engine_pool.exits``): its death is noticed
     when it happens, not when its connections break or a probe fails."""
+    warm_up: bool = True
+    """Send each launched worker a few short requests before it takes traffic or stands as a shadow
+    (``engine_pool.warm_up``): a stream resumed on it then does not pay its first requests' one-off costs."""

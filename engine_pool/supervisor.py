@@ -33,6 +33,7 @@ from engine_pool.router import Router
 from engine_pool.settings import PoolSettings
 from engine_pool.states import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY
 from engine_pool.versions import WeightVersions
+from engine_pool.warm_up import warm_up
 from engine_pool.weight_keeper import WeightKeeper
 from engine_pool.weight_update import WeightUpdater
 from engine_pool.worker_factory import WorkerFactory
@@ -115,6 +116,18 @@ class Supervisor:
 
     # -- noticing a launched worker's exit ----------------------------------------------------------
 
+    async def warm(self, m: PoolMember) -> None:
+        """Before a launched worker takes traffic or stands as a shadow: its first requests' one-off
+        costs, paid now rather than by a stream resumed on it (`engine_pool.warm_up`; off: `warm_up`).
+        A worker that fails it is not held back: the probes and the failover judge it like any other."""
+        if not self.settings.warm_up or m.process is None:
+            return
+        try:
+            m.info = m.info or await m.client.model_info()
+            await warm_up(m.client, m.info.max_model_len)
+        except EngineError as e:
+            log.warning("worker %s: warm-up failed (%s); it goes on unwarmed", m.name, e)
+
     def watch(self, m: PoolMember) -> None:
         """A launched worker is ready: watch its vital processes (unless the pool does not: `watch_exits`)."""
         if self.settings.watch_exits and m.process is not None:
@@ -185,6 +198,7 @@ class Supervisor:
         self.cold_start(member, time.monotonic() - started)
         await self.keeper.adopt_mapped_version(member)  # mapped from the owner: the version it held
         await self.updater.sync(member)  # the launch weights (or the owner's) may be older than the pool's
+        await self.warm(member)
         self.watch(member)
         self.roster.set(member, self.role(), "replacement ready")
         return member

@@ -118,6 +118,13 @@ class FailoverConfig(BaseModel):
             "(off: noticed by the broken connection or a health probe, as for engines given by URL)"
         ),
     )
+    warm_up: bool = Field(
+        default=True,
+        description=(
+            "send each launched worker a few short requests before it takes traffic or stands as a "
+            "shadow, so that a stream resumed on it does not pay a fresh worker's first-request costs"
+        ),
+    )
     quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
 
 

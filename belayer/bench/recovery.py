@@ -52,6 +52,8 @@ from core.errors import BenchError
 
 EXIT_WATCH_ENV = "BELAYER_FAILOVER__EXIT_WATCH"
 """The gateway's ``failover.exit_watch``, off for ``--no-exit-watch``."""
+WARM_UP_ENV = "BELAYER_FAILOVER__WARM_UP"
+"""The gateway's ``failover.warm_up``, off for ``--no-warm-up`` and the ``--warm-up-baseline`` pool."""
 
 
 def _gateway(workdir: Path, name: str, model: str, extra: list[str], key: WorkerKey | None = None) -> Service:
@@ -71,33 +73,51 @@ def overhead(workdir: Path, opts: argparse.Namespace) -> None:
     emit("target_failover_overhead_le_2pct", "pass" if (off - on) / off * 100 <= 2 else "fail")
 
 
-def recovery(workdir: Path, opts: argparse.Namespace) -> None:
+def kill_series(
+    workdir: Path, opts: argparse.Namespace, name: str, env: dict[str, str]
+) -> list[dict[str, float]]:
+    """`--kills` kills (`kill_once`) on a pool of its own, the gateway's environment given `env`."""
     services: list[Service] = []
     with running(services):
         extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600",
                  "--worker-kind", opts.worker_kind]  # fmt: skip
         key = WorkerKey()  # a cold start's first request goes to the replacement worker itself
-        watch = {} if opts.exit_watch else {EXIT_WATCH_ENV: "false"}
-        gw = serve_service(
-            workdir, "pool", opts.model, extra, log_dir=workdir / "pool", env={**key.env(), **watch}
-        )
+        gw = serve_service(workdir, name, opts.model, extra, log_dir=workdir / name, env={**key.env(), **env})
         start(services, gw, timeout=900)
         url = base_url(gw)
         samples = []
         for k in range(opts.kills):
             samples.append(asyncio.run(kill_once(url, opts, key)))
             progress(
-                f"kill {k + 1}/{opts.kills}: {json.dumps({n: round(v, 3) for n, v in samples[-1].items()})}"
+                f"{name}: kill {k + 1}/{opts.kills}: "
+                f"{json.dumps({n: round(v, 3) for n, v in samples[-1].items()})}"
             )
+    return samples
+
+
+def _p50(samples: list[dict[str, float]], name: str) -> float:
+    return statistics.median(s[name] for s in samples)
+
+
+def recovery(workdir: Path, opts: argparse.Namespace) -> None:
+    watch = {} if opts.exit_watch else {EXIT_WATCH_ENV: "false"}
+    warm = {} if opts.warm_up else {WARM_UP_ENV: "false"}
+    samples = kill_series(workdir, opts, "pool", {**watch, **warm})
     for name in ("failover_s", "capacity_restored_s", "full_strength_s", "cold_start_s"):
-        emit(name, statistics.median(s[name] for s in samples))
+        emit(name, _p50(samples, name))
     for name in ("detect_ms", "resubmitted_ms", "new_worker_token_ms", "lost_ms"):
-        emit(f"failover_{name}_p50", statistics.median(s[name] for s in samples))
+        emit(f"failover_{name}_p50", _p50(samples, name))
     emit("kills", len(samples))
-    cold = statistics.median(s["cold_start_s"] for s in samples)
-    speedup = cold / statistics.median(s["failover_s"] for s in samples)
+    speedup = _p50(samples, "cold_start_s") / _p50(samples, "failover_s")
     emit("worker_recovery_speedup", speedup)
     emit("target_worker_recovery_speedup_ge_50", "pass" if speedup >= 50 else "fail")
+    emit("target_failover_detect_ms_le_10", "pass" if _p50(samples, "detect_ms") <= 10 else "fail")
+    emit("target_failover_lost_ms_le_50", "pass" if _p50(samples, "lost_ms") <= 50 else "fail")
+    if opts.warm_up_baseline and opts.warm_up:  # the same kills, on a pool whose workers start cold
+        unwarmed = kill_series(workdir, opts, "pool-unwarmed", {**watch, WARM_UP_ENV: "false"})
+        for name in ("new_worker_token_ms", "lost_ms"):
+            emit(f"failover_{name}_p50_unwarmed", _p50(unwarmed, name))
+        emit("failover_lost_unwarmed_over_warmed", _p50(unwarmed, "lost_ms") / _p50(samples, "lost_ms"))
 
 
 def _hosts(engines: list[dict[str, Any]]) -> set[str]:
@@ -228,6 +248,14 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--no-exit-watch", dest="exit_watch", action="store_false",
         help="the gateway does not watch its workers' processes: losses noticed as before (a baseline)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-warm-up", dest="warm_up", action="store_false",
+        help="the gateway does not warm its launched workers up before they take traffic (a baseline)",
+    )  # fmt: skip
+    p.add_argument(
+        "--warm-up-baseline", action="store_true",
+        help="then the same kills on a pool whose workers are not warmed up: *_unwarmed figures",
     )  # fmt: skip
     p.add_argument(
         "--worker-kind", choices=["vllm", "fake"], default="vllm", help="what the pool's workers run"
