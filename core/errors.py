@@ -56,7 +56,7 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     │   └── ImageBuildError                          building a sandbox image failed
     ├── HarnessError                   a harness could not be installed or run
     ├── TaskError (ValueError)         a task directory is not usable
-    │   └── RewardFileError                          a Harbor task's reward files give no reward (sandbox.sessions.verify)
+    │   └── RewardFileError                          a Harbor task's reward files give no reward (sandbox.sessions.verify_harbor)
     ├── BenchError (RuntimeError)      a benchmark (or a service it starts) could not run
     │
     │   raised outside this module, by the layer that owns them:
@@ -360,7 +360,7 @@ class TaskError(BelayerError, ValueError):
 
 
 class RewardFileError(TaskError):
-    """The reward files a Harbor task's tests wrote give no reward (`sandbox.sessions.verify.read_rewards`);
+    """The reward files a Harbor task's tests wrote give no reward (`sandbox.sessions.verify_harbor.read_rewards`);
     `reason` says which way (``no_reward_file``, ``reward_file_invalid``, ``no_reward_key``), `rewards`
     holds what was read (a reward.json without a ``reward`` key)."""
 

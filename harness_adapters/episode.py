@@ -1,24 +1,9 @@
 """``belayer run-episode``: one real harness on one task, end to end, through a running gateway.
 
-A task is a directory::
-
-    task/
-      instruction.md   what the agent is asked to do
-      repo/            the repository snapshot: the sandbox's /workspace
-      verify.sh        the verifier (sh, run from /workspace in the verify stage); exit code 0 means solved
-      tests/           optional hidden tests (also hidden/): with verify.sh, never in the agent's sandbox
-      task.json        optional: {"max_turns": 30, "timeout_s": 600, "image": "belayer-sandbox-python",
-                                  "setup": ["pip install -e ."], "protected_paths": ["test_*.py"],
-                                  "on_tamper": "reset", "verify_timeout_s": 300,
-                                  "setup_network": false, "setup_cap_add": []}
-
-A directory with ``task.toml`` is a Harbor-format task instead (`harness_adapters.harbor_task`, docs/harbor.md):
-its image is a ``docker build`` of environment/ (`build_harbor_image`: base images found on this host or
-mapped by the operator's ``base_images``, never pulled), its working directory, variables, CPUs, memory
-and network come from task.toml, and the verify stage runs tests/test.sh on Harbor's reward files, on a
-clean copy (the default) or in the agent's own sandbox (``verify="shared"``, or the task's
-``[metadata] belayer_verify``); the report adds ``reward``, ``rewards`` and ``verify_mode``. The
-``oracle`` harness runs its solution/solve.sh.
+The task (`harness_adapters.task`) is a directory in Belayer's format (instruction.md, repo/, verify.sh,
+an optional task.json) or Harbor's (``task.toml``: its own image, and a verify stage on Harbor's reward
+files, on a clean copy or in the agent's own sandbox); for a Harbor task the report adds ``reward``,
+``rewards`` and ``verify_mode``. The ``oracle`` harness runs a Harbor task's solution/solve.sh.
 
 An episode runs in three stages:
 
@@ -63,7 +48,7 @@ past K without one at K) is an error that says so.
 
 The report says per episode how the gateway built each prompt: prefix reuse, a fresh prompt, or a
 branch, and for every branch the first place where the harness's history differs from what it sent
-before (``branch_reasons``).
+before (``branch_reasons``, `harness_adapters.episode_report`).
 
 Example::
 
@@ -76,142 +61,41 @@ Example::
 from __future__ import annotations
 
 import base64
-import json
 import shlex
 import subprocess
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
-from core.errors import HarnessError, TaskError
+from core.errors import HarnessError
 from harness_adapters.base import Episode, HarnessAdapter, Outcome, SandboxRef
-from harness_adapters.harbor_task import HarborSpec, VerifyMode, interpreter, load_harbor, resolve_env
-from sandbox.sessions.verify import LOGS_DIRS, is_protected
+from harness_adapters.episode_report import (
+    harbor_report,
+    outcome_report,
+    reward_info,
+    summarize,
+    verdict_report,
+)
+from harness_adapters.harbor_task import VerifyMode, resolve_env
+from harness_adapters.task import (
+    Task,
+    build_harbor_image,
+    build_task_image,
+    harbor_sandbox,
+    harbor_workdir,
+    harness_image,
+    harness_layer,
+)
+from sandbox.sessions.verify_harbor import LOGS_DIRS
 from sandbox.supervisor import BUSYBOX
-from sandbox.task_images import TaskImage, ensure_task_image
+from sandbox.task_images import TaskImage
 
 OUT_DIR = "/tmp/belayer-harness"
 HOME = "/root"
-
-
-TASK_KEYS = {
-    "max_turns", "timeout_s", "image", "setup", "protected_paths", "on_tamper", "verify_timeout_s",
-    "setup_network", "setup_cap_add",
-}  # fmt: skip
-HIDDEN_DIRS = ("tests", "hidden")
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    name: str
-    root: Path
-    instruction: str
-    repo: Path
-    verifier: Path
-    max_turns: int = 30
-    timeout_s: float = 600.0
-    image: str | None = None
-    setup: tuple[str, ...] = ()
-    protected_paths: tuple[str, ...] = ()
-    on_tamper: Literal["reset", "fail"] = "reset"
-    verify_timeout_s: float = 300.0
-    setup_network: bool = False
-    setup_cap_add: tuple[str, ...] = ()
-    workdir: str = "/workspace"
-    """The agent's working directory: what a clean verification copies."""
-    harbor: HarborSpec | None = None
-    """A Harbor-format task's ``task.toml`` (`harness_adapters.harbor_task`); None: Belayer's format."""
-
-    @classmethod
-    def load(cls, root: Path) -> Task:
-        """The task at `root`: Harbor's format when it holds ``task.toml``, else Belayer's."""
-        root = root.resolve()
-        if (root / "task.toml").is_file():
-            return cls.load_harbor(root)
-        need = {
-            "instruction.md": root / "instruction.md",
-            "repo/": root / "repo",
-            "verify.sh": root / "verify.sh",
-        }
-        missing = [name for name, path in need.items() if not path.exists()]
-        if missing:
-            raise TaskError(
-                f"task {root} lacks {', '.join(missing)} (a task has instruction.md, repo/, verify.sh)"
-            )
-        options = _options(root / "task.json")
-        return cls(
-            name=root.name,
-            root=root,
-            instruction=(root / "instruction.md").read_text().strip(),
-            repo=root / "repo",
-            verifier=root / "verify.sh",
-            **options,
-        )
-
-    @classmethod
-    def load_harbor(cls, root: Path) -> Task:
-        """A Harbor task (`harness_adapters.harbor_task`): its image is its own, its repository in it."""
-        spec, instruction = load_harbor(root)
-        return cls(
-            name=root.name, root=root, instruction=instruction, repo=root / "environment",
-            verifier=root / "tests" / "test.sh", timeout_s=spec.agent_timeout_s or 600.0,
-            verify_timeout_s=spec.verifier_timeout_s, workdir=spec.workdir or "", harbor=spec,
-        )  # fmt: skip
-
-    def files(self) -> list[tuple[str, bytes, int]]:
-        """The repository's files: (relative path, content, mode); none for a Harbor task (its image holds
-        them)."""
-        return [] if self.harbor is not None else _tree(self.repo)
-
-    def verifier_files(self) -> list[tuple[str, bytes, int]]:
-        """What the verify stage gets and the agent never sees: verify.sh and the hidden directories (a
-        Harbor task's tests/, relative to it)."""
-        if self.harbor is not None:
-            return _tree(self.root / "tests")
-        files = [("verify.sh", self.verifier.read_bytes(), 0o644)]
-        for name in HIDDEN_DIRS:
-            files += [(f"{name}/{path}", data, mode) for path, data, mode in _tree(self.root / name)]
-        return files
-
-    def originals(self) -> list[tuple[str, bytes, int]]:
-        """The repository's own versions of the protected files."""
-        return [f for f in self.files() if is_protected(f[0], self.protected_paths)]
-
-
-def _options(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    try:
-        options: dict[str, Any] = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise TaskError(f"{path} is not valid JSON: {exc}") from exc
-    unknown = set(options) - TASK_KEYS
-    if unknown:
-        raise TaskError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(TASK_KEYS)})")
-    if options.get("on_tamper", "reset") not in ("reset", "fail"):
-        raise TaskError(f"{path}: on_tamper must be 'reset' or 'fail', not {options['on_tamper']!r}")
-    if not isinstance(options.get("setup_network", False), bool):
-        raise TaskError(f"{path}: setup_network must be true or false")
-    for key in ("setup", "protected_paths", "setup_cap_add"):
-        value = options.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise TaskError(f"{path}: {key} must be a list of strings")
-        options[key] = tuple(value)
-    return options
-
-
-def _tree(root: Path) -> list[tuple[str, bytes, int]]:
-    return [
-        (str(p.relative_to(root)), p.read_bytes(), p.stat().st_mode & 0o777)
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    ]
 
 
 class EpisodeRunner:
@@ -298,14 +182,14 @@ class EpisodeRunner:
             "task": task.name,
             "session_id": sid,
             "inside": inside,
-            **_verdict_report(verdict),
-            **_harbor_report(task),
+            **verdict_report(verdict),
+            **harbor_report(task),
             "task_image": image.name,
             "task_image_cached": image.cached,
             "task_start_s": round(task_start_s, 3),
             "agent_s": round(agent_s, 2),
             "verify_s": verdict["seconds"],
-            **_outcome_report(outcome),
+            **outcome_report(outcome),
             "duration_s": round(time.monotonic() - started, 2),
             **summarize(trajectory),
             **({"fork": fork} if fork_at is not None else {}),
@@ -314,7 +198,7 @@ class EpisodeRunner:
     def _finish(self, sid: str, task: Task, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """The verify stage, the reward from its verdict, and the session's trajectory."""
         verdict = self._verify(sid, task, keep)
-        reward = {"reward": verdict["reward"], "info": _reward_info(verdict)}
+        reward = {"reward": verdict["reward"], "info": reward_info(verdict)}
         self._ok(self.http.post(f"{self.gateway}/api/sessions/{sid}/reward", json=reward))
         trajectory = self._ok(self.http.get(f"{self.gateway}/api/sessions/{sid}/trajectory")).json()
         return verdict, dict(trajectory)
@@ -359,8 +243,8 @@ class EpisodeRunner:
         own = [t for t in trajectory["turns"] if t["index"] > at_turn and t["status"] == "complete"]
         return {
             "session_id": sid,
-            **_verdict_report(verdict),
-            **_outcome_report(outcome),
+            **verdict_report(verdict),
+            **outcome_report(outcome),
             "turns": sum(1 for t in trajectory["turns"] if t["status"] == "complete"),
             "own_turns": len(own),
             "reused_turns": len(shared),
@@ -376,28 +260,10 @@ class EpisodeRunner:
         files added on top)."""
         if task.harbor is not None:
             image = build_harbor_image(task, self.base_images, network=self.build_network)
-            return self._harness_layer(task, image) if inside else image
+            return harness_layer(task, image, self.adapter) if inside else image
         if not inside:
             return build_task_image(task, allow_caps=self.allow_setup_caps)
-        from sandbox.backends import backend_for
-        from sandbox.images import ensure_harness_image
-
-        with backend_for() as backend:
-            version = getattr(self.adapter, "installed_version", lambda: None)() or "latest"
-            base = ensure_harness_image(backend, self.adapter.name, version, self.adapter.image_files())
-        return build_task_image(task, base, allow_caps=self.allow_setup_caps)
-
-    def _harness_layer(self, task: Task, image: TaskImage) -> TaskImage:
-        from sandbox.backends import backend_for
-        from sandbox.task_images import ensure_harness_layer
-
-        with backend_for() as backend:
-            version = getattr(self.adapter, "installed_version", lambda: None)() or "latest"
-            files = self.adapter.image_files()
-            layer = ensure_harness_layer(backend, task.name, image.name, self.adapter.name, version, files)
-        return TaskImage(
-            layer.name, image.cached and layer.cached, image.seconds + layer.seconds, image.setup_output
-        )
+        return build_task_image(task, harness_image(self.adapter), allow_caps=self.allow_setup_caps)
 
     def _session(
         self, task: Task, image: str, inside: bool, metadata: dict[str, Any]
@@ -512,227 +378,5 @@ class EpisodeRunner:
         return response
 
 
-def build_task_image(task: Task, base: str | None = None, allow_caps: tuple[str, ...] = ()) -> TaskImage:
-    """`task`'s image on `base` (default: task.json's ``image``, else the python sandbox image), from
-    the cache or built now, on this host's Docker engine; setup capabilities beyond Docker's defaults
-    only when the operator allows them (`allow_caps`, checked before anything is built)."""
-    from sandbox.task_images import check_setup_caps
-
-    if task.harbor is not None:
-        return build_harbor_image(task, {})
-    check_setup_caps(task.name, task.setup_cap_add, allow_caps)
-    from sandbox.backends import backend_for
-    from sandbox.images import ensure_python_image
-
-    with backend_for() as backend:
-        base = base or task.image or ensure_python_image(backend)
-        return ensure_task_image(
-            backend, task.name, base, task.files(), list(task.setup), setup_network=task.setup_network,
-            setup_cap_add=task.setup_cap_add, allow_caps=allow_caps,
-        )  # fmt: skip
-
-
-def build_harbor_image(task: Task, base_images: Mapping[str, str], *, network: bool = False) -> TaskImage:
-    """A Harbor task's image: ``docker build`` of environment/ (or of ``FROM [environment].docker_image``),
-    its base images mapped by `base_images` and found on this host's engine first (never pulled), cached
-    by content hash (`sandbox.task_images.ensure_dockerfile_image`); refused when it lacks what the sandbox
-    runs from it (/bin/sh, find, tests/test.sh's interpreter)."""
-    from sandbox.backends import backend_for
-    from sandbox.task_images import SANDBOX_NEEDS, ensure_dockerfile_image
-
-    spec = task.harbor
-    if spec is None:
-        raise TaskError(f"task {task.name} is not a Harbor task")
-    if spec.docker_image is not None:
-        context, where = (
-            [("Dockerfile", f"FROM {spec.docker_image}\n".encode(), 0o644)],
-            "[environment].docker_image",
-        )
-    else:
-        context, where = _tree(task.root / "environment"), "environment/Dockerfile"
-    needs = (*SANDBOX_NEEDS, *script_needs("tests/test.sh", task.verifier.read_bytes()))
-    with backend_for() as backend:
-        return ensure_dockerfile_image(
-            backend, task.name, context, where=where, base_images=base_images, timeout_s=spec.build_timeout_s,
-            network=network, needs=needs,
-        )  # fmt: skip
-
-
-def script_needs(name: str, script: bytes) -> list[tuple[str, tuple[str, ...]]]:
-    """What an image needs to run `script` by its path, as Harbor runs it: its ``#!`` interpreter (for
-    ``#!/usr/bin/env X``: env, and X on the usual PATH).
-
-    >>> script_needs("tests/test.sh", b"#!/usr/bin/env bash\\n")[0]
-    ('/usr/bin/env (tests/test.sh runs with it)', ('/usr/bin/env',))
-    """
-    paths = interpreter(script)
-    first = script.split(b"\n", 1)[0].decode(errors="replace")
-    if first.startswith("#!") and first[2:].split()[:1] == ["/usr/bin/env"] and len(paths) > 1:
-        name_of = paths[0].rsplit("/", 1)[-1]
-        return [
-            (f"/usr/bin/env ({name} runs with it)", ("/usr/bin/env",)),
-            (f"{name_of} on PATH ({name}'s interpreter)", paths),
-        ]
-    return [(f"{paths[0]} ({name}'s interpreter)", paths)]
-
-
-def harbor_workdir(task: Task, image: str) -> Task:
-    """`task` with its working directory: ``[environment].workdir``, else the image's ``WORKDIR``."""
-    if task.harbor is None or task.workdir:
-        return task
-    from sandbox.backends import backend_for
-
-    with backend_for() as backend:
-        workdir = backend.image_workdir(image)
-    if workdir in ("", "/"):
-        raise TaskError(
-            f"task {task.name}: its image sets no WORKDIR (or /) and task.toml no [environment].workdir; set "
-            "one: the agent works there, and a clean verification copies it"
-        )
-    return replace(task, workdir=workdir)
-
-
-def harbor_sandbox(task: Task, spec: HarborSpec, inside: bool) -> dict[str, Any]:
-    """A Harbor task's sandbox fields: working directory, variables, CPUs, memory and network."""
-    out: dict[str, Any] = {"workdir": task.workdir, "env": resolve_env(spec.env, "environment.env")}
-    if spec.cpus is not None:
-        out["cpus"] = spec.cpus
-    if spec.memory_mb is not None:
-        out["memory_mb"] = spec.memory_mb
-    if spec.network == "public":
-        if inside:
-            raise TaskError(
-                f"task {task.name}: environment.network_mode = 'public' gives the sandbox the network, but a "
-                "harness inside its sandbox needs the gateway-only network; run a harness beside it (--beside, "
-                "mini-swe-agent, openhands, oracle) or set network_mode = 'no-network'"
-            )
-        out["network"] = "full"
-    return out
-
-
-def _harbor_report(task: Task) -> dict[str, Any]:
-    if task.harbor is None:
-        return {}
-    spec = task.harbor
-    storage = None
-    if spec.storage_mb is not None:
-        storage = {
-            "asked_mb": spec.storage_mb,
-            "enforced": False,
-            "why": "the gateway's sandbox disk quota applies",
-        }
-    return {
-        "harbor": {
-            "name": spec.name, "workdir": task.workdir, "network": spec.network, "storage_mb": storage,
-        }
-    }  # fmt: skip
-
-
-def _verdict_report(verdict: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "reward": verdict["reward"],
-        "rewards": verdict.get("rewards"),
-        "verify_mode": verdict.get("mode"),
-        "verify_format": verdict.get("format"),
-        "verified": verdict["verified"],
-        "verifier_output": verdict["output"][-2000:],
-        "verifier_exit_code": verdict["exit_code"],
-        "verifier_timed_out": verdict["timed_out"],
-        "protected_path_changes": verdict["changes"],
-        "tamper_action": verdict["tamper_action"],
-        "verify_reason": verdict.get("reason"),  # why there is no verdict: workspace_too_large
-    }
-
-
-def _outcome_report(outcome: Outcome) -> dict[str, Any]:
-    return {
-        "harness_ok": outcome.ok,
-        "harness_returncode": outcome.returncode,
-        "harness_report": {k: v for k, v in outcome.report.items() if k != "messages"},
-        "harness_stderr_tail": outcome.stderr[-2000:],
-    }
-
-
 def _file(path: str, data: bytes, mode: int) -> dict[str, Any]:
     return {"path": path, "content": base64.b64encode(data).decode(), "mode": mode}
-
-
-def _reward_info(verdict: dict[str, Any]) -> dict[str, Any]:
-    """The verdict without the verifier's output (the reward is part of what a trainer reads back)."""
-    keys = ("verified", "exit_code", "timed_out", "tamper_action", "protected_paths_modified", "seconds")
-    extra = {"verify_reason": verdict.get("reason"), "verify_mode": verdict.get("mode")}
-    if verdict.get("rewards") is not None:
-        extra["rewards"] = verdict["rewards"]
-    return {**{f"verify_{k}": verdict[k] for k in keys}, **extra}
-
-
-# --------------------------------------------------------------------------- the report
-def summarize(trajectory: dict[str, Any]) -> dict[str, Any]:
-    """How the gateway built each prompt (prefix reuse, fresh, branch) and why each branch happened."""
-    turns = trajectory["turns"]
-    events = trajectory["events"]
-    first: dict[int, str] = {}
-    for e in events:
-        if e["kind"] in ("prefix_reuse", "fresh_prompt", "branch") and e["turn_index"] is not None:
-            first.setdefault(e["turn_index"], e["kind"])
-    by_index = {t["index"]: t for t in turns}
-    reasons = []
-    for index, kind in sorted(first.items()):
-        if kind == "prefix_reuse" or index == 0:
-            continue
-        previous = by_index.get(index - 1)
-        turn = by_index[index]
-        reasons.append({"turn": index, "kind": kind, **_first_difference(previous, turn)})
-    statuses = Counter(t["status"] for t in turns)
-    kinds = Counter(e["kind"] for e in events)
-    return {
-        "turns": len(turns),
-        "statuses": dict(statuses),
-        "prefix_reuse": sum(1 for k in first.values() if k == "prefix_reuse"),
-        "fresh_prompts": sum(1 for k in first.values() if k == "fresh_prompt"),
-        "branches": sum(1 for k in first.values() if k == "branch"),
-        "branch_reasons": reasons,
-        "failovers": kinds.get("failover", 0),
-        "sandbox_checkpoints": kinds.get("sandbox_checkpoint", 0),
-        "sandbox_checkpoint_failures": kinds.get("sandbox_checkpoint_failed", 0),
-        "sandbox_restores": kinds.get("sandbox_restored", 0),
-        "prompt_tokens": [len(t["prompt_ids"]) for t in turns],
-        "output_tokens": [len(t["output_ids"]) for t in turns],
-    }
-
-
-def _first_difference(previous: dict[str, Any] | None, turn: dict[str, Any]) -> dict[str, Any]:
-    """Where `turn`'s messages stop extending the previous turn's (request messages, then its reply)."""
-    if previous is None:
-        return {"difference": "no previous turn"}
-    before, after = _messages(previous), _messages(turn)
-    for i, (a, b) in enumerate(zip(before, after, strict=False)):
-        if _norm(a) != _norm(b):
-            return {"message_index": i, "before": _norm(a)[:400], "after": _norm(b)[:400]}
-    if len(after) <= len(before):
-        return {"difference": f"history went from {len(before)} to {len(after)} messages"}
-    reply = (previous.get("response") or {}).get("message")
-    return {
-        "message_index": len(before),
-        "difference": "the harness sent back the reply differently from how the gateway gave it",
-        "before": _norm(reply)[:400],
-        "after": _norm(after[len(before)])[:400],
-    }
-
-
-def _messages(turn: dict[str, Any]) -> list[Any]:
-    request = turn.get("request") or {}
-    return list(request.get("messages") or [])
-
-
-def _norm(message: Any) -> str:
-    return json.dumps(_strip(message), sort_keys=True, ensure_ascii=False)
-
-
-def _strip(value: Any) -> Any:
-    """Drop what does not render into the prompt (Anthropic's cache_control moves between requests)."""
-    if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k != "cache_control"}
-    if isinstance(value, list):
-        return [_strip(v) for v in value]
-    return value

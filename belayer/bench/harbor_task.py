@@ -58,9 +58,10 @@ from belayer.bench import emit
 from belayer.bench.stand_up import bench_workdir, ensure_model, interrupt_on_sigterm, serve_service, start
 from belayer.testing.services import Service, base_url, fake_engine_service, progress, running
 from core.errors import BenchError
-from harness_adapters.episode import EpisodeRunner, Task, build_harbor_image
+from harness_adapters.episode import EpisodeRunner
 from harness_adapters.harbor_task import VerifyMode
 from harness_adapters.oracle import Oracle
+from harness_adapters.task import Task, build_harbor_image
 from sandbox.backends import backend_for
 from sandbox.docker_backend import DockerSandboxBackend
 from sandbox.images import ensure_python_image

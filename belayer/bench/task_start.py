@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from belayer.bench import emit
-from harness_adapters.episode import Task
+from harness_adapters.task import Task
 from sandbox.backend import SandboxSpec
 from sandbox.backends import backend_for
 from sandbox.images import ensure_python_image

@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from core.errors import HarnessError, ImageBuildError, TaskError
-    from harness_adapters.episode import EpisodeRunner, Task
+    from harness_adapters.episode import EpisodeRunner
     from harness_adapters.registry import adapter
+    from harness_adapters.task import Task
 
     def progress(message: str) -> None:
         print(f"[episode] {message}", file=sys.stderr, flush=True)

@@ -84,8 +84,9 @@ def base_image(text: str) -> tuple[str, str]:
 
 def _build(args: argparse.Namespace) -> int:
     from core.errors import HarnessError, ImageBuildError, TaskError
-    from harness_adapters.episode import EpisodeRunner, Task, build_harbor_image, build_task_image
+    from harness_adapters.episode import EpisodeRunner
     from harness_adapters.registry import adapter
+    from harness_adapters.task import Task, build_harbor_image, build_task_image
 
     try:
         task = Task.load(Path(args.dir))

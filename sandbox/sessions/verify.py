@@ -6,7 +6,7 @@
    into a temporary file (`WorkspaceCopy`); the agent's sandbox is then destroyed, or kept for
    inspection. A copy over `SandboxConfig.max_workspace_bytes` stops there and is not verified
    (``reason="workspace_too_large"``, a ``workspace_too_large`` event);
-2. rewrites that copy as it goes to the verifier (`AgentTree`, `protect`, `write_tree`): regular files,
+2. rewrites that copy as it goes to the verifier (`sandbox.sessions.verify_tree`): regular files,
    directories and symbolic links only (no devices, fifos or hard links), no ``__pycache__``/``*.pyc``
    (bytecode the agent could have forged), and every *protected* path back to the task's original
    content. Each protected path the agent changed, added or deleted is a ``protected_path_modified``
@@ -35,24 +35,34 @@ Example::
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-import io
-import json
-import math
-import posixpath
 import shlex
-import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
-from core.errors import RewardFileError, SandboxError, SandboxFileNotFound, SandboxTimeout
-from sandbox.backend import ExecResult, SandboxSpec, tar_chunks
+from core.errors import RewardFileError, SandboxError, SandboxTimeout
+from sandbox.backend import ExecResult, SandboxSpec
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.records import EventLog
+from sandbox.sessions.verify_harbor import (
+    REWARD_JSON,
+    REWARD_TEXT,
+    TESTS_DIR,
+    harbor_tests_tar,
+    read_rewards,
+    reward_file,
+)
+from sandbox.sessions.verify_tree import (
+    SPOOL_MEMORY_BYTES,
+    AgentTree,
+    ProtectedChange,
+    WorkspaceCopy,
+    files_tar,
+    protect,
+    write_tree,
+)
 from sandbox.supervisor import ROOT as SUPERVISOR_ROOT
 
 VERIFY_DIR = "/belayer-verify"
@@ -69,22 +79,9 @@ VERIFY_ENV = {
     "BELAYER_TESTS": f"{VERIFY_DIR}/tests",
     "BELAYER_PYTHON": VERIFY_PYTHON,
 }
-SPOOL_MEMORY_BYTES = 1 << 20
-"""A copy of the working directory up to this size stays in memory; a larger one goes to a temporary
-file (the gateway holds a piece of it at a time, never the whole)."""
-DIFF_MAX_BYTES = 1 << 20
-"""A protected file's diff is counted when both versions are at most this size (else ``diff_lines`` is
--1)."""
 OnTamper = Literal["reset", "fail"]
 VerifyFormat = Literal["belayer", "harbor"]
 VerifyMode = Literal["clean", "shared"]
-TESTS_DIR = "/tests"
-LOGS_DIRS = ("/logs/agent", "/logs/verifier", "/logs/artifacts")
-REWARD_JSON = "/logs/verifier/reward.json"
-REWARD_TEXT = "/logs/verifier/reward.txt"
-REWARD_MAX_BYTES = 64 * 1024
-"""A reward file larger than this is not read (an error in the verdict)."""
-Change = Literal["modified", "deleted", "added"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,23 +108,6 @@ class VerifyPlan:
     agent's own sandbox, as Harbor runs its verifier (no protected paths there)."""
     env: dict[str, str] = field(default_factory=dict)
     """Variables the verifier runs with (Harbor's ``[verifier].env``), on top of the image's."""
-
-
-@dataclass(frozen=True, slots=True)
-class ProtectedChange:
-    path: str
-    change: Change
-    diff_lines: int
-    """Lines added plus lines removed (a unified diff of the two versions, as text); -1: not counted,
-    a version is over `DIFF_MAX_BYTES`."""
-    bytes_before: int
-    bytes_after: int
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path, "change": self.change, "diff_lines": self.diff_lines,
-            "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
-        }  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,187 +142,10 @@ class VerifyOutcome:
         }  # fmt: skip
 
 
-# --------------------------------------------------------------------------- protected paths
-def is_protected(path: str, patterns: tuple[str, ...]) -> bool:
-    """Whether relative `path` is protected by one of `patterns`.
-
-    >>> is_protected("tests/unit/test_a.py", ("tests",)), is_protected("a/test_x.py", ("test_*.py",))
-    (True, False)
-    >>> is_protected("a/test_x.py", ("*/test_*.py",)), is_protected("test_x.py", ("test_*.py",))
-    (True, True)
-    """
-    for pattern in patterns:
-        pattern = pattern.strip("/")
-        if fnmatch.fnmatchcase(path, pattern) or path.startswith(pattern + "/"):
-            return True
-        parts = path.split("/")  # a pattern matching a directory protects what is under it
-        if any(fnmatch.fnmatchcase("/".join(parts[:i]), pattern) for i in range(1, len(parts))):
-            return True
-    return False
-
-
-@dataclass(frozen=True, slots=True)
-class WorkspaceCopy:
-    """The agent's working directory as copied out: a tar spooled to a temporary file (in memory only
-    while under `SPOOL_MEMORY_BYTES`), and how big it was. Over `limit`, the copy stopped there and
-    `tar` holds only its start. `VerifyStage.judge` closes it."""
-
-    tar: IO[bytes]
-    size: int
-    limit: int | None = None
-
-    @property
-    def too_large(self) -> bool:
-        return self.limit is not None and self.size > self.limit
-
-    def close(self) -> None:
-        self.tar.close()
-
-
-@dataclass(frozen=True, slots=True)
-class _Member:
-    rel: str
-    """The path relative to the working directory."""
-    info: tarfile.TarInfo
-    content: tarfile.TarInfo | None
-    """Where a file's bytes are: itself, or a hard link's target; None for directories and links."""
-    archive: tarfile.TarFile
-
-    def open(self) -> IO[bytes]:
-        stream = self.archive.extractfile(self.content) if self.content is not None else None
-        if stream is None:
-            raise SandboxError(f"{self.rel} has no content")
-        return stream
-
-    def head(self, limit: int) -> bytes:
-        """Up to `limit` bytes of a file; a symbolic link's target; nothing for a directory."""
-        return self.open().read(limit) if self.content is not None else self.info.linkname.encode()
-
-
-class AgentTree:
-    """The agent's working directory in its archive (`WorkspaceCopy.tar`, seekable), read one member at
-    a time, each time it is walked: never the whole tree in memory, files' bytes least of all.
-
-    Kept: directories, regular files (hard links become regular files with their target's bytes) and
-    symbolic links; nothing else, and no bytecode."""
-
-    def __init__(self, tar: IO[bytes], workdir: str) -> None:
-        self._tar = tar
-        self._top = posixpath.basename(workdir.rstrip("/"))
-        self._targets = {posixpath.normpath(m.linkname) for _, m in self._scan() if m.islnk()}
-        """Files that hard links point at (their headers are kept while walking; no others are)."""
-
-    def members(self) -> Iterator[_Member]:
-        held: dict[str, tarfile.TarInfo] = {}
-        for archive, member in self._scan():
-            name = posixpath.normpath(member.name)
-            if member.isreg() and name in self._targets:
-                held[name] = member
-            if name == self._top or not name.startswith(self._top + "/"):
-                continue
-            rel = name[len(self._top) + 1 :]
-            if rel.startswith("../") or "/../" in rel or _bytecode(rel):
-                continue
-            if member.isdir() or member.issym():
-                yield _Member(rel, member, None, archive)
-            elif member.isreg():
-                yield _Member(rel, member, member, archive)
-            elif member.islnk() and posixpath.normpath(member.linkname) in held:
-                yield _Member(rel, member, held[posixpath.normpath(member.linkname)], archive)
-
-    def _scan(self) -> Iterator[tuple[tarfile.TarFile, tarfile.TarInfo]]:
-        self._tar.seek(0)
-        with tarfile.open(fileobj=self._tar, mode="r:") as archive:
-            while (member := archive.next()) is not None:
-                archive.members.clear()  # type: ignore[attr-defined]  # else it keeps every header read
-                yield archive, member
-
-
-def protect(
-    tree: AgentTree, originals: dict[str, tuple[bytes, int]], patterns: tuple[str, ...]
-) -> list[ProtectedChange]:
-    """What the agent changed of the protected paths: each one that `write_tree` resets (a protected
-    file that differs from its original or has none, or an original that is missing)."""
-    changes: list[ProtectedChange] = []
-    seen: set[str] = set()
-    for member in tree.members():
-        if not is_protected(member.rel, patterns) and member.rel not in originals:
-            continue
-        original = originals.get(member.rel)
-        size = member.content.size if member.content is not None else len(member.info.linkname.encode())
-        if original is None:
-            if not member.info.isdir():
-                after = member.head(DIFF_MAX_BYTES + 1)
-                changes.append(ProtectedChange(member.rel, "added", _diff_lines(b"", after), 0, size))
-            continue
-        seen.add(member.rel)
-        data, _mode = original
-        if member.content is not None and size == len(data) and member.head(len(data)) == data:
-            continue
-        after = member.head(DIFF_MAX_BYTES + 1)
-        changes.append(ProtectedChange(member.rel, "modified", _diff_lines(data, after), len(data), size))
-    for rel in set(originals) - seen:
-        data = originals[rel][0]
-        changes.append(ProtectedChange(rel, "deleted", _diff_lines(data, b""), len(data), 0))
-    return sorted(changes, key=lambda change: change.path)
-
-
-def write_tree(
-    tree: AgentTree, workdir: str, originals: dict[str, tuple[bytes, int]], patterns: tuple[str, ...]
-) -> Iterator[bytes]:
-    """The tree as a tar to unpack at ``/`` (names under `workdir`), made as it is sent: the agent's
-    files, minus the protected paths (a protected directory stays), then every original. A file or
-    link where a parent directory of an original goes is dropped, so the original is written where
-    the verifier will read it."""
-    root = workdir.strip("/")
-    above = {"/".join(rel.split("/")[:i]) for rel in originals for i in range(1, rel.count("/") + 1)}
-
-    def members() -> Iterator[tuple[tarfile.TarInfo, IO[bytes] | None]]:
-        for member in tree.members():
-            protected = is_protected(member.rel, patterns) or member.rel in originals
-            if protected and not (member.info.isdir() and member.rel not in originals):
-                continue
-            if member.rel in above and not member.info.isdir():
-                continue
-            info = tarfile.TarInfo(f"{root}/{member.rel}")
-            info.mode, info.mtime = member.info.mode, member.info.mtime
-            if member.content is not None:
-                info.size = member.content.size
-            else:
-                info.type, info.linkname = member.info.type, member.info.linkname
-            yield info, member.open() if member.content is not None else None
-        now = int(time.time())
-        for rel, (data, mode) in sorted(originals.items()):
-            info = tarfile.TarInfo(f"{root}/{rel}")
-            info.size, info.mode, info.mtime = len(data), mode, now
-            yield info, io.BytesIO(data)
-
-    return tar_chunks(members())
-
-
 def verifier_tar(files: dict[str, tuple[bytes, int]]) -> bytes:
     """The verifier's files under ``/belayer-verify`` (and its empty HOME)."""
     root = VERIFY_DIR.strip("/")
     return files_tar(root, files, {root: 0o755, f"{root}/home": 0o755}, "verifier file")
-
-
-def files_tar(root: str, files: dict[str, tuple[bytes, int]], dirs: dict[str, int], what: str) -> bytes:
-    """A tar to unpack at ``/``: the directories `dirs` (name: mode), then `files` under `root`; a file
-    path that leaves `root` is a `SandboxError` naming it as `what`."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, dir_mode in dirs.items():
-            info = tarfile.TarInfo(name)
-            info.type, info.mode = tarfile.DIRTYPE, dir_mode
-            tar.addfile(info)
-        for rel, (data, mode) in sorted(files.items()):
-            clean = posixpath.normpath(rel)
-            if clean.startswith(("/", "..")):
-                raise SandboxError(f"{what} {rel!r} is not a relative path inside the task")
-            info = tarfile.TarInfo(f"{root}/{clean}")
-            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 def verify_command(workdir: str) -> str:
@@ -366,23 +169,6 @@ def outside_changes(changes: list[tuple[str, str]], workdir: str) -> list[tuple[
     kept = [(k, p) for k, p in changes if not any(p == s or p.startswith(s + "/") for s in skip)]
     paths = {p for _, p in kept}
     return [(k, p) for k, p in kept if not any(q.startswith(p.rstrip("/") + "/") for q in paths)]
-
-
-def _bytecode(rel: str) -> bool:
-    return rel.endswith((".pyc", ".pyo")) or "__pycache__" in rel.split("/")
-
-
-def _diff_lines(before: bytes, after: bytes) -> int:
-    """Lines added plus removed; -1 (not counted) when a side is over `DIFF_MAX_BYTES`."""
-    if len(before) > DIFF_MAX_BYTES or len(after) > DIFF_MAX_BYTES:
-        return -1
-    a = before.decode(errors="replace").splitlines()
-    b = after.decode(errors="replace").splitlines()
-    return sum(
-        1
-        for line in difflib.unified_diff(a, b, lineterm="", n=0)
-        if line[:1] in "+-" and not line.startswith(("+++", "---"))
-    )
 
 
 # --------------------------------------------------------------------------- the stage
@@ -488,7 +274,10 @@ class VerifyStage:
         if timed_out:
             return _Verdict(False, None, output, True, reason="verifier_timed_out")
         try:
-            found = (await self._reward_file(box, REWARD_JSON), await self._reward_file(box, REWARD_TEXT))
+            found = (
+                await reward_file(self.io, box, REWARD_JSON),
+                await reward_file(self.io, box, REWARD_TEXT),
+            )
             reward, rewards = read_rewards(*found)
         except RewardFileError as exc:
             note = f"\n[belayer] no reward: {exc}"
@@ -512,28 +301,6 @@ class VerifyStage:
             note = f"\n[belayer] the verifier ran over its time limit ({plan.timeout_s:g}s)"
             return None, getattr(exc, "stdout", "") + note, True
         return result.exit_code, result.stdout + result.stderr, False
-
-    async def _reward_file(self, box: str, path: str) -> bytes | None:
-        """The file at `path` in `box`, read through the engine's archive (no tool of the image); None
-        when there is none."""
-        buf = io.BytesIO()
-        try:
-            size = await self.io.op(
-                self.io.backend.archive, box, path, buf, max_bytes=REWARD_MAX_BYTES + 4096
-            )
-        except SandboxFileNotFound:
-            return None
-        if size > REWARD_MAX_BYTES + 4096:
-            raise RewardFileError("reward_file_invalid", f"{path} is over {REWARD_MAX_BYTES} bytes")
-        buf.seek(0)
-        with tarfile.open(fileobj=buf, mode="r:") as tar:
-            member = tar.next()
-            if member is None:
-                return None
-            stream = tar.extractfile(member) if member.isreg() else None
-            if stream is None:
-                raise RewardFileError("reward_file_invalid", f"{path} is not a regular file")
-            return stream.read()
 
 
 @dataclass(frozen=True, slots=True)
@@ -561,71 +328,6 @@ def _outcome(
         time.monotonic() - started, kept, reason=verdict.reason, reward=reward, rewards=verdict.rewards,
         format=plan.format, mode=plan.mode,
     )  # fmt: skip
-
-
-# --------------------------------------------------------------------------- Harbor's reward files
-def read_rewards(json_data: bytes | None, text_data: bytes | None) -> tuple[float, dict[str, float]]:
-    """The RL reward and every reward, read as Harbor reads ``/logs/verifier``: ``reward.json`` (an object
-    of finite numbers) wins over ``reward.txt`` (one finite number, ``{"reward": x}``); the reward is the
-    ``reward`` key, or the only key. Anything else is a `RewardFileError`.
-
-    >>> read_rewards(b'{"reward": 1, "tests": 0.5}', b"0"), read_rewards(None, b" 0.25\\n")
-    ((1.0, {'reward': 1.0, 'tests': 0.5}), (0.25, {'reward': 0.25}))
-    >>> read_rewards(b'{"score": 3}', None)
-    (3.0, {'score': 3.0})
-    >>> read_rewards(None, b"nan")
-    Traceback (most recent call last):
-    ...
-    core.errors.RewardFileError: reward.txt holds 'nan', not one finite number
-    """
-    if json_data is not None:
-        return _reward_of(_json_rewards(json_data))
-    if text_data is not None:
-        text = text_data.decode(errors="replace")
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not text.strip() or not math.isfinite(value):
-            raise RewardFileError(
-                "reward_file_invalid", f"reward.txt holds {text[:100]!r}, not one finite number"
-            )
-        return value, {"reward": value}
-    raise RewardFileError("no_reward_file", f"tests/test.sh wrote neither {REWARD_JSON} nor {REWARD_TEXT}")
-
-
-def _json_rewards(data: bytes) -> dict[str, float]:
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RewardFileError("reward_file_invalid", f"reward.json is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise RewardFileError(
-            "reward_file_invalid", f"reward.json holds {type(value).__name__}, not an object"
-        )
-    for key, item in value.items():
-        if isinstance(item, bool) or not isinstance(item, int | float) or not math.isfinite(item):
-            raise RewardFileError(
-                "reward_file_invalid", f"reward.json's {key!r} is {item!r}, not a finite number"
-            )
-    return {str(k): float(v) for k, v in value.items()}
-
-
-def _reward_of(rewards: dict[str, float]) -> tuple[float, dict[str, float]]:
-    if "reward" in rewards:
-        return rewards["reward"], rewards
-    if len(rewards) == 1:
-        return next(iter(rewards.values())), rewards
-    raise RewardFileError(
-        "no_reward_key", f"reward.json has keys {sorted(rewards)} and none is 'reward': which one is the reward?",
-        rewards,
-    )  # fmt: skip
-
-
-def harbor_tests_tar(files: dict[str, tuple[bytes, int]]) -> bytes:
-    """Harbor's tests under ``/tests``, and the empty ``/logs`` directories its scripts write to."""
-    logs = {d.strip("/"): 0o777 for d in ("/logs", *LOGS_DIRS)}
-    return files_tar("tests", files, {"tests": 0o755, **logs}, "test file")
 
 
 def _too_large(

@@ -38,10 +38,11 @@ from core.net import free_port
 from gateway.policy.tokenization import ChatTokenizer
 from harness_adapters.base import HarnessAdapter
 from harness_adapters.claude_code import ClaudeCode
-from harness_adapters.episode import EpisodeRunner, Task
+from harness_adapters.episode import EpisodeRunner
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.opencode import OpenCode
 from harness_adapters.scripted_engine import Emission, read_log, tool_call
+from harness_adapters.task import Task
 from tests.support import belayer_argv, spawn, stop, wait_healthy
 
 pytestmark = [pytest.mark.harness, pytest.mark.docker, pytest.mark.slow]  # minutes: make test-all

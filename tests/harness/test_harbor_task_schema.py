@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from core.errors import TaskError
-from harness_adapters.episode import Task, harbor_sandbox, script_needs
 from harness_adapters.harbor_task import SCHEMA, Refused, Table, read_schema, resolve_env
+from harness_adapters.task import Task, harbor_sandbox, script_needs
 
 FULL = """
 schema_version = "1.4"

@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 
 from core.errors import ImageBuildError
-from harness_adapters.episode import EpisodeRunner, Task, build_harbor_image
+from harness_adapters.episode import EpisodeRunner
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.oracle import Oracle
 from harness_adapters.scripted_engine import tool_call
+from harness_adapters.task import Task, build_harbor_image
 from sandbox.docker_backend import DockerSandboxBackend
 from tests.harness.test_episodes import API_TOKEN, CACHE, Stack, start_stack
 from tests.sandbox.conftest import busybox_image

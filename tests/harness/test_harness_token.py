@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from harness_adapters.base import Episode, HarnessAdapter, Outcome, SandboxRef
-from harness_adapters.episode import EpisodeRunner, Task
+from harness_adapters.episode import EpisodeRunner
 from harness_adapters.registry import ADAPTERS
+from harness_adapters.task import Task
 
 SECRET = "trainer-s3cret"
 URL = "http://127.0.0.1:8000/s/ses_1/v1"

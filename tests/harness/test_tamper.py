@@ -24,9 +24,10 @@ import httpx
 import pytest
 
 from core.net import free_port
-from harness_adapters.episode import EpisodeRunner, Task
+from harness_adapters.episode import EpisodeRunner
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.scripted_engine import tool_call
+from harness_adapters.task import Task
 from tests.support import belayer_argv, spawn, stop, wait_healthy
 
 pytestmark = [pytest.mark.harness, pytest.mark.docker]

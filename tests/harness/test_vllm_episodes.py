@@ -17,10 +17,11 @@ import pytest
 
 from harness_adapters.claude_code import ClaudeCode
 from harness_adapters.codex import Codex
-from harness_adapters.episode import EpisodeRunner, Task
+from harness_adapters.episode import EpisodeRunner
 from harness_adapters.mini_swe_agent import MiniSweAgent
 from harness_adapters.opencode import OpenCode
 from harness_adapters.openhands import OpenHands
+from harness_adapters.task import Task
 from tests.support import belayer_server
 
 pytestmark = [

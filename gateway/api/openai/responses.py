@@ -1,4 +1,4 @@
-"""OpenAI Responses requests → ``GenerationRequest``, and stored turns → Responses objects.
+"""OpenAI Responses requests → ``GenerationRequest``, and response ids → their stored conversation.
 
 A Responses request becomes the same internal messages as a chat completion (role, text content, tool
 calls with parsed arguments, ``tool`` messages), so it shares the chat template, prefix reuse, branching,
@@ -25,6 +25,8 @@ hash of (session id, turn id) + the turn id in hex. Knowing a response id does n
 Under ``/s/{id}/`` a response of another session is not found (a fork child sees the turns it shares).
 A response created with ``store: false`` is recorded in the trajectory like any turn, but it cannot be
 retrieved or continued (as at OpenAI).
+
+The Responses objects that turns and stored turns give back are built in `responses_formatting`.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from gateway.policy.streaming import tool_choice_prefix
 from gateway.turns.protocol import GenerationRequest, parse_arguments
 from gateway.turns.sessions import SessionManager
 from store import SessionRecord, TrajectoryStore, TurnRecord
-from store.base import TURN_ABORTED, TURN_COMPLETE, TURN_DISCARDED, TURN_RUNNING
+from store.base import TURN_COMPLETE, TURN_DISCARDED, TURN_RUNNING
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -407,119 +409,3 @@ def conversation(store: TrajectoryStore, turn: TurnRecord) -> list[dict[str, Any
         out += input_messages(stored.input)
         out.append(output_message(t, rid))
     return out
-
-
-# --- Responses objects ------------------------------------------------------------------------------
-
-
-def usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict[str, Any]:
-    return {
-        "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-        "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt_tokens + output_tokens,
-    }
-
-
-def reused_tokens(turn: TurnRecord) -> int:
-    """The prompt tokens reused from the turn's parent: its span ends where the parent's output ends."""
-    if turn.parent_id is None:
-        return 0
-    return next((end for _, end, tid in turn.prompt_gen_spans if tid == turn.parent_id), 0)
-
-
-def item_ids(turn: TurnRecord) -> str:
-    """The part of the response id that item ids repeat."""
-    return response_id(turn).removeprefix("resp_")
-
-
-def message_item(item_id: str, text: str, status: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
-
-
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    part = {"type": "reasoning_text", "text": text}
-    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": [part]}
-
-
-def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "id": "fc_" + call_id.removeprefix("call_"),
-        "type": "function_call",
-        "status": status,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-    }
-
-
-def response_body(
-    rid: str,
-    raw: dict[str, Any],
-    created_at: float,
-    status: str,
-    output: list[dict[str, Any]],
-    use: dict[str, Any] | None,
-    error: dict[str, Any] | None = None,
-    completed_at: float | None = None,
-) -> dict[str, Any]:
-    """A Responses ``response`` object; the request's settings echo `raw` (as sent)."""
-    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-    return {
-        "id": rid,
-        "object": "response",
-        "created_at": int(created_at),
-        "completed_at": int(completed_at) if completed_at is not None else None,
-        "status": status,
-        "background": False,
-        "error": error,
-        "incomplete_details": incomplete,
-        "instructions": raw.get("instructions"),
-        "max_output_tokens": raw.get("max_output_tokens"),
-        "model": raw.get("model"),
-        "output": output,
-        "parallel_tool_calls": raw.get("parallel_tool_calls", True),
-        "previous_response_id": raw.get("previous_response_id"),
-        "reasoning": {"effort": None, "summary": None},
-        "store": raw.get("store", True) is not False,
-        "temperature": raw.get("temperature", 1.0),
-        "text": raw.get("text") or {"format": {"type": "text"}},
-        "tool_choice": raw.get("tool_choice") or "auto",
-        "tools": raw.get("tools") or [],
-        "top_logprobs": raw.get("top_logprobs") or 0,
-        "top_p": raw.get("top_p", 1.0),
-        "truncation": raw.get("truncation") or "disabled",
-        "usage": use,
-        "user": raw.get("user"),
-        "metadata": raw.get("metadata") or {},
-    }
-
-
-def stored_response(turn: TurnRecord) -> dict[str, Any]:
-    """The response object of a stored turn (``GET /v1/responses/{id}``)."""
-    rid = response_id(turn)
-    core = item_ids(turn)
-    if turn.status == TURN_RUNNING:
-        return response_body(rid, turn.request, turn.received_at, "in_progress", [], None)
-    use = usage(len(turn.prompt_ids), len(turn.output_ids), reused_tokens(turn))
-    if turn.response is None:
-        status = "cancelled" if turn.status == TURN_ABORTED else "failed"
-        error = {"code": "server_error", "message": turn.error or f"the turn is {turn.status}"}
-        return response_body(rid, turn.request, turn.received_at, status, [], use, error)
-    status = "incomplete" if turn.finish_reason == "length" else "completed"
-    message = turn.response["message"]
-    output = [message_item(f"msg_{core}", message["content"], status)] if message.get("content") else []
-    if message.get("reasoning_content"):
-        output.insert(0, reasoning_item(f"rs_{core}", message["reasoning_content"], status))
-    output += [
-        call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status)
-        for c in message.get("tool_calls") or []
-    ]
-    return response_body(rid, turn.request, turn.received_at, status, output, use, None, finished_at(turn))
-
-
-def finished_at(turn: TurnRecord) -> float:
-    """When the turn finished (its start plus its total time)."""
-    return turn.received_at + turn.timings.get("total_ms", 0.0) / 1000

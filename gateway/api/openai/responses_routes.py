@@ -18,10 +18,9 @@ from gateway.api.openai.responses import (
     logprob_count,
     reject_unsupported,
     response_request,
-    stored_response,
     validate_request,
 )
-from gateway.api.openai.responses_formatting import ResponseFormatter
+from gateway.api.openai.responses_formatting import ResponseFormatter, stored_response
 from gateway.api.responding import respond
 from gateway.gateway import gateway_of
 

@@ -1,4 +1,4 @@
-"""The verify stage's rewriting of the agent's working directory (`sandbox.sessions.verify`): protected
+"""The verify stage's rewriting of the agent's working directory (`sandbox.sessions.verify_tree`): protected
 paths reset and reported, bytecode and special files dropped, links above a reset path removed."""
 
 from __future__ import annotations
@@ -6,15 +6,8 @@ from __future__ import annotations
 import io
 import tarfile
 
-from sandbox.sessions.verify import (
-    VERIFY_DIR,
-    AgentTree,
-    ProtectedChange,
-    protect,
-    verifier_tar,
-    verify_command,
-    write_tree,
-)
+from sandbox.sessions.verify import VERIFY_DIR, verifier_tar, verify_command
+from sandbox.sessions.verify_tree import AgentTree, ProtectedChange, protect, write_tree
 
 TEST = b"import unittest\nassert 1 == 1\n"
 
