@@ -1,6 +1,9 @@
 """The trajectory store: sessions, turns (exact token ids and logprobs) and events, behind one interface.
 
-- `store.base`: the interface, `TrajectoryStore`, and its records;
+- `store.base`: its records; `store.roles`: its faces, one `typing.Protocol` per kind of caller (turn log,
+  event log, sessions, truncation, retention, feed, recomputations, lifecycle), and `TrajectoryStore`,
+  all of them; `store.front`: `WriteFront`, the road of writes made on the event loop (off it for a
+  remote store, in order per session);
 - `store.sqlite`: `SqliteStore`, the embedded default (one file); `store.postgres`: `PostgresStore`,
   the store that replicated gateways share (its tables in `store.postgres_schema`, its finished feed
   across replicas in `store.postgres_feed`); both run the queries of `store.sql`;
@@ -15,9 +18,9 @@ from store.base import (
     OutputPart,
     SessionQuery,
     SessionRecord,
-    TrajectoryStore,
     TurnRecord,
 )
+from store.roles import TrajectoryStore
 from store.sqlite import SqliteStore
 
 __all__ = [

@@ -34,8 +34,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from core.atif import ATIF_VERSION
-from store.base import EventRecord, SessionRecord, TrajectoryStore, TurnRecord
+from store.base import EventRecord, SessionRecord, TurnRecord
 from store.export import Runs, branch_leaves, generated_spans, recomputed_runs
+from store.roles import TrajectoryReader
 
 TEXT_PARTS = ("text", "input_text", "output_text")
 """Content part types whose ``text`` is message text (OpenAI chat, Anthropic, Responses)."""
@@ -432,7 +433,7 @@ def branch_trajectory(view: SessionView, leaf: TurnRecord) -> dict[str, Any]:
     }
 
 
-def session_view(store: TrajectoryStore, session: SessionRecord) -> SessionView:
+def session_view(store: TrajectoryReader, session: SessionRecord) -> SessionView:
     turns = store.get_turns(session.id)
     events: dict[int, list[EventRecord]] = {}
     everything = [e for sid in {t.session_id for t in turns} | {session.id} for e in store.get_events(sid)]
@@ -442,7 +443,7 @@ def session_view(store: TrajectoryStore, session: SessionRecord) -> SessionView:
     return SessionView(session, turns, {t.id: t for t in turns}, events, recomputed_runs(everything))
 
 
-def session_trajectories(store: TrajectoryStore, session_id: str) -> list[dict[str, Any]]:
+def session_trajectories(store: TrajectoryReader, session_id: str) -> list[dict[str, Any]]:
     """The session's ATIF trajectories, one per branch with a complete turn (``[]`` for an unknown
     session); a fork child's are its own branches, as with the export's rows."""
     session = store.get_session(session_id)

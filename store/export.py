@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from core.atif import write_trajectories
 from core.errors import NotFound
-from store import EventRecord, SessionQuery, SessionRecord, TrajectoryStore, TurnRecord
+from store import EventRecord, SessionQuery, SessionRecord, TurnRecord
 from store.base import TURN_COMPLETE
+from store.roles import Exporter, TrajectoryReader
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -179,7 +180,7 @@ def branch_row(
     }
 
 
-def session_rows(store: TrajectoryStore, session_id: str) -> list[dict[str, Any]]:
+def session_rows(store: TrajectoryReader, session_id: str) -> list[dict[str, Any]]:
     """The session's export rows, one per branch (``[]`` for an unknown session)."""
     session = store.get_session(session_id)
     if session is None:
@@ -198,7 +199,7 @@ PAGE = 1000
 
 
 def matching_sessions(
-    store: TrajectoryStore, query: SessionQuery, page_size: int = PAGE
+    store: TrajectoryReader, query: SessionQuery, page_size: int = PAGE
 ) -> Iterator[SessionRecord]:
     """Every session that `query`'s filters match (its limit, offset and order are ignored), oldest
     first, read a page at a time."""
@@ -213,7 +214,7 @@ def matching_sessions(
 
 
 def export(
-    store: TrajectoryStore,
+    store: Exporter,
     out: str | Path,
     fmt: str,
     session_ids: list[str] | None = None,
@@ -247,7 +248,7 @@ def export(
     return n
 
 
-def encode_sessions(store: TrajectoryStore, session_ids: list[str], fmt: str) -> tuple[bytes, int]:
+def encode_sessions(store: TrajectoryReader, session_ids: list[str], fmt: str) -> tuple[bytes, int]:
     """The sessions' export in `fmt` as one body (ATIF: JSON Lines, one trajectory per line), and how
     many rows or trajectories it holds."""
     if fmt == "atif":

@@ -9,7 +9,7 @@ of a SQLite file, the embedded default.
 from __future__ import annotations
 
 from core.telemetry import Telemetry
-from store.base import TrajectoryStore
+from store.roles import TrajectoryStore
 from store.sqlite import SqliteStore
 
 URL_SCHEMES = ("postgresql://", "postgres://")

@@ -1,8 +1,8 @@
 """An in-memory `TrajectoryStore`: the store's fake, so the logic above the store is tested in milliseconds.
 
 It keeps the interface's contract as the SQL stores do, and the store tests hold it to that
-(``tests/store_backends.py`` runs them over SQLite, PostgreSQL and this store; ``tests/store/test_memory.py``
-checks that one history through the whole interface reads the same here as on SQLite):
+(``tests/store/test_contract.py`` runs one suite over SQLite, PostgreSQL and this store, one history
+through the whole interface among it):
 
 - ids as the databases give them: turn and event ids from counters that never go back, so an event id
   is a feed cursor (`closed_after`); a turn's index and branch chosen as `store.sql.writes` chooses them;
@@ -13,7 +13,7 @@ checks that one history through the whole interface reads the same here as on SQ
   (``telemetry``) after it, as `store.sql.core` does.
 
 Fork children share their parent's turns (read through the parent, never copied), and several instances
-over one `MemoryTables` are a restart on the same data: a new instance marks the running turns it finds
+over one `MemoryTables` (`store.memory_tables`: the data, and the queries the methods share) are a restart on the same data: a new instance marks the running turns it finds
 interrupted, as a reopened SQLite store does. Nothing can fail but a use after `close` (a `StoreError`).
 
 >>> from store.base import SessionRecord, TurnRecord
@@ -28,14 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import math
-import threading
 import time
-import uuid
-from array import array
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from core.errors import NotFound, StoreError
@@ -43,130 +38,51 @@ from core.telemetry import Telemetry
 from store import schema
 from store.base import (
     TURN_COMPLETE,
-    TURN_DISCARDED,
-    TURN_INTERRUPTED,
     TURN_RUNNING,
     EventRecord,
     OutputPart,
     SessionQuery,
     SessionRecord,
-    TrajectoryStore,
     TurnRecord,
     fork_point,
     has_forks,
 )
-
-
-@dataclass
-class MemoryTables:
-    """What a database would hold, and the queries on it that the store's methods share; the
-    `MemoryStore` instances opened on it share it (call its methods under `lock`)."""
-
-    sessions: dict[str, SessionRecord] = field(default_factory=dict)
-    turns: dict[int, TurnRecord] = field(default_factory=dict)
-    events: dict[int, EventRecord] = field(default_factory=dict)
-    exported: dict[str, float] = field(default_factory=dict)
-    recomputations: dict[int, tuple[str, list[tuple[int, int]], float]] = field(default_factory=dict)
-    """Turn id -> (session id, spans, scheduled at)."""
-    store_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    last_turn_id: int = 0
-    last_event_id: int = 0
-    lock: threading.RLock = field(default_factory=threading.RLock)
-
-    def own_turns(self, session_id: str) -> list[TurnRecord]:
-        """The turns stored in this session (a fork child's shared ones are its parent's), by index."""
-        return sorted((t for t in self.turns.values() if t.session_id == session_id), key=_index)
-
-    def shared(self, session_id: str) -> list[TurnRecord]:
-        """A fork child's shared turns: its parent's (through its own parent) up to the fork turn."""
-        session = self.sessions.get(session_id)
-        if session is None or session.parent_session is None or session.fork_turn is None:
-            return []
-        upto = session.fork_turn
-        parents = [*self.shared(session.parent_session), *self.own_turns(session.parent_session)]
-        return [t for t in parents if t.index <= upto]
-
-    def turns_of(self, session_id: str) -> list[TurnRecord]:
-        """The session's turns as they read: a fork child's shared ones, then its own."""
-        return [*self.shared(session_id), *self.own_turns(session_id)]
-
-    def next_index_and_branch(self, turn: TurnRecord) -> tuple[int, int]:
-        """As `store.sql.writes.SqlWrites._next_index_and_branch`: the next index; the parent's branch
-        when the parent is that branch's newest turn (shared turns included), else a new branch."""
-        own = self.own_turns(turn.session_id)
-        shared = self.shared(turn.session_id)
-        index = max([t.index + 1 for t in [*shared, *own]], default=0)
-        new_branch = max([t.branch + 1 for t in [*shared, *own]], default=0)
-        parent = self.turns.get(turn.parent_id) if turn.parent_id is not None else None
-        if parent is None:
-            return index, new_branch
-        newest = max([t.id for t in own if t.branch == parent.branch], default=None)
-        if newest is None and parent.id in {t.id for t in shared}:
-            newest = max(t.id for t in shared if t.branch == parent.branch)
-        return index, parent.branch if newest == parent.id else new_branch
-
-    def delete(self, ids: set[str]) -> tuple[int, int]:
-        """The sessions, their turns, events, export marks and recomputations; (turns, events) deleted."""
-        t = self
-        turns = [i for i, turn in t.turns.items() if turn.session_id in ids]
-        events = [i for i, event in t.events.items() if event.session_id in ids]
-        for i in turns:
-            del t.turns[i]
-        for i in events:
-            del t.events[i]
-        for turn_id in [i for i, (sid, _, _) in t.recomputations.items() if sid in ids]:
-            del t.recomputations[turn_id]
-        for sid in ids:
-            t.exported.pop(sid, None)
-            t.sessions.pop(sid, None)
-        return len(turns), len(events)
-
-
-def _json(value: Any) -> Any:
-    """`value` as it reads back from a JSON column."""
-    return None if value is None else schema.load_json(schema.dump_json(value))
-
-
-def _ids(ids: list[int]) -> list[int]:
-    return array("I", ids).tolist()
-
-
-def _floats(values: list[float]) -> list[float]:
-    return array("d", values).tolist()
-
-
-def _segments(segments: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
-    return [(int(a), int(b), str(v)) for a, b, v in segments]
-
-
-def _metadata_text(value: Any) -> str | None:
-    """A metadata value as text, as SQLite's ``json_extract`` gives it (`SessionQuery.metadata`)."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return json.dumps(value, separators=(",", ":"))
+from store.front import WriteFront
+from store.memory_tables import (
+    MemoryTables,
+    session_copy,
+    started,
+    stored_end,
+    stored_floats,
+    stored_ids,
+    stored_json,
+    stored_segments,
+)
+from store.roles import TrajectoryStore
 
 
 class MemoryStore(TrajectoryStore):
     """The store's fake. Safe to share between threads (one lock)."""
 
     def __init__(
-        self, tables: MemoryTables | None = None, telemetry: Telemetry | None = None, recover: bool = True
+        self,
+        tables: MemoryTables | None = None,
+        telemetry: Telemetry | None = None,
+        recover: bool = True,
+        lanes: int = 0,
     ) -> None:
         """`tables`: the data of an earlier instance (a restart); ``recover=False`` leaves running turns as
-        they are, as `store.sqlite.SqliteStore` does."""
+        they are, as `store.sqlite.SqliteStore` does; `lanes` > 0: a fake of a remote store, whose
+        `front` runs writes off the event loop, as PostgreSQL's does."""
         self.tables = tables if tables is not None else MemoryTables()
+        self.front = WriteFront(lanes)
+        self.remote = lanes > 0
         self.telemetry = telemetry
         self.failures = 0
         self._closed = False
         if recover:
             with self._transaction() as published:
-                running = [t for t in self.tables.turns.values() if t.status == TURN_RUNNING]
-                for t in running:
-                    t.status = TURN_INTERRUPTED
-                rows = [(t.session_id, t.index, len(t.output_ids)) for t in running]
-                for event in schema.interrupted_events(rows):
+                for event in schema.interrupted_events(self.tables.interrupt_running()):
                     self._insert_event(published, event)
 
     # --- transactions and records -------------------------------------------------------------------
@@ -186,7 +102,7 @@ class MemoryStore(TrajectoryStore):
 
     def _insert_event(self, published: list[EventRecord], event: EventRecord) -> None:
         self.tables.last_event_id += 1
-        self.tables.events[self.tables.last_event_id] = replace(event, data=_json(event.data))
+        self.tables.events[self.tables.last_event_id] = replace(event, data=stored_json(event.data))
         published.append(event)
 
     def _publish_session(self, kind: str, session: SessionRecord) -> None:
@@ -201,7 +117,7 @@ class MemoryStore(TrajectoryStore):
             self.failures += 1
             raise StoreError("trajectory store error: UNIQUE constraint failed: sessions.id (memory)")
         for session in sessions:
-            metadata, info = _json(session.metadata), _json(session.reward_info)
+            metadata, info = stored_json(session.metadata), stored_json(session.reward_info)
             self.tables.sessions[session.id] = replace(session, metadata=metadata, reward_info=info)
 
     # --- sessions -----------------------------------------------------------------------------------
@@ -215,14 +131,16 @@ class MemoryStore(TrajectoryStore):
     def get_session(self, session_id: str) -> SessionRecord | None:
         with self._transaction():
             stored = self.tables.sessions.get(session_id)
-            return _session(stored) if stored is not None else None
+            return session_copy(stored) if stored is not None else None
 
     def list_sessions(self) -> list[SessionRecord]:
         with self._transaction():
-            return [_session(s) for s in sorted(self.tables.sessions.values(), key=lambda s: s.created_at)]
+            return [
+                session_copy(s) for s in sorted(self.tables.sessions.values(), key=lambda s: s.created_at)
+            ]
 
     def update_session(self, session: SessionRecord) -> None:
-        metadata, info = _json(session.metadata), _json(session.reward_info)
+        metadata, info = stored_json(session.metadata), stored_json(session.reward_info)
         with self._transaction():
             stored = self.tables.sessions.get(session.id)
             if stored is not None:
@@ -232,17 +150,7 @@ class MemoryStore(TrajectoryStore):
 
     def query_sessions(self, query: SessionQuery) -> tuple[list[SessionRecord], int]:
         with self._transaction():
-            found = [_session(s) for s in self.tables.sessions.values() if _matches(s, query)]
-        found.sort(key=lambda s: (s.created_at, s.id), reverse=query.newest_first)
-        page = found
-        if query.after is not None:  # keyset paging: after the cursor in the list's order
-            after = query.after
-            page = [
-                s
-                for s in found
-                if ((s.created_at, s.id) < after if query.newest_first else (s.created_at, s.id) > after)
-            ]
-        return page[query.offset : query.offset + query.limit], len(found)
+            return self.tables.query(query)
 
     def children(self, session_id: str) -> list[str]:
         with self._transaction():
@@ -258,20 +166,7 @@ class MemoryStore(TrajectoryStore):
         new_session: SessionRecord | None = None,
         parent: TurnRecord | None = None,
     ) -> TurnRecord:
-        stored = replace(
-            turn,
-            prompt_ids=_ids(turn.prompt_ids),
-            prompt_gen_spans=[(int(a), int(b), int(c)) for a, b, c in turn.prompt_gen_spans],
-            request=_json(turn.request),
-            timings=_json(turn.timings),
-            output_ids=[],  # the outputs are written as they stream, and when the turn finishes
-            output_logprobs=[],
-            response=None,
-            finish_reason=None,
-            worker=None,
-            error=None,
-            weight_segments=[],
-        )
+        stored = started(turn)
         with self._transaction() as published:
             if new_session is None and turn.session_id not in self.tables.sessions:
                 raise NotFound(f"session '{turn.session_id}' was deleted", "session_id", "session_not_found")
@@ -286,18 +181,10 @@ class MemoryStore(TrajectoryStore):
         return turn
 
     def finish_turn(self, turn: TurnRecord) -> None:
-        output_ids, logprobs = _ids(turn.output_ids), _floats(turn.output_logprobs)
-        response, timings = _json(turn.response), _json(turn.timings)
         with self._transaction():
             stored = self.tables.turns.get(turn.id)
-            if stored is None:
-                return
-            if stored.status != TURN_DISCARDED:
-                stored.status = turn.status
-            stored.ext_key, stored.output_ids, stored.output_logprobs = turn.ext_key, output_ids, logprobs
-            stored.response, stored.finish_reason, stored.worker = response, turn.finish_reason, turn.worker
-            stored.timings, stored.error = timings, turn.error
-            stored.weight_segments = _segments(turn.weight_segments)
+            if stored is not None:
+                self.tables.turns[turn.id] = stored_end(stored, turn)
 
     def append_outputs(self, parts: list[OutputPart]) -> int:
         written = 0
@@ -306,10 +193,10 @@ class MemoryStore(TrajectoryStore):
                 stored = self.tables.turns.get(part.turn_id)
                 if stored is None or stored.status != TURN_RUNNING or len(stored.output_ids) < part.start:
                     continue
-                stored.output_ids = stored.output_ids[: part.start] + _ids(part.ids)
-                stored.output_logprobs = stored.output_logprobs[: part.start] + _floats(part.logprobs)
+                stored.output_ids = stored.output_ids[: part.start] + stored_ids(part.ids)
+                stored.output_logprobs = stored.output_logprobs[: part.start] + stored_floats(part.logprobs)
                 if part.weight_segments is not None:
-                    stored.weight_segments = _segments(part.weight_segments)
+                    stored.weight_segments = stored_segments(part.weight_segments)
                 written += 1
         return written
 
@@ -323,16 +210,8 @@ class MemoryStore(TrajectoryStore):
             return copy.deepcopy(self.tables.turns_of(session_id))
 
     def turn_counts(self, session_id: str | list[str] | None = None) -> dict[str, tuple[int, int]]:
-        ids = [session_id] if isinstance(session_id, str) else session_id
-        counts: dict[str, tuple[int, int]] = {}
         with self._transaction():
-            wanted = set(self.tables.sessions) if ids is None else set(ids)
-            sessions = {t.session_id for t in self.tables.turns.values()} | set(self.tables.sessions)
-            for sid in sessions & wanted:  # a fork child counts the turns it shares
-                turns = self.tables.turns_of(sid)
-                if turns:
-                    counts[sid] = (len(turns), len({t.branch for t in turns}))
-        return counts
+            return self.tables.turn_counts([session_id] if isinstance(session_id, str) else session_id)
 
     def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
         rank = {k: i for i, k in enumerate(keys)}
@@ -408,10 +287,7 @@ class MemoryStore(TrajectoryStore):
         self, session_id: str, which: Callable[[TurnRecord], bool], reason: str, after: int | None
     ) -> list[int]:
         with self._transaction() as published:
-            marked = [t for t in self.tables.own_turns(session_id) if t.status != TURN_DISCARDED and which(t)]
-            for t in marked:
-                t.status = TURN_DISCARDED
-            indices = sorted(t.index for t in marked)
+            indices = self.tables.discard(session_id, which)
             if indices:
                 data = {"after_turn": after, "turn_indices": indices, "reason": reason}
                 self._insert_event(
@@ -448,17 +324,7 @@ class MemoryStore(TrajectoryStore):
 
     def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:
         with self._transaction():
-            t = self.tables
-            running = {turn.session_id for turn in t.turns.values() if turn.status == TURN_RUNNING}
-            parents = {s.parent_session for s in t.sessions.values()}
-            pruned = [
-                s.id
-                for s in sorted(t.sessions.values(), key=lambda s: s.created_at)
-                if s.status != "open"
-                and (s.closed_at if s.closed_at is not None else s.created_at) < closed_before
-                and s.id not in running | parents
-                and (s.id in t.exported or not exported_only)
-            ]
+            pruned = self.tables.prunable(closed_before, exported_only)
             self.tables.delete(set(pruned))
         return pruned
 
@@ -483,32 +349,9 @@ class MemoryStore(TrajectoryStore):
         with self._transaction():
             pass  # nothing to give back; a closed store refuses, as a database does
 
+    def sweep_orphans(self) -> int:
+        return 0  # one gateway's store: a new instance marks what the last one left running
+
     def close(self) -> None:
+        self.front.close()
         self._closed = True
-
-
-def _index(turn: TurnRecord) -> int:
-    return turn.index
-
-
-def _session(stored: SessionRecord) -> SessionRecord:
-    """A copy to hand out; a non-finite reward reads as None (as the SQL stores read one)."""
-    session = copy.deepcopy(stored)
-    if session.reward is not None and not math.isfinite(session.reward):
-        session.reward = None
-    return session
-
-
-def _matches(s: SessionRecord, q: SessionQuery) -> bool:
-    """Whether a stored session is in `q`'s list (before paging)."""
-    checks = (
-        not s.ephemeral,
-        q.status is None or s.status == q.status,
-        q.has_reward is None or (s.reward is not None) == q.has_reward,
-        q.reward_min is None or (s.reward is not None and s.reward >= q.reward_min),
-        q.reward_max is None or (s.reward is not None and s.reward <= q.reward_max),
-        q.created_after is None or s.created_at >= q.created_after,
-        q.created_before is None or s.created_at < q.created_before,
-    )
-    metadata = (k in s.metadata and _metadata_text(s.metadata[k]) == text for k, text in q.metadata.items())
-    return all(checks) and all(metadata)

@@ -10,9 +10,11 @@ holds the connections and what only replicas need (row and advisory locks, owner
 `store.postgres_schema`, the finished feed's lock and listener in `store.postgres_feed`.
 
 **Driver.** psycopg 3 with a *synchronous* connection pool (``psycopg_pool.ConnectionPool``): the
-store interface is synchronous and the gateway calls it from worker threads (``Gateway.offload``,
-``asyncio.to_thread``), so each call takes a pooled connection on its own thread and the event loop
-never waits on the database. An async driver would need every caller to become a coroutine, or a
+store interface is synchronous and the gateway calls it from worker threads: its reads through
+``Gateway.offload``, its writes through the store's `front` (`store.front`: ``lanes`` threads, a
+session's writes in order on one of them), so each call takes a pooled connection on its own thread and
+the event loop never waits on the database (``off_loop_only`` makes a call on the loop's thread fail,
+for tests). An async driver would need every caller to become a coroutine, or a
 private event loop per call, for no gain. Connections are in autocommit mode; multi-statement writes
 run in explicit transactions.
 
@@ -53,6 +55,7 @@ Example (each gateway replica opens its own instance on the same database)::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import time
@@ -107,10 +110,14 @@ class PostgresStore(SqlStore):
         recover: bool = True,
         pool_size: int = 16,
         connect_timeout: float = 10.0,
+        lanes: int = 8,
     ) -> None:
-        """``recover=False`` leaves other gateways' running turns as they are (a maintenance tool)."""
-        super().__init__(telemetry)
+        """``recover=False`` leaves other gateways' running turns as they are (a maintenance tool);
+        `lanes`: the threads of the `front` (each runs its sessions' writes in order)."""
+        super().__init__(telemetry, lanes)
         self.url = url
+        self.off_loop_only = False
+        """Refuse (`AssertionError`) a call made on a thread that runs an event loop: tests set it."""
         try:
             self._owner_conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout))
         except psycopg.Error as e:
@@ -164,6 +171,7 @@ class PostgresStore(SqlStore):
 
     @contextlib.contextmanager
     def _statement(self) -> Iterator[Tx]:
+        self._check_thread()
         try:
             with self._pool.connection() as conn:
                 yield Tx(conn, self.dialect)
@@ -172,11 +180,21 @@ class PostgresStore(SqlStore):
 
     @contextlib.contextmanager
     def _begin(self) -> Iterator[Tx]:
+        self._check_thread()
         try:
             with self._pool.connection() as conn, conn.transaction():
                 yield Tx(conn, self.dialect)
         except psycopg.Error as e:
             raise self._failed(e) from e
+
+    def _check_thread(self) -> None:
+        if not self.off_loop_only:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs on this thread: a worker's
+            return
+        raise AssertionError(f"trajectory store {self._location()} called on the event loop's thread")
 
     def _disconnect(self) -> None:
         if self._feed is not None:

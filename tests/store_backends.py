@@ -22,7 +22,8 @@ import psycopg
 import pytest
 
 from store import TrajectoryStore
-from store.memory import MemoryStore, MemoryTables
+from store.memory import MemoryStore
+from store.memory_tables import MemoryTables
 from store.postgres import PostgresStore
 from store.sqlite import SqliteStore
 from tests.postgres_server import PostgresServer, postgres_server

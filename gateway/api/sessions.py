@@ -163,13 +163,14 @@ async def create_session(request: Request) -> Response:
     req = validate(CreateSession, body)
     if req.sandbox is not None:
         manager = sandbox_api.manager_of(gw)
-    session = gw.sessions.create(req.metadata, group=req.group, seed=req.seed)
+    session = gw.sessions.new_record(req.metadata, group=req.group, seed=req.seed)
+    await gw.store.front.call(session.id, gw.store.create_session, session)
     summary = _summary(gw, request, session)
     if req.sandbox is not None:
         try:
             summary["sandbox"] = await sandbox_api.create_for(manager, session.id, req.sandbox)
         except Exception:  # no session without the sandbox it was asked with
-            _close(gw, session)
+            await _close(gw, session)
             raise
     return JSONResponse(summary, status_code=201)
 
@@ -293,14 +294,14 @@ async def set_reward(request: Request) -> Response:
             )
         require_admin(gw.config, request)
     session.reward, session.reward_info = req.reward, req.info
-    gw.store.update_session(session)
+    await gw.store.front.call(session.id, gw.store.update_session, session)
     return JSONResponse(_summary(gw, request, session))
 
 
 async def close_session(request: Request) -> Response:
     gw = gateway_of(request)
     session = gw.sessions.get(request.path_params["session_id"])
-    _close(gw, session)
+    await _close(gw, session)
     gw.pool.forget(session.id)
     if gw.sandboxes is not None and gw.sandboxes.has_sandbox(session.id):
         await gw.sandboxes.destroy(session.id)
@@ -331,11 +332,11 @@ async def delete_session(request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _close(gw: Gateway, session: SessionRecord) -> None:
+async def _close(gw: Gateway, session: SessionRecord) -> None:
     """Close the session once: the store records it on the finished feed (``GET /api/finished``)."""
     if session.status == "open":
         session.status, session.closed_at = "closed", time.time()
-        gw.store.mark_closed(session)
+        await gw.store.front.call(session.id, gw.store.mark_closed, session)
 
 
 def routes() -> list[Route]:

@@ -119,7 +119,9 @@ async def forward(
         if sid is not None:
             data = {"model": raw.get("model"), "provider_model": body["model"], "url": url, "status": status,
                     "ms": round((time.monotonic() - started) * 1000, 1)}  # fmt: skip
-            store.add_event(EventRecord(sid, None, time.time(), "auxiliary_call", data))
+            store.front.post(
+                sid, store.add_event, EventRecord(sid, None, time.time(), "auxiliary_call", data)
+            )
 
     try:
         upstream = await http.send(http.build_request("POST", url, json=body, headers=headers), stream=True)

@@ -4,6 +4,10 @@ the live feed, the observers, in-flight writes), its events, and its end, howeve
 The turn runner (``gateway.turns.runner``) produces the tokens; `TurnLedger` keeps the record. A turn is
 written before the engine is called (status running, prompt ids) and its end is written before the
 client is answered, so a client never holds a response whose turn is not on disk.
+
+Every write goes through the store's front (`store.front`), in order per session: awaited for a turn's
+start and end; posted, not awaited, for its events and a failed turn's end (on PostgreSQL a commit takes
+milliseconds, and a failover storm would otherwise hold up every stream of the process for each).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.turns.inflight import InflightWriter
 from gateway.turns.observers import TurnObserver
 from gateway.turns.protocol import GenerationRequest
-from store import EventRecord, TrajectoryStore, TurnRecord
+from store import EventRecord, TurnRecord
 from store.base import TURN_ABORTED
+from store.roles import LedgerStore
 
 
 class TurnLedger:
@@ -30,7 +35,7 @@ class TurnLedger:
 
     def __init__(
         self,
-        store: TrajectoryStore,
+        store: LedgerStore,
         inflight: InflightWriter,
         telemetry: Telemetry,
         metrics: GatewayMetrics | None,
@@ -70,11 +75,8 @@ class TurnLedger:
     async def finish(self, turn: TurnRecord) -> None:
         """The complete turn's end, written (a `StoreError` goes to the client: the turn is not on disk)."""
         t0 = time.monotonic()
-        try:
-            if self.store.remote:  # off the loop, as the first; a cancellation meanwhile does not stop it
-                await asyncio.shield(asyncio.to_thread(self.store.finish_turn, turn))
-            else:
-                self.store.finish_turn(turn)
+        try:  # a cancellation meanwhile does not stop the write
+            await self.store.front.call(turn.session_id, self.store.finish_turn, turn)
             self._timed("finish", t0)
         finally:
             self.notify_finished(turn)
@@ -116,16 +118,22 @@ class TurnLedger:
         return self.store.begin_turn(record, first_event, new_session, parent=plan.parent)
 
     def event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
-        self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+        """Recorded after the turn's earlier writes and before its end (posted: not awaited)."""
+        self.store.front.post(
+            turn.session_id,
+            self.store.add_event,
+            EventRecord(turn.session_id, turn.id, time.time(), kind, data),
+        )
 
     async def _written_begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
-        """`_write_begin`, in a worker thread for a remote store (`TrajectoryStore.remote`): a commit is
-        milliseconds on PostgreSQL, and every stream of this gateway would wait for it on the event loop.
+        """`_write_begin`, through the store's front: off the loop for a remote store (a commit is
+        milliseconds on PostgreSQL, and every stream of this gateway would wait for it on the event loop).
         A request cancelled while the write runs (its client went away) still has its turn ended,
         ``aborted``, once it is written: none stays running."""
-        if not self.store.remote:
+        front = self.store.front
+        if not front.remote:
             return self._write_begin(req, prompt_ids)
-        written = asyncio.get_running_loop().run_in_executor(None, self._write_begin, req, prompt_ids)
+        written = front.submit(req.session.id, self._write_begin, req, prompt_ids)
         try:
             return await asyncio.shield(written)
         except asyncio.CancelledError:
@@ -141,21 +149,29 @@ class TurnLedger:
                 TURN_ABORTED,
                 "the request was cancelled while its turn was being stored",
             )
-            await asyncio.to_thread(self.store.finish_turn, turn)
+            await self.store.front.call(turn.session_id, self.store.finish_turn, turn)
 
     def fail(self, turn: TurnRecord, status: str, error: str, t0: float) -> None:
-        """The turn ended without its output complete: recorded with `status` and why (a store error
-        here is logged by the store, which writes the end later)."""
+        """The turn ended without its output complete: recorded with `status` and why, after its earlier
+        writes (posted: not awaited, as it is called where the turn's request is being torn down)."""
         turn.status = status
         turn.error = error
         turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
         try:
-            self.store.finish_turn(turn)
-            self.event(turn, "turn_failed", {"status": status, "error": error})
-        except StoreError:
-            pass  # logged by the store, which keeps the turn's end and writes it later: the first error is the news
+            self.store.front.post(turn.session_id, self._write_failure, turn, status, error)
         finally:
             self.notify_finished(turn)
+
+    def _write_failure(self, turn: TurnRecord, status: str, error: str) -> None:
+        try:
+            self.store.finish_turn(turn)
+            self.store.add_event(
+                EventRecord(
+                    turn.session_id, turn.id, time.time(), "turn_failed", {"status": status, "error": error}
+                )
+            )
+        except StoreError:
+            pass  # logged by the store, which keeps the turn's end and writes it later: the first error is the news
 
     def published(self, turn: TurnRecord, reused_tokens: int, failovers: int, gaps: list[float]) -> None:
         """The turn's end on the live feed, and its token gaps to the metrics (every way a turn ends

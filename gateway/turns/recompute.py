@@ -46,9 +46,12 @@ class LogprobRecomputer:
 
     def schedule(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
         """Recompute the logprobs of `turn`'s prompt tokens in `spans` (start, end), in the background."""
+        self.store.front.post(turn.session_id, self._mark, turn, spans)
+        self._tasks.spawn(self._run(turn, spans), f"turn-{turn.id}")
+
+    def _mark(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
         with contextlib.suppress(StoreError):  # logged by the store: the pass runs, only not resumable
             self.store.schedule_recomputation(turn, spans)
-        self._tasks.spawn(self._run(turn, spans), f"turn-{turn.id}")
 
     def resume(self) -> int:
         """Schedule again the passes the store holds as pending (a previous gateway died, or shut down,
@@ -87,11 +90,13 @@ class LogprobRecomputer:
         self._end(turn, "recomputed_logprobs", data)
 
     def _event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
-        self.store.add_event(EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+        event = EventRecord(turn.session_id, turn.id, time.time(), kind, data)
+        self.store.front.post(turn.session_id, self.store.add_event, event)
 
     def _end(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
-        """The pass's outcome, and its pending mark dropped, in one write."""
-        self.store.end_recomputation(turn.id, EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+        """The pass's outcome, and its pending mark dropped, in one write (after the turn's earlier ones)."""
+        event = EventRecord(turn.session_id, turn.id, time.time(), kind, data)
+        self.store.front.post(turn.session_id, self.store.end_recomputation, turn.id, event)
 
     async def idle(self) -> None:
         """Wait until no pass is running (tests)."""

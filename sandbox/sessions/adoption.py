@@ -70,8 +70,9 @@ from sandbox.sessions.lifecycle import Lifecycle
 from sandbox.sessions.records import CheckpointInfo, EventLog, RestoreInfo
 from sandbox.sessions.recovery import Failure, Recovery
 from sandbox.sessions.state import RecoveryMode, Slot, Slots
-from store import EventRecord, SessionQuery, TrajectoryStore
+from store import EventRecord, SessionQuery
 from store.base import TURN_DISCARDED
+from store.roles import TrajectoryReader
 
 log = logging.getLogger("belayer.sandbox")
 
@@ -175,6 +176,7 @@ class Adoption:
 
     def __init__(
         self,
+        store: TrajectoryReader,
         slots: Slots,
         io: SandboxIO,
         lifecycle: Lifecycle,
@@ -183,12 +185,8 @@ class Adoption:
         events: EventLog,
         keep: int,
     ) -> None:
-        self.slots, self.io, self.lifecycle = slots, io, lifecycle
+        self.store, self.slots, self.io, self.lifecycle = store, slots, io, lifecycle
         self.checkpointer, self.recovery, self.events, self.keep = checkpointer, recovery, events, keep
-
-    @property
-    def store(self) -> TrajectoryStore:
-        return self.events.store
 
     async def run(self) -> AdoptionReport:
         started = time.monotonic()

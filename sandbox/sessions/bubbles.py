@@ -111,7 +111,7 @@ class BubbleObserver:
         if slot is None:
             return
         if slot.turns.finish(turn.id):  # it finished after a restore had discarded it
-            self.events.store.discard_turns(turn.session_id, [turn.id], "finished after a sandbox restore")
+            self.events.discard_turns(turn.session_id, [turn.id], "finished after a sandbox restore")
         total_ms, ttft_ms = turn.timings.get("total_ms"), turn.timings.get("ttft_ms")
         if total_ms is not None:
             self.policy.observe_turn(

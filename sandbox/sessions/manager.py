@@ -100,7 +100,7 @@ class SandboxManager:
         self._verify = VerifyStage(self.io, events, owner)
         self._watch_task = TaskOwner("sandbox-watcher")
         self._adoption = Adoption(
-            self._slots, self.io, self._lifecycle, self._checkpointer, self._recovery, events,
+            store, self._slots, self.io, self._lifecycle, self._checkpointer, self._recovery, events,
             self.settings.keep_checkpoints,
         )  # fmt: skip
         self._forks = Forks(self._slots, self._lifecycle, self._checkpointer, self._recovery, events)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandbox.backend import Checkpoint
-from store import EventRecord, TrajectoryStore
+from store import EventRecord
+from store.roles import SandboxEvents
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +98,23 @@ class RestoreInfo:
 
 
 class EventLog:
-    """Writes the manager's trajectory events (``sandbox_*``) to the store."""
+    """Writes the manager's trajectory events (``sandbox_*``), and the turns a restore discards, to the
+    store, through its front (`store.front`: after the session's earlier writes, off the event loop
+    for a remote store)."""
 
-    def __init__(self, store: TrajectoryStore) -> None:
-        self.store = store
+    def __init__(self, store: SandboxEvents) -> None:
+        self._store = store
 
     def add(self, session_id: str, turn_id: int | None, kind: str, data: dict[str, Any]) -> None:
-        self.store.add_event(EventRecord(session_id, turn_id, time.time(), kind, data))
+        """Posted: not awaited."""
+        event = EventRecord(session_id, turn_id, time.time(), kind, data)
+        self._store.front.post(session_id, self._store.add_event, event)
+
+    def discard_turns(self, session_id: str, turn_ids: list[int], reason: str) -> None:
+        """Mark these turns discarded (`Truncation.discard_turns`); posted: not awaited."""
+        self._store.front.post(session_id, self._store.discard_turns, session_id, turn_ids, reason)
+
+    async def discard_turns_after(self, session_id: str, turn_index: int, reason: str) -> list[int]:
+        """Mark the turns after `turn_index` discarded (`Truncation.discard_turns_after`); their indices."""
+        store = self._store
+        return await store.front.call(session_id, store.discard_turns_after, session_id, turn_index, reason)

@@ -2,7 +2,7 @@
 
 On a sandbox failure (the container is gone or stopped, the exec transport breaks, a tool call hangs
 past its deadline plus `exec_grace_s`), or on an explicit `restore`, the newest checkpoint is restored
-into a new sandbox and the session's later turns are marked discarded (`store.discard_turns_after`).
+into a new sandbox and the session's later turns are marked discarded (`EventLog.discard_turns_after`).
 What happens next depends on the sandbox's `recovery` mode:
 
 - ``"replay"`` (the default for a harness outside): the manager journals every tool call (exec, file
@@ -213,7 +213,7 @@ class Recovery:
         slot.journal.clear()
         with slot.restores.running():
             box = await self._replace(slot, chosen, reason)
-        discarded = self.events.store.discard_turns_after(
+        discarded = await self.events.discard_turns_after(
             slot.session_id, chosen.keep_through, f"sandbox restore: {reason}"
         )
         slot.turns.rewind(chosen.keep_through)

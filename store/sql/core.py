@@ -18,9 +18,10 @@ from store.base import (
     EventRecord,
     OutputPart,
     SessionRecord,
-    TrajectoryStore,
     TurnRecord,
 )
+from store.front import WriteFront
+from store.roles import TrajectoryStore
 from store.schema import dump_json
 from store.sql.dialect import Dialect, Tx
 from store.sql.rows import Fork
@@ -36,7 +37,11 @@ class SqlCore(TrajectoryStore):
 
     dialect: ClassVar[Dialect]
 
-    def __init__(self, telemetry: Telemetry | None) -> None:
+    remote = False
+
+    def __init__(self, telemetry: Telemetry | None, lanes: int = 0) -> None:
+        self.front = WriteFront(lanes)
+        """Writes made on the event loop (`store.front`): a remote backend passes its `lanes`."""
         self.telemetry = telemetry
         """Where each committed event (and session change) is also published, for the live feed."""
         self._forks: dict[str, Fork] = {}
@@ -92,6 +97,10 @@ class SqlCore(TrajectoryStore):
     def _turn_extras(self) -> tuple[tuple[str, Any], ...]:
         """Columns (name, value) a backend adds to each new turn."""
         return ()
+
+    def sweep_orphans(self) -> int:
+        """None here: a store of one gateway marks what a crash left running when it opens."""
+        return 0
 
     def _record_close(self, tx: Tx, event: EventRecord) -> None:
         """In `mark_closed`'s transaction: record the ``session_closed`` event."""

@@ -112,6 +112,7 @@ class SqlStore(SqlWrites):
                 self._unwritten.pop(turn_id, None)
 
     def close(self) -> None:
+        self.front.close()  # the writes handed over commit first
         self._write_unwritten()
         if self._unwritten:
             log.error(

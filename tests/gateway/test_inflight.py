@@ -17,7 +17,8 @@ from engine_pool.fake import FakeEngine, Fault, FaultInjector, fake_logprob
 from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
 from gateway.turns.inflight import InflightWriter
 from store import EventRecord, OutputPart, SessionRecord, SqliteStore, TurnRecord
-from store.base import TURN_COMPLETE, TrajectoryStore
+from store.base import TURN_COMPLETE
+from store.roles import TrajectoryStore
 from tests.store_backends import StoreBackend
 from tests.support import asgi_gateway
 

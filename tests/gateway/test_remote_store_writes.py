@@ -1,8 +1,9 @@
-"""A remote store's writes (PostgreSQL: `TrajectoryStore.remote`) run in worker threads, never on the event
-loop, and a request cancelled while its turn is being written leaves no turn ``running``.
+"""A remote store's writes (PostgreSQL: `TrajectoryStore.remote`) run in its front's lanes (`store.front`),
+never on the event loop, and a request cancelled while its turn is being written leaves no turn ``running``.
 
-The store here is SQLite marked remote, with its first write of a turn held on a gate, so that the test
-decides when the write ends; the real PostgreSQL path runs in the replica tests.
+The store here is SQLite given a remote store's front, with its first write of a turn held on a gate, so
+that the test decides when the write ends; the real PostgreSQL path runs in ``test_contract.py`` and the
+replica tests.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
 from store import SqliteStore, TurnRecord
+from store.front import WriteFront
 from tests.support import asgi_gateway
 
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -59,7 +61,8 @@ async def gated_gateway(
     config = GatewayConfig(model=str(tiny_model_dir), store_path=str(tmp_path / "t.db"))
     async with asgi_gateway(config, httpx.ASGITransport(engine.app())) as (app, client):
         store: SqliteStore = app.state.gateway.store
-        store.remote = True  # as PostgreSQL: a turn's writes run in a worker thread
+        store.remote = True  # as PostgreSQL: a turn's writes run in the front's lanes
+        store.front = WriteFront(lanes=2)
         gate = GatedBegin(store)
         store.begin_turn = gate  # type: ignore[method-assign]
         request = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
@@ -76,7 +79,7 @@ async def test_a_remote_stores_turn_writes_leave_the_event_loop_free(
         gate.release.set()
         r = await request
         assert r.status_code == 200, r.text
-        assert gate.threads and gate.threads[0] != threading.main_thread().name
+        assert gate.threads and gate.threads[0].startswith("belayer-store-")
         [turn] = turns_of_the_only_session(store)
         assert (turn.status, turn.output_ids) == ("complete", [11, 12, 13, 14, 15])
 

@@ -49,7 +49,17 @@ def test_every_field_of_a_turn_and_a_session_round_trips(store_backend: StoreBac
     after a restart; a field added later fails here until the test (and each store) sets it."""
     store = store_backend.open()
     session = SessionRecord(
-        "s", 12.5, {"task": "t", "n": 1.0}, "closed", 0.75, {"why": [1, "x"]}, 99.5, False, None, None, "g7",
+        "s",
+        12.5,
+        {"task": "t", "n": 1.0},
+        "closed",
+        0.75,
+        {"why": [1, "x"]},
+        99.5,
+        False,
+        None,
+        None,
+        "g7",
         (1 << 63) - 1,
     )
     store.create_session(session)
