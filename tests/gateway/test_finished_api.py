@@ -4,7 +4,6 @@ cursors and errors (following it, and the client, are in ``tests/belayer/test_cl
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -12,8 +11,6 @@ import pytest
 
 from engine_pool.fake import FakeEngine
 from gateway.config import GatewayConfig
-from store import SessionRecord
-from tests.store_backends import StoreBackend
 from tests.support import asgi_gateway
 
 HI = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -32,23 +29,6 @@ def blocks(text: str) -> list[tuple[str | None, str, dict[str, object]]]:
         if fields:
             out.append((fields.get("id"), fields["event"], json.loads(fields["data"])))
     return out
-
-
-def test_a_session_closes_once_on_the_feed(store_backend: StoreBackend) -> None:
-    store = store_backend.open()
-    for sid in ("a", "b", "c"):
-        store.create_session(SessionRecord(sid, created_at=0.0, metadata={}))
-    for sid in ("b", "a", "b", "c"):
-        session = store.get_session(sid)
-        assert session is not None
-        session.status, session.closed_at = "closed", time.time()
-        store.mark_closed(session)
-    feed = store.closed_after(0, 10)
-    assert [sid for _, sid in feed] == ["b", "a", "c"]  # the second close of b changed nothing
-    assert store.closed_after(feed[0][0], 1) == feed[1:2] and store.closed_after(feed[-1][0], 10) == []
-    assert [e.kind for e in store.get_events("b")] == ["session_closed"]
-    assert store.get_session("a").closed_at is not None  # type: ignore[union-attr]
-    store.close()
 
 
 async def test_the_backlog_comes_in_close_order_with_cursors_and_rows(config: GatewayConfig) -> None:

@@ -16,10 +16,9 @@ import httpx
 from engine_pool.fake import FakeEngine, Fault, FaultInjector, fake_logprob
 from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
 from gateway.turns.inflight import InflightWriter
-from store import EventRecord, OutputPart, SessionRecord, SqliteStore, TurnRecord
+from store import SessionRecord, SqliteStore, TurnRecord
 from store.base import TURN_COMPLETE
 from store.roles import TrajectoryStore
-from tests.store_backends import StoreBackend
 from tests.support import asgi_gateway
 
 StoreT = TypeVar("StoreT", bound=TrajectoryStore)
@@ -44,63 +43,6 @@ async def _until(check: Callable[[], bool], what: str, timeout: float = 30.0) ->
     while not check():
         assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
         await asyncio.sleep(0.01)
-
-
-# --- the store --------------------------------------------------------------------------------------
-
-
-def test_append_outputs_grows_a_running_turn_and_a_restart_keeps_it(store_backend: StoreBackend) -> None:
-    store, turn = _begin(store_backend.open())
-    lps = [-0.1, -1e-300, -123.456789012345678, -2.5]
-    assert store.append_outputs([OutputPart(turn.id, 0, [7, 4294967295], lps[:2])]) == 1
-    assert store.append_outputs([OutputPart(turn.id, 2, [0, 9], lps[2:])]) == 1
-    # a part from an earlier position replaces what was stored beyond it (a rewrite of the same prefix)
-    assert store.append_outputs([OutputPart(turn.id, 3, [9], lps[3:])]) == 1
-    # a gap (fewer tokens stored than the part's start) is skipped, never written with a hole
-    assert store.append_outputs([OutputPart(turn.id, 9, [1], [-1.0])]) == 0
-    running = store.get_turn(turn.id)
-    assert running is not None and running.status == "running"
-    assert running.output_ids == [7, 4294967295, 0, 9] and running.output_logprobs == lps
-    store.close()  # as a kill -9 leaves it: the turn is still running on disk
-
-    again = store_backend.open()
-    back = again.get_turn(turn.id)
-    assert back is not None and back.status == "interrupted"
-    assert back.output_ids == [7, 4294967295, 0, 9] and back.output_logprobs == lps  # bit for bit
-    again.close()
-
-
-def test_append_outputs_after_the_final_write_is_skipped(store_backend: StoreBackend) -> None:
-    store, turn = _begin(store_backend.open())
-    other = store.begin_turn(_turn())
-    turn.output_ids, turn.output_logprobs, turn.status = [5, 6], [-0.5, -0.6], TURN_COMPLETE
-    store.finish_turn(turn)
-    late = [OutputPart(turn.id, 0, [5], [-0.5]), OutputPart(other.id, 0, [8], [-0.8])]
-    assert store.append_outputs(late) == 1  # one transaction; only the running turn's part is written
-    done, running = store.get_turn(turn.id), store.get_turn(other.id)
-    assert done is not None and done.output_ids == [5, 6] and done.status == TURN_COMPLETE
-    assert running is not None and running.output_ids == [8]
-    store.close()
-
-
-def test_recomputation_marks_last_until_their_outcome_and_go_with_their_session(
-    store_backend: StoreBackend,
-) -> None:
-    store, turn = _begin(store_backend.open())
-    store.schedule_recomputation(turn, [(0, 2)])
-    store.close()
-    store = store_backend.open()  # a restart: still pending (its turn, left running, interrupted)
-    assert store.pending_recomputations() == [(turn.id, [(0, 2)])]
-    store.end_recomputation(turn.id, EventRecord("s", turn.id, 1.0, "recomputed_logprobs", {"runs": []}))
-    assert store.pending_recomputations() == []
-    assert [e.kind for e in store.get_events("s")] == ["turns_interrupted", "recomputed_logprobs"]
-    store.schedule_recomputation(turn, [(1, 3)])
-    turn.status = TURN_COMPLETE
-    store.finish_turn(turn)
-    store.update_session(SessionRecord("s", 0.0, {}, status="closed", closed_at=0.0))
-    assert store.delete_session("s") is not None
-    assert store.pending_recomputations() == []
-    store.close()
 
 
 # --- the writer -------------------------------------------------------------------------------------
