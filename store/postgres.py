@@ -13,8 +13,8 @@ holds the connections and what only replicas need (row and advisory locks, owner
 store interface is synchronous and the gateway calls it from worker threads: its reads through
 ``Gateway.offload``, its writes through the store's `front` (`store.front`: ``lanes`` threads, a
 session's writes in order on one of them), so each call takes a pooled connection on its own thread and
-the event loop never waits on the database (``off_loop_only`` makes a call on the loop's thread fail,
-for tests). An async driver would need every caller to become a coroutine, or a
+the event loop never waits on the database for a write (``off_loop_only`` makes a write on the loop's
+thread fail, for tests). An async driver would need every caller to become a coroutine, or a
 private event loop per call, for no gain. Connections are in autocommit mode; multi-statement writes
 run in explicit transactions.
 
@@ -73,7 +73,7 @@ from store import schema
 from store.base import TURN_RUNNING, EventRecord, OutputPart, TurnRecord
 from store.postgres_feed import FEED_CHANNEL, FEED_LOCK, FeedListener
 from store.postgres_schema import TABLE_NAMES, prepare
-from store.sql import Dialect, SqlStore, Tx, dump_segments
+from store.sql import Connection, Cursor, Dialect, SqlStore, Tx, dump_segments
 
 _OWNER_CLASS = 0x626C  # advisory locks (class, owner): an owner is alive while it holds its lock
 
@@ -117,7 +117,7 @@ class PostgresStore(SqlStore):
         super().__init__(telemetry, lanes)
         self.url = url
         self.off_loop_only = False
-        """Refuse (`AssertionError`) a call made on a thread that runs an event loop: tests set it."""
+        """Refuse (`AssertionError`) a write made on a thread that runs an event loop: tests set it."""
         try:
             self._owner_conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout))
         except psycopg.Error as e:
@@ -171,30 +171,22 @@ class PostgresStore(SqlStore):
 
     @contextlib.contextmanager
     def _statement(self) -> Iterator[Tx]:
-        self._check_thread()
         try:
             with self._pool.connection() as conn:
-                yield Tx(conn, self.dialect)
+                yield Tx(self._guarded(conn), self.dialect)
         except psycopg.Error as e:
             raise self._failed(e) from e
 
     @contextlib.contextmanager
     def _begin(self) -> Iterator[Tx]:
-        self._check_thread()
         try:
             with self._pool.connection() as conn, conn.transaction():
-                yield Tx(conn, self.dialect)
+                yield Tx(self._guarded(conn), self.dialect)
         except psycopg.Error as e:
             raise self._failed(e) from e
 
-    def _check_thread(self) -> None:
-        if not self.off_loop_only:
-            return
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop runs on this thread: a worker's
-            return
-        raise AssertionError(f"trajectory store {self._location()} called on the event loop's thread")
+    def _guarded(self, conn: psycopg.Connection[Any]) -> Connection:
+        return _OffLoop(conn, self._location()) if self.off_loop_only else conn
 
     def _disconnect(self) -> None:
         if self._feed is not None:
@@ -348,6 +340,28 @@ class PostgresStore(SqlStore):
         """A plain VACUUM (space reused, files shrink only at their end): VACUUM FULL would lock out
         every gateway on the database."""
         self._rows(f"VACUUM {', '.join(TABLE_NAMES)}")
+
+
+class _OffLoop:
+    """A connection that refuses a write made on a thread that runs an event loop (`off_loop_only`)."""
+
+    WRITES = frozenset({"INSERT", "UPDATE", "DELETE", "VACUUM"})
+
+    def __init__(self, conn: psycopg.Connection[Any], location: str) -> None:
+        self.conn, self.location = conn, location
+
+    def execute(self, sql: str, args: Any, /) -> Cursor:
+        if sql.lstrip().split(None, 1)[0].upper() in self.WRITES and _on_loop():
+            raise AssertionError(f"a write to trajectory store {self.location} on the event loop: {sql[:60]}")
+        return self.conn.execute(sql, args)
+
+
+def _on_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs on this thread: a worker's
+        return False
+    return True
 
 
 def _owner_gone(tx: Tx, owner: int) -> bool:

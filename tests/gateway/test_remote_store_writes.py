@@ -19,10 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.fake import FakeEngine
-from gateway.config import GatewayConfig
+from engine_pool.fake import FakeEngine, Fault, FaultInjector
+from gateway.config import FailoverConfig, GatewayConfig
 from store import SqliteStore, TurnRecord
 from store.front import WriteFront
+from store.postgres import PostgresStore
+from tests.postgres_server import PostgresServer
 from tests.support import asgi_gateway
 
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -99,3 +101,47 @@ async def test_a_request_cancelled_while_its_turn_is_written_leaves_no_turn_runn
         [turn] = turns
         assert turn.status == "aborted" and turn.output_ids == []
         assert turn.error is not None and "cancelled while its turn was being stored" in turn.error
+
+
+@pytest.mark.postgres
+async def test_no_write_reaches_postgresql_on_the_event_loop_in_a_failover_storm(
+    postgres: PostgresServer, tiny_model_dir: Path
+) -> None:
+    """Sessions made, streamed through a failover each (an event per cut), rewarded and closed, at once, on
+    a PostgreSQL store that refuses a write made on the event loop's thread (`PostgresStore.off_loop_only`):
+    each would be a request's error here."""
+    engine = FakeEngine(max_model_len=4096, script=lambda p: list(range(20, 32)))
+    faults = FaultInjector(httpx.ASGITransport(engine.app()))
+    n = 12
+    faults.faults = {"e0": [Fault("drop_after", 4)] * n, "e1": [Fault("drop_after", 6)] * n}
+    config = GatewayConfig(
+        model=str(tiny_model_dir),
+        store_path=postgres.new_database(),
+        failover=FailoverConfig(max_failovers=4, no_worker_wait=5.0),
+    )
+    hosts = ["http://e0", "http://e1", "http://e2"]
+    async with asgi_gateway(config, faults, hosts=hosts) as (app, client):
+        store: PostgresStore = app.state.gateway.store
+        store.off_loop_only = True
+
+        async def episode() -> str:
+            sid = (await client.post("/api/sessions", json={"metadata": {}})).json()["id"]
+            r = await client.post(f"/s/{sid}/v1/chat/completions", json=BODY)
+            assert r.status_code == 200, r.text
+            assert (await client.post(f"/api/sessions/{sid}/reward", json={"reward": 1.0})).status_code == 200
+            assert (await client.post(f"/api/sessions/{sid}/close")).status_code == 200
+            return str(sid)
+
+        sids = await asyncio.gather(*(episode() for _ in range(n)))
+    reader = PostgresStore(config.store_path, recover=False)
+    cuts = 2 * n - len(faults.faults["e0"]) - len(faults.faults["e1"])
+    failovers = 0
+    for sid in sids:
+        [turn] = reader.get_turns(sid)
+        assert (turn.status, len(turn.output_ids)) == ("complete", 5)
+        kinds = [e.kind for e in reader.get_events(sid)]
+        assert kinds[-1] == "session_closed", kinds
+        failovers += kinds.count("failover")
+    assert failovers >= cuts > 0  # each cut stream's event was written (off the loop)
+    assert [s.reward for s in map(reader.get_session, sids)] == [1.0] * n
+    reader.close()
