@@ -72,6 +72,7 @@ BENCHES = {
     "env-recovery": "belayer.bench.env_recovery",
     "fork": "belayer.bench.fork",
     "store": "belayer.bench.store",
+    "store-lag": "belayer.bench.store_lag",
     "task-start": "belayer.bench.task_start",
     "sandbox-restart": "belayer.bench.sandbox_restart",
     "verify-copy": "belayer.bench.verify_copy",
