@@ -8,11 +8,11 @@
   ``= ANY(?)`` (PostgreSQL); a flag is an ``INTEGER`` 0/1 or a ``BOOLEAN``; PostgreSQL locks rows
   (``FOR UPDATE``, ``… SKIP LOCKED``) where SQLite's ``BEGIN IMMEDIATE`` already holds the one write
   lock, and orders ids by byte (``COLLATE "C"``) as SQLite does.
-- **Connections and transactions**, in two context managers that yield a `Tx`: `SqlCore._statement`
-  (one statement, committed on its own) and `SqlCore._begin` (a transaction: committed when the block
+- **Connections and transactions**, in two context managers that yield a `Tx`: `SqlStore._statement`
+  (one statement, committed on its own) and `SqlStore._begin` (a transaction: committed when the block
   ends, rolled back when it raises). SQLite runs both on its one connection under a lock; PostgreSQL on a
   connection of its pool. Either turns the database's own error into a `StoreError` that carries it
-  (`SqlCore._failed`, which also counts and logs it). `SqlCore._transaction` wraps `_begin` and
+  (`SqlStore._failed`, which also counts and logs it). `SqlStore._transaction` wraps `_begin` and
   publishes the events the transaction recorded (``tx.events``) once it has committed, outside SQLite's
   lock (listeners may read the store).
 - **Hooks** for what one backend does and the other does not: how a new turn's id comes back
@@ -23,19 +23,21 @@
   (PostgreSQL's feed lock and ``NOTIFY``). Statements that differ whole (upserts, the recomputation
   queue, ``store_id``, ``last_event_id``, size, vacuum) stay in the backends.
 
-The shared store is one stack of classes, one concern each, every layer building on the one below:
+The shared store is one object that holds its parts, one concern each; a backend subclasses it once and
+gives its connections and hooks:
 
-- `store.sql.core`: `SqlCore`, the hooks a backend gives, statements, transactions, errors, events;
+- `store.sql.core`: `SqlStore`, the hooks a backend gives, statements, transactions, errors, events, and
+  the interface, each method run by the part that owns it;
 - `store.sql.reads`: `SqlReads`, sessions, turns (decoded from their stored segments, `store.sql.rows`)
   and events as they are read;
 - `store.sql.writes`: `SqlWrites`, creating and updating sessions, a turn's start, stream and finish
   (a final write that failed is kept and retried), recomputation outcomes, discarding;
-- `store.sql.lifecycle`: `SqlStore`, how a session branches and ends: forks, closing with the finished
-  feed, deletion and pruning, and closing the store.
+- `store.sql.lifecycle`: `SqlLifecycle`, how a session branches and ends: forks, closing with the
+  finished feed, deletion and pruning, and closing the store.
 
-A stack rather than parts composed side by side: the backends override hooks that every layer calls
-(`_next_numbers`, `_append_part`, `_record_close`, `prune`), and the store's 30 public methods stay on
-one object without 30 forwarding methods.
+Each part holds the store (``db``: its statements, caches and hooks) and the parts it builds on; the
+hooks a backend overrides (`_next_numbers`, `_append_part`, `_record_close`, ...) stay methods of the
+store, so the parts call them through ``db``.
 
 Example: a backend is a `Dialect` and the hooks::
 
@@ -44,22 +46,8 @@ Example: a backend is a `Dialect` and the hooks::
         ...  # _statement, _begin, _location, _insert_id, _next_numbers, ...
 """
 
-from store.sql.core import SqlCore, log
+from store.sql.core import SqlStore
 from store.sql.dialect import Connection, Cursor, Dialect, Tx
-from store.sql.lifecycle import SqlStore
-from store.sql.reads import SqlReads
 from store.sql.rows import dump_segments
-from store.sql.writes import SqlWrites
 
-__all__ = [
-    "Connection",
-    "Cursor",
-    "Dialect",
-    "SqlCore",
-    "SqlReads",
-    "SqlStore",
-    "SqlWrites",
-    "Tx",
-    "dump_segments",
-    "log",
-]
+__all__ = ["Connection", "Cursor", "Dialect", "SqlStore", "Tx", "dump_segments"]

@@ -1,12 +1,12 @@
-"""The base of the shared SQL store: the hooks a backend gives, and statements, transactions, errors
-and events on top of them (`store.sql`)."""
+"""The shared SQL store (`SqlStore`): the hooks a backend gives, statements, transactions, errors and
+events on top of them, and the parts it holds, which run the queries (`store.sql`)."""
 
 from __future__ import annotations
 
 import abc
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from core.errors import StoreError
@@ -17,6 +17,7 @@ from store.base import (
     TURN_RUNNING,
     EventRecord,
     OutputPart,
+    SessionQuery,
     SessionRecord,
     TurnRecord,
 )
@@ -24,16 +25,17 @@ from store.front import WriteFront
 from store.roles import TrajectoryStore
 from store.schema import dump_json
 from store.sql.dialect import Dialect, Tx
+from store.sql.lifecycle import SqlLifecycle
+from store.sql.reads import SqlReads
 from store.sql.rows import Fork
+from store.sql.writes import SqlWrites
 
 log = logging.getLogger("belayer.store")
 
-PLAIN_KEPT = 65536
-"""At most this many sessions are remembered as not forked (`SqlCore._plain`): about 6 MB."""
 
-
-class SqlCore(TrajectoryStore):
-    """A `TrajectoryStore` in SQL; a backend gives its `dialect`, its connections and the hooks below."""
+class SqlStore(TrajectoryStore):
+    """A `TrajectoryStore` in SQL; a backend gives its `dialect`, its connections and the hooks below,
+    and the parts this holds run the queries: `SqlReads`, `SqlWrites` and `SqlLifecycle`."""
 
     dialect: ClassVar[Dialect]
 
@@ -54,6 +56,89 @@ class SqlCore(TrajectoryStore):
         shown to readers, and written by the next write that succeeds, so no turn stays ``running``."""
         self.failures = 0
         """Store operations that failed (each is logged with its cause)."""
+        self._reads = SqlReads(self)
+        self._writes = SqlWrites(self, self._reads)
+        self._life = SqlLifecycle(self, self._reads, self._writes)
+
+    # --- the interface, run by the parts ------------------------------------------------------------
+
+    def get_session(self, session_id: str) -> SessionRecord | None:
+        return self._reads.get_session(session_id)
+
+    def list_sessions(self) -> list[SessionRecord]:
+        return self._reads.list_sessions()
+
+    def query_sessions(self, query: SessionQuery) -> tuple[list[SessionRecord], int]:
+        return self._reads.query_sessions(query)
+
+    def turn_counts(self, session_id: str | list[str] | None = None) -> dict[str, tuple[int, int]]:
+        return self._reads.turn_counts(session_id)
+
+    def children(self, session_id: str) -> list[str]:
+        return self._reads.children(session_id)
+
+    def get_turn(self, turn_id: int) -> TurnRecord | None:
+        return self._reads.get_turn(turn_id)
+
+    def get_turns(self, session_id: str) -> list[TurnRecord]:
+        return self._reads.get_turns(session_id)
+
+    def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
+        return self._reads.find_turn_by_ext_keys(session_id, keys)
+
+    def get_events(self, session_id: str) -> list[EventRecord]:
+        return self._reads.get_events(session_id)
+
+    def create_session(self, session: SessionRecord) -> SessionRecord:
+        return self._writes.create_session(session)
+
+    def update_session(self, session: SessionRecord) -> None:
+        self._writes.update_session(session)
+
+    def begin_turn(
+        self,
+        turn: TurnRecord,
+        first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
+        new_session: SessionRecord | None = None,
+        parent: TurnRecord | None = None,
+    ) -> TurnRecord:
+        return self._writes.begin_turn(turn, first_event, new_session, parent)
+
+    def finish_turn(self, turn: TurnRecord) -> None:
+        self._writes.finish_turn(turn)
+
+    def append_outputs(self, parts: list[OutputPart]) -> int:
+        return self._writes.append_outputs(parts)
+
+    def end_recomputation(self, turn_id: int, event: EventRecord | None) -> None:
+        self._writes.end_recomputation(turn_id, event)
+
+    def add_event(self, event: EventRecord) -> None:
+        self._writes.add_event(event)
+
+    def discard_turns_after(self, session_id: str, turn_index: int, reason: str) -> list[int]:
+        return self._writes.discard_turns_after(session_id, turn_index, reason)
+
+    def discard_turns(self, session_id: str, turn_ids: list[int], reason: str) -> list[int]:
+        return self._writes.discard_turns(session_id, turn_ids, reason)
+
+    def fork(self, parent_id: str, at_turn: int, children: list[SessionRecord]) -> list[SessionRecord]:
+        return self._life.fork(parent_id, at_turn, children)
+
+    def mark_closed(self, session: SessionRecord) -> bool:
+        return self._life.mark_closed(session)
+
+    def closed_after(self, after_id: int, limit: int) -> list[tuple[int, str]]:
+        return self._life.closed_after(after_id, limit)
+
+    def delete_session(self, session_id: str) -> tuple[int, int] | None:
+        return self._life.delete_session(session_id)
+
+    def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:
+        return self._life.prune(closed_before, exported_only)
+
+    def close(self) -> None:
+        self._life.close()
 
     # --- what a backend provides --------------------------------------------------------------------
 

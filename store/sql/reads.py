@@ -1,29 +1,39 @@
-"""The reads of the shared SQL store: sessions, turns (with a fork child's shared ones) and events."""
+"""The reads of the shared SQL store (`SqlReads`, a part of `store.sql.core.SqlStore`): sessions, turns
+(with a fork child's shared ones) and events."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.errors import StoreError
 from store.base import TURN_COMPLETE, EventRecord, SessionQuery, SessionRecord, TurnRecord
 from store.schema import load_json
-from store.sql.core import PLAIN_KEPT, SqlCore
 from store.sql.rows import SESSION_COLS, TURN_COLS, Fork, session_record, turn_record
 
+if TYPE_CHECKING:
+    from store.sql.core import SqlStore
 
-class SqlReads(SqlCore):
+PLAIN_KEPT = 65536
+"""At most this many sessions are remembered as not forked (`SqlStore._plain`): about 6 MB."""
+
+
+class SqlReads:
     """What the store reads; a finished turn whose final write failed reads as it finished (`_latest`)."""
 
+    def __init__(self, db: SqlStore) -> None:
+        self.db = db
+        """The store: its statements, its caches and its backend's spelling."""
+
     def get_session(self, session_id: str) -> SessionRecord | None:
-        row = self._one(f"SELECT {SESSION_COLS} FROM sessions WHERE id = ?", (session_id,))
+        row = self.db._one(f"SELECT {SESSION_COLS} FROM sessions WHERE id = ?", (session_id,))
         return session_record(row) if row else None
 
     def list_sessions(self) -> list[SessionRecord]:
-        rows = self._rows(f"SELECT {SESSION_COLS} FROM sessions ORDER BY {self.dialect.sessions_order}")
+        rows = self.db._rows(f"SELECT {SESSION_COLS} FROM sessions ORDER BY {self.db.dialect.sessions_order}")
         return [session_record(r) for r in rows]
 
     def query_sessions(self, query: SessionQuery) -> tuple[list[SessionRecord], int]:
-        where, args = [self.dialect.listed], list[Any]()
+        where, args = [self.db.dialect.listed], list[Any]()
         if query.status is not None:
             where.append("status = ?")
             args.append(query.status)
@@ -40,17 +50,17 @@ class SqlReads(SqlCore):
                 where.append(f"{column} {op} ?")
                 args.append(bound)
         for key, text in query.metadata.items():
-            value, value_args = self._metadata_text(key)
+            value, value_args = self.db._metadata_text(key)
             where.append(f"{value} = ?")
             args += [*value_args, text]
         clause = " AND ".join(where)
-        total = self._one(f"SELECT COUNT(*) FROM sessions WHERE {clause}", args)
-        order, text_id = "DESC" if query.newest_first else "ASC", self.dialect.text_id
+        total = self.db._one(f"SELECT COUNT(*) FROM sessions WHERE {clause}", args)
+        order, text_id = "DESC" if query.newest_first else "ASC", self.db.dialect.text_id
         if query.after is not None:  # keyset paging: cheap at any depth, unlike OFFSET
             op = "<" if query.newest_first else ">"
             clause += f" AND (created_at {op} ? OR (created_at = ? AND {text_id} {op} ?))"
             args += [query.after[0], query.after[0], query.after[1]]
-        rows = self._rows(
+        rows = self.db._rows(
             f"SELECT {SESSION_COLS} FROM sessions WHERE {clause} "
             f"ORDER BY created_at {order}, {text_id} {order} LIMIT ? OFFSET ?",
             [*args, query.limit, query.offset],
@@ -58,31 +68,35 @@ class SqlReads(SqlCore):
         return [session_record(r) for r in rows], int(total[0]) if total else 0
 
     def get_turn(self, turn_id: int) -> TurnRecord | None:
-        turn = self._read(turn_id)
+        turn = self.read(turn_id)
         return self._latest(turn) if turn else None
 
     def get_turns(self, session_id: str) -> list[TurnRecord]:
-        row = self._one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
+        row = self.db._one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
         shared = self._shared(str(row[0]), int(row[1])) if row is not None and row[0] is not None else []
-        rows = self._rows(f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? ORDER BY idx", (session_id,))
+        rows = self.db._rows(
+            f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? ORDER BY idx", (session_id,)
+        )
         own = self._decode(rows, {t.id: t for t in shared})
         return shared + [self._latest(t) for t in own]
 
     def _latest(self, stored: TurnRecord) -> TurnRecord:
         """A turn as it is: its finished state when that could not be written yet."""
-        return self._unwritten.get(stored.id, stored)
+        return self.db._unwritten.get(stored.id, stored)
 
     def turn_counts(self, session_id: str | list[str] | None = None) -> dict[str, tuple[int, int]]:
         sql = "SELECT session_id, COUNT(*), COUNT(DISTINCT branch) FROM turns"
         ids = [session_id] if isinstance(session_id, str) else session_id
         if ids is None:
-            rows = self._rows(f"{sql} GROUP BY session_id")
-            forks = self._rows("SELECT id FROM sessions WHERE parent_session IS NOT NULL")
+            rows = self.db._rows(f"{sql} GROUP BY session_id")
+            forks = self.db._rows("SELECT id FROM sessions WHERE parent_session IS NOT NULL")
         else:
-            among, args = self.dialect.among("session_id", ids)
-            rows = self._rows(f"{sql} WHERE {among} GROUP BY session_id", args)
-            among, args = self.dialect.among("id", ids)
-            forks = self._rows(f"SELECT id FROM sessions WHERE parent_session IS NOT NULL AND {among}", args)
+            among, args = self.db.dialect.among("session_id", ids)
+            rows = self.db._rows(f"{sql} WHERE {among} GROUP BY session_id", args)
+            among, args = self.db.dialect.among("id", ids)
+            forks = self.db._rows(
+                f"SELECT id FROM sessions WHERE parent_session IS NOT NULL AND {among}", args
+            )
         counts = {str(sid): (int(turns), int(branches)) for sid, turns, branches in rows}
         for (sid,) in forks:  # a fork child counts the turns it shares
             turns_of = self.get_turns(sid)
@@ -92,38 +106,38 @@ class SqlReads(SqlCore):
     def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
         if not keys:
             return None
-        fork = self._fork_of(session_id)
+        fork = self.fork_of(session_id)
         # A session's own turns alone unless it is a fork child: with an empty list in the OR, SQLite
         # scans the whole table (every turn of every session) in place of the (session_id, ext_key)
         # index, at every turn of every session: `belayer bench scale` found it.
         within, args = "session_id = ?", (session_id,)
         if fork is not None and fork.ids:
-            shared_ids, shared_args = self.dialect.among("id", sorted(fork.ids))
+            shared_ids, shared_args = self.db.dialect.among("id", sorted(fork.ids))
             within, args = f"(session_id = ? OR {shared_ids})", (session_id, *shared_args)
-        ext_keys, key_args = self.dialect.among("ext_key", keys)
-        rows = self._rows(
+        ext_keys, key_args = self.db.dialect.among("ext_key", keys)
+        rows = self.db._rows(
             f"SELECT id, ext_key FROM turns WHERE {within} AND status = ? AND {ext_keys}",
             (*args, TURN_COMPLETE, *key_args),
         )
         if not rows:
             return None
         rank = {k: i for i, k in enumerate(keys)}
-        return self._read(max(rows, key=lambda r: (rank[r[1]], r[0]))[0])
+        return self.read(max(rows, key=lambda r: (rank[r[1]], r[0]))[0])
 
-    def _fork_of(self, session_id: str) -> Fork | None:
+    def fork_of(self, session_id: str) -> Fork | None:
         """The shared turns of a fork child (None for any other session)."""
-        fork = self._forks.get(session_id)
+        fork = self.db._forks.get(session_id)
         if fork is not None:
             return fork
-        if session_id in self._plain:
+        if session_id in self.db._plain:
             return None
-        row = self._one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
+        row = self.db._one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
         if row is None:
             return None
         if row[0] is None:
-            if len(self._plain) >= PLAIN_KEPT:
-                self._plain.clear()  # one dict operation: safe beside the other threads' reads
-            self._plain[session_id] = None
+            if len(self.db._plain) >= PLAIN_KEPT:
+                self.db._plain.clear()  # one dict operation: safe beside the other threads' reads
+            self.db._plain[session_id] = None
             return None
         shared = self._shared(str(row[0]), int(row[1]))
         at = next((t for t in shared if t.index == row[1]), None)
@@ -135,17 +149,17 @@ class SqlReads(SqlCore):
         for t in shared:
             newest[t.branch] = max(newest.get(t.branch, t.id), t.id)
         fork = Fork(int(row[1]), at.id, frozenset(t.id for t in shared), newest, max(newest))
-        self._forks[session_id] = fork
+        self.db._forks[session_id] = fork
         return fork
 
     def _shared(self, parent_id: str, at_turn: int) -> list[TurnRecord]:
         """The turns a child of `parent_id` forked at `at_turn` shares: the parent's, through it."""
         return [t for t in self.get_turns(parent_id) if t.index <= at_turn]
 
-    def _read(self, turn_id: int) -> TurnRecord | None:
+    def read(self, turn_id: int) -> TurnRecord | None:
         """A turn as stored (not `_latest`), with the chain of bases it is stored beyond, in one query."""
-        rows = self._rows(
-            f"WITH RECURSIVE chain(id) AS (SELECT {self.dialect.id_param} UNION ALL SELECT t.base_id "
+        rows = self.db._rows(
+            f"WITH RECURSIVE chain(id) AS (SELECT {self.db.dialect.id_param} UNION ALL SELECT t.base_id "
             "FROM turns t JOIN chain c ON t.id = c.id WHERE t.base_id < t.id) "
             f"SELECT {TURN_COLS} FROM turns WHERE id IN (SELECT id FROM chain) ORDER BY id",
             (turn_id,),
@@ -161,21 +175,21 @@ class SqlReads(SqlCore):
             base_id = row[18]
             base = known.get(base_id) if base_id is not None else None
             if base_id is not None and base is None:
-                base = self._read(base_id)
+                base = self.read(base_id)
             turn = turn_record(row, base)
             known[turn.id] = turn
             turns.append(turn)
         return turns
 
     def get_events(self, session_id: str) -> list[EventRecord]:
-        rows = self._rows(
+        rows = self.db._rows(
             "SELECT session_id, turn_id, ts, kind, data FROM events WHERE session_id = ? ORDER BY id",
             (session_id,),
         )
         return [EventRecord(r[0], r[1], r[2], r[3], load_json(r[4])) for r in rows]
 
     def children(self, session_id: str) -> list[str]:
-        rows = self._rows(
+        rows = self.db._rows(
             "SELECT id FROM sessions WHERE parent_session = ? ORDER BY created_at, id", (session_id,)
         )
         return [str(r[0]) for r in rows]

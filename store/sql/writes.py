@@ -1,33 +1,41 @@
-"""The writes of the shared SQL store: sessions, a turn's start, streamed outputs and finish (a final
+"""The writes of the shared SQL store (`SqlWrites`, a part of `store.sql.core.SqlStore`): sessions, a turn's start, streamed outputs and finish (a final
 write that failed is kept and retried), recomputation outcomes, events, and discarding turns."""
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.errors import NotFound, StoreError
 from store import layout, schema
 from store.base import TURN_DISCARDED, EventRecord, OutputPart, SessionRecord, TurnRecord, stored_metadata
 from store.schema import dump_json
-from store.sql.core import log
 from store.sql.dialect import Tx
 from store.sql.reads import SqlReads
 from store.sql.rows import SESSION_COLS, Fork, dump_segments, shape
 
+if TYPE_CHECKING:
+    from store.sql.core import SqlStore
 
-class SqlWrites(SqlReads):
+log = logging.getLogger("belayer.store")
+
+
+class SqlWrites:
     """What the store writes, each method in one transaction (or one statement)."""
 
+    def __init__(self, db: SqlStore, reads: SqlReads) -> None:
+        self.db, self.reads = db, reads
+
     def create_session(self, session: SessionRecord) -> SessionRecord:
-        with self._statement() as tx:
-            self._insert_session(tx, session)
-        self._publish_session("session_created", session)
+        with self.db._statement() as tx:
+            self.insert_session(tx, session)
+        self.db._publish_session("session_created", session)
         return session
 
-    def _insert_session(self, tx: Tx, session: SessionRecord) -> None:
+    def insert_session(self, tx: Tx, session: SessionRecord) -> None:
         tx.execute(
             f"INSERT INTO sessions ({SESSION_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -38,14 +46,14 @@ class SqlWrites(SqlReads):
                 session.reward,
                 dump_json(session.reward_info) if session.reward_info is not None else None,
                 session.closed_at,
-                self.dialect.flag(session.ephemeral),
+                self.db.dialect.flag(session.ephemeral),
                 session.parent_session,
                 session.fork_turn,
             ),
         )
 
     def update_session(self, session: SessionRecord) -> None:
-        self._rows(
+        self.db._rows(
             "UPDATE sessions SET metadata = ?, status = ?, reward = ?, reward_info = ?, closed_at = ? "
             "WHERE id = ?",
             (
@@ -57,7 +65,7 @@ class SqlWrites(SqlReads):
                 session.id,
             ),
         )
-        self._publish_session("session_updated", session)
+        self.db._publish_session("session_updated", session)
 
     def begin_turn(
         self,
@@ -66,16 +74,16 @@ class SqlWrites(SqlReads):
         new_session: SessionRecord | None = None,
         parent: TurnRecord | None = None,
     ) -> TurnRecord:
-        fork = self._fork_of(turn.session_id) if new_session is None else None
+        fork = self.reads.fork_of(turn.session_id) if new_session is None else None
         base_id, base = self._base(turn, parent, fork) if new_session is None else (None, None)
         enc = layout.encode(shape(turn), base)
-        with self._transaction() as tx:
+        with self.db._transaction() as tx:
             if new_session is not None:
-                self._insert_session(tx, new_session)
-            elif self._lock_session(tx, turn.session_id) is None:
+                self.insert_session(tx, new_session)
+            elif self.lock_session(tx, turn.session_id) is None:
                 raise NotFound(f"session '{turn.session_id}' was deleted", "session_id", "session_not_found")
             turn.index, turn.branch = self._next_index_and_branch(tx, turn, fork)
-            extras = self._turn_extras()
+            extras = self.db._turn_extras()
             columns = (
                 "session_id, idx, branch, parent_id, ext_key, status, output_ids, output_logprobs, timings, "
                 f"received_at, {''.join(f'{name}, ' for name, _ in extras)}base_id, prompt_base, prompt_ids, "
@@ -97,24 +105,24 @@ class SqlWrites(SqlReads):
                 *self._encoded(enc),
             )
             sql = f"INSERT INTO turns ({columns}) VALUES ({', '.join('?' * len(values))})"
-            turn.id = self._insert_id(tx, sql, values)
+            turn.id = self.db._insert_id(tx, sql, values)
             if first_event is not None:
                 kind, data = first_event(turn)
-                self._insert_event(tx, EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+                self.db._insert_event(tx, EventRecord(turn.session_id, turn.id, time.time(), kind, data))
         return turn
 
-    def _lock_session(self, tx: Tx, session_id: str) -> tuple[Any, ...] | None:
+    def lock_session(self, tx: Tx, session_id: str) -> tuple[Any, ...] | None:
         """In a transaction: the session's row, locked where the database locks rows (PostgreSQL: turns
         of one session are numbered one at a time); None when it is gone."""
         row: tuple[Any, ...] | None = tx.execute(
-            f"SELECT 1 FROM sessions WHERE id = ?{self.dialect.row_lock}", (session_id,)
+            f"SELECT 1 FROM sessions WHERE id = ?{self.db.dialect.row_lock}", (session_id,)
         ).fetchone()
         return row
 
     def _encoded(self, enc: layout.Encoded) -> tuple[Any, ...]:
         """(prompt_base, prompt_ids, spans_base, prompt_gen_spans, request, request_delta) as stored."""
         cols = schema.encoded_columns(enc)
-        return (*cols[:5], self.dialect.flag(bool(cols[5])))
+        return (*cols[:5], self.db.dialect.flag(bool(cols[5])))
 
     def _base(
         self, turn: TurnRecord, parent: TurnRecord | None, fork: Fork | None
@@ -123,14 +131,14 @@ class SqlWrites(SqlReads):
         with none yet: the turn it was forked at). The caller's copy of the parent (read by the prefix
         reuse) saves reading it again when it is the stored one."""
         if turn.parent_id is None:
-            row = self._one("SELECT MAX(id) FROM turns WHERE session_id = ?", (turn.session_id,))
+            row = self.db._one("SELECT MAX(id) FROM turns WHERE session_id = ?", (turn.session_id,))
             newest = row[0] if row is not None else None
             base_id = newest if newest is not None or fork is None else fork.turn_id
         elif parent is not None and parent.id == turn.parent_id and self._is_stored(parent):
             return parent.id, shape(parent)
         else:
             base_id = turn.parent_id
-        base = self._read(base_id) if base_id is not None else None
+        base = self.reads.read(base_id) if base_id is not None else None
         shared = fork is not None and base is not None and base.id in fork.ids
         if base is None or (base.session_id != turn.session_id and not shared):
             return None, None
@@ -138,7 +146,7 @@ class SqlWrites(SqlReads):
 
     def _is_stored(self, turn: TurnRecord) -> bool:
         """Whether the store holds `turn`'s prompt and output as they are (compared by length)."""
-        row = self._one(
+        row = self.db._one(
             "SELECT session_id, prompt_base + length(prompt_ids) / 4, length(output_ids) / 4 FROM turns "
             "WHERE id = ?",
             (turn.id,),
@@ -148,7 +156,7 @@ class SqlWrites(SqlReads):
     def _next_index_and_branch(self, tx: Tx, turn: TurnRecord, fork: Fork | None) -> tuple[int, int]:
         """Index = next in the session (a fork child's: after its fork turn). Branch = the parent's
         branch when the parent is that branch's newest turn (shared turns included), else a new branch."""
-        index, new_branch = self._next_numbers(tx, turn.session_id)
+        index, new_branch = self.db._next_numbers(tx, turn.session_id)
         if fork is not None:
             index, new_branch = max(index, fork.at_turn + 1), max(new_branch, fork.max_branch + 1)
         if turn.parent_id is None:
@@ -167,23 +175,23 @@ class SqlWrites(SqlReads):
         try:
             self._write_finish(turn)
         except StoreError:
-            self._unwritten[turn.id] = turn
+            self.db._unwritten[turn.id] = turn
             raise
-        self._unwritten.pop(turn.id, None)
-        self._write_unwritten()
+        self.db._unwritten.pop(turn.id, None)
+        self.write_unwritten()
 
-    def _write_unwritten(self) -> None:
+    def write_unwritten(self) -> None:
         """Retry the final writes that failed earlier (stop at the first that fails again)."""
-        for turn in list(self._unwritten.values()):
+        for turn in list(self.db._unwritten.values()):
             try:
                 self._write_finish(turn)
             except StoreError:
                 return
-            self._unwritten.pop(turn.id, None)
+            self.db._unwritten.pop(turn.id, None)
             log.warning("trajectory store: turn %d written after an earlier failure", turn.id)
 
     def _write_finish(self, turn: TurnRecord) -> None:
-        self._rows(
+        self.db._rows(
             "UPDATE turns SET status = CASE status WHEN 'discarded' THEN status ELSE ? END, ext_key = ?, "
             "output_ids = ?, output_logprobs = ?, response = ?, finish_reason = ?, worker = ?, "
             "timings = ?, error = ?, weight_segments = ? WHERE id = ?",
@@ -204,20 +212,20 @@ class SqlWrites(SqlReads):
 
     def append_outputs(self, parts: list[OutputPart]) -> int:
         written = 0
-        with self._transaction() as tx:
+        with self.db._transaction() as tx:
             for part in parts:
-                written += self._append_part(tx, part)
+                written += self.db._append_part(tx, part)
         return written
 
     def end_recomputation(self, turn_id: int, event: EventRecord | None) -> None:
-        with self._transaction() as tx:
+        with self.db._transaction() as tx:
             if event is not None:
-                self._insert_event(tx, event)
+                self.db._insert_event(tx, event)
             tx.execute("DELETE FROM recomputations WHERE turn_id = ?", (turn_id,))
 
     def add_event(self, event: EventRecord) -> None:
-        with self._transaction() as tx:
-            self._insert_event(tx, event)
+        with self.db._transaction() as tx:
+            self.db._insert_event(tx, event)
 
     def discard_turns_after(self, session_id: str, turn_index: int, reason: str) -> list[int]:
         where = "session_id = ? AND idx > ? AND status <> ?"
@@ -226,7 +234,7 @@ class SqlWrites(SqlReads):
     def discard_turns(self, session_id: str, turn_ids: list[int], reason: str) -> list[int]:
         if not turn_ids:
             return []
-        among, args = self.dialect.among("id", turn_ids)
+        among, args = self.db.dialect.among("id", turn_ids)
         where = f"session_id = ? AND status <> ? AND {among}"
         return self._discard(session_id, where, (session_id, TURN_DISCARDED, *args), reason, None)
 
@@ -234,12 +242,12 @@ class SqlWrites(SqlReads):
         self, session_id: str, where: str, args: tuple[Any, ...], reason: str, after: int | None
     ) -> list[int]:
         """One transaction: mark the matching turns discarded and record the event."""
-        with self._transaction() as tx:
+        with self.db._transaction() as tx:
             rows = tx.execute(
                 f"UPDATE turns SET status = ? WHERE {where} RETURNING idx", (TURN_DISCARDED, *args)
             ).fetchall()
             indices = sorted(int(r[0]) for r in rows)
             if indices:
                 data = {"after_turn": after, "turn_indices": indices, "reason": reason}
-                self._insert_event(tx, EventRecord(session_id, None, time.time(), "turns_discarded", data))
+                self.db._insert_event(tx, EventRecord(session_id, None, time.time(), "turns_discarded", data))
         return indices
