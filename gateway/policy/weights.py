@@ -30,7 +30,8 @@ from typing import Any
 
 from core.errors import InvalidRequest
 from engine_pool.pool import EnginePool
-from store import EventRecord, TrajectoryStore
+from store import EventRecord
+from store.roles import EventLog, EventReads
 
 WEIGHTS_LOG = "weights"
 """The session id the weight updates are recorded under in the store's events (no session has it)."""
@@ -101,18 +102,18 @@ def _bad(path: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"weights path {path[:300]!r} {why}", "path", "weights_not_loadable")
 
 
-def record(store: TrajectoryStore, kind: str, data: dict[str, Any]) -> None:
+def record(store: EventLog, kind: str, data: dict[str, Any]) -> None:
     """One weight update (``weights_updated``) or a failed one (``weights_update_failed``) in the store;
     the store publishes it on the live feed once it is committed."""
     store.add_event(EventRecord(WEIGHTS_LOG, None, time.time(), kind, data))
 
 
-def history(store: TrajectoryStore) -> list[dict[str, Any]]:
+def history(store: EventReads) -> list[dict[str, Any]]:
     """Every recorded update, oldest first: ``{"ts", "kind", **data}``."""
     return [{"ts": e.ts, "kind": e.kind, **e.data} for e in store.get_events(WEIGHTS_LOG)]
 
 
-def restore(store: TrajectoryStore, pool: EnginePool) -> str | None:
+def restore(store: EventReads, pool: EnginePool) -> str | None:
     """Before the pool starts: take the version of the newest recorded update (None: there is none,
     and the pool keeps its own). Engines given by URL are taken to hold it (they outlived the gateway);
     launched workers start from the model directory and are brought up to it (`EnginePool.start`)."""

@@ -84,10 +84,7 @@ class Checkpoints:
         if not dump.is_dir():
             raise SandboxNotFound(f"checkpoint {checkpoint.id}: no process dump at {dump}")
         return self.start_from_dump(
-            checkpoint.spec,
-            checkpoint.image,
-            list(checkpoint.env),
-            lambda _created, dest: shutil.copytree(dump, dest),
+            checkpoint.spec, checkpoint.image, list(checkpoint.env), lambda _created, dest: shutil.copytree(dump, dest)
         )
 
     def start_from_dump(
@@ -198,7 +195,6 @@ class Checkpoints:
         if tries > 1:
             log.info("container %s: dump taken at try %d, %.2fs after the first (containerd still held the last"
                      " dump's blobs)", info["Id"][:12], tries, time.monotonic() - started)  # fmt: skip
-
 
 def criu_errors(message: str, lines: int = 6) -> str:
     """Docker's checkpoint error names CRIU's log (`path= …/criu-dump.log`); add its error lines."""

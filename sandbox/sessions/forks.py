@@ -23,12 +23,7 @@ class Forks:
     """Forking sessions' sandboxes, over the manager's slots and parts."""
 
     def __init__(
-        self,
-        slots: Slots,
-        lifecycle: Lifecycle,
-        checkpointer: Checkpointer,
-        recovery: Recovery,
-        events: EventLog,
+        self, slots: Slots, lifecycle: Lifecycle, checkpointer: Checkpointer, recovery: Recovery, events: EventLog
     ) -> None:
         self.slots = slots
         self.lifecycle = lifecycle

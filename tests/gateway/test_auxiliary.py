@@ -118,12 +118,9 @@ async def test_an_unreachable_provider_is_a_clear_502_not_an_engine_outage(
         auxiliary_models={"judge": "http://127.0.0.1:9/v1"},
     )
     async with asgi_gateway(config, httpx.ASGITransport(FakeEngine().app())) as (_, client):
-        sid = (await client.post("/api/sessions", json={})).json()[
-            "id"
-        ]  # external models: session routes only
+        sid = (await client.post("/api/sessions", json={})).json()["id"]  # external models: session routes only
         r = await client.post(
-            f"/s/{sid}/v1/chat/completions",
-            json={"model": "judge", "messages": [{"role": "user", "content": "x"}]},
+            f"/s/{sid}/v1/chat/completions", json={"model": "judge", "messages": [{"role": "user", "content": "x"}]}
         )
         assert r.status_code == 502
         error = r.json()["error"]

@@ -71,9 +71,7 @@ async def env(
     pool.add_remote("http://fake-engine")
     app = build_app(config, pool=pool, sandbox_backend=backend)
     async with app.router.lifespan_context(app):
-        client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=120
-        )
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=120)
         yield Env(client, app.state.gateway, engine)
         await client.aclose()
     await engine_http.aclose()

@@ -57,7 +57,8 @@ from gateway.policy.parsers import think_text
 from gateway.policy.streaming import tool_choice_prefix
 from gateway.turns.protocol import GenerationRequest, parse_arguments
 from gateway.turns.sessions import SessionManager
-from store import SessionRecord, TrajectoryStore, TurnRecord
+from store import SessionRecord, TurnRecord
+from store.roles import TrajectoryReader
 from store.base import TURN_COMPLETE, TURN_DISCARDED, TURN_RUNNING
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -245,7 +246,7 @@ def response_request(
     raw: dict[str, Any],
     session: SessionRecord,
     sessions: SessionManager,
-    store: TrajectoryStore,
+    store: TrajectoryReader,
 ) -> GenerationRequest:
     """The internal request for a Responses call (resolving ``previous_response_id`` in the store)."""
     received = time.time()
@@ -310,7 +311,7 @@ def is_responses_request(request: dict[str, Any]) -> bool:
     return "input" in request and "messages" not in request and "prompt" not in request
 
 
-def _visible(store: TrajectoryStore, session_id: str, turn: TurnRecord) -> bool:
+def _visible(store: TrajectoryReader, session_id: str, turn: TurnRecord) -> bool:
     """Whether `turn` is one of the session's turns (its own, or one a fork shares with it)."""
     limit: int | None = None
     record = store.get_session(session_id)
@@ -327,7 +328,7 @@ def _visible(store: TrajectoryStore, session_id: str, turn: TurnRecord) -> bool:
 
 
 def find_response(
-    store: TrajectoryStore, rid: str, session_id: str | None, param: str = "response_id"
+    store: TrajectoryReader, rid: str, session_id: str | None, param: str = "response_id"
 ) -> TurnRecord:
     """The turn of response `rid` (in session `session_id`, when given); `NotFound` otherwise, as for
     a response stored with ``store: false``."""
@@ -380,7 +381,7 @@ def output_message(turn: TurnRecord, rid: str) -> dict[str, Any]:
     return out
 
 
-def conversation(store: TrajectoryStore, turn: TurnRecord) -> list[dict[str, Any]]:
+def conversation(store: TrajectoryReader, turn: TurnRecord) -> list[dict[str, Any]]:
     """The internal messages of `turn`'s conversation through its output: the inputs and outputs of
     its chain of previous responses (each request's own instructions left out)."""
     chain = [turn]
