@@ -51,7 +51,10 @@ async def session_for(gw: Gateway, request: Request, auxiliary_model: str | None
         await gw.sandboxes.settled(sid)
     session = gw.sessions.get_open(sid)
     if auxiliary_model is not None:
-        return auxiliary.side_session(gw.store, session, auxiliary_model)
+        # created on first use: through the front (a write that may reach a remote store)
+        return await gw.store.front.call(
+            session.id, auxiliary.side_session, gw.store, session, auxiliary_model
+        )
     return session
 
 
