@@ -58,7 +58,6 @@ from gateway.policy.streaming import tool_choice_prefix
 from gateway.turns.protocol import GenerationRequest, parse_arguments
 from gateway.turns.sessions import SessionManager
 from store import SessionRecord, TurnRecord
-from store import SessionRecord, TurnRecord
 from store.base import TURN_COMPLETE, TURN_DISCARDED, TURN_RUNNING
 from store.roles import TrajectoryReader
 
