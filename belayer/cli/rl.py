@@ -32,6 +32,7 @@ def run(opts: argparse.Namespace) -> int:
     ensure_model(opts.model_dir)
     workdir = Path(opts.dir) if opts.dir else Path(tempfile.mkdtemp(prefix="belayer-rl-"))
     from belayer.train import loop
+    from belayer.train.report import plot
 
     settings = Settings(
         model_dir=opts.model_dir, workdir=workdir, steps=opts.steps, group_size=opts.group_size,
@@ -49,7 +50,7 @@ def run(opts: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: the gateway and its workers were stopped")
         return 130
-    png = loop.plot(report, workdir / "reward.png")
+    png = plot(report, workdir / "reward.png")
     for name, value in report.lines():
         print(f"{name}: {value}")
     print(f"plot: {png}")

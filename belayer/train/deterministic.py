@@ -8,7 +8,7 @@ The schedule. Step k trains on a fixed set of episodes: `Settings.groups_per_ste
 "keyed"``, temperature 1: ``core.keyed``), so every sampled token is a function of the policy's
 distribution, the session's seed, the turn and the position, never of the worker, the batch or a
 crash. All of a step's episodes run on the current weights; the finished ones are sorted by (group,
-member), never by arrival; the trainer steps (its own logprobs in the ratio: `loop.Trainer`); the
+member), never by arrival; the trainer steps (its own logprobs in the ratio: `trainer.Trainer`); the
 weights are pushed (``POST /api/weights``); then the next step's episodes start.
 
 The faults of the second run (none with ``kill_after_step=None``):
@@ -44,19 +44,12 @@ import torch
 from belayer.client import AsyncBelayer, Finished
 from belayer.testing.services import progress
 from belayer.train import policy, task
-from belayer.train.loop import (
-    Report,
-    StepRecord,
-    Tokens,
-    Trainer,
-    counter,
-    kill_sandboxes,
-    kill_serving_worker,
-    served,
-    streaming,
-)
+from belayer.train.faults import kill_sandboxes, kill_serving_worker, streaming
+from belayer.train.report import Report, StepRecord
 from belayer.train.rollout import EpisodeResult, run_episode
+from belayer.train.serving import Tokens, counter, served
 from belayer.train.settings import Settings
+from belayer.train.trainer import Trainer
 from core.keyed import KEY_BITS
 
 Json = dict[str, Any]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from belayer.train import loop
+from belayer.train.report import Report, plot
 from belayer.train.settings import Settings
 
 pytestmark = [
@@ -27,30 +28,30 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, docker_engine: None) -> loop.Report:
+def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, docker_engine: None) -> Report:
     settings = Settings(
         model_dir=str(tiny_model_dir), workdir=tmp_path_factory.mktemp("rl"), steps=6, kill_after_step=1,
         sandboxes=True, sandbox_kills=2,
     )  # fmt: skip
     report = loop.run(settings)
-    loop.plot(report, settings.workdir / "reward.png")
+    plot(report, settings.workdir / "reward.png")
     print("\n".join(f"{name}: {value}" for name, value in report.lines()))
     return report
 
 
-def test_the_policy_learns_through_the_gateway(run: loop.Report) -> None:
+def test_the_policy_learns_through_the_gateway(run: Report) -> None:
     assert len(run.steps) == 6 and run.weight_updates == 6
     assert run.steps[-1].reward - run.steps[0].reward >= 0.3, [s.reward for s in run.steps]
     assert all(0.0 <= e.reward <= 1.0 for e in run.episodes)
 
 
-def test_no_episode_is_lost_and_no_client_saw_an_error(run: loop.Report) -> None:
+def test_no_episode_is_lost_and_no_client_saw_an_error(run: Report) -> None:
     assert run.kills and run.failovers >= 1  # the kill hit a worker that was serving
     assert run.client_errors == []
     assert run.episodes_started == len(run.episodes) > 0
 
 
-def test_killed_sandboxes_come_back_with_their_episodes_state(run: loop.Report) -> None:
+def test_killed_sandboxes_come_back_with_their_episodes_state(run: Report) -> None:
     assert len(run.sandbox_kills) == 2 and run.sandbox_restores >= 1
     # each killed container's episode finished, and every tool answer in the run (the killed ones' after
     # their restore) is what the table its episode wrote into the sandbox holds
@@ -60,7 +61,7 @@ def test_killed_sandboxes_come_back_with_their_episodes_state(run: loop.Report) 
     assert sum(len(e.calls) > 0 for e in run.episodes) > len(run.episodes) / 2  # the tool was used
 
 
-def test_every_token_has_a_version_and_each_version_explains_its_tokens(run: loop.Report) -> None:
+def test_every_token_has_a_version_and_each_version_explains_its_tokens(run: Report) -> None:
     assert run.tokens_without_version == 0 and run.tokens_discarded == 0
     # updates cut running turns and kept their tokens; each part is its own version's
     assert run.turns_cut > 0 and run.tokens_kept_across_cuts > 0

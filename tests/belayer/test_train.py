@@ -13,8 +13,10 @@ import torch
 from belayer.client import Finished
 from belayer.train import grpo, task
 from belayer.train.deterministic import Run, compare
-from belayer.train.loop import Report, Trainer, account
+from belayer.train.loop import batches
+from belayer.train.report import Report, account
 from belayer.train.settings import Settings
+from belayer.train.trainer import Trainer
 
 ROW = {
     "prompt_ids": [1, 2, 3],
@@ -95,6 +97,17 @@ def test_the_loop_counts_cut_turns_lag_and_tokens_without_a_version():
     gap = {**ROW, "weight_segments": ROW["weight_segments"][1:]}  # token 0 generated, with no version
     account(report, gap, INDEX, current=2)
     assert report.tokens_without_version == 1 and report.tokens_discarded == 1
+
+
+async def test_the_group_batcher_trains_on_complete_groups_in_the_order_they_completed():
+    order = ["g0", "g1", "g2", "g1", "g2", "g0", "g3", "g3", "g4"]
+
+    async def feed():
+        for i, group in enumerate(order):
+            yield Finished(str(i), {"id": f"s{i}", "metadata": {"group": group}})
+
+    got = [[[item.cursor for item in g] for g in batch] async for batch in batches(feed(), 2, 2)]
+    assert got == [[["1", "3"], ["2", "4"]], [["0", "5"], ["6", "7"]]]  # g4 is still one short
 
 
 def test_response_slice_aligns_the_sequence_logprobs_with_the_response():
