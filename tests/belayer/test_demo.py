@@ -14,6 +14,7 @@ import pytest
 
 from belayer import cli
 from belayer.cli import demo
+from belayer.cli.demo import findings, processes
 from engine_pool.fake import TOKEN_DELAY_ENV
 from tests.support import REPO
 
@@ -26,7 +27,7 @@ def _holding(path: Path) -> list[int]:
     """PIDs of processes whose command line or open files name something under `path`: the gateway
     (its --store) and the workers (their logs) while they run."""
     found = []
-    for proc in demo.processes():
+    for proc in processes.processes():
         with_path = f"/proc/{proc.pid}"
         try:
             names = [Path(with_path, "cmdline").read_bytes().decode(errors="replace")]
@@ -109,23 +110,23 @@ def test_the_default_model_is_the_checkouts_whatever_the_working_directory(
 def test_checks_read_the_apis_json() -> None:
     idle = {"name": "worker-0", "state": "ready", "outstanding": 0, "pid": 10}
     shadow = {"name": "worker-2", "state": "shadow", "outstanding": 0, "pid": 12}
-    assert demo.serving_worker([idle, shadow]) is None
+    assert findings.serving_worker([idle, shadow]) is None
     turn = {"prompt_ids": [1, 2], "output_ids": [3, 4]}
-    assert demo.token_mismatches([turn], [turn]) == []
-    assert demo.token_mismatches([turn], [turn, turn]) == ["1 turns, the undisturbed run has 2"]
-    assert demo.token_mismatches([{**turn, "output_ids": [3]}], [turn]) == [
+    assert findings.token_mismatches([turn], [turn]) == []
+    assert findings.token_mismatches([turn], [turn, turn]) == ["1 turns, the undisturbed run has 2"]
+    assert findings.token_mismatches([{**turn, "output_ids": [3]}], [turn]) == [
         "turn 0: output ids differ from index 1"
     ]
     trajectory = {
         "events": [{"kind": "fresh_prompt", "data": {}}, {"kind": "failover", "data": {"lost_ms": 5}}]
     }
-    assert demo.failover_event(trajectory) == {"lost_ms": 5}
+    assert findings.failover_event(trajectory) == {"lost_ms": 5}
     timeline = [
         {"kind": "shadow_promoted", "data": {"worker": "worker-2"}},
         {"kind": "worker_cold_start", "data": {"worker": "worker-3", "seconds": 31.5}},
     ]
-    assert demo.timeline_worker(timeline, "shadow_promoted") == "worker-2"
-    assert demo.cold_start_s(timeline, "worker-3") == 31.5
+    assert findings.timeline_worker(timeline, "shadow_promoted") == "worker-2"
+    assert findings.cold_start_s(timeline, "worker-3") == 31.5
 
 
 def test_demo_kills_mid_answer_ten_times_in_a_row_beside_a_cpu_hog(
