@@ -20,7 +20,8 @@ proxy in front of the same engine. The load generator runs here (asyncio + httpx
 * with ``--processes-compare`` (needs PostgreSQL's binaries, `belayer.testing.postgres_local`), streamed
   throughput through one and two gateway processes (``--processes 2``) on one PostgreSQL store.
 
-Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
+The paths and the load are `belayer.bench.load`'s; this module starts the servers, runs the load and
+reports. Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
 LiteLLM is installed on first use into its own virtual environment (``--litellm-venv``), so that it
 cannot disturb this environment's pinned dependencies; the install is timed apart from the run.
 
@@ -35,24 +36,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import math
-import os
 import secrets
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 
 from belayer.bench import emit
+from belayer.bench.load import StreamTally, Target, check_reply, latencies, throughput
 from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, optional_postgres, start
+from belayer.bench.stats import percentile
 from belayer.testing.services import (
     DEFAULT_LITELLM_SPEC,
     DEFAULT_LITELLM_VENV,
@@ -83,206 +82,6 @@ BEFORE = "gateway_before"
 ONE_PROCESS, TWO_PROCESSES = "gateway_pg_1proc", "gateway_pg_2proc"
 """Gateways on one PostgreSQL store with one and two processes (``--processes-compare``)."""
 CPU_US_PER_TOKEN_TARGET = 40.0
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds (user + system) used so far by process `root` and its live descendants, from
-    ``/proc`` (the children of ``--processes`` run in sessions of their own; one that died and was
-    restarted loses its share)."""
-    parent: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(entry.name)  # fields after the command: state ppid ... utime (11) stime (12)
-        parent[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
-    seen, frontier = {root}, {root}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier} - seen
-        seen |= frontier
-    return sum(ticks.get(p, 0) for p in seen) * _TICK_S
-
-
-# --- the load ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """One way to reach the engine: its chat URL, the model name it expects, and its API key if any."""
-
-    name: str
-    url: str
-    model: str
-    api_key: str | None = None
-    pid: int | None = None
-    """The server process behind it (a gateway's), whose CPU time (with its children's) is measured."""
-
-    def cpu_s(self) -> float:
-        return tree_cpu_s(self.pid) if self.pid is not None else 0.0
-
-    @property
-    def headers(self) -> dict[str, str]:
-        headers = {"content-type": "application/json"}
-        if self.api_key:
-            headers["authorization"] = f"Bearer {self.api_key}"
-        return headers
-
-    def body(self, max_tokens: int, stream: bool) -> bytes:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-        }
-        if stream:
-            body |= {"stream": True, "stream_options": {"include_usage": True}}
-        return json.dumps(body).encode()
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    """The nearest-rank percentile (``q`` in 0..100)."""
-    ordered = sorted(xs)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
-
-
-async def chat_once(http: httpx.AsyncClient, target: Target, body: bytes) -> float:
-    """One non-streamed chat request; its latency in milliseconds."""
-    t0 = time.perf_counter()
-    resp = await http.post(target.url, content=body, headers=target.headers)
-    elapsed = (time.perf_counter() - t0) * 1000
-    if resp.status_code != 200:
-        raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {resp.text[:500]}")
-    return elapsed
-
-
-async def check_reply(http: httpx.AsyncClient, target: Target, max_tokens: int) -> None:
-    resp = await http.post(target.url, content=target.body(max_tokens, False), headers=target.headers)
-    if resp.status_code != 200:
-        raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {resp.text[:500]}")
-    content = resp.json()["choices"][0]["message"]["content"]
-    progress(f"{target.name} replies {content!r}")
-
-
-async def latencies(
-    http: httpx.AsyncClient, targets: list[Target], n: int, warmup: int, max_tokens: int
-) -> dict[str, list[float]]:
-    """``n`` sequential requests per target after ``warmup``, alternating targets in a rotating order."""
-    bodies = {t.name: t.body(max_tokens, False) for t in targets}
-    out: dict[str, list[float]] = {t.name: [] for t in targets}
-    for i in range(warmup + n):
-        shift = i % len(targets)
-        for t in targets[shift:] + targets[:shift]:
-            ms = await chat_once(http, t, bodies[t.name])
-            if i >= warmup:
-                out[t.name].append(ms)
-    return out
-
-
-@dataclass(slots=True)
-class StreamTally:
-    """Content chunks received (all, and inside measurement windows), and finished streams' tokens."""
-
-    received: int = 0
-    window_chunks: int = 0
-    seconds: float = 0.0
-    cpu_s: float = 0.0  # the server's CPU time in the windows
-    tokens: int = 0  # of finished streams, from their usage
-    chunks: int = 0  # of finished streams
-    requests: int = 0
-
-    @property
-    def token_estimate(self) -> float:
-        """Tokens received in the windows: chunks, at the finished streams' tokens per chunk."""
-        return self.window_chunks * (self.tokens / self.chunks if self.chunks else 1.0)
-
-
-async def stream_once(http: httpx.AsyncClient, target: Target, body: bytes, tally: StreamTally) -> None:
-    """One streamed chat request: count content chunks as they come, and tokens from the final usage."""
-    chunks, usage = 0, None
-    async with http.stream("POST", target.url, content=body, headers=target.headers) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread())[:500].decode(errors="replace")
-            raise BenchError(f"{target.name} answered HTTP {resp.status_code}: {text}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise BenchError(f"{target.name} failed mid-stream: {event['error']}")
-            usage = event.get("usage") or usage
-            n = sum(1 for c in event.get("choices") or [] if (c.get("delta") or {}).get("content"))
-            chunks += n
-            tally.received += n
-    tally.chunks += chunks
-    tally.tokens += int(usage["completion_tokens"]) if usage else chunks
-    tally.requests += 1
-
-
-MAX_WINDOW_S = 30.0
-"""The longest a throughput window is stretched to hold a chunk per client (a loaded machine)."""
-
-
-async def stream_load(
-    http: httpx.AsyncClient,
-    target: Target,
-    concurrency: int,
-    ramp: float,
-    seconds: float,
-    max_tokens: int,
-    tally: StreamTally,
-) -> None:
-    """``concurrency`` clients streaming back to back; chunks are counted for ``seconds`` after ``ramp``
-    (so that every path is measured in its steady state), then the streams under way are cut off."""
-    body = target.body(max_tokens, True)
-
-    async def client() -> None:
-        while True:
-            await stream_once(http, target, body, tally)
-
-    tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
-    try:
-        failed, _ = await asyncio.wait(tasks, timeout=ramp, return_when=asyncio.FIRST_EXCEPTION)
-        t0, before, cpu0 = time.monotonic(), tally.received, target.cpu_s()
-        window = seconds
-        while not failed:
-            failed, _ = await asyncio.wait(tasks, timeout=window, return_when=asyncio.FIRST_EXCEPTION)
-            # a window too short for a loaded machine to stream anything has no rate: it goes on, up to
-            # MAX_WINDOW_S in all, until it holds a chunk per client
-            if tally.received - before >= concurrency or time.monotonic() - t0 >= MAX_WINDOW_S:
-                break
-            window = min(seconds, MAX_WINDOW_S - (time.monotonic() - t0))
-        if not failed and tally.received == before:
-            raise BenchError(f"{target.name}: no chunk streamed in {MAX_WINDOW_S:.0f} s of load")
-        tally.seconds += time.monotonic() - t0
-        tally.cpu_s += target.cpu_s() - cpu0
-        tally.window_chunks += tally.received - before
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for t in failed:  # a client only stops by failing
-        raise t.exception() or BenchError(f"a {target.name} stream client stopped")
-
-
-async def throughput(
-    http: httpx.AsyncClient, targets: list[Target], opts: argparse.Namespace
-) -> dict[str, StreamTally]:
-    tallies = {t.name: StreamTally() for t in targets}
-    for t in targets:  # run each path's streaming code once before measuring
-        await stream_once(http, t, t.body(opts.stream_tokens, True), tallies[t.name])
-    for r in range(opts.stream_rounds):
-        shift = r % len(targets)
-        for t in targets[shift:] + targets[:shift]:
-            args = (opts.concurrency, opts.stream_ramp, opts.stream_seconds, opts.stream_tokens)
-            await stream_load(http, t, *args, tallies[t.name])
-    return tallies
 
 
 def streaming_rates(

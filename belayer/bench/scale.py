@@ -39,7 +39,9 @@ Then the same with 2 processes (suffix ``_2proc``; ``--processes 1,2``, needs Po
 ``orjson``; sessions spend most of their time in tool pauses (sleeping), and each client process samples
 its own event-loop lag as the gateway does: ``generator_loop_lag_p99_ms_N`` is printed beside the
 gateway's, so a time to first token inflated by the generator shows there. The direct baseline runs in
-the same client processes, so their lag inflates both sides alike.
+the same client processes, so their lag inflates both sides alike. The generator is
+`belayer.bench.scale_clients`; the gateway's memory and CPU come from `belayer.bench.proc_tree`, its
+histograms' quantiles from `belayer.bench.stats`.
 
 Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
 
@@ -53,32 +55,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing
 import os
-import random
-import resource
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
-import orjson
 
 from belayer.bench import emit
-from belayer.bench.gateway import percentile, tree_cpu_s
+from belayer.bench.proc_tree import rss_and_fds, tree_cpu_s, watch
+from belayer.bench.scale_clients import FD_MARGIN, Plan, Tally, client_process, raise_fd_limit, run_clients
 from belayer.bench.stand_up import ensure_model, interrupt_on_sigterm, optional_postgres
+from belayer.bench.stats import Histograms, histogram_quantile, merge, parse_histograms, percentile, subtract
 from belayer.testing.services import (
     FAKE_MODEL,
-    SERVED_MODEL,
     Service,
     base_url,
     gateway_service,
@@ -87,7 +84,6 @@ from belayer.testing.services import (
 )
 from core.errors import BenchError
 from core.net import free_port
-from engine_pool.http11 import Http11Transport
 
 if TYPE_CHECKING:
     from belayer.testing.postgres_local import PostgresServer
@@ -97,317 +93,9 @@ ERRORS_AT = 4000
 """``errors_4000`` must be 0 (on this 2-core machine)."""
 ADDED_LATENCY_AT, ADDED_LATENCY_P99_MS = 2000, 50.0
 RSS_MB_PER_1000 = 50.0
-FD_MARGIN = 256
-"""Descriptors beyond one per session that a client process keeps for itself."""
-
-
-# --- the client processes ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """What one client process runs: `sessions` through the gateway at `gateway`, `direct` ones at the
-    engine at `engine`, each starting at a random moment of the ramp (from `start_at`, wall clock)."""
-
-    gateway: str
-    engine: str
-    sessions: int
-    direct: int
-    turns: int
-    tokens: int
-    pause: tuple[float, float]
-    ramp_s: float
-    start_at: float
-    seed: int
-    timeout_s: float
-
-
-@dataclass(slots=True)
-class Tally:
-    """What one client process measured (sent back to the bench as plain lists)."""
-
-    ttft_gateway: list[float] = field(default_factory=list)
-    ttft_direct: list[float] = field(default_factory=list)
-    errors: int = 0
-    direct_errors: int = 0
-    """Failed direct sessions: the baseline's (the fake engine's), not the gateway's."""
-    first_errors: list[str] = field(default_factory=list)
-    turns: int = 0
-    loop_lag: list[float] = field(default_factory=list)
-
-    def failed(self, what: str, direct: bool) -> None:
-        if direct:
-            self.direct_errors += 1
-        else:
-            self.errors += 1
-        if len(self.first_errors) < 5:
-            self.first_errors.append(what)
-
-
-def raise_fd_limit(needed: int) -> int:
-    """The soft open-file limit raised to `needed` (up to the hard limit); a BenchError if it cannot hold
-    `needed` descriptors."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = target
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        raise BenchError(
-            f"{needed} open files are needed, the hard limit is {hard}: raise it (`ulimit -Hn`, "
-            "/etc/security/limits.conf) or use more --clients"
-        )
-    return soft
-
-
-def client_process(plan: Plan) -> dict[str, Any]:
-    """Run one client process's sessions (in a process of its own); what it measured."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the bench stops it
-    raise_fd_limit(plan.sessions + plan.direct + FD_MARGIN)
-    tally = Tally()
-    asyncio.run(_clients(plan, tally))
-    return {
-        "ttft_gateway": tally.ttft_gateway, "ttft_direct": tally.ttft_direct, "errors": tally.errors,
-        "direct_errors": tally.direct_errors,
-        "first_errors": tally.first_errors, "turns": tally.turns, "loop_lag": tally.loop_lag,
-    }  # fmt: skip
-
-
-async def _clients(plan: Plan, tally: Tally) -> None:
-    rng = random.Random(plan.seed)
-    fallback = httpx.AsyncHTTPTransport()  # never used: every URL here is plain http://
-    sampler = asyncio.create_task(_sample_lag(tally.loop_lag))
-    await asyncio.sleep(max(0.0, plan.start_at - time.time()))
-    sessions = [
-        _session(plan, tally, fallback, direct=i < plan.direct, delay=rng.uniform(0, plan.ramp_s),
-                 rng=random.Random(rng.random()))
-        for i in range(plan.sessions + plan.direct)
-    ]  # fmt: skip
-    try:
-        await asyncio.gather(*sessions)
-    finally:
-        sampler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sampler
-        await fallback.aclose()
-
-
-async def _sample_lag(out: list[float], interval_s: float = 0.1) -> None:
-    loop = asyncio.get_running_loop()
-    while True:
-        t0 = loop.time()
-        await asyncio.sleep(interval_s)
-        out.append(loop.time() - t0 - interval_s)
-
-
-async def _session(
-    plan: Plan,
-    tally: Tally,
-    fallback: httpx.AsyncBaseTransport,
-    *,
-    direct: bool,
-    delay: float,
-    rng: random.Random,
-) -> None:
-    """One harness: its own client and keep-alive connection, `plan.turns` streamed turns with tool
-    pauses between them; a failure ends the session and is counted once."""
-    await asyncio.sleep(delay)
-    # Idle connections close after 5 s, as httpx's (and the OpenAI SDK's) do: a tool pause longer than
-    # that reconnects. The engine's uvicorn closes idle ones after 5 s itself, so a direct session closes
-    # them sooner, or a request may cross the server's close (the baseline's error, not the gateway's).
-    limits = httpx.Limits(
-        max_connections=1, max_keepalive_connections=1, keepalive_expiry=2.0 if direct else 5.0
-    )
-    transport = Http11Transport(limits, fallback)
-    timeout = httpx.Timeout(plan.timeout_s)
-    async with httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False) as http:
-        try:
-            async with asyncio.timeout(plan.timeout_s * (plan.turns + 2)):
-                await _turns(http, plan, tally, direct, rng)
-        except Exception as exc:  # every failure is the news: counted, the first few kept
-            where = "direct" if direct else "gateway"
-            tally.failed(f"{where}: {type(exc).__name__}: {str(exc)[:300]}", direct)
-
-
-async def _turns(http: httpx.AsyncClient, plan: Plan, tally: Tally, direct: bool, rng: random.Random) -> None:
-    if direct:
-        chat, model, session = f"{plan.engine}/v1/chat/completions", FAKE_MODEL, None
-    else:
-        resp = await http.post(f"{plan.gateway}/api/sessions", json={})
-        _check(resp.status_code, resp.content)
-        session = resp.json()["id"]
-        chat, model = f"{resp.json()['base_url']}/chat/completions", SERVED_MODEL
-    messages: list[dict[str, str]] = [{"role": "user", "content": "Fix the failing test in the repository."}]
-    for turn in range(plan.turns):
-        if turn:
-            await asyncio.sleep(rng.uniform(*plan.pause))  # the tool runs
-        body = orjson.dumps({
-            "model": model, "messages": messages, "max_tokens": plan.tokens, "temperature": 0.0,
-            "stream": True,
-        })  # fmt: skip
-        ttft, reply = await _stream(http, chat, body)
-        (tally.ttft_direct if direct else tally.ttft_gateway).append(ttft)
-        tally.turns += 1
-        messages += [
-            {"role": "assistant", "content": reply},
-            {"role": "user", "content": f"tool output {turn}"},
-        ]
-    if session is not None:
-        resp = await http.post(f"{plan.gateway}/api/sessions/{session}/close", json={})
-        _check(resp.status_code, resp.content)
-
-
-async def _stream(http: httpx.AsyncClient, url: str, body: bytes) -> tuple[float, str]:
-    """One streamed chat turn: its time to the first content, and its text."""
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    parts: list[str] = []
-    headers = {"content-type": "application/json"}
-    async with http.stream("POST", url, content=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            _check(resp.status_code, await resp.aread())
-        done, buffer = False, b""
-        async for chunk in resp.aiter_bytes():
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if not line.startswith(b"data: "):
-                    continue
-                if line == b"data: [DONE]":
-                    done = True
-                    continue
-                event = orjson.loads(line[6:])
-                if "error" in event:
-                    raise BenchError(f"failed mid-stream: {event['error']}")
-                for choice in event.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-                        parts.append(text)
-    if not done or ttft is None:
-        raise BenchError(f"stream ended without [DONE] or content ({len(parts)} parts)")
-    return ttft, "".join(parts)
-
-
-def _check(status: int, content: bytes) -> None:
-    if not 200 <= status < 300:
-        raise BenchError(f"HTTP {status}: {content[:300].decode(errors='replace')}")
 
 
 # --- the gateway's side ------------------------------------------------------------------------------
-
-
-def tree_pids(root: int) -> set[int]:
-    """`root` and its live descendants (``--processes`` children run in sessions of their own)."""
-    parent: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    parent[int(entry.name)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    seen, frontier = {root}, {root}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier} - seen
-        seen |= frontier
-    return seen
-
-
-def rss_and_fds(root: int) -> tuple[float, int]:
-    """Resident memory (MB) and open descriptors of process `root` and its descendants."""
-    rss_kb, fds = 0, 0
-    for pid in tree_pids(root):
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        rss_kb += int(line.split()[1])
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
-    return rss_kb / 1024, fds
-
-
-@dataclass(slots=True)
-class Peak:
-    """The highest resident memory and descriptor count seen by `watch`."""
-
-    rss_mb: float = 0.0
-    fds: int = 0
-
-
-@contextlib.contextmanager
-def watch(root: int, interval_s: float = 0.5) -> Iterator[Peak]:
-    """Sample `root`'s process tree in a thread while the block runs."""
-    peak, stop = Peak(), threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(interval_s):
-            rss, fds = rss_and_fds(root)
-            peak.rss_mb, peak.fds = max(peak.rss_mb, rss), max(peak.fds, fds)
-
-    thread = threading.Thread(target=sample, name="scale-watch", daemon=True)
-    thread.start()
-    try:
-        yield peak
-    finally:
-        stop.set()
-        thread.join()
-
-
-Histograms = dict[str, dict[float, float]]
-"""Family (with its labels) -> upper bound -> cumulative count."""
-
-
-def parse_histograms(text: str, names: tuple[str, ...]) -> Histograms:
-    """The ``_bucket`` series of the families `names` in a Prometheus exposition, labels other than
-    ``le`` dropped (summed over)."""
-    out: Histograms = {}
-    for line in text.splitlines():
-        for name in names:
-            if line.startswith(f"{name}_bucket{{"):
-                labels, value = line[len(name) + 8 :].rsplit(" ", 1)
-                le = labels.split('le="', 1)[1].split('"', 1)[0]
-                bound = float("inf") if le == "+Inf" else float(le)
-                buckets = out.setdefault(name, {})
-                buckets[bound] = buckets.get(bound, 0.0) + float(value)
-    return out
-
-
-def histogram_quantile(buckets: dict[float, float], q: float) -> float:
-    """Prometheus's ``histogram_quantile``: linear within the bucket holding rank q (0..1); the highest
-    finite bound when it falls in ``+Inf``; NaN with no observation."""
-    bounds = sorted(buckets)
-    total = buckets[bounds[-1]] if bounds else 0.0
-    if total <= 0:
-        return float("nan")
-    rank, lower, below = q * total, 0.0, 0.0
-    for bound in bounds:
-        count = buckets[bound]
-        if count >= rank:
-            if bound == float("inf"):
-                return lower
-            inside = count - below
-            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
-        lower, below = bound, count
-    return lower
-
-
-def subtract(after: Histograms, before: Histograms) -> Histograms:
-    return {
-        name: {b: c - before.get(name, {}).get(b, 0.0) for b, c in buckets.items()}
-        for name, buckets in after.items()
-    }
-
-
-def merge(parts: list[Histograms]) -> Histograms:
-    out: Histograms = {}
-    for part in parts:
-        for name, buckets in part.items():
-            into = out.setdefault(name, {})
-            for b, c in buckets.items():
-                into[b] = into.get(b, 0.0) + c
-    return out
 
 
 FAMILIES = ("belayer_event_loop_lag_seconds", "belayer_store_write_seconds")
@@ -435,7 +123,7 @@ def warm_up(gateway: str, engine: str, opts: argparse.Namespace, sessions: int =
         pause=(0.05, 0.1), ramp_s=0.5, start_at=0.0, seed=-1, timeout_s=opts.request_timeout_s,
     )  # fmt: skip
     tally = Tally()
-    asyncio.run(_clients(plan, tally))
+    asyncio.run(run_clients(plan, tally))
     if tally.errors:
         raise BenchError(f"the warm-up failed: {tally.first_errors}")
 

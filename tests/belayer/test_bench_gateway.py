@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer.bench.gateway import tree_cpu_s
+from belayer.bench.proc_tree import tree_cpu_s
 
 SHORT = ["--no-litellm", "--requests", "20", "--warmup", "3", "--concurrency", "4"]
 SHORT += ["--stream-tokens", "32", "--stream-ramp", "0.2", "--stream-seconds", "0.5", "--stream-rounds", "1"]

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from belayer.bench.scale import histogram_quantile, parse_histograms
+from belayer.bench.stats import histogram_quantile, parse_histograms
 
 LAG_BOUND_MS = 2000.0
 """The event loop's p99 lag may not reach 2 s: a loop that a write or a burst of streams blocks."""
