@@ -35,6 +35,7 @@ from typing import IO, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.errors import PathEscapeError, SandboxArgumentError, SandboxError
+from core.liveness import Liveness
 from sandbox.network import SandboxNetwork
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -165,6 +166,11 @@ class SandboxStatus:
     @property
     def failure_kind(self) -> str:
         return "node_lost" if self.node_lost else "oom" if self.oom_killed else "exited"
+
+    @property
+    def liveness(self) -> Liveness:
+        """In the house's words (`core.liveness`): alive, lost with its node (restorable elsewhere), dead."""
+        return Liveness.ALIVE if self.running else Liveness.LOST if self.node_lost else Liveness.DEAD
 
 
 class SandboxBackend(abc.ABC):

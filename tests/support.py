@@ -244,7 +244,7 @@ def serve_config(*argv: str) -> GatewayConfig:
     """What ``belayer serve ARGV`` configures (the flags as `belayer.cli` gathers them)."""
     from belayer.cli import parser
     from belayer.cli.serve import SERVE_FLAGS
-    from gateway.config import ConfigLoader
+    from gateway.config.loader import ConfigLoader
 
     args = parser().parse_args(["serve", *argv])
     given = {f.path: getattr(args, f.path) for f in SERVE_FLAGS if hasattr(args, f.path)}

@@ -195,7 +195,8 @@ def add_setting_flag(p: argparse.ArgumentParser, flag: Flag) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gateway.config import ConfigLoader
+    from gateway.config.loader import ConfigLoader
+    from gateway.config.preflight import preflight
 
     given: dict[str, object] = {}
     for flag in SERVE_FLAGS:
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         from gateway.serve.processes import check_processes
 
         check_processes(config, loader.name)
-    loader.preflight(config)
+    preflight(config, loader)
     if config.processes > 1:
         import functools
 

@@ -1,7 +1,7 @@
 """The sandbox agent: one Ray actor on each node that offers sandboxes, holding that node's Docker client.
 
 The gateway never reaches a node's Docker engine over the network: it calls this actor, which runs on
-the node (pinned there by `ClusterSandboxBackend`) and talks to the engine on the node's own socket. It
+the node (pinned there by `sandbox.cluster.nodes.NodeRegistry`) and talks to the engine on the node's own socket. It
 is a thin shell over `DockerSandboxBackend` with portable checkpoints (`sandbox.docker_backend.portable`),
 so that what the gateway asks of a node is exactly what it asks of its local engine; it adds what only
 the node can answer: whether it can hold sandboxes at all (`check`), whether its engine still answers

@@ -8,15 +8,24 @@ a master key that this object draws and never hands out). Each sandbox's identit
 ``<sandbox id>@<node>``: the node it is placed on is part of it, and two live sandboxes never share
 one (Docker names a node's containers uniquely). Sandboxes reach the gateway at `sandbox_url`, which is
 the same on every node.
+
+`NodeRelays` starts and stops those relays: on every node alive when the listener opens or closes, and on
+each node that joins or comes back later (`sandbox.cluster.nodes.NodeRegistry.on_join`).
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable
 
+from core.errors import SandboxError
+from sandbox.cluster.config import ClusterConfig
+from sandbox.cluster.nodes import Node, NodeRegistry
 from sandbox.cluster.relay import GATEWAY_HOST, RelayVouching, identity_of, node_key
 from sandbox.network import SandboxNetwork, Vouching
+
+log = logging.getLogger("belayer.sandbox.cluster")
 
 Relays = Callable[[tuple[str, int] | None, Callable[[str], bytes]], None]
 """Start every node's relay towards the listener's address, each with the key that the given function
@@ -61,3 +70,39 @@ class ClusterNetwork(SandboxNetwork):
         if self._open:
             self._open = False
             self._relays(None, self.node_key)
+
+
+class NodeRelays:
+    """Each node's relay for its network=gateway sandboxes, towards the sandbox listener (module docstring).
+    `set` is `ClusterNetwork`'s `relays`; `start` runs on each node that joins."""
+
+    def __init__(self, registry: NodeRegistry, config: ClusterConfig) -> None:
+        self._registry, self._config = registry, config
+        # the sandbox listener's address, and each node's relay key by the node's address
+        self._relay: tuple[tuple[str, int], Callable[[str], bytes]] | None = None
+
+    def set(self, target: tuple[str, int] | None, key_of: Callable[[str], bytes]) -> None:
+        """Start the relays of every node alive (and of nodes that join later) to the sandbox listener at
+        `target`, each with its own node's key (`key_of`: never another node's); None: stop them."""
+        self._relay = (target, key_of) if target is not None else None
+        for node in self._registry.alive():
+            self._apply(node)
+
+    def start(self, node: Node) -> None:
+        """`node` joined, or came back: its relay, if the listener is open."""
+        if self._relay is not None:
+            self._apply(node)
+
+    def _apply(self, node: Node) -> None:
+        try:
+            if self._relay is None:
+                self._registry.call(node, "stop_relay")
+            else:
+                target, key_of = self._relay
+                where = self._registry.call(
+                    node, "start_relay", target, node.ip, key_of(node.ip), self._config.relay_port,
+                    each=self._config.relay_connections_each, most=self._config.relay_max_connections,
+                )  # fmt: skip
+                log.info("sandbox node %s: relay for network=gateway sandboxes on %s", node.ip, where)
+        except SandboxError as exc:  # that node's network=gateway sandboxes cannot reach the gateway
+            log.error("sandbox node %s: no relay for network=gateway sandboxes: %s", node.ip, exc)

@@ -16,6 +16,7 @@ each:
   or shut down), restores those that died meanwhile, removes leaked ones (`adopt`);
 - `bubbles`: the checkpoint decisions in inference bubbles;
 - `verify`: the verify stage, in a new sandbox from a copy of the agent's working directory;
+- `views`: what the API and the dashboard show of a sandbox;
 - `io`: the executors.
 
 Example::
@@ -56,6 +57,7 @@ from sandbox.sessions.records import CheckpointInfo, EventLog, RestoreInfo
 from sandbox.sessions.recovery import Recovery
 from sandbox.sessions.state import RecoveryMode, Slot, Slots
 from sandbox.sessions.verify import VerifyOutcome, VerifyPlan, VerifyStage
+from sandbox.sessions.views import brief, describe
 from sandbox.sessions.watcher import Watcher
 from store import TrajectoryStore, TurnRecord
 
@@ -228,44 +230,13 @@ class SandboxManager:
                 pass
 
     def describe(self, session_id: str) -> dict[str, Any]:
-        slot = self._slots.require(session_id)
-        gateway_url = self.gateway_url if slot.spec.network == "gateway" else None
-        return {
-            "session_id": session_id,
-            "sandbox_id": slot.sandbox_id,
-            "status": "failed" if slot.failure else "running",
-            "failure": slot.failure,
-            "image": slot.spec.image,
-            "harness_inside": slot.harness_inside,
-            "network": slot.spec.network,
-            "gateway_url": f"{gateway_url}/s/{session_id}" if gateway_url else None,
-            "recovery": slot.recovery,
-            "journaled_calls": len(slot.journal),
-            "journal_bytes": slot.journal.held,
-            "forked_from": slot.lineage[0] if slot.lineage else None,
-            "checkpoints": [c.as_json() for c in slot.history.items],
-            "last_restore": slot.restores.last.as_json() if slot.restores.last else None,
-        }
+        """The session's sandbox in full (`sandbox.sessions.views.describe`)."""
+        return describe(self._slots.require(session_id), self.gateway_url)
 
     def views(self) -> list[dict[str, Any]]:
         """Every sandbox in brief (the dashboard): its state (running, restoring, failed) and counts."""
-        return [
-            {
-                "session_id": slot.session_id,
-                "sandbox_id": slot.sandbox_id,
-                "image": slot.spec.image,
-                "state": "restoring"
-                if slot.restores.in_progress
-                else "failed"
-                if slot.failure
-                else "running",
-                "checkpoints": len(slot.history.items),
-                "last_restore": slot.restores.last.as_json() if slot.restores.last else None,
-                "restores": slot.restores.count,
-                "node": self.backend.node_of(slot.sandbox_id) if slot.sandbox_id else None,
-            }
-            for slot in self._slots
-        ]
+        node_of = self.backend.node_of
+        return [brief(slot, node_of(slot.sandbox_id) if slot.sandbox_id else None) for slot in self._slots]
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: sandboxes, checkpoints taken, restores, and leaked checkpoint deletions."""

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from core.errors import ConfigError
-from gateway.config import ConfigLoader, FailoverConfig, GatewayConfig, InflightConfig
+from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
+from gateway.config.loader import ConfigLoader
+from gateway.config.preflight import preflight
 from sandbox.config import PolicySettings
 
 NAMES = {"port": "--port", "workers": "--workers", "model": "--model", "config_file": "--config"}
@@ -153,7 +155,7 @@ def test_sandboxes_follow_ray_onto_the_cluster_and_need_a_checkpoint_store(tiny_
     with pytest.raises(
         ConfigError, match=r"^--checkpoint-store: sandboxes on the Ray cluster at 127.0.0.2:6379 need"
     ):
-        loader.preflight(config)
+        preflight(config, loader)
     local = ConfigLoader({**given, "sandbox.ray": "off"}, names).load()
     assert (local.sandbox.ray, local.sandbox.on_ray) == ("off", False)  # the pool on Ray, sandboxes here
     other = ConfigLoader(

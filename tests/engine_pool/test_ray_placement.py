@@ -129,7 +129,8 @@ def test_a_gateway_without_ray_never_imports_it() -> None:
 def test_ray_settings_from_the_command_line_and_gpus_left_to_ray(tiny_model_dir: Path) -> None:
     from core.errors import ConfigError
     from gateway.app import ray_launcher
-    from gateway.config import ConfigLoader
+    from gateway.config.loader import ConfigLoader
+    from gateway.config.preflight import preflight
 
     flags = {"model": "--model", "ray.address": "--ray", "launch.gpus": "--gpus"}
     given = {"model": str(tiny_model_dir), "ray.address": "127.0.0.2:6379", "ray.resources": {"engine": "1"},
@@ -140,4 +141,4 @@ def test_ray_settings_from_the_command_line_and_gpus_left_to_ray(tiny_model_dir:
     assert launcher.settings.needs() == {"CPU": 1.0, "engine": 1.0, "GPU": 2.0}
     with_gpus = ConfigLoader({**given, "launch.gpus": "0,1"}, flags)
     with pytest.raises(ConfigError, match="--gpus: with --ray, Ray assigns each worker its GPUs"):
-        with_gpus.preflight(with_gpus.load())
+        preflight(with_gpus.load(), with_gpus)

@@ -17,7 +17,8 @@ from starlette.applications import Starlette
 from belayer.cli import main
 from core.errors import ConfigError
 from engine_pool.fake import FakeEngine
-from gateway.config import ConfigLoader, GatewayConfig
+from gateway.config import GatewayConfig
+from gateway.config.loader import ConfigLoader
 from gateway.gateway import Gateway
 from gateway.http.access import is_plain
 from store import SessionQuery

@@ -14,7 +14,7 @@ from belayer.cli import parser
 from core.errors import SandboxArgumentError, TaskError
 from gateway.config import GatewayConfig
 from sandbox.backend import SandboxSpec
-from sandbox.cluster.backend import ClusterConfig, ClusterSandboxBackend
+from sandbox.cluster import ClusterConfig, ClusterSandboxBackend
 from sandbox.config import SandboxConfig
 from sandbox.docker_backend.containers import NO_IPV6
 from sandbox.docker_backend.network import _unfit, accept_rule, full_network_rules
