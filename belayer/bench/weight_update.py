@@ -23,6 +23,7 @@ Figures (``name: value``), for each phase (prefix ``abort_restart_`` for the bas
 Example::
 
     belayer bench weight-update --streams 8 --updates 3 --tokens 400
+    belayer bench weight-update --worker-kind fake  # launched fake workers: the bench's machinery, quickly
 """
 
 from __future__ import annotations
@@ -217,6 +218,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--updates", type=int, default=3, help="M: weight updates while they stream")
     p.add_argument("--tokens", type=int, default=600, help="tokens each stream generates (greedy)")
     p.add_argument("--every", type=int, default=40, help="tokens each stream receives between updates")
+    p.add_argument("--worker-kind", choices=("vllm", "fake"), default="vllm",
+                   help="fake: launched fake workers (they reload weights and count tokens too), for a quick run")  # fmt: skip
     p.add_argument(
         "--dir", help="where the store, logs and the second model go (default: a temporary directory)"
     )
@@ -235,7 +238,7 @@ def main(argv: list[str]) -> int:
     models = [Path(opts.model).resolve(), second.resolve()]
     services: list[Service] = []
     with running(services):
-        extra = ["--workers", "2", "--admin-token", ADMIN, "--max-model-len", "2048"]
+        extra = ["--workers", "2", "--admin-token", ADMIN, "--max-model-len", "2048", "--worker-kind", opts.worker_kind]
         start(services, serve_service(workdir, "gateway", opts.model, extra), timeout=900)
         asyncio.run(run(opts, base_url(services[0]), models))
     return 0

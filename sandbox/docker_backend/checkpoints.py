@@ -12,13 +12,22 @@ Restore creates a *new* container from the snapshot image, copies the dump into
 directory), adds a unique nonce file (identical dumps otherwise fail with "content already exists",
 moby#42900), and starts it with `POST /containers/{id}/start?checkpoint=criu`. The process dump refers
 to files by path, so it needs this host's filesystem access to Docker's data-root.
+
+A restored sandbox carries where its restore's time went (`Sandbox.restore_phases`): ``container_create``
+(the new container from the snapshot image), ``dump_stage`` (the dump into its checkpoint directory),
+then the start, split, where CRIU's restore log is found, into ``engine_start`` (dockerd hands the dump to
+containerd as an archive, containerd unpacks it, runc sets up) and ``criu_restore`` (CRIU's own time, the
+runtime's network hook it waits on included); where the log is not found, ``engine_start`` is the whole
+start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -93,21 +102,35 @@ class Checkpoints:
         """A new sandbox from `image`, started from a process dump: `stage(container id, directory)` puts the
         dump in that directory (and whatever else the container needs before it starts). Docker cannot
         start from a custom checkpoint directory, so it is the container's own; a unique nonce file is added
-        (identical dumps otherwise fail, moby#42900). A container that fails to start is removed."""
+        (identical dumps otherwise fail, moby#42900). A container that fails to start is removed.
+
+        The sandbox carries its phases (`Sandbox.restore_phases`, see the module docstring)."""
         name = self._engine.new_name()
+        clock = [time.monotonic()]
         with docker_errors(RestoreError):
             created = self._containers.create(name, spec, image, env)
+            clock.append(time.monotonic())
             try:
                 dest = self._engine.data_root() / "containers" / created / "checkpoints" / _CRIU_NAME
                 stage(created, dest)
                 (dest / "nonce").write_text(uuid.uuid4().hex)
+                clock.append(time.monotonic())
                 self._engine.post(f"/containers/{created}/start", params={"checkpoint": _CRIU_NAME})
+                clock.append(time.monotonic())
             except BaseException:
                 with contextlib.suppress(docker.errors.DockerException):
                     self._api.remove_container(created, force=True, v=True)
                 raise
         self._engine.remember(name, spec)
-        return Sandbox(id=name, spec=spec)
+        return Sandbox(id=name, spec=spec, restore_phases=self._phases(created, clock))
+
+    def _phases(self, container_id: str, clock: list[float]) -> tuple[tuple[str, float], ...]:
+        create, stage, start = (b - a for a, b in itertools.pairwise(clock))
+        criu = criu_restore_seconds(self._engine.data_root(), container_id)
+        phases = (("container_create", create), ("dump_stage", stage))
+        if criu is None or criu > start:  # no log where this engine's containerd keeps it
+            return (*phases, ("engine_start", start))
+        return (*phases, ("engine_start", start - criu), ("criu_restore", criu))
 
     def delete(self, checkpoint: Checkpoint) -> None:
         """Remove the dump and the snapshot image (Docker keeps an image that a sandbox still uses)."""
@@ -207,6 +230,23 @@ def criu_errors(message: str, lines: int = 6) -> str:
         return message
     errors = [line.strip() for line in log if "Error" in line][-lines:]
     return f"{message} | CRIU: {' | '.join(errors)}" if errors else message
+
+
+def criu_restore_seconds(data_root: Path, container_id: str) -> float | None:
+    """How long CRIU took to restore the container, from its restore log (its last line's timestamp, "(SS.
+    micros)"), where containerd keeps it: under the engine's data-root when dockerd runs containerd
+    itself, else under containerd's own root. None where there is no such log."""
+    task = Path("io.containerd.runtime.v2.task") / "moby" / container_id / "restore.log"
+    for root in (data_root / "containerd" / "daemon", Path("/var/lib/containerd")):
+        try:
+            with (root / task).open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
+                tail = log.read().decode(errors="replace")
+        except OSError:
+            continue
+        stamps = re.findall(r"^\((\d+\.\d+)\)", tail, re.MULTILINE)
+        return float(stamps[-1]) if stamps else None
+    return None
 
 
 def _tree_bytes(root: Path) -> int:

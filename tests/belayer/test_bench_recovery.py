@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,26 @@ def test_the_weight_owner_figures_warm_and_prefill_the_workers_with_the_key(
 async def _a_worker(url: str) -> str:
     async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
         return str((await engines(http, url))[0]["url"])
+
+
+RAY_FIRST_IP = int(os.environ.get("BELAYER_TEST_RAY_FIRST_IP", "2")) + 6
+"""``--ray``'s own nodes: after the shared cluster's three (`tests/conftest.py`'s ``ray_cluster``) and
+``bench sandbox-node-loss``'s (read before the autouse fixture drops BELAYER_*)."""
+
+
+@pytest.mark.ray
+def test_bench_recovery_ray_loses_a_node_on_a_cluster_of_its_own(tiny_model_dir: Path) -> None:
+    """Scaled down (one kill on one host, then one node lost under two streams, on fake workers): the
+    ``--ray`` figures come with the others."""
+    argv = [sys.executable, "-m", "belayer.cli", "bench", "recovery", "--model", str(tiny_model_dir),
+            "--worker-kind", "fake", "--skip-overhead", "--kills", "1", "--kill-after", "5", "--reply-tokens", "60",
+            "--ray", "--node-kills", "1", "--sessions", "2", "--first-ip", str(RAY_FIRST_IP)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    node = ["node_loss_resumed_s", "node_loss_full_strength_s", "node_losses", "node_loss_interrupted_streams"]
+    assert set(node) <= set(figures), figures
+    assert (figures["kills"], figures["node_losses"]) == ("1", "1")
+    assert int(figures["node_loss_interrupted_streams"]) >= 1
+    for timed in ("node_loss_resumed_s", "node_loss_full_strength_s"):
+        assert float(figures[timed]) >= 0, timed
