@@ -214,17 +214,23 @@ def node_loss(workdir: Path, opts: argparse.Namespace) -> None:
             ["a", "b", "c"], Path(short), cpus=opts.node_cpus, first_ip=opts.first_ip
         ) as cluster,
     ):
-        services: list[Service] = []
-        with running(services):
-            extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600",
-                     "--worker-kind", opts.worker_kind, "--ray", cluster.address, "--ray-node-ip", cluster.head.ip]  # fmt: skip
-            gw = _gateway(workdir, "ray-pool", opts.model, extra)
-            start(services, gw, timeout=900)
-            samples = []
-            for k in range(opts.node_kills):
-                samples.append(asyncio.run(lose_node(base_url(gw), cluster, opts)))
-                shown = json.dumps({n: round(v, 3) for n, v in samples[-1].items()})
-                progress(f"node loss {k + 1}/{opts.node_kills}: {shown}")
+        node_loss_on(cluster, workdir, opts)
+
+
+def node_loss_on(cluster: Any, workdir: Path, opts: argparse.Namespace) -> None:
+    """``--ray``'s figures on `cluster` (a `belayer.testing.ray_local.LocalRayCluster`: a test passes its
+    session's own, whose lost nodes it starts again), whose nodes it kills and starts again."""
+    services: list[Service] = []
+    with running(services):
+        extra = ["--workers", str(opts.workers), "--shadows", str(opts.shadows), "--no-worker-wait", "600",
+                 "--worker-kind", opts.worker_kind, "--ray", cluster.address, "--ray-node-ip", cluster.head.ip]  # fmt: skip
+        gw = _gateway(workdir, "ray-pool", opts.model, extra)
+        start(services, gw, timeout=900)
+        samples = []
+        for k in range(opts.node_kills):
+            samples.append(asyncio.run(lose_node(base_url(gw), cluster, opts)))
+            shown = json.dumps({n: round(v, 3) for n, v in samples[-1].items()})
+            progress(f"node loss {k + 1}/{opts.node_kills}: {shown}")
     for name in ("node_loss_resumed_s", "node_loss_full_strength_s"):
         emit(name, statistics.median(s[name] for s in samples))
     emit("node_losses", len(samples))

@@ -157,32 +157,40 @@ async def run(opts: argparse.Namespace, tmp: Path) -> None:
             ["a", "b", "c"], tmp / "ray", cpus=2, resources=resources, first_ip=opts.first_ip
         ) as ray,
     ):
-        by_name = {e.name: e for e in engines}
         for engine in engines:
             ensure_busybox(engine)
-        urls = {ray.node(n).ip: e.url for n, e in by_name.items()}
-        config = ClusterConfig(
-            address=ray.address, node_ip=ray.head.ip, docker_urls=urls, probe_interval_s=0.3,
-            node_timeout_s=opts.node_timeout,
-        )  # fmt: skip
-        backend = await asyncio.to_thread(ClusterSandboxBackend, config, f"file://{tmp / 'store'}")
-        try:
-            lose = {ray.node(n).ip: _lose(ray, e, n) for n, e in by_name.items()}
-            await measure(backend, lose, SqliteStore(tmp / "traj.db"), opts)
-            for name, engine in by_name.items():  # bring the lost node back: it is swept before it serves
-                if not engine.running():
-                    engine.restart()
-                    ray.restart_node(name)
-                    deadline = time.monotonic() + 60
-                    ip = ray.node(name).ip
-                    while not any(n["node"] == ip and n["state"] == "alive" for n in backend.nodes()):
-                        if time.monotonic() > deadline:
-                            raise BenchError(f"node {name} never came back: {backend.nodes()}")
-                        await asyncio.sleep(0.2)
-                    leaked = [c for c in engine.container_states() if c.startswith("belayer-sbx")]
-                    emit("leaked_containers", len(leaked))
-        finally:
-            backend.close()
+        await run_on(ray, {e.name: e for e in engines}, opts, tmp)
+
+
+async def run_on(
+    ray: LocalRayCluster, by_name: dict[str, LocalDockerEngine], opts: argparse.Namespace, tmp: Path
+) -> None:
+    """The bench on `ray`, whose sandbox nodes (b and c, with room for ``2 * --sandboxes`` sandboxes each)
+    run the engines `by_name` (by node name, each with the busybox image): a test passes its session's
+    own. The lost node and its engine are started again before it returns."""
+    urls = {ray.node(n).ip: e.url for n, e in by_name.items()}
+    config = ClusterConfig(
+        address=ray.address, node_ip=ray.head.ip, docker_urls=urls, probe_interval_s=0.3,
+        node_timeout_s=opts.node_timeout,
+    )  # fmt: skip
+    backend = await asyncio.to_thread(ClusterSandboxBackend, config, f"file://{tmp / 'store'}")
+    try:
+        lose = {ray.node(n).ip: _lose(ray, e, n) for n, e in by_name.items()}
+        await measure(backend, lose, SqliteStore(tmp / "traj.db"), opts)
+        for name, engine in by_name.items():  # bring the lost node back: it is swept before it serves
+            if not engine.running():
+                engine.restart()
+                ray.restart_node(name)
+                deadline = time.monotonic() + 60
+                ip = ray.node(name).ip
+                while not any(n["node"] == ip and n["state"] == "alive" for n in backend.nodes()):
+                    if time.monotonic() > deadline:
+                        raise BenchError(f"node {name} never came back: {backend.nodes()}")
+                    await asyncio.sleep(0.2)
+                leaked = [c for c in engine.container_states() if c.startswith("belayer-sbx")]
+                emit("leaked_containers", len(leaked))
+    finally:
+        backend.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,17 @@ import os
 import pytest
 
 from tests.sandbox.conftest import backend, busybox_image, docker_config, docker_engine, python_image
+from tests.sandbox_cluster.conftest import node_engines, whole_engines  # bench sandbox-node-loss's
 
-__all__ = ["backend", "busybox_image", "docker_config", "docker_engine", "python_image"]
+__all__ = [
+    "backend",
+    "busybox_image",
+    "docker_config",
+    "docker_engine",
+    "node_engines",
+    "python_image",
+    "whole_engines",
+]
 
 
 @pytest.fixture(autouse=True)

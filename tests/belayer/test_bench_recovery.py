@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from belayer.bench import weight_owner
+from belayer.bench import recovery, weight_owner
 from belayer.bench.pool import engines
 from belayer.bench.stand_up import WORKER_KEY_ENV, WorkerKey, serve_service, start
+from belayer.testing.ray_local import LocalRayCluster
 from belayer.testing.services import Service, base_url, running
 from gateway.config import GatewayConfig
 
@@ -106,24 +106,22 @@ async def _a_worker(url: str) -> str:
         return str((await engines(http, url))[0]["url"])
 
 
-RAY_FIRST_IP = int(os.environ.get("BELAYER_TEST_RAY_FIRST_IP", "2")) + 6
-"""``--ray``'s own nodes: after the shared cluster's three (`tests/conftest.py`'s ``ray_cluster``) and
-``bench sandbox-node-loss``'s (read before the autouse fixture drops BELAYER_*)."""
-
-
 @pytest.mark.ray
-def test_bench_recovery_ray_loses_a_node_on_a_cluster_of_its_own(tiny_model_dir: Path) -> None:
-    """Scaled down (one kill on one host, then one node lost under two streams, on fake workers): the
-    ``--ray`` figures come with the others."""
-    argv = [sys.executable, "-m", "belayer.cli", "bench", "recovery", "--model", str(tiny_model_dir),
-            "--worker-kind", "fake", "--skip-overhead", "--kills", "1", "--kill-after", "5", "--reply-tokens", "60",
-            "--ray", "--node-kills", "1", "--sessions", "2", "--first-ip", str(RAY_FIRST_IP)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = dict(line.split(": ", 1) for line in done.stdout.splitlines())
-    node = ["node_loss_resumed_s", "node_loss_full_strength_s", "node_losses", "node_loss_interrupted_streams"]
-    assert set(node) <= set(figures), figures
-    assert (figures["kills"], figures["node_losses"]) == ("1", "1")
-    assert int(figures["node_loss_interrupted_streams"]) >= 1
+def test_bench_recovery_ray_loses_a_node_and_prints_its_figures(
+    tiny_model_dir: Path, tmp_path: Path, whole_cluster: LocalRayCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--ray``'s measurement, scaled down (one node lost under two streams, on fake workers), on the
+    session's Ray cluster (the bench's own three nodes took minutes to start beside it): the node's
+    processes are killed and it is started again, and the figures come out."""
+    opts = argparse.Namespace(model=str(tiny_model_dir), workers=2, shadows=1, worker_kind="fake", node_kills=1,
+                              sessions=2, kill_after=5, reply_tokens=60)  # fmt: skip
+    recovery.node_loss_on(whole_cluster, tmp_path, opts)
+    out = capsys.readouterr().out.splitlines()  # Ray's own lines among the figures
+    figures = dict(line.split(": ", 1) for line in out if line.split(": ", 1)[0].isidentifier())
+    assert sorted(figures) == sorted(
+        ["node_loss_resumed_s", "node_loss_full_strength_s", "node_losses", "node_loss_interrupted_streams"]
+    ), figures
+    assert figures["node_losses"] == "1" and int(figures["node_loss_interrupted_streams"]) >= 1
     for timed in ("node_loss_resumed_s", "node_loss_full_strength_s"):
         assert float(figures[timed]) >= 0, timed
+    assert all(node.proc is not None for node in whole_cluster.nodes)  # the lost node is back
