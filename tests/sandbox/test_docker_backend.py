@@ -149,6 +149,10 @@ def test_checkpoint_restores_processes_and_files_in_a_new_container(
     restored = backend.restore(backend.load_checkpoint(ckpt.id))  # the record on disk is enough
     make_sandbox.append(restored)
     assert restored.id != box.id
+    # where the restore's time went: this engine runs containerd itself, so CRIU's log is found
+    phases = dict(restored.restore_phases)
+    assert list(phases) == ["container_create", "dump_stage", "engine_start", "criu_restore"]
+    assert all(seconds >= 0 for seconds in phases.values()), phases
     assert backend.exec(restored.id, 'echo "$FOO $(pwd)"').stdout == "bar /workspace/sub\n"
     assert backend.exec(restored.id, BUMP).stdout == "3\n"  # n was 2 in memory at the checkpoint
     assert backend.read_file(restored.id, "kept.txt") == b"before\n"
