@@ -60,7 +60,7 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     ├── BenchError (RuntimeError)      a benchmark (or a service it starts) could not run
     │
     │   raised outside this module, by the layer that owns them:
-    ├── Preempted                      gateway.turns.failover: a weight update cut a stream; the turn resumes
+    ├── Preempted                      gateway.turns.guard: a weight update cut a stream; the turn resumes
     ├── ClientError                    belayer.client: the gateway answered the trainer's client with an error
     │   └── GatewayUnreachable (ConnectionError)     no answer, or the connection broke
     ├── DemoFailed                     belayer.cli.demo: the demo could not show what it shows

@@ -44,7 +44,7 @@ class PoolMember:
     synced: int = 0
     """Times the pool brought it up to a version by loading weights from disk (`WeightUpdater.sync`)."""
     streams: set[Callable[[Exception], None]] = field(default_factory=set)
-    """How to cut each stream running on it (the failover guard's, ``gateway.turns.failover``): when a
+    """How to cut each stream running on it (the failover guard's, ``gateway.turns.guard``): when a
     vital process of a launched worker exits, `Supervisor.exited` cuts them all at once, with the error."""
 
     def view(self, start_timeout: float) -> dict[str, object]:

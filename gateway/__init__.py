@@ -12,7 +12,7 @@ those below it):
   `sandbox_listener`, what a sandbox can reach);
 - `gateway.py`: the `Gateway` object, the long-lived parts a route reaches;
 - `turns/`: one turn from prompt ids to a stored trajectory: the runner, mid-stream failover
-  (`turns.failover`), in-flight writes, prefix reuse (`turns.sessions`), auxiliary models;
+  (`turns.failover`, its guard `turns.guard`), the output pipeline (`turns.output`), in-flight writes, prefix reuse (`turns.sessions`), auxiliary models;
 - `observe/`: Prometheus metrics, the request and recovery logs, the dashboard;
 - `http/`: who may call what (`http.access`), request bodies, the error table;
 - `config.py`: every setting and its default;

@@ -1,50 +1,56 @@
-"""Mid-stream failover, in one place: noticing that a worker is lost, deciding what follows, and
-recording that it happened. `Failover` holds the decisions the turn runner asks for (guard a stream,
-judge a lost submission, say whether the output was already complete, name the event); the runner keeps
-the loop that resubmits.
+"""Mid-stream failover, in one place: a turn's one resumable stream (`TurnStream`). It leases a
+worker, guards the worker's stream, classifies any loss of it in one function (`Failover.lost`: a dead
+worker, a stall, an engine error, a weight update's cut), decides whether and where the turn goes on,
+resubmits the prompt plus every token generated so far, and reports each switch through one callback.
+The turn runner (``gateway.turns.runner``) reads the chunks; it never sees a failure it could survive.
 
-A turn's tokens come from a worker through ``stall_guarded``: a pump task reads the engine while the
-turn waits with a deadline, so a worker that stops sending tokens (hung, not dead) is noticed after
-``stall_timeout`` seconds, once a health probe confirms it. A dead worker's connection error arrives by
-itself. Either way the turn runner resubmits the prompt plus every token generated so far to another
-worker; the ``Failure`` it keeps meanwhile becomes the turn's ``failover`` event once the new worker
-sends its first token (then the time lost is known).
+A submission's tokens come from a worker through ``stall_guarded`` (``gateway.turns.guard``): a pump
+task reads the engine while the turn waits with a deadline, so a worker that stops sending tokens (hung,
+not dead) is noticed after ``stall_timeout`` seconds, once a health probe confirms it. A dead worker's
+connection error arrives by itself, and a launched worker's exit at once (``engine_pool.exits``: the
+pool cuts its streams with a `WorkerExited`). The ``Failure`` kept meanwhile becomes the turn's
+``failover`` event once the new worker sends its first token (then the time lost is known).
 
 A weight update cuts the streams still running when its drain time is over (`Preempted`, from the
-pool's `Preemption`); the runner resubmits them the same way once the update is done, and records a
-``weight_switch`` event instead of a ``failover``. A turn's tokens are kept in segments, one per
-submission that produced tokens, each with the weight version of the worker that generated it
+pool's `Preemption`); they are resubmitted the same way once the update is done, and a
+``weight_switch`` event is recorded instead of a ``failover``. A turn's tokens are kept in segments, one
+per submission that produced tokens, each with the weight version of the worker that generated it
 (`TurnRecord.weight_segments`).
 
 Example::
 
-    failure = Failure(token_index=12, from_worker="worker-0", error="reset", at=now, last_token_at=t)
-    store.add_event(EventRecord(sid, turn.id, time.time(), "failover",
-                                failure.event(to_worker="worker-1", now=time.monotonic(), sampling=GREEDY)))
+    stream = TurnStream(failover, turn, params, session, suspicion, tok.eos_ids, report, t0)
+    async with contextlib.aclosing(stream.chunks()) as chunks:
+        async for chunk in chunks:                      # from one worker, then maybe another
+            stream.keep(chunk.token_ids, chunk.logprobs)
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from core.errors import (
-    BelayerError,
     EngineError,
     EngineRequestFailed,
     EngineServerError,
     EngineTimeout,
+    EngineUnavailable,
     EngineUnreachable,
+    QueryOfDeath,
     WorkerExited,
 )
-from engine_pool.client import TokenChunk, merge_chunks
-from engine_pool.pool import EnginePool, PoolMember, Preemption
+from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
+from engine_pool.pool import EnginePool, PoolMember
 from gateway.config import FailoverConfig
+from gateway.observe.metrics import REQUEST_CLOCK
+from gateway.turns.guard import Preempted, stall_guarded
+from gateway.turns.protocol import Report
 from gateway.turns.quarantine import Publish, Quarantine, Suspicion
+from store import SessionRecord, TurnRecord
 
 GREEDY = "greedy: bit-identical"
 SAMPLED = "sampled: prefix kept exactly, continuation re-sampled (seeded RNG restarts on the new worker)"
@@ -123,106 +129,6 @@ def add_tokens(segments: list[Segment], start: int, end: int, version: str, firs
         segments[-1] = (segments[-1][0], end, segments[-1][2])
 
 
-class Preempted(BelayerError):
-    """A weight update cut this stream (its drain time was over); the turn resumes after it."""
-
-
-@dataclass(slots=True)
-class _Pipe:
-    """Chunks handed from the task that reads the engine to the turn that consumes them."""
-
-    items: list[TokenChunk] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    done: bool = False
-    error: Exception | None = None
-    lost: Exception | None = None
-    """Set by `cut`: the worker is gone; what arrives after it is not read."""
-
-    async def fill(self, chunks: AsyncGenerator[TokenChunk, None]) -> None:
-        try:
-            async for chunk in chunks:
-                if self.lost is not None:
-                    break
-                self.items.append(chunk)
-                self.wake.set()
-        except Exception as e:
-            self.error = e
-        finally:
-            self.done = True
-            self.wake.set()
-            await chunks.aclose()
-
-    def cut(self, error: Exception) -> None:
-        """The worker's process exited (``engine_pool.exits``): the stream fails now, after the chunks
-        that already arrived, whatever its socket still holds or is still sent. A stream read to its
-        end is left to end."""
-        if not (self.done and self.error is None):
-            self.lost = self.lost or error
-            self.wake.set()
-
-
-async def stall_guarded(
-    chunks: AsyncGenerator[TokenChunk, None],
-    worker: str,
-    stall_timeout: float,
-    confirm_failure: Callable[[], Awaitable[bool]],
-    preemption: Preemption | None = None,
-    streams: set[Callable[[Exception], None]] | None = None,
-) -> AsyncGenerator[TokenChunk, None]:
-    """The engine's chunks, read by a pump task while this side waits with a deadline: no token within
-    `stall_timeout` and a failed health probe (`confirm_failure`) raise ``EngineTimeout``. Chunks that
-    piled up while the client was being served are merged, so the hand-off costs one wake-up per
-    batch, not per token. A triggered `preemption` raises `Preempted` (the chunks read are kept). While
-    it runs, its cut is in `streams` (the worker's, `PoolMember.streams`): a cut raises its error at
-    once, after the chunks that arrived before it."""
-    pipe = _Pipe()
-    pump = asyncio.create_task(pipe.fill(chunks), name=f"engine-pump/{worker}")
-    if preemption is not None:
-        preemption.watch(pipe.wake)
-    if streams is not None:
-        streams.add(pipe.cut)
-    try:
-        while True:
-            cut = pipe.lost or (
-                Preempted(f"a weight update cut the stream from {worker}")
-                if preemption is not None and preemption.triggered and not pipe.done
-                else None
-            )
-            if cut is not None:
-                if pipe.items:  # what arrived before the cut is the turn's; what comes after is dropped
-                    batch, pipe.items = pipe.items, []
-                    yield merge_chunks(batch) or batch[0]
-                raise cut
-            if not pipe.items and not pipe.done:
-                pipe.wake.clear()
-                try:
-                    async with asyncio.timeout(stall_timeout):
-                        await pipe.wake.wait()
-                except TimeoutError:
-                    if await confirm_failure():
-                        raise EngineTimeout(
-                            f"{worker} sent no token for {stall_timeout}s and failed its health probe"
-                        ) from None
-                continue  # look again from the top: a cut (whose pump ends the stream early) first
-            if pipe.items:
-                batch, pipe.items = pipe.items, []
-                merged = merge_chunks(batch)
-                assert merged is not None
-                yield merged
-            elif pipe.error is not None:
-                raise pipe.error
-            elif pipe.done:
-                return
-    finally:
-        if preemption is not None:
-            preemption.unwatch(pipe.wake)
-        if streams is not None:
-            streams.discard(pipe.cut)
-        pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pump
-
-
 @dataclass(slots=True)
 class FailoverState:
     """One turn's failover bookkeeping."""
@@ -237,6 +143,11 @@ class FailoverState:
     would have."""
     suspicion: Suspicion = field(default_factory=Suspicion)
     """Its record with the quarantine (``gateway.turns.quarantine``): deaths it was in flight at."""
+
+
+LOSSES = (Preempted, EngineUnavailable, EngineTimeout, EngineServerError)
+"""What ends a submission early and may be resubmitted: a weight update's cut, a dead or unreachable
+worker (its process exited: `WorkerExited`), a stall, a worker that answered with an error."""
 
 
 class Failover:
@@ -272,17 +183,21 @@ class Failover:
         )
 
     async def lost(
-        self, member: PoolMember, error: EngineError, produced: int, last_token_at: float | None,
+        self, member: PoolMember, error: EngineError | Preempted, produced: int, last_token_at: float | None,
         state: FailoverState,
     ) -> Failure:  # fmt: skip
-        """A submission failed after `produced` output tokens: the `Failure` to resubmit after, or the
-        error to answer with.
+        """A submission ended early after `produced` output tokens (any of `LOSSES`): the `Failure` to
+        resubmit after, or the error to answer with.
 
+        A weight update's cut (`Preempted`) is resubmitted once the update is done, on the new weights.
         A dead or stalled worker is reported (and fenced, if launched). A worker that *answered* with an
         error is judged by a health probe: if it is healthy, the request is to blame, unless another
         healthy worker serves it; a second refusal makes it the request's error, and no worker is fenced
         for it. A worker that died is judged by the quarantine: the turn may be a suspect (its next
         submission runs alone) or convicted of killing workers (`QueryOfDeath`, raised)."""
+        if isinstance(error, Preempted):
+            at = time.monotonic()
+            return Failure(produced, member.name, str(error), at, last_token_at, "weights", state.version)
         died = True
         if not isinstance(error, EngineServerError):
             self.pool.report_failure(member, error)
@@ -316,12 +231,148 @@ class Failover:
         return Failure(produced, member.name, str(error), at, last_token_at, cause, state.version)
 
 
-def finished_before(
-    output_ids: list[int], stopped: bool, eos_ids: frozenset[int] | set[int], max_tokens: int
-) -> str | None:
-    """After a failure in the last token the output may already be complete (a stop string, EOS, or
-    ``max_tokens`` filled): its finish reason then, and nothing is resubmitted; else None."""
-    if stopped or (output_ids and output_ids[-1] in eos_ids):
+class TurnStream:
+    """One turn's chunks, from as many workers as it takes (`chunks`). Each submission is leased from
+    the pool and guarded (`Failover.guard`); a loss of any kind is classified in `Failover.lost`, which
+    raises when the turn cannot go on; else, unless the output was complete already (`finished_before`:
+    then `finish` says why it ended), the prompt plus every token generated so far goes to another
+    worker, asking for the tokens still missing, and the chunks go on. Each switch is reported through
+    `report` once the new worker's first token arrives (then the time lost is known).
+
+    The consumer keeps the tokens it takes of each chunk (`keep`: a stop string may end the output
+    inside one): they are the turn's, and what a resubmission sends.
+
+    Example::
+
+        stream = TurnStream(failover, turn, params, session, suspicion, tok.eos_ids, report, t0)
+        async with contextlib.aclosing(stream.chunks()) as chunks:
+            async for chunk in chunks:
+                stream.keep(chunk.token_ids, chunk.logprobs)
+    """
+
+    def __init__(
+        self, failover: Failover, turn: TurnRecord, params: SamplingParams, session: SessionRecord,
+        suspicion: Suspicion, eos_ids: frozenset[int] | set[int], report: Report, t0: float,
+    ) -> None:  # fmt: skip
+        self.failover, self.pool = failover, failover.pool
+        self.turn, self.params, self.session = turn, params, session
+        self.eos_ids, self.report, self.t0 = eos_ids, report, t0
+        self.state = FailoverState(keyed=params.key is not None, suspicion=suspicion)
+        self.finish: str | None = None
+        """Why the output ended, when a worker was lost after it was complete (nothing resubmitted)."""
+        self.last_token_at: float | None = None
+        self.gaps: list[float] = []
+        """Inter-token gaps (seconds), for the metrics."""
+        self._version = ""
+        """The weight version of the submission streaming now."""
+        self._fresh = True
+        """Its next tokens open a segment (`add_tokens`)."""
+
+    async def chunks(self) -> AsyncGenerator[TokenChunk, None]:
+        """Submit, and after each loss resubmit, until the output is complete."""
+        previous: Failure | None = None  # the loss the next submission recovers from
+        while True:
+            lost: Failure | None = None
+            alone = self.failover.isolation(self.state)  # a suspect of a worker's death runs alone
+            async with (
+                self._lease(previous, alone) as member,
+                self.failover.quarantine.running(member.name, self.state.suspicion) as slot,
+            ):
+                self.turn.worker, self._version, self._fresh = member.name, member.weight_version, True
+                submitted = time.monotonic()
+                self.turn.timings.setdefault("queue_ms", (submitted - self.t0) * 1000)
+                stream = self._engine_stream(member)
+                clock = REQUEST_CLOCK.get()
+                try:
+                    async for chunk in stream:
+                        if previous is not None:  # the new worker's first token: the switch is done
+                            self._switched(previous, member.name, submitted)
+                            previous = None
+                        self.turn.timings.setdefault("ttft_ms", (time.monotonic() - self.t0) * 1000)
+                        if alone is not None and self._fresh:  # a suspect past its prefill: shared again
+                            self.pool.share(member)
+                        slot.tokens += len(chunk.token_ids)
+                        yield chunk
+                except LOSSES as e:
+                    if previous is not None and isinstance(e, Preempted):  # cut before its first token
+                        self._switched(previous, member.name, submitted)
+                    lost = await self._lost(member, e)
+                finally:
+                    await stream.aclose()
+                    if clock is not None:
+                        clock.charge(time.monotonic() - submitted)
+            if lost is None:
+                return
+            out = self.turn.output_ids
+            self.finish = finished_before(out, self.eos_ids, self.params.max_tokens)
+            if self.finish is not None:  # the output was complete when the worker was lost
+                self._switched(lost, None)
+                return
+            previous = lost
+
+    def keep(self, ids: list[int], logprobs: list[float]) -> None:
+        """The tokens taken of the latest chunk: the turn's, in the segment of the worker that sent them."""
+        start = len(self.turn.output_ids)
+        self.turn.output_ids += ids
+        self.turn.output_logprobs += logprobs
+        now, n = time.monotonic(), len(ids)
+        if self.last_token_at is not None and n:
+            self.gaps += [(now - self.last_token_at) / n] * n
+        self.last_token_at = now
+        if n:
+            add_tokens(self.turn.weight_segments, start, start + n, self._version, self._fresh)
+            self._fresh, self.state.version = False, self._version
+
+    def _lease(
+        self, previous: Failure | None, alone: float | None
+    ) -> AbstractAsyncContextManager[PoolMember]:
+        """A worker for the next submission. A failover stays on the weight version of the tokens so
+        far; a turn cut by a weight update goes on with the new one (a new segment, a weight_switch)."""
+        turn, session = self.turn, self.session
+        affinity = None if session.ephemeral else session.id  # one-request sessions: not kept
+        pinned = self.state.version if previous is None or previous.cause != "weights" else None
+        refused = frozenset(self.state.refused_by)
+        load = len(turn.prompt_ids) + self.params.max_tokens  # prompt + the most to come
+        wait = self.failover.worker_wait
+        return self.pool.lease(affinity, wait, refused, pinned, session.group, load, alone)
+
+    def _engine_stream(self, member: PoolMember) -> AsyncGenerator[TokenChunk, None]:
+        """The engine's chunks for the turn's prompt plus what it generated so far, asking for the
+        tokens still missing (keyed sampling goes on at the turn's next position: the same draws as
+        without the loss); with failover on, guarded against a stalled worker. Always streamed, also
+        for a non-streamed request: every token reaches the turn as it is decoded, so a weight update's
+        cut or a lost worker keeps it (a non-streamed engine answer arrives whole, and a cut threw it
+        away)."""
+        done = len(self.turn.output_ids)
+        remaining = replace(self.params, max_tokens=self.params.max_tokens - done, position=done)
+        rid = engine_request_id(self.turn.session_id, self.turn.index)
+        prompt = self.turn.prompt_ids + self.turn.output_ids
+        return self.failover.guard(
+            member.client.generate(prompt, remaining, stream=True, request_id=rid), member
+        )
+
+    async def _lost(self, member: PoolMember, error: EngineError | Preempted) -> Failure:
+        """`Failover.lost`; a conviction goes into the trajectory, then to the client."""
+        produced = len(self.turn.output_ids)
+        try:
+            return await self.failover.lost(member, error, produced, self.last_token_at, self.state)
+        except QueryOfDeath as convicted:  # not resubmitted: the trajectory says why
+            self.report("query_of_death", convicted.event)
+            raise
+
+    def _switched(self, failure: Failure, to_worker: str | None, resubmitted: float | None = None) -> None:
+        """Report a switch: to `to_worker` (None: none was needed), resubmitted to it at `resubmitted`."""
+        to_version = self._version if to_worker is not None else None
+        self.report(
+            *switch_event(self.turn.request, failure, to_worker, to_version, self.state.keyed, resubmitted)
+        )
+
+
+def finished_before(output_ids: list[int], eos_ids: frozenset[int] | set[int], max_tokens: int) -> str | None:
+    """After a failure in the last token the output may already be complete (EOS, or ``max_tokens``
+    filled): its finish reason then, and nothing is resubmitted; else None. (A stop string ends the
+    output where the consumer stops reading: no failure comes after it.)"""
+    if output_ids and output_ids[-1] in eos_ids:
         return "stop"
     if len(output_ids) >= max_tokens:
         return "length"

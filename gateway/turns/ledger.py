@@ -3,7 +3,9 @@ the live feed, the observers, in-flight writes), its events, and its end, howeve
 
 The turn runner (``gateway.turns.runner``) produces the tokens; `TurnLedger` keeps the record. A turn is
 written before the engine is called (status running, prompt ids) and its end is written before the
-client is answered, so a client never holds a response whose turn is not on disk.
+client is answered, so a client never holds a response whose turn is not on disk. A complete turn's
+stored shape, whatever protocol asked for it, is `completed`'s: its response is an assistant message in
+OpenAI's chat form.
 
 Every write goes through the store's front (`store.front`), in order per session: awaited for a turn's
 start and end; posted, not awaited, for its events and a failed turn's end (on PostgreSQL a commit takes
@@ -21,11 +23,13 @@ from core.errors import StoreError
 from core.tasks import TaskOwner
 from core.telemetry import Telemetry
 from gateway.observe.metrics import GatewayMetrics
+from gateway.policy.parsers import ToolCall
 from gateway.turns.inflight import InflightWriter
 from gateway.turns.observers import TurnObserver
-from gateway.turns.protocol import GenerationRequest
+from gateway.turns.protocol import GenerationRequest, parse_arguments
+from gateway.turns.sessions import chain_keys
 from store import EventRecord, TurnRecord
-from store.base import TURN_ABORTED
+from store.base import TURN_ABORTED, TURN_COMPLETE
 from store.roles import LedgerStore
 
 
@@ -194,3 +198,33 @@ class TurnLedger:
     def notify_finished(self, turn: TurnRecord) -> None:
         for obs in self.observers:
             obs.turn_finished(turn)
+
+
+def completed(
+    turn: TurnRecord, req: GenerationRequest, finish: str, content: str, calls: list[ToolCall],
+    reasoning: str, key: int | None, t0: float,
+) -> None:  # fmt: skip
+    """`turn`, complete, as it is stored: its response (the assistant message, why it ended, and the
+    sampling `key` that drew its tokens, ``core.keyed``: a replay needs nothing else), its ext key (the
+    chain hash of the request's messages and this one, by which the next request that extends them finds
+    this turn: ``gateway.turns.sessions``), its status and its total time since `t0`."""
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    if req.messages is not None:
+        canon = {**message, "tool_calls": [
+            {"function": {"name": c.name, "arguments": parse_arguments(c.arguments)}} for c in calls
+        ]}  # fmt: skip
+        prev = req.message_keys[-1] if req.message_keys else None
+        turn.ext_key = chain_keys(req.tools, [canon], prev)[-1]
+    turn.response = {"message": message, "finish_reason": finish}
+    if key is not None:
+        turn.response["sampling"] = {"mode": "keyed", "key": key}
+    turn.finish_reason = finish
+    turn.status = TURN_COMPLETE
+    turn.timings["total_ms"] = (time.monotonic() - t0) * 1000

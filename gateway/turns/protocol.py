@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,10 @@ from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
 from gateway.policy.parsers import ToolCall
 from gateway.turns.sessions import PromptPlan
 from store import SessionRecord, TurnRecord
+
+Report = Callable[[str, dict[str, Any]], None]
+"""Where a turn's events go as it runs (``TurnLedger.event``, bound to the turn): its switches to other
+workers, a conviction as a query of death, a malformed tool call."""
 
 
 @dataclass(frozen=True, slots=True)

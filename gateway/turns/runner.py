@@ -1,11 +1,13 @@
 """One turn, protocol-independent: prompt ids → engine → text deltas and tool calls → trajectory.
 
 The OpenAI and Anthropic front ends build a ``GenerationRequest`` and consume the ``Delta`` and ``Done``
-events of ``TurnRunner.run`` (the types are in ``gateway.turns.protocol``). The turn is written to the
-store before the engine is called (status running, prompt ids) and finished, durably, before ``Done`` is
-yielded (the record is kept by ``gateway.turns.ledger``), so a client never holds a
-response whose turn is not on disk. When a worker is lost mid-turn, the runner resubmits the prompt plus
-the tokens generated so far to another worker (``gateway.turns.failover``); the client's stream goes on.
+events of ``TurnRunner.run`` (the types are in ``gateway.turns.protocol``), which reads as: prepare (the
+prompt ids and sampling parameters; the 4xx errors), begin (the turn is written to the store, status
+running, before the engine is called), feed each chunk of the turn's stream to its output, finish (the
+turn's end is written, durably, before ``Done`` is yielded), so a client never holds a response whose
+turn is not on disk. The stream (``gateway.turns.failover``) survives lost workers: it resubmits the
+prompt plus the tokens generated so far to another one, and the client's stream goes on. The output
+pipeline (chunks → deltas, finish) is ``gateway.turns.output``; the record, ``gateway.turns.ledger``.
 
 Logprobs for history a harness rewrote are recomputed in the background (``gateway.turns.recompute``). While
 a turn streams, its tokens reach the store in batches (``gateway.turns.inflight``), so a crash of the gateway
@@ -15,86 +17,28 @@ keeps them: the turn reads as ``interrupted`` with them after a restart.
 from __future__ import annotations
 
 import contextlib
-import logging
+import functools
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
-from core.errors import (
-    ContextLengthExceeded,
-    EngineError,
-    EngineServerError,
-    EngineTimeout,
-    EngineUnavailable,
-    InvalidRequest,
-    QueryOfDeath,
-)
+from core.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from core.keyed import SAMPLING_MODES, turn_key
 from core.telemetry import Telemetry
-from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
-from engine_pool.pool import EnginePool, PoolMember
-from gateway.observe.metrics import REQUEST_CLOCK, GatewayMetrics
-from gateway.policy.parsers import (
-    SPECIAL_TAGS,
-    ContentDelta,
-    MalformedToolCall,
-    ReasoningDelta,
-    ReasoningParser,
-    ToolCall,
-    ToolParser,
-    forced_call_prefix,
-    make_reasoning_parser,
-    make_tool_parser,
-)
-from gateway.policy.streaming import StopTrimmer
-from gateway.policy.tokenization import ChatTokenizer, IncrementalDetokenizer
-from gateway.turns.failover import (
-    Failover,
-    FailoverState,
-    Failure,
-    Preempted,
-    add_tokens,
-    finished_before,
-    switch_event,
-)
+from engine_pool.client import SamplingParams, TokenChunk
+from engine_pool.pool import EnginePool
+from gateway.observe.metrics import GatewayMetrics
+from gateway.policy.parsers import forced_call_prefix
+from gateway.policy.tokenization import ChatTokenizer
+from gateway.turns.failover import Failover, TurnStream
 from gateway.turns.inflight import InflightWriter
-from gateway.turns.ledger import TurnLedger
+from gateway.turns.ledger import TurnLedger, completed
 from gateway.turns.observers import TurnObserver
-from gateway.turns.protocol import Delta, Done, GenerationRequest, TurnSettings, parse_arguments
+from gateway.turns.output import TurnOutput
+from gateway.turns.protocol import Delta, Done, GenerationRequest, TurnSettings
 from gateway.turns.recompute import LogprobRecomputer
-from gateway.turns.sessions import chain_keys
 from store import TrajectoryStore, TurnRecord
-from store.base import TURN_ABORTED, TURN_COMPLETE, TURN_ERROR, TURN_INTERRUPTED
-
-log = logging.getLogger("belayer.gateway")
-
-
-@dataclass(slots=True)
-class _OutputState:
-    """Per-turn output pipeline (detokenizer → stop strings → reasoning parser → tool parser) and
-    failover bookkeeping (`FailoverState`)."""
-
-    detok: IncrementalDetokenizer
-    trimmer: StopTrimmer
-    parser: ToolParser
-    reasoner: ReasoningParser | None = None
-    content: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    finish: str = "stop"
-    last_token_at: float | None = None
-    gaps: list[float] = field(default_factory=list)
-    """Inter-token gaps (seconds), for the metrics."""
-    fo: FailoverState = field(default_factory=FailoverState)
-
-    def parse(self, text: str, final: bool = False) -> list[Any]:
-        """The parsers' events for the next visible text (``final``: and what they held back)."""
-        if self.reasoner is None:
-            return self.parser.feed(text) + (self.parser.finish() if final else [])
-        events: list[Any] = []
-        for ev in self.reasoner.feed(text) + (self.reasoner.finish() if final else []):
-            events += [ev] if isinstance(ev, ReasoningDelta) else self.parser.feed(ev.text)
-        return events + (self.parser.finish() if final else [])
+from store.base import TURN_ABORTED, TURN_ERROR, TURN_INTERRUPTED
 
 
 class TurnRunner:
@@ -187,6 +131,8 @@ class TurnRunner:
         return replace(params, key=key, seed=None)
 
     async def run(self, req: GenerationRequest) -> AsyncGenerator[Delta | Done, None]:
+        """The turn: prepared, begun (stored), each chunk of its stream fed to its output, finished
+        (stored before `Done` is yielded)."""
         prompt_ids, params = self.prepare(req)
         mode = self.sampling(req)
         suspicion = self.failover.quarantine.admit(
@@ -196,27 +142,22 @@ class TurnRunner:
         turn = await self.ledger.begin(req, prompt_ids)
         if mode == "keyed":
             params = self.keyed(req, turn, params)
-        st = _OutputState(
-            self.tok.detokenizer(
-                special=self.settings.tool_call_parser in SPECIAL_TAGS and req.messages is not None
-            ),
-            StopTrimmer(params.stop),
-            make_tool_parser(self.settings.tool_call_parser, req.tools, req.parse_tools),
-            # chat turns only (raw completions are raw text); a forced tool call starts with no reasoning
-            make_reasoning_parser(self.settings.reasoning_parser if req.messages is not None else None)
-            if not req.forced_prefix
-            else None,
-        )
-        st.parser.feed(req.forced_prefix)
-        st.fo.suspicion, st.fo.keyed = suspicion, params.key is not None
+        report = functools.partial(self.ledger.event, turn)
+        out = TurnOutput.of(self.settings, self.tok, req, params, report)
+        stream = TurnStream(self.failover, turn, params, req.session, suspicion, self.tok.eos_ids, report, t0)
         try:
-            async with contextlib.aclosing(self._generate(req, turn, params, st, t0)) as deltas:
-                async for delta in deltas:
-                    yield delta
+            async with contextlib.aclosing(stream.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield self._feed(turn, out, stream, chunk)
+                    if out.stopped:  # a stop string the engine could not see (split by a failover)
+                        break
+            tail, finish = out.end(stream.finish)
+            if tail is not None:
+                yield tail
             await self.ledger.ending(turn)
         except EngineError as e:  # EngineRejected among them: answered as the client's error (400)
             self.ledger.fail(turn, TURN_ERROR, str(e), t0)
-            self._published(turn, req, st)
+            self._published(turn, req, stream)
             raise
         except BaseException as e:  # client went away (cancelled) or a bug: keep what was generated
             if self.interrupting and not isinstance(e, Exception):  # cancelled by the shutdown deadline
@@ -225,194 +166,36 @@ class TurnRunner:
                 )
             else:
                 self.ledger.fail(turn, TURN_ABORTED, repr(e), t0)
-            self._published(turn, req, st)
+            self._published(turn, req, stream)
             raise
-        finish = "stop" if st.trimmer.stopped else st.finish
-        finish = "tool_calls" if st.parser.calls and finish == "stop" else finish
-        self.failover.quarantine.cleared(st.fo.suspicion)
+        yield await self._finish(req, turn, out, stream, finish, t0)
+
+    def _feed(self, turn: TurnRecord, out: TurnOutput, stream: TurnStream, chunk: TokenChunk) -> Delta:
+        """A chunk through the output pipeline; the tokens it took are the turn's (and a resubmission's)."""
+        delta = out.feed(chunk)
+        stream.keep(delta.token_ids, delta.logprobs)
+        self.ledger.inflight.progressed(turn)
+        self.telemetry.tokens_streamed += len(delta.token_ids)
+        return delta
+
+    async def _finish(
+        self, req: GenerationRequest, turn: TurnRecord, out: TurnOutput, stream: TurnStream, finish: str,
+        t0: float,
+    ) -> Done:  # fmt: skip
+        """The complete turn, stored (in `completed`'s shape) and announced."""
+        self.failover.quarantine.cleared(stream.state.suspicion)
+        content, calls, reasoning = "".join(out.content), out.parser.calls, "".join(out.reasoning)
         try:
-            done = self._complete(
-                req, turn, finish, "".join(st.content), st.parser.calls, t0, "".join(st.reasoning)
-            )
-            if params.key is not None:  # what drew its tokens (core.keyed): a replay needs nothing else
-                turn.response = {**(turn.response or {}), "sampling": {"mode": "keyed", "key": params.key}}
+            completed(turn, req, finish, content, calls, reasoning, stream.params.key, t0)
             await self.ledger.finish(turn)
         finally:
-            self._published(turn, req, st)
+            self._published(turn, req, stream)
         if req.plan.rewritten:
             self.recomputer.schedule(turn, req.plan.rewritten)
-        done.stop_sequence = st.trimmer.matched
-        yield done
-
-    async def _generate(
-        self, req: GenerationRequest, turn: TurnRecord, params: SamplingParams, st: _OutputState, t0: float
-    ) -> AsyncGenerator[Delta, None]:
-        """Submit to a worker and, after each lost worker, resubmit prompt + every token so far to
-        another one, until the turn is complete; then the parsers' tail."""
-        failure: Failure | None = None
-        while not self._done_after_failure(turn, st, params, failure):
-            lost = None
-            async with contextlib.aclosing(self._submit(req, turn, params, st, t0, failure)) as items:
-                async for item in items:
-                    if isinstance(item, Failure):
-                        lost = item
-                    else:
-                        yield item
-            failure = lost
-            if failure is None:
-                break
-        if failure is not None:  # the output was complete when the worker was lost
-            self._record_failover(turn, st, failure, None)
-        tail = self._delta(turn, st.parse(st.trimmer.finish(), final=True), st)
-        if tail.content or tail.tool_calls or tail.reasoning:
-            yield tail
-
-    async def _submit(
-        self,
-        req: GenerationRequest,
-        turn: TurnRecord,
-        params: SamplingParams,
-        st: _OutputState,
-        t0: float,
-        previous: Failure | None,
-    ) -> AsyncGenerator[Delta | Failure, None]:
-        """One submission to one leased worker, asking for the tokens still missing. Yields the deltas,
-        then a `Failure` when the worker was lost and another may take over (else the error is raised).
-        `previous`, the failure this submission recovers from, is recorded at its first token."""
-        # keyed sampling goes on at the turn's next position: the same draws as without the failure
-        remaining = replace(
-            params, max_tokens=params.max_tokens - len(turn.output_ids), position=len(turn.output_ids)
-        )
-        affinity = None if req.session.ephemeral else req.session.id  # one-request sessions: not kept
-        wait = self.failover.worker_wait
-        # A failover stays on the weight version of the tokens so far; a turn cut by a weight update
-        # goes on with the new one (recorded: a new segment and a weight_switch event).
-        pinned = st.fo.version if previous is None or previous.cause != "weights" else None
-        refused = frozenset(st.fo.refused_by)
-        load = len(turn.prompt_ids) + len(turn.output_ids) + remaining.max_tokens  # prompt + the most to come
-        alone = self.failover.isolation(st.fo)  # a suspect of a worker's death runs on a worker of its own
-        lease = self.pool.lease(affinity, wait, refused, pinned, req.session.group, load, alone)
-        async with lease as member, self.failover.quarantine.running(member.name, st.fo.suspicion) as slot:
-            turn.worker = member.name
-            version = member.weight_version
-            submitted = time.monotonic()
-            turn.timings.setdefault("queue_ms", (submitted - t0) * 1000)
-            stream = self._engine_stream(member, turn, remaining)
-            clock = REQUEST_CLOCK.get()
-            first = True
-            try:
-                async for chunk in stream:
-                    if previous is not None:
-                        self._record_failover(turn, st, previous, member.name, version, submitted)
-                        previous = None
-                    turn.timings.setdefault("ttft_ms", (time.monotonic() - t0) * 1000)
-                    if alone is not None and first:  # a suspect past its prefill: the worker is shared again
-                        self.pool.share(member)
-                    start = len(turn.output_ids)
-                    slot.tokens += len(chunk.token_ids)
-                    delta = self._consume(turn, chunk, st)
-                    if len(turn.output_ids) > start:
-                        add_tokens(turn.weight_segments, start, len(turn.output_ids), version, first)
-                        first, st.fo.version = False, version
-                    yield delta
-                    if st.trimmer.stopped:  # a stop string the engine could not see (split by a failover)
-                        break
-            except Preempted as e:
-                if previous is not None:  # the failover that brought the turn here, before the cut
-                    self._record_failover(turn, st, previous, member.name, version, submitted)
-                now = time.monotonic()
-                yield Failure(
-                    len(turn.output_ids), member.name, str(e), now, st.last_token_at, "weights", st.fo.version
-                )
-            except (EngineUnavailable, EngineTimeout, EngineServerError) as e:
-                try:
-                    failure = await self.failover.lost(
-                        member, e, len(turn.output_ids), st.last_token_at, st.fo
-                    )
-                except QueryOfDeath as convicted:  # not resubmitted: the trajectory says why
-                    self.ledger.event(turn, "query_of_death", convicted.event)
-                    raise
-                yield failure
-            finally:
-                await stream.aclose()
-                if clock is not None:
-                    clock.charge(time.monotonic() - submitted)
-
-    def _done_after_failure(
-        self, turn: TurnRecord, st: _OutputState, params: SamplingParams, failure: Failure | None
-    ) -> bool:
-        """Before a (re)submission: is the turn already complete (`finished_before`)?"""
-        if failure is None:
-            return False
-        finish = finished_before(turn.output_ids, st.trimmer.stopped, self.tok.eos_ids, params.max_tokens)
-        st.finish = finish or st.finish
-        return finish is not None
-
-    def _engine_stream(
-        self, member: PoolMember, turn: TurnRecord, params: SamplingParams
-    ) -> AsyncGenerator[TokenChunk, None]:
-        """The engine's chunks for the turn's prompt plus what it generated so far (a resubmission after
-        a failover); with failover on, guarded against a stalled worker. Always streamed, also for a
-        non-streamed request: every token reaches the turn as it is decoded, so a weight update's cut
-        or a lost worker keeps it (a non-streamed engine answer arrives whole, and a cut threw it away)."""
-        rid = engine_request_id(turn.session_id, turn.index)
-        prompt = turn.prompt_ids + turn.output_ids
-        return self.failover.guard(
-            member.client.generate(prompt, params, stream=True, request_id=rid), member
-        )
-
-    def _consume(self, turn: TurnRecord, chunk: TokenChunk, st: _OutputState) -> Delta:
-        """Record a chunk's tokens and turn them into visible text. Tokens are taken one at a time so
-        that a stop string ends the output at exactly the token the engine itself would stop at."""
-        pieces = []
-        n = 0
-        for t in chunk.token_ids:
-            n += 1
-            pieces.append(st.trimmer.feed(st.detok.step(t)))
-            if st.trimmer.stopped:
-                break
-        ids, lps = chunk.token_ids[:n], chunk.logprobs[:n]
-        turn.output_ids += ids
-        turn.output_logprobs += lps
-        self.ledger.inflight.progressed(turn)
-        self.telemetry.tokens_streamed += n
-        now = time.monotonic()
-        if st.last_token_at is not None and n:
-            st.gaps += [(now - st.last_token_at) / n] * n
-        st.last_token_at = now
-        st.finish = chunk.finish_reason or st.finish
-        delta = self._delta(turn, st.parse("".join(pieces)), st)
-        delta.token_ids, delta.logprobs, delta.top_logprobs = ids, lps, chunk.top_logprobs[:n]
-        return delta
-
-    def _record_failover(
-        self,
-        turn: TurnRecord,
-        st: _OutputState,
-        failure: Failure,
-        to_worker: str | None,
-        to_version: str | None = None,
-        resubmitted: float | None = None,
-    ) -> None:
-        """A ``failover`` event, or a ``weight_switch`` when a weight update cut the turn (`resubmitted`:
-        when the resubmission went to `to_worker`, ``time.monotonic()``)."""
-        event = switch_event(turn.request, failure, to_worker, to_version, st.fo.keyed, resubmitted)
-        self.ledger.event(turn, *event)
-
-    def _delta(self, turn: TurnRecord, events: list[Any], st: _OutputState) -> Delta:
-        delta = Delta("", [], [], [], [])
-        for ev in events:
-            if isinstance(ev, ContentDelta):
-                delta.content += ev.text
-            elif isinstance(ev, ReasoningDelta):
-                delta.reasoning += ev.text
-            elif isinstance(ev, ToolCall):
-                delta.tool_calls.append(ev)
-            elif isinstance(ev, MalformedToolCall):
-                self.ledger.event(turn, "tool_call_parse_error", {"raw": ev.raw, "reason": ev.reason})
-        st.content.append(delta.content)
-        st.reasoning.append(delta.reasoning)
-        return delta
+        prompt, completion = len(turn.prompt_ids), len(turn.output_ids)
+        done = Done(turn, finish, content, calls, prompt, completion, reasoning=reasoning)
+        done.stop_sequence = out.trimmer.matched
+        return done
 
     async def idle(self) -> None:
         """Wait for background logprob recomputations (tests)."""
@@ -423,37 +206,5 @@ class TurnRunner:
         await self.recomputer.close(grace)
         await self.ledger.close()
 
-    def _published(self, turn: TurnRecord, req: GenerationRequest, st: _OutputState) -> None:
-        self.ledger.published(turn, req.plan.reused_tokens, st.fo.failovers, st.gaps)
-
-    def _complete(
-        self,
-        req: GenerationRequest,
-        turn: TurnRecord,
-        finish: str,
-        content: str,
-        calls: list[ToolCall],
-        t0: float,
-        reasoning: str = "",
-    ) -> Done:
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in calls
-            ]
-        if req.messages is not None:
-            canon = {**message, "tool_calls": [
-                {"function": {"name": c.name, "arguments": parse_arguments(c.arguments)}} for c in calls
-            ]}  # fmt: skip
-            prev = req.message_keys[-1] if req.message_keys else None
-            turn.ext_key = chain_keys(req.tools, [canon], prev)[-1]
-        turn.response = {"message": message, "finish_reason": finish}
-        turn.finish_reason = finish
-        turn.status = TURN_COMPLETE
-        turn.timings["total_ms"] = (time.monotonic() - t0) * 1000
-        return Done(
-            turn, finish, content, calls, len(turn.prompt_ids), len(turn.output_ids), reasoning=reasoning
-        )
+    def _published(self, turn: TurnRecord, req: GenerationRequest, stream: TurnStream) -> None:
+        self.ledger.published(turn, req.plan.reused_tokens, stream.state.failovers, stream.gaps)

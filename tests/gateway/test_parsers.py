@@ -1,6 +1,6 @@
 """Tool-call and reasoning parsers per model family, at the token level: each model output is encoded
 with the tiny model's tokenizer, decoded back by the gateway's incremental detokenizer, and fed to the
-turn's real output pipeline (``_OutputState.parse``: reasoning parser → tool parser) one token at a
+turn's real output pipeline (``TurnOutput.parse``: reasoning parser → tool parser) one token at a
 time and in random chunkings; the exact events are asserted. Malformed output comes back as content
 (never an exception), and no partial tag leaks into content."""
 
@@ -31,7 +31,7 @@ from gateway.policy.parsers import (
 )
 from gateway.policy.streaming import StopTrimmer, tool_choice_prefix
 from gateway.policy.tokenization import ChatTokenizer
-from gateway.turns.runner import _OutputState
+from gateway.turns.output import TurnOutput
 from tests.support import REPO
 
 TOOLS = [
@@ -70,7 +70,7 @@ def pieces(tok: ChatTokenizer, text: str) -> list[str]:
 def run(
     chunks: list[str], tool: str = "hermes", reasoning: str | None = None, tools: Any = TOOLS
 ) -> list[Any]:
-    st = _OutputState(
+    st = TurnOutput(
         None,  # type: ignore[arg-type]  # the pieces are decoded already
         StopTrimmer(()),
         make_tool_parser(tool, tools),

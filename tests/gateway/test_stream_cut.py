@@ -1,4 +1,4 @@
-"""A stream cut because its worker's process exited (`stall_guarded`'s cut, ``gateway.turns.failover``):
+"""A stream cut because its worker's process exited (`stall_guarded`'s cut, ``gateway.turns.guard``):
 the cut's error is raised after the chunks that arrived before it, whatever the engine sends after, and
 however the pump and the turn are ordered (the turn once took the pump's early end for the stream's)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from core.errors import WorkerExited
 from engine_pool.client import TokenChunk
-from gateway.turns.failover import stall_guarded
+from gateway.turns.guard import stall_guarded
 
 
 async def never_stalls() -> bool:
