@@ -19,8 +19,8 @@ submission that produced tokens, each with the weight version of the worker that
 Example::
 
     failure = Failure(token_index=12, from_worker="worker-0", error="reset", at=now, last_token_at=t)
-    store.add_event(EventRecord(sid, turn.id, time.time(), "failover",
-                                failure.event(to_worker="worker-1", now=time.monotonic(), sampling=GREEDY)))
+    store.add_event(EventRecord.of(sid, turn.id,
+                                   failure.event(to_worker="worker-1", now=time.monotonic(), sampling=GREEDY)))
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from core import events as ev
 from core.errors import (
     BelayerError,
     EngineError,
@@ -56,7 +57,7 @@ class Failure:
     """A worker lost in the middle of a turn: at which token, which worker, why, and when.
 
     >>> f = Failure(token_index=3, from_worker="w0", error="reset", at=10.0, last_token_at=9.5)
-    >>> f.event(to_worker="w1", now=10.25, sampling=GREEDY)["lost_ms"]
+    >>> f.event(to_worker="w1", now=10.25, sampling=GREEDY).lost_ms
     750.0
     """
 
@@ -75,10 +76,17 @@ class Failure:
     """The weight version of the turn's tokens so far (None: it had none)."""
 
     def event(
-        self, *, to_worker: str | None, now: float, sampling: str, resubmitted: float | None = None
-    ) -> dict[str, Any]:
-        """The ``failover`` event's data, once the turn resumed on `to_worker` (None: it did not) with
-        its first token at `now`, after its resubmission at `resubmitted` (``time.monotonic()`` both).
+        self,
+        *,
+        to_worker: str | None,
+        now: float,
+        sampling: str,
+        resubmitted: float | None = None,
+        to_version: str | None = None,
+    ) -> ev.Resumed:
+        """The ``failover`` event (``weight_switch``: a weight update cut the turn), once the turn
+        resumed on `to_worker` (None: it did not; on weight version `to_version`) with its first token
+        at `now`, after its resubmission at `resubmitted` (``time.monotonic()`` both).
 
         ``detect_ms`` and ``lost_ms`` count from the turn's last token. ``noticed_at``,
         ``resubmitted_at`` and ``resumed_at`` are the gateway's ``time.monotonic()`` (Linux's
@@ -86,19 +94,22 @@ class Failure:
         can time the loss from the kill: ``belayer bench recovery``): when the loss was noticed, when
         the resubmission went to its new worker, and when that worker's first token arrived."""
         since = self.last_token_at or self.at
-        return {
-            "token_index": self.token_index,
-            "from_worker": self.from_worker,
-            "error": self.error,
-            "cause": self.cause,
-            "to_worker": to_worker,
-            "detect_ms": round((self.at - since) * 1000, 3),
-            "lost_ms": round((now - since) * 1000, 3),
-            "sampling": sampling,
-            "noticed_at": round(self.at, 6),
-            "resubmitted_at": round(resubmitted, 6) if resubmitted is not None else None,
-            "resumed_at": round(now, 6) if to_worker is not None else None,
-        }
+        kind = ev.WeightSwitch if self.cause == "weights" else ev.Failover
+        return kind(
+            token_index=self.token_index,
+            from_worker=self.from_worker,
+            error=self.error,
+            cause=self.cause,
+            to_worker=to_worker,
+            detect_ms=round((self.at - since) * 1000, 3),
+            lost_ms=round((now - since) * 1000, 3),
+            sampling=sampling,
+            noticed_at=round(self.at, 6),
+            resubmitted_at=round(resubmitted, 6) if resubmitted is not None else None,
+            resumed_at=round(now, 6) if to_worker is not None else None,
+            from_version=self.version,
+            to_version=to_version,
+        )
 
 
 Segment = tuple[int, int, str]
@@ -335,12 +346,11 @@ def switch_event(
     to_version: str | None,
     keyed: bool = False,
     resubmitted: float | None = None,
-) -> tuple[str, dict[str, Any]]:
+) -> ev.Resumed:
     """The event a resumed turn records: ``failover``, or ``weight_switch`` when a weight update cut it;
     its ``sampling`` says what the continuation is (`GREEDY`, `KEYED` or `SAMPLED`)."""
     sampling = KEYED if keyed else GREEDY if request.get("temperature") == 0 else SAMPLED
-    data = failure.event(
-        to_worker=to_worker, now=time.monotonic(), sampling=sampling, resubmitted=resubmitted
+    now = time.monotonic()
+    return failure.event(
+        to_worker=to_worker, now=now, sampling=sampling, resubmitted=resubmitted, to_version=to_version
     )
-    data |= {"from_version": failure.version, "to_version": to_version}
-    return ("weight_switch" if failure.cause == "weights" else "failover"), data

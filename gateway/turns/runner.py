@@ -30,6 +30,7 @@ from core.errors import (
     InvalidRequest,
     QueryOfDeath,
 )
+from core.events import ToolCallParseError
 from core.keyed import SAMPLING_MODES, turn_key
 from core.telemetry import Telemetry
 from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
@@ -330,7 +331,8 @@ class TurnRunner:
                         member, e, len(turn.output_ids), st.last_token_at, st.fo
                     )
                 except QueryOfDeath as convicted:  # not resubmitted: the trajectory says why
-                    self.ledger.event(turn, "query_of_death", convicted.event)
+                    if convicted.event is not None:
+                        self.ledger.event(turn, convicted.event)
                     raise
                 yield failure
             finally:
@@ -397,7 +399,7 @@ class TurnRunner:
         """A ``failover`` event, or a ``weight_switch`` when a weight update cut the turn (`resubmitted`:
         when the resubmission went to `to_worker`, ``time.monotonic()``)."""
         event = switch_event(turn.request, failure, to_worker, to_version, st.fo.keyed, resubmitted)
-        self.ledger.event(turn, *event)
+        self.ledger.event(turn, event)
 
     def _delta(self, turn: TurnRecord, events: list[Any], st: _OutputState) -> Delta:
         delta = Delta("", [], [], [], [])
@@ -409,7 +411,7 @@ class TurnRunner:
             elif isinstance(ev, ToolCall):
                 delta.tool_calls.append(ev)
             elif isinstance(ev, MalformedToolCall):
-                self.ledger.event(turn, "tool_call_parse_error", {"raw": ev.raw, "reason": ev.reason})
+                self.ledger.event(turn, ToolCallParseError(ev.raw, ev.reason))
         st.content.append(delta.content)
         st.reasoning.append(delta.reasoning)
         return delta
