@@ -29,6 +29,7 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     │   ├── Forbidden                  an admin endpoint without the admin token; a route turned off
     │   └── SandboxesDisabled          a sandbox route on a gateway without sandboxes
     ├── StoreError                     the trajectory store failed
+    ├── UnknownEvent (ValueError)      an event kind core.events does not register, or data that does not fit it
     ├── SandboxError                   anything raised by sandbox/ and the gateway's sandbox manager
     │   ├── SandboxUnavailable (ConnectionError)     the container engine does not answer
     │   │   └── NoSandboxSlot                        no cluster node has a free sandbox slot
@@ -83,8 +84,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover - only for the annotation of SandboxRestored.info
+if TYPE_CHECKING:  # pragma: no cover - only for annotations (SandboxRestored.info, QueryOfDeath.event)
     from typing import Any
+
+    from core import events
 
 
 class BelayerError(Exception):
@@ -150,7 +153,7 @@ class QueryOfDeath(EngineRequestFailed):
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
-        self.event: dict[str, object] = {}
+        self.event: events.QueryOfDeath | None = None
 
 
 class EngineProtocolError(EngineError):
@@ -214,6 +217,11 @@ class SandboxesDisabled(RequestError):
 
 class StoreError(BelayerError):
     """The trajectory store failed."""
+
+
+class UnknownEvent(BelayerError, ValueError):
+    """An event kind that `core.events.REGISTRY` does not hold, or data that does not fit its kind's
+    fields: a publisher that names no registered kind is a bug, refused where it publishes."""
 
 
 # --------------------------------------------------------------------------- sandboxes

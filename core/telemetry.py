@@ -12,19 +12,22 @@ worker state changes, the turn runner its turns) to one `Telemetry` hub. Three k
 Publishing is cheap (a lock, a deque append, one call per listener), thread-safe (the store also
 writes from worker threads), and never raises: a listener's error is logged and the event goes on.
 
+What is published is one of the typed events of `core.events` (its kind and data are what the feed
+carries); a kind that `core.events.REGISTRY` does not hold is refused (`core.errors.UnknownEvent`).
+
 Example::
 
     hub = Telemetry()
     hub.listen(lambda e: print(e.kind, e.data))
-    hub.publish("worker_state", {"worker": "worker-0", "from": "ready", "to": "dead"})
+    hub.publish(events.ShadowPromoted(worker="worker-1"))
 
 >>> hub = Telemetry(keep=2)
 >>> seen = []
 >>> hub.listen(lambda e: seen.append(e.kind))
->>> for kind in ("a", "b", "c"):
-...     _ = hub.publish(kind, {})
->>> seen, [e.kind for e in hub.recent()], hub.seq
-(['a', 'b', 'c'], ['b', 'c'], 3)
+>>> for worker in ("a", "b", "c"):
+...     _ = hub.publish(events.ShadowPromoted(worker))
+>>> seen, [e.data["worker"] for e in hub.recent()], hub.seq
+(['shadow_promoted', 'shadow_promoted', 'shadow_promoted'], ['b', 'c'], 3)
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from core import events
+from core.errors import UnknownEvent
+from core.events import Payload
+
 log = logging.getLogger("belayer.telemetry")
 
 
@@ -52,6 +59,14 @@ class Event:
     session_id: str | None
     turn_id: int | None
     data: dict[str, Any]
+    payload: Payload | None = field(default=None, compare=False, repr=False)
+    """The typed event (`core.events`) its kind and data were written from (None: an event built by hand,
+    as tests do; `typed` decodes it then)."""
+
+    @property
+    def typed(self) -> Payload:
+        """The typed event: `payload`, or decoded from the kind and data."""
+        return self.payload if self.payload is not None else events.decode(self.kind, self.data)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -113,15 +128,37 @@ class Telemetry:
 
     def publish(
         self,
-        kind: str,
-        data: dict[str, Any],
+        payload: Payload,
         session_id: str | None = None,
         turn_id: int | None = None,
         ts: float | None = None,
     ) -> Event:
+        """Publish one typed event (`core.events`); refused (`core.errors.UnknownEvent`) if its kind is
+        not registered."""
+        if events.REGISTRY.get(payload.kind) is not type(payload):
+            raise UnknownEvent(f"{type(payload).__name__} is not in core.events.REGISTRY")
+        return self._emit(payload, payload.data(), session_id, turn_id, ts)
+
+    def publish_record(
+        self, kind: str, data: dict[str, Any], session_id: str | None, turn_id: int | None, ts: float
+    ) -> Event:
+        """Publish a stored event (the store's rows, after their commit) with its data as stored, checked
+        against its kind's fields (`core.errors.UnknownEvent` for data that fits no kind)."""
+        return self._emit(events.decode(kind, data), data, session_id, turn_id, ts)
+
+    def _emit(
+        self,
+        payload: Payload,
+        data: dict[str, Any],
+        session_id: str | None,
+        turn_id: int | None,
+        ts: float | None,
+    ) -> Event:
+        kind = payload.kind
         with self._lock:
             self.seq += 1
-            event = Event(self.seq, ts if ts is not None else time.time(), kind, session_id, turn_id, data)
+            stamp = ts if ts is not None else time.time()
+            event = Event(self.seq, stamp, kind, session_id, turn_id, data, payload)
             self._recent.append(event)
             subs = [s for s in self._subs if s.wants(event)]
         for fn in self._listeners:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
+from core import events
 from core.tasks import TaskOwner
 from engine_pool.member import PoolMember
 from engine_pool.settings import PoolSettings
@@ -67,19 +67,19 @@ class Roster:
             now = time.time()
             m.last_transition = {"at": now, "from": m.state, "to": state, "why": why}
             p = m.process
-            data = {
-                "worker": m.name, "from": m.state, "to": state, "why": why, "url": m.client.base_url,
-                "pid": p.pid if p is not None else None, "launched": p is not None,
-            }  # fmt: skip
+            event = events.WorkerState(
+                worker=m.name, from_=m.state, to=state, why=why, url=m.client.base_url,
+                pid=p.pid if p is not None else None, launched=p is not None,
+            )  # fmt: skip
             m.state = state
             m.history.append((now, state))
-            self.publish("worker_state", data)
+            self.publish(event)
             self.wake()
 
-    def publish(self, kind: str, data: dict[str, Any], session_id: str | None = None) -> None:
+    def publish(self, event: events.Payload, session_id: str | None = None) -> None:
         """An event of the pool's (state changes, promotions, replacements, cold starts, loads, a
         session moved for load: that one names its session)."""
-        self.settings.telemetry.publish(kind, data, session_id)
+        self.settings.telemetry.publish(event, session_id)
 
     def wake(self) -> None:
         """Every waiter looks again (each has its own future: none can miss a change)."""

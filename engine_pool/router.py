@@ -38,6 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
+from core import events
 from core.errors import EngineUnavailable
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
@@ -142,12 +143,12 @@ class Router:
 
     def _moved(self, session_id: str | None, group: str | None, left: PoolMember, to: PoolMember) -> None:
         """The session leaves its worker for load: published as ``session_moved`` (once: it stays)."""
-        data = {
-            "from_worker": left.name, "to_worker": to.name, "group": group,
-            "from_outstanding_tokens": left.outstanding_tokens, "to_outstanding_tokens": to.outstanding_tokens,
-            "from_outstanding": left.outstanding, "to_outstanding": to.outstanding, "why": "load",
-        }  # fmt: skip
-        self.roster.publish("session_moved", data, session_id)
+        moved = events.SessionMoved(
+            from_worker=left.name, to_worker=to.name, group=group,
+            from_outstanding_tokens=left.outstanding_tokens, to_outstanding_tokens=to.outstanding_tokens,
+            from_outstanding=left.outstanding, to_outstanding=to.outstanding, why="load",
+        )  # fmt: skip
+        self.roster.publish(moved, session_id)
 
     def _states(self) -> str:
         """The workers' states, for a request that found none to run on."""

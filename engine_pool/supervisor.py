@@ -26,6 +26,7 @@ import contextlib
 import logging
 import time
 
+from core import events
 from core.errors import EngineError, EngineUnavailable, NotFound, WorkerExited
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
@@ -75,7 +76,7 @@ class Supervisor:
         return launched + registered
 
     def cold_start(self, m: PoolMember, seconds: float) -> None:
-        self.roster.publish("worker_cold_start", {"worker": m.name, "seconds": round(seconds, 3)})
+        self.roster.publish(events.WorkerColdStart(m.name, round(seconds, 3)))
 
     # -- health -------------------------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ class Supervisor:
         shadow = min(shadows, key=lambda m: m.isolating, default=None)
         if shadow is not None:
             self.roster.set(shadow, READY, "promoted from shadow")
-            self.roster.publish("shadow_promoted", {"worker": shadow.name})
+            self.roster.publish(events.ShadowPromoted(shadow.name))
         elif any(m.state == SHADOW for m in members):
             log.warning(
                 "no shadow holds weight version %r: one is promoted once it is brought up to it",
@@ -190,7 +191,7 @@ class Supervisor:
     async def launch_replacement(self) -> PoolMember:
         member = self.factory.new(shadow=len(self.router.routable()) >= self.target())
         assert member.process is not None
-        self.roster.publish("replacement_started", {"worker": member.name})
+        self.roster.publish(events.ReplacementStarted(member.name))
         started = time.monotonic()
         await member.process.start(self.settings.start_timeout)
         member.client.base_url = member.process.url
@@ -262,7 +263,7 @@ class Supervisor:
             self.roster.set(
                 m, READY, f"promoted from shadow, once on weight version {self.versions.version!r}"
             )
-            self.roster.publish("shadow_promoted", {"worker": m.name})
+            self.roster.publish(events.ShadowPromoted(m.name))
         else:
             self.roster.wake()
 

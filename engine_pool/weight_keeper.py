@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from core import shm_weights
+from core import events, shm_weights
 from core.errors import ConfigError, EngineError, EngineUnavailable
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
@@ -92,7 +92,7 @@ class WeightKeeper:
             self.retry_at = time.monotonic() + 5.0
         else:
             self.settings.telemetry.publish(
-                "weight_owner", {"state": "ready", "seconds": owner.ready_s, "version": owner.version}
+                events.WeightOwner("ready", seconds=owner.ready_s, version=owner.version)
             )
         finally:
             self.busy = False
@@ -109,7 +109,7 @@ class WeightKeeper:
         if self.down_since is None:
             self.down_since = now
             log.warning("weight owner is down (checked: %s): workers launched meanwhile load from disk", why)
-            self.settings.telemetry.publish("weight_owner", {"state": "down", "why": why})
+            self.settings.telemetry.publish(events.WeightOwner("down", why=why))
         if now >= max(self.retry_at, self.down_since + self.restart_delay):
             self.busy = True
             self.roster.tasks.spawn(self._keep(), "restart-weight-owner")
@@ -156,7 +156,7 @@ class WeightKeeper:
                 self.down_since = None
                 log.info("weight owner: restarted in %.1f s (version %r)", owner.ready_s or 0.0, held)
                 self.settings.telemetry.publish(
-                    "weight_owner", {"state": "restarted", "seconds": owner.ready_s, "version": held}
+                    events.WeightOwner("restarted", seconds=owner.ready_s, version=held)
                 )
         except (EngineUnavailable, OSError) as e:
             log.error("weight owner: restart failed: %s; trying again in 30 s", e)
@@ -174,7 +174,7 @@ class WeightKeeper:
             log.error("weight owner: cannot hold version %r (%s); the owner of %r stays", version, e,
                       old.version or self.versions.base)  # fmt: skip
             self.settings.telemetry.publish(
-                "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
+                events.WeightOwner("update_failed", version=version, why=str(e))
             )
             return False
         if new.checkpoint == old.checkpoint and old.healthy():  # the same files, named anew
@@ -190,7 +190,7 @@ class WeightKeeper:
                       "and workers launched meanwhile catch up from disk", version, e,
                       old.version or self.versions.base)  # fmt: skip
             self.settings.telemetry.publish(
-                "weight_owner", {"state": "update_failed", "version": version, "why": str(e)}
+                events.WeightOwner("update_failed", version=version, why=str(e))
             )
             return False
         finally:
@@ -200,7 +200,7 @@ class WeightKeeper:
         log.info("weight owner: version %r in shared memory in %.1f s; the old owner is stopped",
                  version, new.ready_s or 0.0)  # fmt: skip
         self.settings.telemetry.publish(
-            "weight_owner", {"state": "updated", "version": version, "seconds": new.ready_s}
+            events.WeightOwner("updated", version=version, seconds=new.ready_s)
         )
         await old.stop()
         return True
@@ -244,8 +244,7 @@ class WeightKeeper:
         if remapped or failed:
             log.info("weight owner: %d worker(s) back on its pages, %d not", len(remapped), len(failed))
             self.settings.telemetry.publish(
-                "weight_owner",
-                {"state": "remapped", "version": owner.version, "workers": len(remapped), "failed": failed},
+                events.WeightOwner("remapped", version=owner.version, workers=len(remapped), failed=failed),
             )
 
     async def adopt_mapped_version(self, m: PoolMember) -> None:
@@ -268,9 +267,7 @@ class WeightKeeper:
             )
             return
         m.weight_version = version
-        self.settings.telemetry.publish(
-            "worker_weights", {"worker": m.name, "version": version, "source": "owner"}
-        )
+        self.settings.telemetry.publish(events.WorkerWeights(m.name, version, "owner"))
 
     async def restore_shared(self, failed: PoolMember) -> None:
         """The workers on a GPU weight cache's device group share one copy of the weights, so a load that
@@ -293,6 +290,5 @@ class WeightKeeper:
                 self.fence(m, e)
             else:
                 self.settings.telemetry.publish(
-                    "worker_weights",
-                    {"worker": m.name, "version": self.versions.version, "source": "restored"},
+                    events.WorkerWeights(m.name, self.versions.version, "restored")
                 )

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from core import events
 from core.errors import (
     Conflict,
     EngineError,
@@ -59,12 +60,16 @@ class WeightUpdate:
     made current once ready: ``weight_owner`` events say how it went), ``in_place`` (a GPU weight cache:
     its mappers wrote the update into its memory); None: the pool has none."""
 
+    def event(self) -> events.WeightsUpdated:
+        """Its ``weights_updated`` event (the weight log's record of it)."""
+        return events.WeightsUpdated(
+            version=self.version, previous=self.previous, path=self.path,
+            updated=list(self.updated), stale=list(self.stale), preempted=self.preempted,
+            drain_s=round(self.drain_s, 3), seconds=round(self.seconds, 3), owner=self.owner,
+        )  # fmt: skip
+
     def as_json(self) -> dict[str, object]:
-        return {
-            "version": self.version, "previous": self.previous, "path": self.path,
-            "updated": list(self.updated), "stale": list(self.stale), "preempted": self.preempted,
-            "drain_s": round(self.drain_s, 3), "seconds": round(self.seconds, 3), "owner": self.owner,
-        }  # fmt: skip
+        return self.event().data()
 
 
 class WeightUpdater:
@@ -191,5 +196,5 @@ class WeightUpdater:
                 return False
             m.weight_version = v.version
             m.synced += 1
-            self.roster.publish("worker_weights", {"worker": m.name, "version": v.version, "source": "disk"})
+            self.roster.publish(events.WorkerWeights(m.name, v.version, "disk"))
             return True

@@ -21,10 +21,12 @@ readable next to the original one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import Conflict, NotFound
+from core.events import Payload, decode
 
 TURN_RUNNING = "running"
 TURN_COMPLETE = "complete"
@@ -156,11 +158,26 @@ class OutputPart:
 
 @dataclass(frozen=True, slots=True)
 class EventRecord:
+    """One event of a session's trajectory, as stored: its kind and data are a `core.events` payload's
+    (`of` writes one; `typed` reads one back)."""
+
     session_id: str
     turn_id: int | None
     ts: float
     kind: str
     data: dict[str, Any]
+
+    @classmethod
+    def of(
+        cls, session_id: str, turn_id: int | None, payload: Payload, ts: float | None = None
+    ) -> EventRecord:
+        """The record of a typed event, stamped now (or at `ts`)."""
+        return cls(session_id, turn_id, time.time() if ts is None else ts, payload.kind, payload.data())
+
+    @property
+    def typed(self) -> Payload:
+        """The typed event (`core.events.decode`; `core.errors.UnknownEvent` for one that fits no kind)."""
+        return decode(self.kind, self.data)
 
 
 def fork_point(parent_id: str, at_turn: int, turns: list[TurnRecord] | None) -> TurnRecord:

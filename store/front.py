@@ -19,7 +19,7 @@ Example::
 
     front = WriteFront(lanes=8)  # a remote store's; WriteFront(lanes=0): inline
     turn = await front.call(turn.session_id, store.begin_turn, turn)
-    front.post(turn.session_id, store.add_event, EventRecord(turn.session_id, turn.id, now, "failover", {}))
+    front.post(turn.session_id, store.add_event, EventRecord.of(turn.session_id, turn.id, failover, now))
     front.close()
 """
 

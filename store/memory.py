@@ -31,8 +31,8 @@ import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
 
+from core import events as ev
 from core.errors import NotFound, StoreError
 from core.telemetry import Telemetry
 from store import schema
@@ -98,17 +98,16 @@ class MemoryStore(TrajectoryStore):
             yield published
         if self.telemetry is not None:
             for ev in published:
-                self.telemetry.publish(ev.kind, ev.data, ev.session_id, ev.turn_id, ev.ts)
+                self.telemetry.publish_record(ev.kind, ev.data, ev.session_id, ev.turn_id, ev.ts)
 
     def _insert_event(self, published: list[EventRecord], event: EventRecord) -> None:
         self.tables.last_event_id += 1
         self.tables.events[self.tables.last_event_id] = replace(event, data=stored_json(event.data))
         published.append(event)
 
-    def _publish_session(self, kind: str, session: SessionRecord) -> None:
+    def _publish_session(self, kind: type[ev.SessionChanged], session: SessionRecord) -> None:
         if self.telemetry is not None and not session.ephemeral:
-            data = {"status": session.status, "reward": session.reward, "metadata": session.metadata}
-            self.telemetry.publish(kind, data, session.id)
+            self.telemetry.publish(kind(session.status, session.reward, session.metadata), session.id)
 
     def _insert_sessions(self, sessions: list[SessionRecord]) -> None:
         """All of them, or (one is there already) none."""
@@ -125,7 +124,7 @@ class MemoryStore(TrajectoryStore):
     def create_session(self, session: SessionRecord) -> SessionRecord:
         with self._transaction():
             self._insert_sessions([session])
-        self._publish_session("session_created", session)
+        self._publish_session(ev.SessionCreated, session)
         return session
 
     def get_session(self, session_id: str) -> SessionRecord | None:
@@ -146,7 +145,7 @@ class MemoryStore(TrajectoryStore):
             if stored is not None:
                 stored.metadata, stored.status, stored.reward = metadata, session.status, session.reward
                 stored.reward_info, stored.closed_at = info, session.closed_at
-        self._publish_session("session_updated", session)
+        self._publish_session(ev.SessionUpdated, session)
 
     def query_sessions(self, query: SessionQuery) -> tuple[list[SessionRecord], int]:
         with self._transaction():
@@ -162,7 +161,7 @@ class MemoryStore(TrajectoryStore):
     def begin_turn(
         self,
         turn: TurnRecord,
-        first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
+        first_event: Callable[[TurnRecord], ev.Payload] | None = None,
         new_session: SessionRecord | None = None,
         parent: TurnRecord | None = None,
     ) -> TurnRecord:
@@ -173,8 +172,7 @@ class MemoryStore(TrajectoryStore):
             turn.id = self.tables.last_turn_id + 1
             turn.index, turn.branch = self.tables.next_index_and_branch(turn)
             if first_event is not None:
-                kind, data = first_event(turn)
-                self._insert_event(published, EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+                self._insert_event(published, EventRecord.of(turn.session_id, turn.id, first_event(turn)))
             self._insert_sessions([new_session] if new_session is not None else [])
             self.tables.last_turn_id = turn.id
             self.tables.turns[turn.id] = replace(stored, id=turn.id, index=turn.index, branch=turn.branch)
@@ -252,17 +250,15 @@ class MemoryStore(TrajectoryStore):
             return copy.deepcopy(events)
 
     def mark_closed(self, session: SessionRecord) -> bool:
-        data = {"reward": session.reward, "closed_at": session.closed_at}
+        closed = ev.SessionClosed(session.reward, session.closed_at)
         with self._transaction() as published:
             stored = self.tables.sessions.get(session.id)
             changed = stored is not None and stored.status == "open"
             if stored is not None and changed:
                 stored.status, stored.closed_at = session.status, session.closed_at
-                self._insert_event(
-                    published, EventRecord(session.id, None, time.time(), "session_closed", data)
-                )
+                self._insert_event(published, EventRecord.of(session.id, None, closed))
         if changed:
-            self._publish_session("session_updated", session)
+            self._publish_session(ev.SessionUpdated, session)
         return changed
 
     def closed_after(self, after_id: int, limit: int) -> list[tuple[int, str]]:
@@ -289,25 +285,21 @@ class MemoryStore(TrajectoryStore):
         with self._transaction() as published:
             indices = self.tables.discard(session_id, which)
             if indices:
-                data = {"after_turn": after, "turn_indices": indices, "reason": reason}
-                self._insert_event(
-                    published, EventRecord(session_id, None, time.time(), "turns_discarded", data)
-                )
+                discarded = ev.TurnsDiscarded(after, indices, reason)
+                self._insert_event(published, EventRecord.of(session_id, None, discarded))
         return indices
 
     def fork(self, parent_id: str, at_turn: int, children: list[SessionRecord]) -> list[SessionRecord]:
         with self._transaction() as published:
             known = parent_id in self.tables.sessions
             at = fork_point(parent_id, at_turn, self.tables.turns_of(parent_id) if known else None)
-            data = {"parent_session": parent_id, "fork_turn": at_turn, "fork_turn_id": at.id}
+            forked = ev.SessionForked(parent_id, at_turn, at.id)
             self._insert_sessions([replace(c, parent_session=parent_id, fork_turn=at_turn) for c in children])
             for child in children:
                 child.parent_session, child.fork_turn = parent_id, at_turn
-                self._insert_event(
-                    published, EventRecord(child.id, None, time.time(), "session_forked", data)
-                )
+                self._insert_event(published, EventRecord.of(child.id, None, forked))
         for child in children:
-            self._publish_session("session_created", child)
+            self._publish_session(ev.SessionCreated, child)
         return children
 
     def delete_session(self, session_id: str) -> tuple[int, int] | None:
@@ -319,7 +311,7 @@ class MemoryStore(TrajectoryStore):
                 return None
             counts = self.tables.delete({session_id})
         if self.telemetry is not None:
-            self.telemetry.publish("session_deleted", {"turns": counts[0], "events": counts[1]}, session_id)
+            self.telemetry.publish(ev.SessionDeleted(turns=counts[0], events=counts[1]), session_id)
         return counts
 
     def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:

@@ -27,6 +27,7 @@ import threading
 
 import psycopg
 
+from core.events import FeedAdvanced
 from core.telemetry import Telemetry
 
 FEED_LOCK = 0x62656C61796566  # the finished feed's allocation lock (`PostgresStore.mark_closed`)
@@ -63,7 +64,7 @@ class FeedListener:
                 while not self._stopping.is_set():
                     for note in conn.notifies(timeout=0.5):
                         if note.payload != str(self.owner):  # this store's own closes publish themselves
-                            self.telemetry.publish("feed_advanced", {"by": "replica"})
+                            self.telemetry.publish(FeedAdvanced(by="replica"))
         except psycopg.Error as e:  # followers fall back to their heartbeat's read of the store
             self._listening.set()
             if not self._stopping.is_set():

@@ -32,8 +32,9 @@ Example: a reader of trajectories needs two roles, and a test can hand it the fa
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
+from core.events import Payload
 from store.base import EventRecord, OutputPart, SessionQuery, SessionRecord, TurnRecord
 from store.front import WriteFront
 
@@ -62,7 +63,7 @@ class TurnLog(TurnReads, Protocol):
     def begin_turn(
         self,
         turn: TurnRecord,
-        first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
+        first_event: Callable[[TurnRecord], Payload] | None = None,
         new_session: SessionRecord | None = None,
         parent: TurnRecord | None = None,
     ) -> TurnRecord:

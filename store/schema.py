@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from core import events as ev
 from core.errors import StoreError
 from store import layout
 from store.base import EventRecord
@@ -290,10 +291,8 @@ def interrupted_events(rows: Iterable[tuple[Any, ...]]) -> list[EventRecord]:
     events = []
     for sid, turns in by_session.items():
         turns.sort()
-        data = {"turn_indices": [i for i, _ in turns], "output_tokens": [k for _, k in turns]}
-        events.append(
-            EventRecord(sid, None, time.time(), "turns_interrupted", {**data, "reason": "gateway_gone"})
-        )
+        interrupted = ev.TurnsInterrupted([i for i, _ in turns], [k for _, k in turns], "gateway_gone")
+        events.append(EventRecord.of(sid, None, interrupted))
     return events
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from belayer.bench import emit
+from core.events import PrefixReuse
 from store import SessionRecord, SqliteStore, TrajectoryStore, TurnRecord
 from store.base import TURN_COMPLETE
 
@@ -115,12 +116,12 @@ def episode(rng: random.Random, sid: str, turns: int, generated: int, tool_outpu
     return out
 
 
-def _event(turn: TurnRecord, parent: TurnRecord | None) -> dict[str, Any]:
-    return {"reason": "extends turn" if parent else "fresh", "reused_tokens": len(turn.prompt_ids)}
+def _event(turn: TurnRecord, parent: TurnRecord | None) -> PrefixReuse:
+    return PrefixReuse("extends turn" if parent else "fresh", len(turn.prompt_ids))
 
 
-def _first_event(parent: TurnRecord | None) -> Callable[[TurnRecord], tuple[str, dict[str, Any]]]:
-    return lambda turn: ("prefix_reuse", _event(turn, parent))
+def _first_event(parent: TurnRecord | None) -> Callable[[TurnRecord], PrefixReuse]:
+    return lambda turn: _event(turn, parent)
 
 
 def write_v1(path: Path, episodes: list[list[TurnRecord]]) -> float:
@@ -150,7 +151,7 @@ def write_v1(path: Path, episodes: list[list[TurnRecord]]) -> float:
             turn_id = int(cur.lastrowid or 0)
             db.execute(
                 "INSERT INTO events (session_id, turn_id, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
-                (sid, turn_id, 0.0, "prefix_reuse", json.dumps(_event(t, None))),
+                (sid, turn_id, 0.0, "prefix_reuse", json.dumps(_event(t, None).data())),
             )
             db.execute("COMMIT")
             db.execute(

@@ -7,7 +7,9 @@ A page holds a marker comment; the build replaces it with tables written from th
 - ``<!-- generated: config -->``: every setting of ``GatewayConfig`` and its nested models (key, type,
   default, environment variable, flag, description), with each table's docstring;
 - ``<!-- generated: errors -->``: every error the gateway answers (status, code, type, headers), from its
-  one table (``gateway.http.errors.TABLE``).
+  one table (``gateway.http.errors.TABLE``);
+- ``<!-- generated: events -->``: every event kind and its fields (key, type, description), from the
+  registry of typed events (``core.events.REGISTRY``) and the fields' docstrings.
 
 ``mkdocs.yml`` names this file under ``hooks:``. A marker that renders to nothing, or a parser or model
 that can no longer be found, fails the build (``make lint`` runs it with ``--strict``).
@@ -228,12 +230,68 @@ def render_errors() -> str:
     """Every error the gateway answers, from its one table (``gateway.http.errors.TABLE``)."""
     from gateway.http.errors import TABLE
 
-    lines = ["| exception | HTTP | code | type | headers | what it means |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| exception | HTTP | code | type | headers | what it means |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for cls, entry in TABLE.items():
         headers = ", ".join(f"`{k}: {v}`" for k, v in entry.headers)
         about = _cell(_first_paragraph(inspect.getdoc(cls) or ""))
         code = _code(entry.code or "")
-        lines.append(f"| `{cls.__name__}` | {entry.status} | {code} | `{entry.error_type}` | {headers} | {about} |")
+        lines.append(
+            f"| `{cls.__name__}` | {entry.status} | {code} | `{entry.error_type}` | {headers} | {about} |"
+        )
+    return "\n".join(lines)
+
+
+# --- the events ---------------------------------------------------------------------------------------
+
+
+def _field_docs(module: types.ModuleType) -> dict[tuple[str, str], str]:
+    """(class, field) -> the docstring under the field, read from the module's source."""
+    tree = ast.parse(inspect.getsource(module))
+    docs: dict[tuple[str, str], str] = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for field, after in zip(cls.body, cls.body[1:], strict=False):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[cls.name, field.target.id] = after.value.value
+    return docs
+
+
+def render_events() -> str:
+    """Every event kind, by who publishes it, with its fields (``core.events.REGISTRY``)."""
+    import dataclasses
+
+    from core import events
+
+    docs = _field_docs(events)
+    lines: list[str] = []
+    topic = ""
+    for kind, cls in events.REGISTRY.items():
+        if cls.topic != topic:
+            topic = cls.topic
+            lines += [f"## {topic[0].upper()}{topic[1:]}", ""]
+        lines += [f"### `{kind}`", "", _first_paragraph(inspect.getdoc(cls) or ""), ""]
+        lines += ["| key | type | what |", "| --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            owner = next(c for c in cls.__mro__ if f.name in inspect.get_annotations(c))
+            annotation = inspect.get_annotations(owner)[f.name]
+            parts = [p for p in str(annotation).split(" | ") if p != "Absent"]
+            optional = "<br>may be absent" if len(parts) < len(str(annotation).split(" | ")) else ""
+            about = docs.get((owner.__name__, f.name))
+            if about is None:
+                raise RuntimeError(f"core.events.{owner.__name__}.{f.name} has no docstring")
+            key = f.metadata.get("key", f.name)
+            lines.append(
+                f"| `{key}` | {_code(' | '.join(parts))}{optional} | {_cell(_first_paragraph(about))} |"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -241,6 +299,7 @@ GENERATED: dict[str, Callable[[], str]] = {
     "<!-- generated: cli -->": render_cli,
     "<!-- generated: config -->": render_config,
     "<!-- generated: errors -->": render_errors,
+    "<!-- generated: events -->": render_events,
 }
 
 

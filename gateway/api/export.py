@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from core import events
 from core.errors import InvalidRequest
 from gateway.api.observe import session_query
 from gateway.gateway import Gateway, gateway_of
@@ -40,7 +41,7 @@ async def export(request: Request) -> Response:
             "POST /api/export takes its filters in the query string, as GET does; send no body (or {})"
         )
     body, rows, total = await gw.offload(_export, gw, query, fmt, mark)
-    gw.telemetry.publish("export", {"format": fmt, "rows": rows, "sessions_matched": total, "marked": mark})
+    gw.telemetry.publish(events.Export(format=fmt, rows=rows, sessions_matched=total, marked=mark))
     headers = {"X-Total-Count": str(total), "X-Row-Count": str(rows)}
     return Response(body, media_type=FORMATS[fmt], headers=headers)
 

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from core import events
 from core.errors import BelayerError, Conflict
 from gateway.gateway import gateway_of
 from gateway.http.access import require_admin
@@ -68,10 +69,10 @@ async def update(request: Request) -> Response:
     except Conflict:
         raise  # another update runs, or this version is served: nothing was attempted
     except BelayerError as e:
-        failed = {"version": version, "path": path, "previous": gw.pool.weight_version, "error": str(e)}
-        await gw.offload(weights.record, gw.store, "weights_update_failed", failed)
+        failed = events.WeightsUpdateFailed(version, path, gw.pool.weight_version, str(e))
+        await gw.offload(weights.record, gw.store, failed)
         raise
-    await gw.offload(weights.record, gw.store, "weights_updated", result.as_json())
+    await gw.offload(weights.record, gw.store, result.event())
     return JSONResponse(result.as_json())
 
 

@@ -72,6 +72,7 @@ from core.errors import (
     SandboxUnavailable,
     StoreError,
     Unauthorized,
+    UnknownEvent,
     UnsupportedMediaType,
 )
 
@@ -144,6 +145,7 @@ TABLE: dict[type[BaseException], HttpError] = {
     QueryOfDeath: HttpError(500, "request_killed_workers", headers=NO_RETRY),
     AuxiliaryUnavailable: HttpError(502, "auxiliary_provider_unavailable", param="model"),
     StoreError: HttpError(500, hint="; the trajectory store failed, check the gateway's disk"),
+    UnknownEvent: HttpError(500, hint="; an event fits no kind of core.events (a bug of the gateway's)"),
     # sandboxes
     NoSandbox: HttpError(404, "sandbox_not_found", "session_id"),
     SandboxExists: HttpError(409, "sandbox_exists"),

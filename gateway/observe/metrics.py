@@ -2,7 +2,8 @@
 
 Most metrics are counted from the live feed (`core.telemetry`): each event that a layer publishes
 (a worker's state change, a failover, a checkpoint, a restore, a finished turn) moves its counters
-and histograms, so a metric and the event it counts cannot disagree. Two things are observed directly,
+and histograms, so a metric and the event it counts cannot disagree. `GatewayMetrics.on_event`
+dispatches on the event's type (`core.events`), so a renamed field is a type error, not a zero. Two things are observed directly,
 because they happen per token or per request and are not worth an event each: the inter-token gaps
 of a turn (`observe_gaps`) and the gateway's own added time per request (`RequestClock`, set by the
 request middleware and charged by the turn runner). States (workers, sandboxes, open sessions, the
@@ -31,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from core import events as ev
 from core.telemetry import Event, Telemetry
 from engine_pool.pool import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY, EnginePool
 from gateway.http.errors import is_anthropic_path
@@ -270,42 +272,61 @@ class GatewayMetrics:
             telemetry.started_at
         )
         r.register(_States(pool, store, sandboxes, nodes))
-        self._handlers: dict[str, Callable[[Event], None]] = {
-            "turn_finished": self._turn_finished,
-            "prefix_reuse": self._prompt,
-            "fresh_prompt": self._prompt,
-            "branch": self._prompt,
-            "failover": self._failover,
-            "worker_state": self._worker_state,
-            "shadow_promoted": lambda e: self.promotions.inc(),
-            "replacement_started": lambda e: self.replacements.inc(),
-            "worker_cold_start": lambda e: self.cold_start.observe(e.data["seconds"]),
-            "sandbox_checkpoint": self._checkpoint,
-            "sandbox_checkpoint_decision": self._decision,
-            "sandbox_checkpoint_skipped": lambda e: self.checkpoints.labels("skipped").inc(),
-            "sandbox_checkpoint_failed": lambda e: self.checkpoints.labels("failed").inc(),
-            "sandbox_restored": self._restored,
-            "turns_discarded": lambda e: self.discarded.inc(len(e.data["turn_indices"])),
-            "turns_interrupted": lambda e: self.interrupted.inc(len(e.data["turn_indices"])),
-            "recomputed_logprobs": lambda e: self.recomputations.labels("ok").inc(),
-            "recompute_failed": lambda e: self.recomputations.labels("failed").inc(),
-            "export": lambda e: self.exports.labels(e.data["format"]).inc(),
-            "weights_updated": lambda e: self.weight_updates.labels("ok").inc(),
-            "weights_update_failed": lambda e: self.weight_updates.labels("failed").inc(),
-            "weight_switch": lambda e: self.weight_switches.inc(),
-            "session_moved": lambda e: self.sessions_moved.inc(),
-            "query_of_death": lambda e: self.queries_of_death.inc(),
-            "query_of_death_refused": lambda e: self.query_of_death_refusals.inc(),
-        }
         telemetry.listen(self.on_event)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def on_event(self, event: Event) -> None:
-        handler = self._handlers.get(event.kind)
-        if handler is not None:
-            handler(event)
+        """Count one event of the feed, by its type (`core.events`); the kinds not counted pass."""
+        match event.typed:
+            case ev.TurnFinished() as e:
+                self._turn_finished(e)
+            case ev.PromptPlan() as e:
+                self.prompts.labels(e.kind).inc()
+            case ev.Failover() as e:
+                self._failover(e)
+            case ev.WorkerState() as e:
+                self.transitions.labels(e.from_, e.to).inc()
+            case ev.ShadowPromoted():
+                self.promotions.inc()
+            case ev.ReplacementStarted():
+                self.replacements.inc()
+            case ev.WorkerColdStart() as e:
+                self.cold_start.observe(e.seconds)
+            case ev.SandboxCheckpoint() as e:
+                self._checkpoint(e)
+            case ev.SandboxCheckpointDecision() as e:
+                if e.action in ("defer", "busy"):
+                    self.checkpoints.labels("deferred").inc()
+            case ev.SandboxCheckpointSkipped():
+                self.checkpoints.labels("skipped").inc()
+            case ev.SandboxCheckpointFailed():
+                self.checkpoints.labels("failed").inc()
+            case ev.SandboxRestored() as e:
+                self._restored(e)
+            case ev.TurnsDiscarded() as e:
+                self.discarded.inc(len(e.turn_indices))
+            case ev.TurnsInterrupted() as e:
+                self.interrupted.inc(len(e.turn_indices))
+            case ev.RecomputedLogprobs():
+                self.recomputations.labels("ok").inc()
+            case ev.RecomputeFailed():
+                self.recomputations.labels("failed").inc()
+            case ev.Export() as e:
+                self.exports.labels(e.format).inc()
+            case ev.WeightsUpdated():
+                self.weight_updates.labels("ok").inc()
+            case ev.WeightsUpdateFailed():
+                self.weight_updates.labels("failed").inc()
+            case ev.WeightSwitch():
+                self.weight_switches.inc()
+            case ev.SessionMoved():
+                self.sessions_moved.inc()
+            case ev.QueryOfDeath():
+                self.queries_of_death.inc()
+            case ev.QueryOfDeathRefused():
+                self.query_of_death_refusals.inc()
 
     def observe_gaps(self, gaps: list[float]) -> None:
         """A turn's inter-token gaps (a chunk of n tokens after t seconds counts n gaps of t/n)."""
@@ -322,47 +343,33 @@ class GatewayMetrics:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def _turn_finished(self, e: Event) -> None:
-        d = e.data
-        self.turns.labels(d["status"]).inc()
-        self.tokens.labels("prompt").inc(d["prompt_tokens"])
-        self.tokens.labels("reused").inc(d["reused_tokens"])
-        self.tokens.labels("generated").inc(d["output_tokens"])
-        if d.get("ttft_ms") is not None:
-            self.ttft.observe(d["ttft_ms"] / 1000)
-        if d.get("total_ms") is not None:
-            self.turn_seconds.observe(d["total_ms"] / 1000)
+    def _turn_finished(self, e: ev.TurnFinished) -> None:
+        self.turns.labels(e.status).inc()
+        self.tokens.labels("prompt").inc(e.prompt_tokens)
+        self.tokens.labels("reused").inc(e.reused_tokens)
+        self.tokens.labels("generated").inc(e.output_tokens)
+        if e.ttft_ms is not None:
+            self.ttft.observe(e.ttft_ms / 1000)
+        if e.total_ms is not None:
+            self.turn_seconds.observe(e.total_ms / 1000)
 
-    def _prompt(self, e: Event) -> None:
-        self.prompts.labels(e.kind).inc()
+    def _failover(self, e: ev.Failover) -> None:
+        self.failovers.labels(e.cause).inc()
+        self.failover_detect.labels(e.cause).observe(e.detect_ms / 1000)
+        self.failover_lost.labels(e.cause).observe(e.lost_ms / 1000)
+        self.failover_tokens.inc(e.token_index)
 
-    def _failover(self, e: Event) -> None:
-        d = e.data
-        cause = d.get("cause", "dead")
-        self.failovers.labels(cause).inc()
-        self.failover_detect.labels(cause).observe(d["detect_ms"] / 1000)
-        self.failover_lost.labels(cause).observe(d["lost_ms"] / 1000)
-        self.failover_tokens.inc(d["token_index"])
-
-    def _worker_state(self, e: Event) -> None:
-        self.transitions.labels(e.data["from"], e.data["to"]).inc()
-
-    def _checkpoint(self, e: Event) -> None:
+    def _checkpoint(self, e: ev.SandboxCheckpoint) -> None:
         self.checkpoints.labels("taken").inc()
-        self.checkpoint_seconds.observe(e.data["seconds"])
-        if e.data.get("in_bubble"):
+        self.checkpoint_seconds.observe(e.seconds)
+        if e.in_bubble:
             self.in_bubble.inc()
 
-    def _decision(self, e: Event) -> None:
-        if e.data["action"] in ("defer", "busy"):
-            self.checkpoints.labels("deferred").inc()
-
-    def _restored(self, e: Event) -> None:
-        mode = e.data.get("mode", "truncate")
-        self.restores.labels(mode).inc()
-        self.restore_seconds.labels(mode).observe(e.data["seconds"])
-        self.replayed.inc(e.data.get("replayed", 0))
-        if str(e.data.get("reason", "")).startswith("node_lost"):
+    def _restored(self, e: ev.SandboxRestored) -> None:
+        self.restores.labels(e.mode).inc()
+        self.restore_seconds.labels(e.mode).observe(e.seconds)
+        self.replayed.inc(e.replayed)
+        if e.reason.startswith("node_lost"):
             self.node_loss_restores.inc()
 
 

@@ -9,10 +9,10 @@ events so that open pages extend their charts live.
 >>> hub = Telemetry()
 >>> rec = Recorder(hub)
 >>> hub.tokens_streamed += 8  # what the turn runner does as tokens arrive
->>> _ = hub.publish("turn_finished", {"output_tokens": 8, "ttft_ms": 40.0})
->>> _ = hub.publish("failover", {"token_index": 3})
+>>> _ = hub.publish(events.TurnFinished(0, "complete", 5, 0, 8, "worker-0", 40.0, 90.0, "stop", 0))
+>>> _ = hub.publish(events.ShadowPromoted("worker-1"))
 >>> rec.sample(2.0)["tokens_per_s"], rec.totals.failovers, [e.kind for e in rec.timeline]
-(4.0, 1, ['failover'])
+(4.0, 0, ['shadow_promoted'])
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from core import events
 from core.tasks import TaskOwner
 from core.telemetry import Event, Telemetry
 
@@ -74,34 +75,34 @@ class Recorder:
         self.telemetry.listen(self.on_event)
 
     def on_event(self, e: Event) -> None:
-        t, d = self.totals, e.data
+        t = self.totals
         if e.kind in RECOVERY_KINDS:
             self.timeline.append(e)
-        if e.kind == "turn_finished":
-            t.turns += 1
-            t.tokens_generated += d["output_tokens"]
-            self._turns += 1
-            if d.get("ttft_ms") is not None:
-                self._ttft_ms.append(d["ttft_ms"])
-        elif e.kind == "failover":
-            t.failovers += 1
-        elif e.kind == "shadow_promoted":
-            t.promotions += 1
-        elif e.kind == "worker_cold_start":
-            t.cold_starts += 1
-        elif e.kind == "replacement_started":
-            t.replacements += 1
-        elif e.kind == "sandbox_checkpoint":
-            t.checkpoints += 1
-            t.checkpoints_in_bubble += bool(d.get("in_bubble"))
-            self._checkpoint_s += d["seconds"]
-        elif e.kind == "sandbox_restored":
-            if d.get("mode") == "replay":
+        match e.typed:
+            case events.TurnFinished(output_tokens=generated, ttft_ms=ttft_ms):
+                t.turns += 1
+                t.tokens_generated += generated
+                self._turns += 1
+                if ttft_ms is not None:
+                    self._ttft_ms.append(ttft_ms)
+            case events.Failover():
+                t.failovers += 1
+            case events.ShadowPromoted():
+                t.promotions += 1
+            case events.WorkerColdStart():
+                t.cold_starts += 1
+            case events.ReplacementStarted():
+                t.replacements += 1
+            case events.SandboxCheckpoint(in_bubble=in_bubble, seconds=seconds):
+                t.checkpoints += 1
+                t.checkpoints_in_bubble += bool(in_bubble)
+                self._checkpoint_s += seconds
+            case events.SandboxRestored(mode="replay"):
                 t.replays += 1
-            else:
+            case events.SandboxRestored():
                 t.restores += 1
-        elif e.kind == "turns_discarded":
-            t.turns_discarded += len(d["turn_indices"])
+            case events.TurnsDiscarded(turn_indices=indices):
+                t.turns_discarded += len(indices)
 
     def sample(self, seconds: float) -> dict[str, Any]:
         """Close the current interval: its figures, published as a ``sample`` event."""
@@ -110,14 +111,15 @@ class Recorder:
             self.telemetry.tokens_streamed - self._streamed,
             self.telemetry.tokens_streamed,
         )
-        data = {
-            "tokens_per_s": round(streamed / seconds, 3),
-            "turns_per_s": round(self._turns / seconds, 3),
-            "ttft_ms": round(ttft, 3) if ttft is not None else None,
-            "checkpoint_ms": round(self._checkpoint_s * 1000, 3),
-        }
+        sample = events.Sample(
+            tokens_per_s=round(streamed / seconds, 3),
+            turns_per_s=round(self._turns / seconds, 3),
+            ttft_ms=round(ttft, 3) if ttft is not None else None,
+            checkpoint_ms=round(self._checkpoint_s * 1000, 3),
+        )
         self._turns, self._ttft_ms, self._checkpoint_s = 0, [], 0.0
-        event = self.telemetry.publish("sample", data)
+        event = self.telemetry.publish(sample)
+        data = event.data
         self.series.append({"ts": event.ts, **data})
         return data
 

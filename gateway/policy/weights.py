@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 from core.errors import InvalidRequest
+from core.events import WeightsUpdated, WeightsUpdateFailed
 from engine_pool.pool import EnginePool
 from store import EventRecord
 from store.roles import EventLog, EventReads
@@ -102,10 +102,10 @@ def _bad(path: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"weights path {path[:300]!r} {why}", "path", "weights_not_loadable")
 
 
-def record(store: EventLog, kind: str, data: dict[str, Any]) -> None:
+def record(store: EventLog, event: WeightsUpdated | WeightsUpdateFailed) -> None:
     """One weight update (``weights_updated``) or a failed one (``weights_update_failed``) in the store;
     the store publishes it on the live feed once it is committed."""
-    store.add_event(EventRecord(WEIGHTS_LOG, None, time.time(), kind, data))
+    store.add_event(EventRecord.of(WEIGHTS_LOG, None, event))
 
 
 def history(store: EventReads) -> list[dict[str, Any]]:

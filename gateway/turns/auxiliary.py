@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from core.errors import AuxiliaryUnavailable, Forbidden, InvalidRequest
+from core.events import AuxiliaryCall
 from store import EventRecord, SessionRecord, TrajectoryStore
 
 API_KEY_ENV = "BELAYER_AUX_API_KEY"
@@ -117,11 +118,9 @@ async def forward(
 
     def record(status: int) -> None:
         if sid is not None:
-            data = {"model": raw.get("model"), "provider_model": body["model"], "url": url, "status": status,
-                    "ms": round((time.monotonic() - started) * 1000, 1)}  # fmt: skip
-            store.front.post(
-                sid, store.add_event, EventRecord(sid, None, time.time(), "auxiliary_call", data)
-            )
+            ms = round((time.monotonic() - started) * 1000, 1)
+            event = AuxiliaryCall(raw.get("model"), body["model"], url, status, ms)
+            store.front.post(sid, store.add_event, EventRecord.of(sid, None, event))
 
     try:
         upstream = await http.send(http.build_request("POST", url, json=body, headers=headers), stream=True)

@@ -33,6 +33,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from core import events as ev
 from core.errors import (
     EngineError,
     EngineRequestFailed,
@@ -62,7 +63,7 @@ class Failure:
     """A worker lost in the middle of a turn: at which token, which worker, why, and when.
 
     >>> f = Failure(token_index=3, from_worker="w0", error="reset", at=10.0, last_token_at=9.5)
-    >>> f.event(to_worker="w1", now=10.25, sampling=GREEDY)["lost_ms"]
+    >>> f.event(to_worker="w1", now=10.25, sampling=GREEDY).lost_ms
     750.0
     """
 
@@ -81,10 +82,17 @@ class Failure:
     """The weight version of the turn's tokens so far (None: it had none)."""
 
     def event(
-        self, *, to_worker: str | None, now: float, sampling: str, resubmitted: float | None = None
-    ) -> dict[str, Any]:
-        """The ``failover`` event's data, once the turn resumed on `to_worker` (None: it did not) with
-        its first token at `now`, after its resubmission at `resubmitted` (``time.monotonic()`` both).
+        self,
+        *,
+        to_worker: str | None,
+        now: float,
+        sampling: str,
+        resubmitted: float | None = None,
+        to_version: str | None = None,
+    ) -> ev.Resumed:
+        """The ``failover`` event (``weight_switch``: a weight update cut the turn), once the turn
+        resumed on `to_worker` (None: it did not; on weight version `to_version`) with its first token
+        at `now`, after its resubmission at `resubmitted` (``time.monotonic()`` both).
 
         ``detect_ms`` and ``lost_ms`` count from the turn's last token. ``noticed_at``,
         ``resubmitted_at`` and ``resumed_at`` are the gateway's ``time.monotonic()`` (Linux's
@@ -92,19 +100,22 @@ class Failure:
         can time the loss from the kill: ``belayer bench recovery``): when the loss was noticed, when
         the resubmission went to its new worker, and when that worker's first token arrived."""
         since = self.last_token_at or self.at
-        return {
-            "token_index": self.token_index,
-            "from_worker": self.from_worker,
-            "error": self.error,
-            "cause": self.cause,
-            "to_worker": to_worker,
-            "detect_ms": round((self.at - since) * 1000, 3),
-            "lost_ms": round((now - since) * 1000, 3),
-            "sampling": sampling,
-            "noticed_at": round(self.at, 6),
-            "resubmitted_at": round(resubmitted, 6) if resubmitted is not None else None,
-            "resumed_at": round(now, 6) if to_worker is not None else None,
-        }
+        kind = ev.WeightSwitch if self.cause == "weights" else ev.Failover
+        return kind(
+            token_index=self.token_index,
+            from_worker=self.from_worker,
+            error=self.error,
+            cause=self.cause,
+            to_worker=to_worker,
+            detect_ms=round((self.at - since) * 1000, 3),
+            lost_ms=round((now - since) * 1000, 3),
+            sampling=sampling,
+            noticed_at=round(self.at, 6),
+            resubmitted_at=round(resubmitted, 6) if resubmitted is not None else None,
+            resumed_at=round(now, 6) if to_worker is not None else None,
+            from_version=self.version,
+            to_version=to_version,
+        )
 
 
 Segment = tuple[int, int, str]
@@ -357,14 +368,15 @@ class TurnStream:
         try:
             return await self.failover.lost(member, error, produced, self.last_token_at, self.state)
         except QueryOfDeath as convicted:  # not resubmitted: the trajectory says why
-            self.report("query_of_death", convicted.event)
+            if convicted.event is not None:
+                self.report(convicted.event)
             raise
 
     def _switched(self, failure: Failure, to_worker: str | None, resubmitted: float | None = None) -> None:
         """Report a switch: to `to_worker` (None: none was needed), resubmitted to it at `resubmitted`."""
         to_version = self._version if to_worker is not None else None
         self.report(
-            *switch_event(self.turn.request, failure, to_worker, to_version, self.state.keyed, resubmitted)
+            switch_event(self.turn.request, failure, to_worker, to_version, self.state.keyed, resubmitted)
         )
 
 
@@ -386,12 +398,11 @@ def switch_event(
     to_version: str | None,
     keyed: bool = False,
     resubmitted: float | None = None,
-) -> tuple[str, dict[str, Any]]:
+) -> ev.Resumed:
     """The event a resumed turn records: ``failover``, or ``weight_switch`` when a weight update cut it;
     its ``sampling`` says what the continuation is (`GREEDY`, `KEYED` or `SAMPLED`)."""
     sampling = KEYED if keyed else GREEDY if request.get("temperature") == 0 else SAMPLED
-    data = failure.event(
-        to_worker=to_worker, now=time.monotonic(), sampling=sampling, resubmitted=resubmitted
+    now = time.monotonic()
+    return failure.event(
+        to_worker=to_worker, now=now, sampling=sampling, resubmitted=resubmitted, to_version=to_version
     )
-    data |= {"from_version": failure.version, "to_version": to_version}
-    return ("weight_switch" if failure.cause == "weights" else "failover"), data

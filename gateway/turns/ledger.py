@@ -19,6 +19,7 @@ import contextlib
 import time
 from typing import Any
 
+from core import events as ev
 from core.errors import StoreError
 from core.tasks import TaskOwner
 from core.telemetry import Telemetry
@@ -61,9 +62,7 @@ class TurnLedger:
         self._timed("begin", t0)
         req.turn = turn
         self.telemetry.publish(
-            "turn_started",
-            {"index": turn.index, "branch": turn.branch, "prompt_tokens": len(prompt_ids),
-             "reused_tokens": req.plan.reused_tokens},
+            ev.TurnStarted(turn.index, turn.branch, len(prompt_ids), req.plan.reused_tokens),
             turn.session_id, turn.id,
         )  # fmt: skip
         for obs in self.observers:
@@ -98,14 +97,12 @@ class TurnLedger:
     def _write_begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
         plan = req.plan
 
-        def first_event(turn: TurnRecord) -> tuple[str, dict[str, Any]]:
-            kind = "prefix_reuse" if plan.parent else "fresh_prompt"
-            data: dict[str, Any] = {"reason": plan.reason, "reused_tokens": plan.reused_tokens}
-            if plan.parent is not None:
-                data["parent_turn"] = plan.parent.index
+        def first_event(turn: TurnRecord) -> ev.PromptPlan:
+            kind: type[ev.PromptPlan] = ev.PrefixReuse if plan.parent else ev.FreshPrompt
             if turn.index > 0 and (plan.parent is None or turn.branch != plan.parent.branch):
-                kind = "branch"
-            return kind, data
+                kind = ev.Branch
+            parent = plan.parent.index if plan.parent is not None else ev.ABSENT
+            return kind(plan.reason, plan.reused_tokens, parent)
 
         record = TurnRecord(
             session_id=req.session.id,
@@ -121,13 +118,10 @@ class TurnLedger:
         new_session = req.session if req.session.ephemeral else None
         return self.store.begin_turn(record, first_event, new_session, parent=plan.parent)
 
-    def event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
+    def event(self, turn: TurnRecord, event: ev.Payload) -> None:
         """Recorded after the turn's earlier writes and before its end (posted: not awaited)."""
-        self.store.front.post(
-            turn.session_id,
-            self.store.add_event,
-            EventRecord(turn.session_id, turn.id, time.time(), kind, data),
-        )
+        record = EventRecord.of(turn.session_id, turn.id, event)
+        self.store.front.post(turn.session_id, self.store.add_event, record)
 
     async def _written_begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
         """`_write_begin`, through the store's front: off the loop for a remote store (a commit is
@@ -169,11 +163,7 @@ class TurnLedger:
     def _write_failure(self, turn: TurnRecord, status: str, error: str) -> None:
         try:
             self.store.finish_turn(turn)
-            self.store.add_event(
-                EventRecord(
-                    turn.session_id, turn.id, time.time(), "turn_failed", {"status": status, "error": error}
-                )
-            )
+            self.store.add_event(EventRecord.of(turn.session_id, turn.id, ev.TurnFailed(status, error)))
         except StoreError:
             pass  # logged by the store, which keeps the turn's end and writes it later: the first error is the news
 
@@ -182,14 +172,13 @@ class TurnLedger:
         comes here, after its final write: its in-flight writes stop)."""
         self.inflight.untrack(turn)
         self.telemetry.publish(
-            "turn_finished",
-            {
-                "index": turn.index, "status": turn.status, "prompt_tokens": len(turn.prompt_ids),
-                "reused_tokens": reused_tokens, "output_tokens": len(turn.output_ids),
-                "worker": turn.worker, "ttft_ms": turn.timings.get("ttft_ms"),
-                "total_ms": turn.timings.get("total_ms"), "finish_reason": turn.finish_reason,
-                "failovers": failovers,
-            },
+            ev.TurnFinished(
+                index=turn.index, status=turn.status, prompt_tokens=len(turn.prompt_ids),
+                reused_tokens=reused_tokens, output_tokens=len(turn.output_ids),
+                worker=turn.worker, ttft_ms=turn.timings.get("ttft_ms"),
+                total_ms=turn.timings.get("total_ms"), finish_reason=turn.finish_reason,
+                failovers=failovers,
+            ),
             turn.session_id, turn.id,
         )  # fmt: skip
         if self.metrics is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.events import ToolCallParseError
 from engine_pool.client import SamplingParams, TokenChunk
 from gateway.policy.parsers import (
     SPECIAL_TAGS,
@@ -118,7 +119,7 @@ class TurnOutput:
             elif isinstance(ev, ToolCall):
                 delta.tool_calls.append(ev)
             elif isinstance(ev, MalformedToolCall) and self.report is not None:
-                self.report("tool_call_parse_error", {"raw": ev.raw, "reason": ev.reason})
+                self.report(ToolCallParseError(ev.raw, ev.reason))
         self.content.append(delta.content)
         self.reasoning.append(delta.reasoning)
         return delta

@@ -19,13 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from core import events
 from engine_pool.client import SamplingParams
 from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
 from gateway.policy.parsers import ToolCall
 from gateway.turns.sessions import PromptPlan
 from store import SessionRecord, TurnRecord
 
-Report = Callable[[str, dict[str, Any]], None]
+Report = Callable[[events.Payload], None]
 """Where a turn's events go as it runs (``TurnLedger.event``, bound to the turn): its switches to other
 workers, a conviction as a query of death, a malformed tool call."""
 

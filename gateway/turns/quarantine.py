@@ -60,12 +60,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from core import events as ev
 from core.errors import EngineRequestFailed, QueryOfDeath
 from engine_pool.client import SamplingParams
 from gateway.config import QuarantineConfig
 
 Verdict = Literal["bystander", "suspect", "convicted"]
-Publish = Callable[[str, dict[str, Any], str | None], object]
+Publish = Callable[[ev.Payload, str | None], object]
 
 
 def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
@@ -255,7 +256,7 @@ class Quarantine:
             self.check(fp)
         except EngineRequestFailed as refused:
             if self._publish is not None:
-                self._publish("query_of_death_refused", {"fingerprint": fp, "error": str(refused)}, session)
+                self._publish(ev.QueryOfDeathRefused(fp, str(refused)), session)
             raise
         known = self._suspects.get(fp)
         if known is not None and time.time() - known[0] <= self.config.remember_s:
@@ -278,10 +279,10 @@ class Quarantine:
         self._suspects.pop(fp, None)
         self._remember(Conviction(fp, reason, tuple(suspicion.killed), time.time(), session))
         error = QueryOfDeath(reason)
-        error.event = {
-            "fingerprint": suspicion.fingerprint, **suspicion.about, "workers_killed": list(suspicion.killed),
-            "deaths": suspicion.deaths,
-        }  # fmt: skip
+        error.event = ev.QueryOfDeath(
+            fingerprint=suspicion.fingerprint, **suspicion.about, workers_killed=list(suspicion.killed),
+            deaths=suspicion.deaths,
+        )  # fmt: skip
         return error
 
     def failed_on_healthy(self, suspicion: Suspicion, error: EngineRequestFailed) -> None:

@@ -24,9 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from typing import Any
 
+from core import events as ev
 from core.errors import StoreError
 from core.tasks import TaskOwner
 from engine_pool.pool import EnginePool
@@ -62,7 +61,7 @@ class LogprobRecomputer:
             if turn is None:
                 self.store.end_recomputation(turn_id, None)
                 continue
-            self._event(turn, "recompute_resumed", {"spans": spans})
+            self._event(turn, ev.RecomputeResumed(spans))
             self._tasks.spawn(self._run(turn, spans), f"turn-{turn.id}")
             resumed += 1
         if resumed:
@@ -79,24 +78,23 @@ class LogprobRecomputer:
                 worker = member.name
         except asyncio.CancelledError:  # the gateway shuts down: say so in the trajectory, then stop
             error = "cancelled at shutdown (redone at the next start)"
-            self._event(turn, "recompute_failed", {"spans": spans, "error": error})
+            self._event(turn, ev.RecomputeFailed(spans, error))
             raise
         except Exception as e:
             log.warning("turn %s: logprob recomputation failed: %s", turn.id, e)
-            self._end(turn, "recompute_failed", {"spans": spans, "error": f"{type(e).__name__}: {e}"})
+            self._end(turn, ev.RecomputeFailed(spans, f"{type(e).__name__}: {e}"))
             return
         runs = [[a, values[a:b]] for a, b in spans]
-        data = {"runs": runs, "worker": worker, "tokens": sum(b - a for a, b in spans)}
-        self._end(turn, "recomputed_logprobs", data)
+        self._end(turn, ev.RecomputedLogprobs(runs, worker, sum(b - a for a, b in spans)))
 
-    def _event(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
-        event = EventRecord(turn.session_id, turn.id, time.time(), kind, data)
-        self.store.front.post(turn.session_id, self.store.add_event, event)
+    def _event(self, turn: TurnRecord, event: ev.Payload) -> None:
+        record = EventRecord.of(turn.session_id, turn.id, event)
+        self.store.front.post(turn.session_id, self.store.add_event, record)
 
-    def _end(self, turn: TurnRecord, kind: str, data: dict[str, Any]) -> None:
+    def _end(self, turn: TurnRecord, event: ev.Payload) -> None:
         """The pass's outcome, and its pending mark dropped, in one write (after the turn's earlier ones)."""
-        event = EventRecord(turn.session_id, turn.id, time.time(), kind, data)
-        self.store.front.post(turn.session_id, self.store.end_recomputation, turn.id, event)
+        record = EventRecord.of(turn.session_id, turn.id, event)
+        self.store.front.post(turn.session_id, self.store.end_recomputation, turn.id, record)
 
     async def idle(self) -> None:
         """Wait until no pass is running (tests)."""

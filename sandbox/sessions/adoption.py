@@ -60,6 +60,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from core import events as ev
 from core.errors import SandboxError, SandboxNotFound
 from core.logs import session_tag
 from sandbox.backend import Sandbox, SandboxSpec, checkpoint_from_record
@@ -270,12 +271,12 @@ class Adoption:
         async with slot.lock:
             failure = await self._check(slot)
             if failure is None:
-                data = {
-                    "sandbox_id": slot.sandbox_id, "address": slot.address,
-                    "checkpoints": len(slot.history.items), "journaled_calls": len(slot.journal),
-                    "seconds": round(time.monotonic() - started, 4),
-                }  # fmt: skip
-                self.events.add(slot.session_id, None, "sandbox_adopted", data)
+                adopted = ev.SandboxAdopted(
+                    sandbox_id=slot.sandbox_id, address=slot.address,
+                    checkpoints=len(slot.history.items), journaled_calls=len(slot.journal),
+                    seconds=round(time.monotonic() - started, 4),
+                )  # fmt: skip
+                self.events.add(slot.session_id, None, adopted)
                 report.adopted.append(slot.session_id)
             elif await self._recover(slot, failure):
                 report.restored.append(slot.session_id)
@@ -310,7 +311,7 @@ class Adoption:
         except SandboxError as exc:
             await self.lifecycle.drop(slot)
             slot.failure = f"{failure.kind}: {failure.detail}; {exc}"
-            self.events.add(slot.session_id, None, "sandbox_failed", {"reason": slot.failure})
+            self.events.add(slot.session_id, None, ev.SandboxFailed(slot.failure))
             log.warning(
                 "session %s: sandbox lost at start-up: %s", session_tag(slot.session_id), slot.failure
             )
@@ -336,5 +337,5 @@ class Adoption:
         rec = self._recorded(session.id)
         await self.checkpointer.delete_all(session.id, rec.checkpoints)
         if rec.live:
-            data = {"sandbox_id": box.id, "stage": "start-up", "reason": "leaked by a gateway that stopped"}
-            self.events.add(session.id, None, "sandbox_destroyed", data)
+            leaked = ev.SandboxDestroyed(box.id, stage="start-up", reason="leaked by a gateway that stopped")
+            self.events.add(session.id, None, leaked)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
 
+from core import events as ev
 from core.errors import SandboxError
 from core.logs import session_tag
 from core.tasks import TaskOwner
@@ -70,9 +70,7 @@ class BubbleObserver:
         always = self.policy.settings.mode == "always"  # it waits for a call holding the sandbox
         busy = slot.history.pending or (slot.lock.locked() and not always)
         action = "busy" if decision.checkpoint and busy else decision.action
-        self.events.add(
-            turn.session_id, turn.id, "sandbox_checkpoint_decision", _decision_json(decision, action, slot)
-        )
+        self.events.add(turn.session_id, turn.id, _decision_event(decision, action, slot))
         if decision.checkpoint and not busy:
             self._spawn(slot, turn, decision)
         elif decision.checkpoint and always:
@@ -136,16 +134,14 @@ class BubbleObserver:
                 if slot.sandbox_id is None or not self.slots.current(slot):
                     return
                 if turn.id not in slot.turns.running:  # the bubble is over: the harness may act again
-                    self.events.add(
-                        slot.session_id, turn.id, "sandbox_checkpoint_skipped", {"reason": "bubble over"}
-                    )
+                    self.events.add(slot.session_id, turn.id, ev.SandboxCheckpointSkipped("bubble over"))
                     return
                 await self.checkpointer.take(slot, decision.action, turn)
         except SandboxError as exc:
             log.warning(
                 "session %s: checkpoint in turn %d failed: %s", session_tag(slot.session_id), turn.index, exc
             )
-            self.events.add(slot.session_id, turn.id, "sandbox_checkpoint_failed", {"error": str(exc)})
+            self.events.add(slot.session_id, turn.id, ev.SandboxCheckpointFailed(str(exc)))
         finally:
             slot.history.pending = False
             self._release(turn)
@@ -157,11 +153,11 @@ class BubbleObserver:
                 self._release(queued)
 
 
-def _decision_json(d: Decision, action: str, slot: Slot) -> dict[str, Any]:
-    return {
-        "action": action,
-        "predicted_bubble_s": round(d.predicted_bubble_s, 4),
-        "predicted_cost_s": round(d.predicted_cost_s, 4),
-        "turns_since_checkpoint": slot.history.turns_since,
-        "reason": d.reason,
-    }
+def _decision_event(d: Decision, action: str, slot: Slot) -> ev.SandboxCheckpointDecision:
+    return ev.SandboxCheckpointDecision(
+        action=action,
+        predicted_bubble_s=round(d.predicted_bubble_s, 4),
+        predicted_cost_s=round(d.predicted_cost_s, 4),
+        turns_since_checkpoint=slot.history.turns_since,
+        reason=d.reason,
+    )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 
+from core import events as ev
 from core.errors import CheckpointError, SandboxError
 from core.logs import session_tag
 from sandbox.backend import checkpoint_record
@@ -66,8 +67,8 @@ class Checkpointer:
         slot.journal.clear()
         self.taken += 1
         self.policy.observe_checkpoint(seconds=seconds, dump_bytes=ckpt.dump_bytes)
-        data = {**info.as_json(), "record": checkpoint_record(ckpt)}  # the whole record: `adoption`
-        self.events.add(slot.session_id, bubble.id if bubble else None, "sandbox_checkpoint", data)
+        taken = ev.SandboxCheckpoint(**info.as_json(), record=checkpoint_record(ckpt))  # the whole record: `adoption`
+        self.events.add(slot.session_id, bubble.id if bubble else None, taken)
         for old in slot.history.evict(self.keep):
             await self.delete(slot.session_id, old)
         return info
@@ -79,8 +80,8 @@ class Checkpointer:
         used = await self.io.op(self.io.backend.writable_bytes, box)
         if used is None or used <= quota:
             return
-        data = {"reason": "disk_quota", "writable_bytes": used, "disk_quota_bytes": quota, "sandbox_id": box}
-        self.events.add(session_id, bubble.id if bubble else None, "sandbox_checkpoint_refused", data)
+        refused = ev.SandboxCheckpointRefused("disk_quota", used, quota, box)
+        self.events.add(session_id, bubble.id if bubble else None, refused)
         raise CheckpointError(
             f"checkpoint refused: the sandbox has written {used} bytes, over its disk quota of {quota} "
             "(sandbox.disk_quota_bytes; the storage driver does not enforce it)"

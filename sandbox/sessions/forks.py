@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from core import events as ev
 from core.errors import SandboxExists
 from sandbox.sessions.checkpoints import Checkpointer
 from sandbox.sessions.journal import Call
@@ -58,12 +59,12 @@ class Forks:
                     await self.checkpointer.delete_all(child.session_id, child.history.release())
                 raise failed[0]
         for child in made:
-            data = {
-                "sandbox_id": child.sandbox_id, "parent_session": session_id, "fork_turn": at_turn,
-                "checkpoint_id": chosen.checkpoint.id if chosen else None, "replayed": len(calls),
-                "address": child.address, "lineage": list(child.lineage), **restorable(child),
-            }  # fmt: skip
-            self.events.add(child.session_id, None, "sandbox_forked", data)
+            forked = ev.SandboxForked(
+                sandbox_id=child.sandbox_id, parent_session=session_id, fork_turn=at_turn,
+                checkpoint_id=chosen.checkpoint.id if chosen else None, replayed=len(calls),
+                address=child.address, lineage=list(child.lineage), **restorable(child),
+            )  # fmt: skip
+            self.events.add(child.session_id, None, forked)
 
     def _fork_slot(self, slot: Slot, child_id: str) -> Slot:
         labels = {**slot.spec.labels, SESSION_LABEL: child_id}

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from core import events as ev
 from core.errors import SandboxArgumentError, SandboxExists
 from core.tasks import TaskOwner
 from sandbox.backend import DEFAULT_SESSION, ExecResult, SandboxBackend, SandboxSpec
@@ -127,11 +128,11 @@ class SandboxManager:
             session_id, spec, harness_inside=harness_inside, recovery=mode, gateway_url=self.gateway_url
         )
         self._slots.add(slot)
-        data = {
-            "sandbox_id": slot.sandbox_id, "image": spec.image, "network": spec.network, "address": slot.address,
+        created = ev.SandboxCreated(
+            sandbox_id=slot.sandbox_id, image=spec.image, network=spec.network, address=slot.address,
             **restorable(slot),
-        }  # fmt: skip
-        self._events.add(session_id, None, "sandbox_created", data)
+        )  # fmt: skip
+        self._events.add(session_id, None, created)
         self._ensure_watcher()
         return slot.live()
 
@@ -173,7 +174,7 @@ class SandboxManager:
             box = slot.sandbox_id
             await self._lifecycle.drop(slot)
             await self._checkpointer.delete_all(session_id, slot.history.release())
-        self._events.add(session_id, None, "sandbox_destroyed", {"sandbox_id": box})
+        self._events.add(session_id, None, ev.SandboxDestroyed(box))
 
     async def close(self) -> None:
         """Wait for checkpoints in progress, destroy every sandbox (and its checkpoints), stop the pools."""
@@ -333,7 +334,7 @@ class SandboxManager:
                 await self._lifecycle.drop(slot)
                 await self._checkpointer.delete_all(session_id, slot.history.release())
         if not plan.keep_agent_sandbox:
-            self._events.add(session_id, None, "sandbox_destroyed", {"sandbox_id": box, "stage": "verify"})
+            self._events.add(session_id, None, ev.SandboxDestroyed(box, stage="verify"))
         if plan.mode != "shared":
             outcome = await self._verify.judge(session_id, spec, plan, agent_tar, plan.keep_agent_sandbox)
         return dataclasses.replace(outcome, seconds=time.monotonic() - started)

@@ -11,10 +11,10 @@ had when it asked for turn k, so:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from core import events as ev
 from sandbox.backend import Checkpoint
 from store import EventRecord
 from store.roles import SandboxEvents
@@ -105,10 +105,10 @@ class EventLog:
     def __init__(self, store: SandboxEvents) -> None:
         self._store = store
 
-    def add(self, session_id: str, turn_id: int | None, kind: str, data: dict[str, Any]) -> None:
+    def add(self, session_id: str, turn_id: int | None, event: ev.Payload) -> None:
         """Posted: not awaited."""
-        event = EventRecord(session_id, turn_id, time.time(), kind, data)
-        self._store.front.post(session_id, self._store.add_event, event)
+        record = EventRecord.of(session_id, turn_id, event)
+        self._store.front.post(session_id, self._store.add_event, record)
 
     def discard_turns(self, session_id: str, turn_ids: list[int], reason: str) -> None:
         """Mark these turns discarded (`Truncation.discard_turns`); posted: not awaited."""

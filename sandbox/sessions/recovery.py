@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from core import events as ev
 from core.errors import (
     CheckpointError,
     NoCheckpoint,
@@ -174,10 +175,8 @@ class Recovery:
         call.turn = slot.turns.last
         slot.journal.record(call)
         if call.journaled and call.args is not None:
-            data: dict[str, Any] = {"op": call.op, "args": call.args, "turn": call.turn}
-            if isinstance(call.result, ExecResult):
-                data["exit_code"], data["digest"] = fingerprint(call.result)
-            self.events.add(slot.session_id, None, "sandbox_call", data)
+            code, digest = fingerprint(call.result) if isinstance(call.result, ExecResult) else (ev.ABSENT, ev.ABSENT)
+            self.events.add(slot.session_id, None, ev.SandboxCall(call.op, call.args, call.turn, code, digest))
 
     # ------------------------------------------------------------------ recovery
     async def recover(self, slot: Slot, failure: Failure) -> RestoreInfo:
@@ -248,9 +247,9 @@ class Recovery:
         try:
             return await self.lifecycle.replace(slot, chosen)
         except SandboxError as exc:
-            data = {"checkpoint_id": chosen.checkpoint.id if chosen else None, "reason": reason,
-                    "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
-            self.events.add(slot.session_id, None, "sandbox_restore_failed", data)
+            checkpoint = chosen.checkpoint.id if chosen else None
+            failed = ev.SandboxRestoreFailed(checkpoint, reason, f"{type(exc).__name__}: {exc}")
+            self.events.add(slot.session_id, None, failed)
             raise
 
     async def _replay_journal(self, slot: Slot, box: str, calls: list[Call] | None = None) -> int:
@@ -311,10 +310,9 @@ class Recovery:
 
     def _restored(self, slot: Slot, info: RestoreInfo) -> None:
         slot.restores.done(info)
-        self.events.add(slot.session_id, None, "sandbox_restored", info.as_json())
+        self.events.add(slot.session_id, None, ev.SandboxRestored(**info.as_json()))
 
     def _failure_event(self, slot: Slot, failure: Failure, *, after_replay: bool = False) -> None:
-        data: dict[str, Any] = {"kind": failure.kind, "detail": failure.detail, "sandbox_id": slot.sandbox_id}
-        if after_replay:
-            data["after_replay"] = True
-        self.events.add(slot.session_id, None, "sandbox_failure", data)
+        again: bool | ev.Absent = True if after_replay else ev.ABSENT
+        failed = ev.SandboxFailure(failure.kind, failure.detail, slot.sandbox_id, after_replay=again)
+        self.events.add(slot.session_id, None, failed)

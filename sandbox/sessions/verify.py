@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from core import events as ev
 from core.errors import RewardFileError, SandboxError, SandboxTimeout
 from sandbox.backend import ExecResult, SandboxSpec
 from sandbox.sessions.io import SandboxIO
@@ -189,13 +190,11 @@ class VerifyStage:
         backend = self.io.backend
         left = await self.io.op(backend.processes, agent_box)
         if left:
-            self.events.add(
-                session_id, None, "agent_processes_left", {"count": len(left), "commands": left[:20]}
-            )
+            self.events.add(session_id, None, ev.AgentProcessesLeft(len(left), left[:20]))
         outside = outside_changes(await self.io.op(backend.changed_paths, agent_box), workdir)
         if outside:
-            data = {"count": len(outside), "paths": [f"{kind} {path}" for kind, path in outside[:50]]}
-            self.events.add(session_id, None, "outside_workspace_modified", data)
+            paths = [f"{kind} {path}" for kind, path in outside[:50]]
+            self.events.add(session_id, None, ev.OutsideWorkspaceModified(len(outside), paths))
         limit = self.io.max_workspace_bytes
         spool = tempfile.SpooledTemporaryFile(SPOOL_MEMORY_BYTES, prefix="belayer-verify-")  # noqa: SIM115 - judge closes it
         try:
@@ -207,8 +206,7 @@ class VerifyStage:
             raise
         copy = WorkspaceCopy(spool, size, limit)
         if copy.too_large:
-            data = {"workspace_bytes": size, "max_workspace_bytes": limit, "workdir": workdir}
-            self.events.add(session_id, None, "workspace_too_large", data)
+            self.events.add(session_id, None, ev.WorkspaceTooLarge(size, limit, workdir))
         return copy
 
     async def judge(
@@ -223,8 +221,8 @@ class VerifyStage:
             changes = await self.io.op(protect, tree, plan.originals, plan.protected)
             action: Literal["none", "reset", "fail"] = "none" if not changes else plan.on_tamper
             for change in changes:
-                data = {**change.as_json(), "action": plan.on_tamper}
-                self.events.add(session_id, None, "protected_path_modified", data)
+                modified = ev.ProtectedPathModified(**change.as_json(), action=plan.on_tamper)
+                self.events.add(session_id, None, modified)
             if action == "fail":
                 return _outcome(_Verdict(False, None, "", False), plan, changes, action, started, kept)
             workspace = write_tree(tree, spec.workdir, plan.originals, plan.protected)

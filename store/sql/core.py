@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
+from core import events
 from core.errors import StoreError
 from core.telemetry import Telemetry
 from store import schema
@@ -98,7 +99,7 @@ class SqlStore(TrajectoryStore):
     def begin_turn(
         self,
         turn: TurnRecord,
-        first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
+        first_event: Callable[[TurnRecord], events.Payload] | None = None,
         new_session: SessionRecord | None = None,
         parent: TurnRecord | None = None,
     ) -> TurnRecord:
@@ -217,12 +218,11 @@ class SqlStore(TrajectoryStore):
             yield tx
         if self.telemetry is not None:  # after the commit, outside SQLite's lock: listeners may read
             for ev in tx.events:
-                self.telemetry.publish(ev.kind, ev.data, ev.session_id, ev.turn_id, ev.ts)
+                self.telemetry.publish_record(ev.kind, ev.data, ev.session_id, ev.turn_id, ev.ts)
 
-    def _publish_session(self, kind: str, session: SessionRecord) -> None:
+    def _publish_session(self, kind: type[events.SessionChanged], session: SessionRecord) -> None:
         if self.telemetry is not None and not session.ephemeral:
-            data = {"status": session.status, "reward": session.reward, "metadata": session.metadata}
-            self.telemetry.publish(kind, data, session.id)
+            self.telemetry.publish(kind(session.status, session.reward, session.metadata), session.id)
 
     def _interrupt(self, tx: Tx, where: str = "", args: tuple[Any, ...] = ()) -> int:
         """In a transaction: the running turns that match become interrupted, with the tokens they had,

@@ -5,9 +5,9 @@ store."""
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
+from core import events as ev
 from store.base import EventRecord, SessionRecord, fork_point, has_forks
 from store.sql.dialect import Tx
 from store.sql.reads import SqlReads
@@ -28,27 +28,27 @@ class SqlLifecycle:
     def fork(self, parent_id: str, at_turn: int, children: list[SessionRecord]) -> list[SessionRecord]:
         known = self.reads.get_session(parent_id) is not None
         at = fork_point(parent_id, at_turn, self.reads.get_turns(parent_id) if known else None)
-        data = {"parent_session": parent_id, "fork_turn": at_turn, "fork_turn_id": at.id}
+        forked = ev.SessionForked(parent_id, at_turn, at.id)
         with self.db._transaction() as tx:
             for child in children:
                 child.parent_session, child.fork_turn = parent_id, at_turn
                 self.writes.insert_session(tx, child)
-                self.db._insert_event(tx, EventRecord(child.id, None, time.time(), "session_forked", data))
+                self.db._insert_event(tx, EventRecord.of(child.id, None, forked))
         for child in children:
-            self.db._publish_session("session_created", child)
+            self.db._publish_session(ev.SessionCreated, child)
         return children
 
     def mark_closed(self, session: SessionRecord) -> bool:
-        data = {"reward": session.reward, "closed_at": session.closed_at}
+        closed = ev.SessionClosed(session.reward, session.closed_at)
         with self.db._transaction() as tx:
             changed = tx.execute(
                 "UPDATE sessions SET status = ?, closed_at = ? WHERE id = ? AND status = 'open'",
                 (session.status, session.closed_at, session.id),
             ).rowcount
             if changed:
-                self.db._record_close(tx, EventRecord(session.id, None, time.time(), "session_closed", data))
+                self.db._record_close(tx, EventRecord.of(session.id, None, closed))
         if changed:
-            self.db._publish_session("session_updated", session)
+            self.db._publish_session(ev.SessionUpdated, session)
         return bool(changed)
 
     def closed_after(self, after_id: int, limit: int) -> list[tuple[int, str]]:
@@ -76,9 +76,7 @@ class SqlLifecycle:
             counts = self._delete(tx, [session_id])
         self._forget_unwritten({session_id})
         if self.db.telemetry is not None:
-            self.db.telemetry.publish(
-                "session_deleted", {"turns": counts[0], "events": counts[1]}, session_id
-            )
+            self.db.telemetry.publish(ev.SessionDeleted(turns=counts[0], events=counts[1]), session_id)
         return counts
 
     def prune(self, closed_before: float, exported_only: bool = False) -> list[str]:

@@ -4,11 +4,11 @@ write that failed is kept and retried), recomputation outcomes, events, and disc
 from __future__ import annotations
 
 import logging
-import time
 from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from core import events as ev
 from core.errors import NotFound, StoreError
 from store import layout, schema
 from store.base import TURN_DISCARDED, EventRecord, OutputPart, SessionRecord, TurnRecord, stored_metadata
@@ -32,7 +32,7 @@ class SqlWrites:
     def create_session(self, session: SessionRecord) -> SessionRecord:
         with self.db._statement() as tx:
             self.insert_session(tx, session)
-        self.db._publish_session("session_created", session)
+        self.db._publish_session(ev.SessionCreated, session)
         return session
 
     def insert_session(self, tx: Tx, session: SessionRecord) -> None:
@@ -65,12 +65,12 @@ class SqlWrites:
                 session.id,
             ),
         )
-        self.db._publish_session("session_updated", session)
+        self.db._publish_session(ev.SessionUpdated, session)
 
     def begin_turn(
         self,
         turn: TurnRecord,
-        first_event: Callable[[TurnRecord], tuple[str, dict[str, Any]]] | None = None,
+        first_event: Callable[[TurnRecord], ev.Payload] | None = None,
         new_session: SessionRecord | None = None,
         parent: TurnRecord | None = None,
     ) -> TurnRecord:
@@ -107,8 +107,7 @@ class SqlWrites:
             sql = f"INSERT INTO turns ({columns}) VALUES ({', '.join('?' * len(values))})"
             turn.id = self.db._insert_id(tx, sql, values)
             if first_event is not None:
-                kind, data = first_event(turn)
-                self.db._insert_event(tx, EventRecord(turn.session_id, turn.id, time.time(), kind, data))
+                self.db._insert_event(tx, EventRecord.of(turn.session_id, turn.id, first_event(turn)))
         return turn
 
     def lock_session(self, tx: Tx, session_id: str) -> tuple[Any, ...] | None:
@@ -248,6 +247,6 @@ class SqlWrites:
             ).fetchall()
             indices = sorted(int(r[0]) for r in rows)
             if indices:
-                data = {"after_turn": after, "turn_indices": indices, "reason": reason}
-                self.db._insert_event(tx, EventRecord(session_id, None, time.time(), "turns_discarded", data))
+                discarded = ev.TurnsDiscarded(after, indices, reason)
+                self.db._insert_event(tx, EventRecord.of(session_id, None, discarded))
         return indices

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from core.events import SessionMoved
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
 from engine_pool.pool import READY, EnginePool
 from engine_pool.settings import RoutingPolicy
@@ -208,8 +209,10 @@ async def test_a_session_moved_for_load_is_counted_on_metrics(tmp_path: Path, ti
     ):
         gw: Gateway = app.state.gateway
         before = samples((await client.get("/metrics")).text, "belayer_sessions_moved_total")
-        moved = {"from_worker": "remote-0", "to_worker": "remote-1", "group": None, "why": "load"}
-        gw.telemetry.publish("session_moved", moved | {"from_outstanding": 5, "to_outstanding": 1}, "ses_1")
+        moved = SessionMoved(
+            "remote-0", "remote-1", None, 0, 0, from_outstanding=5, to_outstanding=1, why="load"
+        )
+        gw.telemetry.publish(moved, "ses_1")
         after = samples((await client.get("/metrics")).text, "belayer_sessions_moved_total")
     assert (before, after) == (
         {("belayer_sessions_moved_total", ()): 0.0},

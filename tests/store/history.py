@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from core.errors import Conflict, NotFound
+from core.events import FreshPrompt, RecomputedLogprobs, TurnsDiscarded
 from core.telemetry import Event, Telemetry
 from store import OutputPart, SessionQuery, SessionRecord, TurnRecord
 from store.base import TURN_COMPLETE, EventRecord
@@ -35,7 +36,7 @@ def history(store: TrajectoryStore, published: list[Event]) -> list[Any]:
     seen: list[Any] = []
     store.create_session(SessionRecord("p", 10.0, {"task": "a", "ok": True}))
     store.create_session(SessionRecord("req", 11.0, {"task": "a"}, ephemeral=True))
-    t0 = store.begin_turn(turn_of("p", [1, 2, 3], None, "k0"), lambda t: ("turn_started", {"i": t.index}))
+    t0 = store.begin_turn(turn_of("p", [1, 2, 3], None, "k0"), lambda t: FreshPrompt(f"turn {t.index}", 0))
     seen.append(store.append_outputs([OutputPart(t0.id, 0, [7, 8], [-0.5, -1.0], [(0, 2, "v1")])]))
     seen.append(store.append_outputs([OutputPart(t0.id, 5, [9], [-0.1])]))  # a gap: skipped
     finish(store, t0, [7, 8])
@@ -50,7 +51,7 @@ def history(store: TrajectoryStore, published: list[Event]) -> list[Any]:
     store.begin_turn(turn_of("c2", [1], None))  # left running
     store.schedule_recomputation(c0, [(0, 2)])
     seen.append(store.pending_recomputations())
-    store.end_recomputation(c0.id, EventRecord("c1", c0.id, 1.0, "recomputed", {"n": 2}))
+    store.end_recomputation(c0.id, EventRecord.of("c1", c0.id, RecomputedLogprobs([[0, [-0.5]]], "w0", 2), 1.0))
     seen.append(store.pending_recomputations())
     seen.append(store.discard_turns_after("p", 1, "restore"))
     seen.append(store.discard_turns("p", [t1.id, t2.id], "again"))
@@ -65,7 +66,7 @@ def history(store: TrajectoryStore, published: list[Event]) -> list[Any]:
     seen.append((store.mark_closed(closing), store.mark_closed(closing)))
     store.update_session(closing)
     store.mark_exported(["c1", "c2"])
-    store.add_event(EventRecord("p", None, 2.0, "note", {"x": [1, 2]}))
+    store.add_event(EventRecord.of("p", None, TurnsDiscarded(None, [1, 2], "note"), 2.0))
     for sid in ("p", "c1", "c2", "req"):
         seen += [store.get_session(sid), store.get_turns(sid), _events(store.get_events(sid))]
     seen += [

@@ -14,6 +14,7 @@ const TONES = {
 
 const WORKER_TONES = { dead: "bad", unhealthy: "warn", ready: "good", shadow: "info", starting: "info" };
 
+// A label for every kind of core.events.REGISTRY (tests/gateway/test_event_kinds.py checks it).
 export const LABELS = {
   failover: "Failover", worker_state: "Worker", shadow_promoted: "Promotion",
   worker_cold_start: "Cold start", replacement_started: "Replacement", sandbox_checkpoint: "Checkpoint",
@@ -22,7 +23,16 @@ export const LABELS = {
   sandbox_checkpoint_skipped: "Checkpoint skipped", sandbox_checkpoint_failed: "Checkpoint failed",
   recomputed_logprobs: "Recomputed", recompute_failed: "Recompute failed", turn_failed: "Turn failed",
   tool_call_parse_error: "Tool call", branch: "Branch", prefix_reuse: "Prefix reuse",
-  fresh_prompt: "Fresh prompt", session_moved: "Moved",
+  fresh_prompt: "Fresh prompt", session_moved: "Moved", worker_weights: "Weights", weight_owner: "Weight owner",
+  turn_started: "Turn", turn_finished: "Turn", weight_switch: "Weight switch", query_of_death: "Query of death",
+  query_of_death_refused: "Refused", recompute_resumed: "Recompute resumed", auxiliary_call: "Auxiliary call",
+  export: "Export", sample: "Sample", weights_updated: "Weights updated", weights_update_failed: "Weights failed",
+  session_created: "Session", session_updated: "Session", session_deleted: "Session deleted",
+  session_closed: "Closed", session_forked: "Forked", turns_interrupted: "Interrupted", feed_advanced: "Feed",
+  sandbox_forked: "Sandbox fork", sandbox_adopted: "Adopted", sandbox_failed: "Sandbox failed",
+  sandbox_checkpoint_refused: "Checkpoint refused", sandbox_call: "Tool call", agent_processes_left: "Processes left",
+  outside_workspace_modified: "Outside workspace", workspace_too_large: "Workspace too large",
+  protected_path_modified: "Protected path",
 };
 
 const seconds = (s) => (s === null || s === undefined ? "—" : `${fixed(s, s < 10 ? 2 : 1)} s`);
