@@ -1,9 +1,10 @@
 """The pool's settings (`PoolSettings`): how many workers, where they run, how they are probed.
 
-`EnginePool` is built from them (they are its constructor's keyword arguments, and stay its attributes,
-which may be changed before it starts), and each of its parts reads the ones it needs from them, live::
+`EnginePool` holds them (``pool.settings``; they may be changed before it starts, and some while it
+runs), and each of its parts is given them and reads the ones it needs, live::
 
     settings = PoolSettings(probe_interval=0.1, probe_failures=2)
+    pool = EnginePool(http, settings)
     settings.probe_interval = 0.05  # read at the next probe round
 """
 
@@ -24,7 +25,7 @@ ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("affinity", "group", "round-robin
 
 @dataclass(slots=True, kw_only=True)
 class PoolSettings:
-    """What the pool is asked to be; the parts of ``EnginePool`` read these (and only these) of it."""
+    """What the pool is asked to be; the parts of ``EnginePool`` are given these and read them live."""
 
     log_dir: str = "logs"
     spec_factory: Callable[[], WorkerSpec] | None = None

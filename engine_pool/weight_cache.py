@@ -11,7 +11,7 @@ its KV cache and runtime state, not a second copy of the weights, and a replacem
 reading the weights from disk.
 
 CUDA IPC maps memory only on the device it lives on, so the pool places shadows on the active workers'
-device groups (``EnginePool.colocate``): the groups must number at least the active workers, not the
+device groups (``PoolSettings.colocate``): the groups must number at least the active workers, not the
 workers plus shadows. Processes sharing a group share its memory: unless ``--gpu-memory-utilization``
 is given, each gets ``launch.colocated_utilization`` (the usual 0.9 split between them; vLLM counts the
 daemon's weights in each process's budget once, ``get_external_weight_memory``).

@@ -76,7 +76,7 @@ class WeightKeeper:
         if (
             isinstance(self.owner, WeightOwner)
             and self.versions.path is not None
-            and self.versions.version != self.versions.base  # `adopt_version`
+            and self.versions.version != self.versions.base  # `WeightUpdater.adopt`
         ):
             try:
                 self.owner = self.owner.successor(self.versions.path, self.versions.version, "weight-owner")

@@ -30,7 +30,7 @@ from core.net import free_port
 from core.telemetry import Telemetry
 from core.worker_auth import new_worker_key
 from engine_pool.launch import colocated_utilization, model_context_length, names_option
-from engine_pool.pool import STARTING, EnginePool, WorkerLauncher
+from engine_pool.pool import READY, STARTING, EnginePool, PoolSettings, WorkerLauncher
 from engine_pool.transport import engine_transport
 from engine_pool.weight_cache import GpuWeightCache
 from engine_pool.weight_owner import WeightOwner, loader_args
@@ -105,8 +105,7 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         owner_args = loader_args(launch.weight_owner_dir, launch.weight_owner_linear)
     launching = not config.engine_urls
     launcher = ray_launcher(config) if launching and config.ray.address else None
-    pool = EnginePool(
-        http,
+    settings = PoolSettings(
         log_dir=config.log_dir,
         spec_factory=spec if launching else None,
         active=config.workers if launching else len(config.engine_urls),
@@ -121,10 +120,11 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         watch_exits=config.failover.exit_watch,
         warm_up=config.failover.warm_up,
     )
+    pool = EnginePool(http, settings)
     if on_gpus:  # a vLLM weight cache per device group, mapped over CUDA IPC (engine_pool.weight_cache)
-        pool.weight_owner = GpuWeightCache(spec(), groups, Path(config.log_dir))
+        pool.weights.owner = GpuWeightCache(spec(), groups, Path(config.log_dir))
     elif owned:  # one owner for the host's workers and shadows (engine_pool.weight_owner)
-        pool.weight_owner = WeightOwner(spec(), launch.weight_owner_dir, Path(config.log_dir))
+        pool.weights.owner = WeightOwner(spec(), launch.weight_owner_dir, Path(config.log_dir))
     for url in config.engine_urls:
         pool.add_remote(url)
     for url in config.shadow_urls:
@@ -154,8 +154,9 @@ def ray_launcher(config: GatewayConfig) -> WorkerLauncher:
 async def health(request: Request) -> Response:
     """200 with a ready worker; 503 ``starting`` while engines load, ``no_engine`` with none."""
     gw = gateway_of(request)
-    ready = [m.name for m in gw.pool.ready()]
-    starting = [m.name for m in gw.pool.members if m.state == STARTING]
+    pool = gw.pool.view()
+    ready = [m.name for m in pool.in_state(READY)]
+    starting = [m.name for m in pool.in_state(STARTING)]
     status = "ok" if ready else "starting" if starting else "no_engine"
     body = {
         "status": status,
@@ -201,7 +202,7 @@ async def open_gateway(
     stack.callback(store.close)
     tok = ChatTokenizer.load(config.model)
     the_pool = pool or build_pool(config, http)
-    the_pool.telemetry = telemetry
+    the_pool.settings.telemetry = telemetry
     weights.restore(store, the_pool)  # the version a gateway before this one moved the workers to
     stack.push_async_callback(the_pool.stop)  # also when start fails half-way: launched workers stop
     await the_pool.start()
@@ -276,8 +277,9 @@ def build_app(
             gw = await open_gateway(app, config, stack, pool, observers, sandbox_backend, aux_transport)
             app.state.gateway = gw
             _warn_open(config)
-            ready = [m.name for m in gw.pool.ready()]
-            log.info("gateway ready: workers=%s max_model_len=%d", ready, gw.pool.max_model_len)
+            view = gw.pool.view()
+            ready = [m.name for m in view.in_state(READY)]
+            log.info("gateway ready: workers=%s max_model_len=%d", ready, view.max_model_len)
             yield
 
     return Starlette(

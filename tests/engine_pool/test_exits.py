@@ -119,7 +119,7 @@ async def pool(
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=10) as http:
         pool = build_pool(config, http)
-        pool.probe_interval = 3600.0  # only the watch can notice a death
+        pool.settings.probe_interval = 3600.0  # only the watch can notice a death
         try:
             await pool.start()
             yield pool
@@ -128,7 +128,7 @@ async def pool(
 
 
 async def test_a_dead_engine_core_fences_its_lingering_worker_at_once(pool: EnginePool) -> None:
-    first, second = pool.ready()
+    first, second = pool.roster.ready()
     assert first.process is not None and first.process.pid is not None
     assert first.process.watched == 3  # the reaper, the server, its engine core
     [core] = [pid for pid, what in vital(first.process.pid) if what == ENGINE_CORE_TITLE]
@@ -142,7 +142,7 @@ async def test_a_dead_engine_core_fences_its_lingering_worker_at_once(pool: Engi
 
 
 async def test_a_planned_stop_is_no_death(pool: EnginePool) -> None:
-    first, second = pool.ready()
+    first, second = pool.roster.ready()
     assert first.process is not None and second.process is not None
     launched = pool.factory.launched
     removed = await pool.remove(first.name, drain_timeout=0.0)  # a scale-down

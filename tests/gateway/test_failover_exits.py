@@ -55,7 +55,7 @@ async def launched_gateway(
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=None) as http:
         pool = build_pool(config, http)
-        pool.probe_interval = 3600.0  # no probe round: only the watch (or the connection) can notice
+        pool.settings.probe_interval = 3600.0  # no probe round: only the watch (or the connection) can notice
         app = build_app(config, pool=pool, observers=[turns])
         async with (
             app.router.lifespan_context(app),
