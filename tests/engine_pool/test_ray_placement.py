@@ -13,7 +13,8 @@ import pytest
 
 from engine_pool.client import EngineClient
 from engine_pool.pool import READY, SHADOW, STARTING, PoolMember
-from engine_pool.ray_workers import HEAD_RESOURCE, NodeView, RayLauncher, RaySettings, RayWorker
+from engine_pool.ray_actor import RayWorker
+from engine_pool.ray_workers import HEAD_RESOURCE, NodeView, RayLauncher, RaySettings
 from engine_pool.worker import WorkerSpec
 
 
