@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from engine_pool.member import PoolMember
 from engine_pool.states import STARTING
-from engine_pool.versions import Preemption
+from engine_pool.weights.versions import Preemption
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,8 +40,8 @@ while none is ready; once the pool has moved past that version it takes the curr
 its settings (``engine_pool.settings``, read live) and composes parts that share its members and read
 only those settings: the members and their state changes (``engine_pool.roster``), routing
 (``engine_pool.router``), probing, fencing, promotion and replacement (``engine_pool.supervisor``), the
-weight version (``engine_pool.versions``) and its updates (``engine_pool.weight_update``), the weight
-owner (``engine_pool.weight_keeper``) and the making of launched workers (``engine_pool.worker_factory``).
+weight version (``engine_pool.weights.versions``) and its updates (``engine_pool.weights.update``), the weight
+owner (``engine_pool.weights.keeper``) and the making of launched workers (``engine_pool.workers.factory``).
 What the gateway's turns call is the small protocol of ``engine_pool.face`` (`Engines`: lease a worker
 for a `Placement`, report a failure, a view); readers get frozen views (`EnginePool.view`); the rest of
 the gateway (the weights and engines APIs) calls the parts.
@@ -66,7 +66,7 @@ import httpx
 import tenacity
 
 from core.errors import Conflict, EngineError, InvalidRequest
-from engine_pool.client import EngineClient
+from engine_pool.engine.client import EngineClient
 from engine_pool.face import MemberView, Placement, PoolView
 from engine_pool.member import PoolMember, WorkerLauncher
 from engine_pool.roster import Roster
@@ -74,10 +74,10 @@ from engine_pool.router import Router
 from engine_pool.settings import PoolSettings
 from engine_pool.states import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY
 from engine_pool.supervisor import Supervisor
-from engine_pool.versions import Preemption, WeightVersions
-from engine_pool.weight_keeper import WeightKeeper
-from engine_pool.weight_update import WeightUpdate, WeightUpdater
-from engine_pool.worker_factory import WorkerFactory
+from engine_pool.weights.keeper import WeightKeeper
+from engine_pool.weights.update import WeightUpdate, WeightUpdater
+from engine_pool.weights.versions import Preemption, WeightVersions
+from engine_pool.workers.factory import WorkerFactory
 
 __all__ = [
     "DEAD", "DRAINING", "READY", "SHADOW", "STARTING", "UNHEALTHY",
@@ -101,15 +101,15 @@ class EnginePool:
         self.roster = Roster(s)
         """The members and their states (``engine_pool.roster``)."""
         self.versions = WeightVersions()
-        """The weight version served, and whether an update runs (``engine_pool.versions``)."""
+        """The weight version served, and whether an update runs (``engine_pool.weights.versions``)."""
         self.weights = WeightKeeper(s, self.roster, self.versions, self.report_failure)
-        """Keeps the weight owner (``belayer serve --weight-owner``; ``engine_pool.weight_keeper``)."""
+        """Keeps the weight owner (``belayer serve --weight-owner``; ``engine_pool.weights.keeper``)."""
         self.updater = WeightUpdater(self.roster, self.versions, self.weights, self.report_failure)
-        """Moves the workers to new weights (``engine_pool.weight_update``)."""
+        """Moves the workers to new weights (``engine_pool.weights.update``)."""
         self.router = Router(s, self.roster, self.versions)
         """Picks the worker for each request (``engine_pool.router``)."""
         self.factory = WorkerFactory(s, http, self.roster, self.versions, self.weights)
-        """Makes launched workers (``engine_pool.worker_factory``)."""
+        """Makes launched workers (``engine_pool.workers.factory``)."""
         self.supervisor = Supervisor(
             s, self.roster, self.versions, self.router, self.weights, self.updater, self.factory
         )

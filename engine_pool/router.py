@@ -46,7 +46,7 @@ from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
 from engine_pool.settings import PoolSettings
 from engine_pool.states import DRAINING, READY, SHADOW
-from engine_pool.versions import WeightVersions
+from engine_pool.weights.versions import WeightVersions
 
 
 class Router:

@@ -16,7 +16,7 @@ from typing import Literal
 
 from core.telemetry import Telemetry
 from engine_pool.member import WorkerLauncher
-from engine_pool.worker import WorkerSpec
+from engine_pool.workers.worker import WorkerSpec
 
 RoutingPolicy = Literal["affinity", "group", "round-robin", "least-loaded"]
 """How the router places requests (``engine_pool.router``)."""
@@ -37,11 +37,11 @@ class PoolSettings:
     probe_failures: int = 3  # consecutive failed probes before a live worker counts as hung
     start_timeout: float = 300.0
     device_groups: tuple[tuple[int, ...], ...] = ()
-    """Devices for launched workers, a group each (``engine_pool.launch.device_groups``); a new worker
+    """Devices for launched workers, a group each (``engine_pool.workers.launch.device_groups``); a new worker
     gets a group no live worker holds (or, with `colocate`, the group fewest live workers hold)."""
     colocate: bool = False
     """Shadows share the active workers' device groups: they map the group's weight cache over CUDA
-    IPC, which works only on the device the memory is on (``engine_pool.weight_cache``)."""
+    IPC, which works only on the device the memory is on (``engine_pool.weights.cache``)."""
     max_affinity: int = 65536
     """Sessions whose last worker is remembered (least recently used forgotten first); also the most
     groups whose first worker is remembered."""
@@ -63,8 +63,8 @@ class PoolSettings:
     launcher: WorkerLauncher | None = None
     """Launches workers elsewhere (a Ray cluster: ``belayer serve --ray``); None: local processes."""
     watch_exits: bool = True
-    """Watch each launched local worker's vital processes (``engine_pool.exits``): its death is noticed
+    """Watch each launched local worker's vital processes (``engine_pool.workers.exits``): its death is noticed
     when it happens, not when its connections break or a probe fails."""
     warm_up: bool = True
     """Send each launched worker a few short requests before it takes traffic or stands as a shadow
-    (``engine_pool.warm_up``): a stream resumed on it then does not pay its first requests' one-off costs."""
+    (``engine_pool.workers.warm_up``): a stream resumed on it then does not pay its first requests' one-off costs."""

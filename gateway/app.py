@@ -29,12 +29,12 @@ from core import __version__
 from core.net import free_port
 from core.telemetry import Telemetry
 from core.worker_auth import new_worker_key
-from engine_pool.launch import colocated_utilization, model_context_length, names_option
+from engine_pool.engine.transport import engine_transport
 from engine_pool.pool import READY, STARTING, EnginePool, PoolSettings, WorkerLauncher
-from engine_pool.transport import engine_transport
-from engine_pool.weight_cache import GpuWeightCache
-from engine_pool.weight_owner import WeightOwner, loader_args
-from engine_pool.worker import WorkerSpec
+from engine_pool.weights.cache import GpuWeightCache
+from engine_pool.weights.owner import WeightOwner, loader_args
+from engine_pool.workers.launch import colocated_utilization, model_context_length, names_option
+from engine_pool.workers.worker import WorkerSpec
 from gateway.api import engine_metrics
 from gateway.api import engines as engines_api
 from gateway.api import export as export_api
@@ -121,9 +121,9 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         warm_up=config.failover.warm_up,
     )
     pool = EnginePool(http, settings)
-    if on_gpus:  # a vLLM weight cache per device group, mapped over CUDA IPC (engine_pool.weight_cache)
+    if on_gpus:  # a vLLM weight cache per device group, mapped over CUDA IPC (engine_pool.weights.cache)
         pool.weights.owner = GpuWeightCache(spec(), groups, Path(config.log_dir))
-    elif owned:  # one owner for the host's workers and shadows (engine_pool.weight_owner)
+    elif owned:  # one owner for the host's workers and shadows (engine_pool.weights.owner)
         pool.weights.owner = WeightOwner(spec(), launch.weight_owner_dir, Path(config.log_dir))
     for url in config.engine_urls:
         pool.add_remote(url)
@@ -134,7 +134,7 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
 
 def ray_launcher(config: GatewayConfig) -> WorkerLauncher:
     """Workers as Ray actors (``--ray``); Ray itself is imported only once the pool connects."""
-    from engine_pool.ray_workers import RayLauncher, RaySettings
+    from engine_pool.workers.ray_workers import RayLauncher, RaySettings
 
     ray, launch = config.ray, config.launch
     assert ray.address is not None
@@ -191,7 +191,7 @@ async def open_gateway(
     """Open the long-lived objects in order; `stack` closes them in reverse: the turn runner first (its
     recomputations need pool and store), then the sandboxes, the pool, and the store last."""
     limits = engine_limits(config)
-    # httpx's transport on asyncio streams: the engine leg's CPU per chunk (engine_pool.transport)
+    # httpx's transport on asyncio streams: the engine leg's CPU per chunk (engine_pool.engine.transport)
     http = await stack.enter_async_context(
         httpx.AsyncClient(transport=engine_transport(limits), timeout=None)
     )

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from core.keyed import choose
-from engine_pool.client import REQUEST_ID_HEADER, session_of_request
+from engine_pool.engine.client import REQUEST_ID_HEADER, session_of_request
 from engine_pool.fake.stats import FakeStats
 
 Script = Callable[[list[int]], list[int]]

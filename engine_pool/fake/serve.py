@@ -33,7 +33,7 @@ def engine_core() -> subprocess.Popen[bytes]:
     """A stand-in for vLLM's engine core process: a child titled as vLLM titles its own, which does
     nothing. When it dies, the fake server lingers and streams on, as vLLM's API server lingers after
     its engine core died (until its watchdog looks): only a watch of the worker's processes
-    (``engine_pool.exits``) tells the gateway."""
+    (``engine_pool.workers.exits``) tells the gateway."""
     return subprocess.Popen([ENGINE_CORE_TITLE, "infinity"], executable=shutil.which("sleep") or "/bin/sleep")
 
 

@@ -7,7 +7,7 @@ The turn runner (``gateway.turns.runner``) reads the chunks; it never sees a fai
 A submission's tokens come from a worker through ``stall_guarded`` (``gateway.turns.guard``): a pump
 task reads the engine while the turn waits with a deadline, so a worker that stops sending tokens (hung,
 not dead) is noticed after ``stall_timeout`` seconds, once a health probe confirms it. A dead worker's
-connection error arrives by itself, and a launched worker's exit at once (``engine_pool.exits``: the
+connection error arrives by itself, and a launched worker's exit at once (``engine_pool.workers.exits``: the
 pool cuts its streams with a `WorkerExited`). The ``Failure`` kept meanwhile becomes the turn's
 ``failover`` event once the new worker sends its first token (then the time lost is known).
 
@@ -43,7 +43,7 @@ from core.errors import (
     QueryOfDeath,
     WorkerExited,
 )
-from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
+from engine_pool.engine.client import SamplingParams, TokenChunk, engine_request_id
 from engine_pool.face import Engines, Placement
 from engine_pool.member import PoolMember
 from gateway.config import FailoverConfig

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_pool.client import SamplingParams, TokenChunk
+from engine_pool.engine.client import SamplingParams, TokenChunk
 from gateway.policy.parsers import (
     SPECIAL_TAGS,
     ContentDelta,

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from core.errors import EngineRequestFailed, QueryOfDeath
-from engine_pool.client import SamplingParams
+from engine_pool.engine.client import SamplingParams
 from gateway.config import QuarantineConfig
 
 Verdict = Literal["bystander", "suspect", "convicted"]

@@ -15,7 +15,7 @@ from core.errors import (
     EngineUnavailable,
 )
 from core.net import free_port
-from engine_pool.client import EngineClient, SamplingParams
+from engine_pool.engine.client import EngineClient, SamplingParams
 from engine_pool.fake import FakeEngine, fake_logprob
 from gateway.config import GatewayConfig
 from tests.support import asgi_gateway

@@ -1,4 +1,4 @@
-"""A launched worker's death noticed by its pidfds (``engine_pool.exits``): which processes of its group
+"""A launched worker's death noticed by its pidfds (``engine_pool.workers.exits``): which processes of its group
 are vital, a watch that fires once and not after it was closed, and the pool's side: a dead engine-core
 stand-in fences its worker without a probe, and a planned stop (a removal, a stop) is no death."""
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_pool.exits import ExitWatch, vital
 from engine_pool.fake import ENGINE_CORE_ENV, ENGINE_CORE_TITLE
 from engine_pool.pool import DEAD, READY, EnginePool
-from engine_pool.worker import launch_group, stop_group
+from engine_pool.workers.exits import ExitWatch, vital
+from engine_pool.workers.worker import launch_group, stop_group
 from gateway.app import build_pool
 from gateway.config import GatewayConfig
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_pool.launch import model_context_length
 from engine_pool.pool import DEAD, READY, SHADOW, EnginePool, PoolMember
-from engine_pool.worker import WorkerSpec
+from engine_pool.workers.launch import model_context_length
+from engine_pool.workers.worker import WorkerSpec
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 from tests.belayer.test_cli import _fails, _root_logging_restored  # noqa: F401  (an autouse fixture)

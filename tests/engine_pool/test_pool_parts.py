@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from core.errors import Conflict, EngineError, EngineUnavailable, InvalidRequest, NotFound
-from engine_pool.client import EngineClient, ModelInfo
+from engine_pool.engine.client import EngineClient, ModelInfo
 from engine_pool.face import Placement
 from engine_pool.fake import FakeEngine
 from engine_pool.member import PoolMember
@@ -22,12 +22,12 @@ from engine_pool.router import Router
 from engine_pool.settings import PoolSettings
 from engine_pool.states import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY
 from engine_pool.supervisor import Supervisor
-from engine_pool.versions import WeightVersions
-from engine_pool.weight_cache import GpuWeightCache
-from engine_pool.weight_keeper import WeightKeeper
-from engine_pool.weight_update import WeightUpdater
-from engine_pool.worker import VllmWorker, WorkerSpec
-from engine_pool.worker_factory import WorkerFactory
+from engine_pool.weights.cache import GpuWeightCache
+from engine_pool.weights.keeper import WeightKeeper
+from engine_pool.weights.update import WeightUpdater
+from engine_pool.weights.versions import WeightVersions
+from engine_pool.workers.factory import WorkerFactory
+from engine_pool.workers.worker import VllmWorker, WorkerSpec
 
 
 def _refuse(request: httpx.Request) -> httpx.Response:

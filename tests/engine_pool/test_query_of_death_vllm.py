@@ -12,7 +12,7 @@ import pytest
 
 from core.net import free_port
 from engine_pool.pool import EnginePool, PoolSettings
-from engine_pool.worker import WorkerSpec
+from engine_pool.workers.worker import WorkerSpec
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 

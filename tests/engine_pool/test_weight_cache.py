@@ -1,4 +1,4 @@
-"""The weight owner on GPUs (``engine_pool.weight_cache``): vLLM's weight-cache daemon per device group,
+"""The weight owner on GPUs (``engine_pool.weights.cache``): vLLM's weight-cache daemon per device group,
 with workers and shadows launched to map it over CUDA IPC.
 
 This machine has no GPU, so the launch plan is checked exactly (each daemon's command and devices, each
@@ -21,8 +21,8 @@ import pytest
 
 from core.errors import EngineUnavailable, InvalidRequest
 from engine_pool.pool import DEAD, DRAINING, READY, SHADOW, EnginePool
-from engine_pool.weight_cache import LOAD_FORMAT, CacheDaemon, GpuWeightCache, health_ok
-from engine_pool.worker import WorkerSpec
+from engine_pool.weights.cache import LOAD_FORMAT, CacheDaemon, GpuWeightCache, health_ok
+from engine_pool.workers.worker import WorkerSpec
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 from tests.support import serve_config

@@ -21,7 +21,7 @@ import pytest
 
 from core import shm_weights
 from core.errors import ConfigError
-from engine_pool.weight_owner import LOAD_FORMAT, WeightOwner, maps_owner
+from engine_pool.weights.owner import LOAD_FORMAT, WeightOwner, maps_owner
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 from tests.support import REPO
@@ -141,7 +141,7 @@ async def test_a_pool_with_an_owner_launches_workers_that_map_its_weights(
         assert maps_owner(argv) and not maps_owner([*argv, "--load-format", "auto"])
         assert pool.weights.owner.dir == shm / shm_weights.checkpoint_hash(tiny_model_dir)
         owner_argv = pool.weights.owner.argv()
-        assert owner_argv[1:3] == ["-m", "engine_pool.weight_owner"]
+        assert owner_argv[1:3] == ["-m", "engine_pool.weights.owner"]
         ports = {argv.index("--port") + 1}  # each spec has a free port of its own; the rest is the same
         theirs = owner_argv[owner_argv.index("--") + 1 :]
         assert [a for i, a in enumerate(theirs) if i + 3 not in ports] == [

@@ -26,8 +26,8 @@ import pytest
 from core import shm_weights
 from core.net import free_port
 from engine_pool.pool import READY, SHADOW, EnginePool, PoolMember
-from engine_pool.weight_owner import WeightOwner
-from engine_pool.worker import VllmWorker, WorkerSpec
+from engine_pool.weights.owner import WeightOwner
+from engine_pool.workers.worker import VllmWorker, WorkerSpec
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 

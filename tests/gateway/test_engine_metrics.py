@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_pool.client import EngineClient
+from engine_pool.engine.client import EngineClient
 from engine_pool.face import MemberView
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import PoolMember

@@ -302,7 +302,7 @@ def test_a_retried_suspect_comes_back_as_one_until_it_completes() -> None:
     """A suspect that found no worker of its own in time is answered 503; its retry arrives as the suspect
     it was (its deaths kept, isolated at once) and a second death convicts it. One that completes is
     cleared."""
-    from engine_pool.client import SamplingParams
+    from engine_pool.engine.client import SamplingParams
 
     async def run() -> tuple[tuple[object, ...], Suspicion, str, Suspicion]:
         q = Quarantine(QuarantineConfig())

@@ -2,8 +2,8 @@
 launch weights' version, and the state of an update (held while `updating`; `switching` once its drain
 time is over, when `preemption` cuts the requests still running). `Preemption` is that cut.
 
-Only workers on the current version are routed to or promoted (`current`). ``engine_pool.weight_update``
-moves the pool to a new version; ``engine_pool.weight_keeper`` keeps the weight owner on it.
+Only workers on the current version are routed to or promoted (`current`). ``engine_pool.weights.update``
+moves the pool to a new version; ``engine_pool.weights.keeper`` keeps the weight owner on it.
 
 Example::
 

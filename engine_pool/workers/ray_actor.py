@@ -1,6 +1,6 @@
-"""One engine on a Ray node (``engine_pool.ray_workers`` places them): the Ray actor that runs it there
+"""One engine on a Ray node (``engine_pool.workers.ray_workers`` places them): the Ray actor that runs it there
 (`EngineHost`), and the gateway's handle to it (`RayWorker`), which the pool drives as it drives a local
-process (``engine_pool.worker.VllmWorker``).
+process (``engine_pool.workers.worker.VllmWorker``).
 
 Example::
 
@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.net import free_port
-from engine_pool.exits import OnExit
-from engine_pool.worker import VllmWorker, WorkerSpec, _group_alive, _signal_group
+from engine_pool.workers.exits import OnExit
+from engine_pool.workers.worker import VllmWorker, WorkerSpec, _group_alive, _signal_group
 
 if TYPE_CHECKING:
-    from engine_pool.ray_workers import RayLauncher
+    from engine_pool.workers.ray_workers import RayLauncher
 
 log = logging.getLogger("belayer.engine_pool.ray")
 
@@ -40,7 +40,7 @@ log = logging.getLogger("belayer.engine_pool.ray")
 class EngineHost:
     """The Ray actor that runs one engine server on its node (in the node's Ray worker process).
 
-    ``start`` launches ``python -m engine_pool.reaper <engine argv>`` in a new process group on the
+    ``start`` launches ``python -m engine_pool.workers.reaper <engine argv>`` in a new process group on the
     node's IP and a free port; ``wait`` returns when it exits; ``stop`` ends the whole group. The reaper
     kills the engine's group if this actor's process dies, so a killed actor leaves no engine behind."""
 
@@ -55,7 +55,7 @@ class EngineHost:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             self._proc = subprocess.Popen(
-                [spec.python, "-m", "engine_pool.reaper", *spec.argv()], stdout=out,
+                [spec.python, "-m", "engine_pool.workers.reaper", *spec.argv()], stdout=out,
                 stderr=subprocess.STDOUT, env={**os.environ, **spec.env()}, start_new_session=True,
             )  # fmt: skip
         node = ray.get_runtime_context().get_node_id()

@@ -34,8 +34,8 @@ from core.errors import (
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
 from engine_pool.states import READY, SHADOW, STARTING, UNHEALTHY
-from engine_pool.versions import Preemption, WeightVersions
-from engine_pool.weight_keeper import WeightKeeper
+from engine_pool.weights.keeper import WeightKeeper
+from engine_pool.weights.versions import Preemption, WeightVersions
 
 log = logging.getLogger("belayer.engine_pool")
 

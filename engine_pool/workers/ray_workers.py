@@ -1,11 +1,11 @@
 """Workers placed on a Ray cluster (``belayer serve --ray auto|ADDRESS``): one more way the pool launches
 a worker, beside the local process (``VllmWorker``).
 
-Each launched worker (active or shadow) is a Ray actor (``engine_pool.ray_actor``: `EngineHost`, and the
+Each launched worker (active or shadow) is a Ray actor (``engine_pool.workers.ray_actor``: `EngineHost`, and the
 gateway's handle to it, `RayWorker`) that Ray places on a node with the
 resources the worker needs (``--ray-cpus-per-worker`` CPUs, the tensor-parallel size in GPUs with the
 gpu profile, and any ``--ray-resource NAME=AMOUNT``). The actor starts the engine server (vLLM, or the
-fake engine) through ``engine_pool.reaper`` on its node's IP and a free port there, and the gateway
+fake engine) through ``engine_pool.workers.reaper`` on its node's IP and a free port there, and the gateway
 reaches it over HTTP as it reaches a local worker: health probes, failover, promotion, fencing and
 replacement are the pool's own (``engine_pool.pool``). Ray is imported only here and by the actor, and
 only once a `RayLauncher` connects: a gateway without ``--ray`` never imports it.
@@ -61,9 +61,9 @@ from typing import Any, TypeVar
 
 from core.errors import EngineUnavailable
 from engine_pool.member import PoolMember
-from engine_pool.ray_actor import EngineHost, RayWorker
 from engine_pool.states import READY, SHADOW, STARTING
-from engine_pool.worker import WorkerSpec
+from engine_pool.workers.ray_actor import EngineHost, RayWorker
+from engine_pool.workers.worker import WorkerSpec
 
 log = logging.getLogger("belayer.engine_pool.ray")
 
