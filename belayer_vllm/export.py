@@ -1,6 +1,6 @@
 """``python -m belayer_vllm.export --dir BASE [--checkpoint NAME] -- VLLM_ARGS...``: lay a model's weights out in the store.
 
-The weight owner (``engine_pool.weight_owner``) runs this once, with the same vLLM arguments as its
+The weight owner (``engine_pool.weights.owner``) runs this once, with the same vLLM arguments as its
 workers: it builds vLLM's model for that configuration (as ``vllm preload`` does for a GPU), loads the
 checkpoint into it with vLLM's default loader, and writes every parameter and buffer, in vLLM's layout
 and before any post-processing, to ``BASE/<checkpoint>/<layout>/`` (``belayer_vllm.layout``; NAME:

@@ -7,7 +7,7 @@ vLLM 0.32 a worker mapping the daemon cannot take a weight update ("Model reload
 format"). This loader is ``ipc_cache`` in every other respect (the same socket, fingerprint, zero-copy
 mapping and fallback to a disk load) and reads an update's weights from disk as vLLM's default loader
 does. vLLM then writes them into the model's tensors in place (``reload.layerwise``: ``.data.copy_``),
-which for a zero-copy mapper is the daemon's memory: `engine_pool.weight_cache` says why that is
+which for a zero-copy mapper is the daemon's memory: `engine_pool.weights.cache` says why that is
 consistent across the group's workers.
 
 One difference from ``ipc_cache``: vLLM routes a speculative draft model to the daemon's draft group only

@@ -1,7 +1,7 @@
 """``python -m belayer_vllm.preload [PRELOAD_OPTIONS] -- WORKER_ARGS...``: vLLM's own weight-cache
 daemon (``vllm preload``) for one device group, started with the workers' own vLLM arguments.
 
-The pool (``engine_pool.weight_cache``) gives the daemon the arguments it gives its workers, so that the
+The pool (``engine_pool.weights.cache``) gives the daemon the arguments it gives its workers, so that the
 daemon's fingerprint of the weights (vLLM's ``WeightCacheKey``: checkpoint, dtype, quantization,
 tensor-parallel size) is the workers' and they map its tensors instead of falling back to disk. Some of
 those arguments belong to vLLM's HTTP front end (``--enable-auto-tool-choice``, ``--api-key``), which

@@ -1,5 +1,5 @@
 """The worker extension of ``belayer_shm`` engines (``--worker-extension-cls
-belayer_vllm.worker.SharedWeights``, which ``engine_pool.weight_owner.loader_args`` adds): vLLM mixes this
+belayer_vllm.worker.SharedWeights``, which ``engine_pool.weights.owner.loader_args`` adds): vLLM mixes this
 class into its worker, so that ``POST /collective_rpc`` can call `SharedWeights.belayer_remap_weights` on
 each model worker (vLLM runs such calls between engine steps, never during one).
 

@@ -9,7 +9,7 @@ parentheses is a mixin, so ``except ValueError`` (say) still catches the class.
     ├── EngineError                    anything between the gateway and an inference worker
     │   ├── EngineUnavailable          connection refused/reset, worker died, no healthy worker
     │   │   ├── EngineUnreachable      the connection could not be made: the request never reached it
-    │   │   └── WorkerExited           a launched worker's process exited (engine_pool.exits): streams cut at once
+    │   │   └── WorkerExited           a launched worker's process exited (engine_pool.workers.exits): streams cut at once
     │   ├── EngineTimeout              no answer (or no token) within a deadline
     │   ├── EngineRejected             the engine answered 4xx: bad input, never retried
     │   ├── EngineServerError          the engine answered 5xx (or an error event) for one request
@@ -72,7 +72,7 @@ control flow, always turned into a ``CheckpointError`` there), ``sandbox.fake_sh
 flow its script runner always catches) and ``StepFailed`` in ``deploy/gpu/cuda_ipc_check.py`` (a
 script that needs only PyTorch, so it imports nothing of Belayer).
 
-Foreign errors are translated at one boundary each: httpx in ``engine_pool.client`` (and, for
+Foreign errors are translated at one boundary each: httpx in ``engine_pool.engine.client`` (and, for
 auxiliary providers, ``gateway.turns.auxiliary``), Docker in ``sandbox.docker_backend.engine.docker_errors``.
 The gateway maps this tree to OpenAI and Anthropic error JSON in one table, ``gateway.http.errors``.
 
@@ -112,7 +112,7 @@ class EngineUnreachable(EngineUnavailable):
 
 
 class WorkerExited(EngineUnavailable):
-    """A vital process of a launched worker exited (``engine_pool.exits``): the streams it was running are
+    """A vital process of a launched worker exited (``engine_pool.workers.exits``): the streams it was running are
     failed at once, before their connections break. `at`: when the pool noticed (``time.monotonic()``)."""
 
     def __init__(self, message: str, at: float) -> None:

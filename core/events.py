@@ -190,7 +190,7 @@ class SessionMoved(Payload):
 
 @dataclass(frozen=True, slots=True)
 class WeightOwner(Payload):
-    """The shared weight owner process changed (``engine_pool.weight_keeper``)."""
+    """The shared weight owner process changed (``engine_pool.weights.keeper``)."""
 
     kind: ClassVar[str] = "weight_owner"
     topic: ClassVar[str] = "engine pool"

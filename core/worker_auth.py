@@ -7,7 +7,7 @@ whoever reaches that address could stop it or run methods in it. vLLM's own ``--
 (``vllm ... --middleware core.worker_auth.RequireApiKey``), which guards every path but ``GET /health``
 and ``GET /metrics`` (probes and scrapes that change nothing). The key comes from the environment
 (`KEY_ENV`, which vLLM reads as its ``--api-key`` too), never the command line, which every local user
-sees in ``ps``; the gateway holds it and sends it (``engine_pool.client.EngineClient``'s ``api_key``).
+sees in ``ps``; the gateway holds it and sends it (``engine_pool.engine.client.EngineClient``'s ``api_key``).
 
 >>> import asyncio
 >>> async def call(app, method, path, auth=None):

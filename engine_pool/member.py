@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from engine_pool.client import EngineClient, ModelInfo
+from engine_pool.engine.client import EngineClient, ModelInfo
 from engine_pool.states import STARTING
-from engine_pool.worker import VllmWorker, WorkerSpec
+from engine_pool.workers.worker import VllmWorker, WorkerSpec
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ class PoolMember:
 
 
 class WorkerLauncher(Protocol):
-    """Where launched workers run when not as local processes (``engine_pool.ray_workers.RayLauncher``):
+    """Where launched workers run when not as local processes (``engine_pool.workers.ray_workers.RayLauncher``):
     it makes each worker (placed knowing whether it is to be a `shadow`, and the pool's `members`),
     names a shadow to move (`misplaced`: the pool starts a new one, then removes it), and is closed
     with the pool."""

@@ -24,7 +24,7 @@ allows, and ``round-robin`` and ``least-loaded`` ignore the session. The affinit
 bounded (least recently used first out). ``acquire`` waits, up to a deadline, for a worker when none is
 ready (during a promotion or a restart); every state change wakes every waiter.
 
-Weight versions (``POST /api/weights``, `update_weights`): every worker holds a version (``weight_version``),
+Weight versions (``POST /api/weights``, `WeightUpdater.update`): every worker holds a version (``weight_version``),
 and only workers on the pool's current version are routed to or promoted. An update pauses new
 generation (new requests wait, as for a promotion), lets the requests in flight finish for up to
 ``drain_s`` seconds, then cuts those still running (`Preemption`: the turn runner resubmits them after
@@ -36,18 +36,23 @@ probe round tries, with backoff); a replacement worker is brought up before it t
 that must stay on one version (a failover, after some tokens) is routed only to workers on it, and waits
 while none is ready; once the pool has moved past that version it takes the current one.
 
-``EnginePool`` is the face the gateway calls; it keeps membership (adding, registering, starting and
-stopping workers) and composes parts that share its members and read only its settings
-(``engine_pool.settings``): the members and their state changes (``engine_pool.roster``), routing
+``EnginePool`` keeps membership (adding, registering, starting, removing and stopping workers), holds
+its settings (``engine_pool.settings``, read live) and composes parts that share its members and read
+only those settings: the members and their state changes (``engine_pool.roster``), routing
 (``engine_pool.router``), probing, fencing, promotion and replacement (``engine_pool.supervisor``), the
-weight version (``engine_pool.versions``) and its updates (``engine_pool.weight_update``), the weight
-owner (``engine_pool.weight_keeper``) and the making of launched workers (``engine_pool.worker_factory``).
+weight version (``engine_pool.weights.versions``) and its updates (``engine_pool.weights.update``), the weight
+owner (``engine_pool.weights.keeper``) and the making of launched workers (``engine_pool.workers.factory``).
+What the gateway's turns call is the small protocol of ``engine_pool.face`` (`Engines`: lease a worker
+for a `Placement`, report a failure, a view); readers get frozen views (`EnginePool.view`); the rest of
+the gateway (the weights and engines APIs) calls the parts.
 
 Example::
 
-    pool = EnginePool(http, spec_factory=lambda: WorkerSpec(model="./m", port=free_port()), active=2, shadows=1)
+    settings = PoolSettings(spec_factory=lambda: WorkerSpec(model="./m", port=free_port()), active=2, shadows=1)
+    pool = EnginePool(http, settings)
     await pool.start()
-    member = await pool.acquire("session-1", wait=30.0)
+    async with pool.lease(Placement("session-1", wait=30.0)) as member:
+        ...
 """
 
 from __future__ import annotations
@@ -56,114 +61,60 @@ import asyncio
 import logging
 import time
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 
 import httpx
 import tenacity
 
 from core.errors import Conflict, EngineError, InvalidRequest
-from engine_pool.client import EngineClient
+from engine_pool.engine.client import EngineClient
+from engine_pool.face import MemberView, Placement, PoolView
 from engine_pool.member import PoolMember, WorkerLauncher
 from engine_pool.roster import Roster
 from engine_pool.router import Router
 from engine_pool.settings import PoolSettings
 from engine_pool.states import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY
 from engine_pool.supervisor import Supervisor
-from engine_pool.versions import Preemption, WeightVersions
-from engine_pool.weight_cache import GpuWeightCache
-from engine_pool.weight_keeper import WeightKeeper
-from engine_pool.weight_owner import WeightOwner
-from engine_pool.weight_update import WeightUpdate, WeightUpdater
-from engine_pool.worker_factory import WorkerFactory
+from engine_pool.weights.keeper import WeightKeeper
+from engine_pool.weights.update import WeightUpdate, WeightUpdater
+from engine_pool.weights.versions import Preemption, WeightVersions
+from engine_pool.workers.factory import WorkerFactory
 
 __all__ = [
     "DEAD", "DRAINING", "READY", "SHADOW", "STARTING", "UNHEALTHY",
-    "EnginePool", "PoolMember", "Preemption", "WeightUpdate", "WorkerLauncher",
+    "EnginePool", "Placement", "PoolMember", "PoolSettings", "PoolView", "Preemption", "WeightUpdate",
+    "WorkerLauncher",
 ]  # fmt: skip
 
 log = logging.getLogger("belayer.engine_pool")
 
 
-@dataclass(slots=True)
-class EnginePool(PoolSettings):
-    """All workers behind the gateway: its settings (`PoolSettings`, its constructor's keyword
-    arguments) and the parts that share its members (`roster`): `router`, `supervisor`, `updater` and
-    `weights` (the weight owner's keeper), each of which reads only the settings of the pool."""
+class EnginePool:
+    """All workers behind the gateway: its `settings` and the parts that share its members (`roster`):
+    `router`, `supervisor`, `updater`, `weights` (the weight owner's keeper) and `factory`, each of
+    which reads only the settings. It implements `Engines` (``engine_pool.face``)."""
 
-    http: httpx.AsyncClient
-    roster: Roster = field(init=False)
-    """The members and their states (``engine_pool.roster``)."""
-    versions: WeightVersions = field(init=False)
-    """The weight version served, and whether an update runs (``engine_pool.versions``)."""
-    weights: WeightKeeper = field(init=False)
-    """Keeps the weight owner (``belayer serve --weight-owner``; ``engine_pool.weight_keeper``)."""
-    updater: WeightUpdater = field(init=False)
-    """Moves the workers to new weights (``engine_pool.weight_update``)."""
-    router: Router = field(init=False)
-    """Picks the worker for each request (``engine_pool.router``)."""
-    factory: WorkerFactory = field(init=False)
-    """Makes launched workers (``engine_pool.worker_factory``)."""
-    supervisor: Supervisor = field(init=False)
-    """Probes, fences, promotes, replaces (``engine_pool.supervisor``)."""
-    _remotes: int = 0
-
-    def __post_init__(self) -> None:
-        self.roster = Roster(self)
+    def __init__(self, http: httpx.AsyncClient, settings: PoolSettings | None = None) -> None:
+        self.http = http
+        self.settings = settings if settings is not None else PoolSettings()
+        """What the pool is asked to be (read live by the parts: a change applies at its next read)."""
+        s = self.settings
+        self.roster = Roster(s)
+        """The members and their states (``engine_pool.roster``)."""
         self.versions = WeightVersions()
-        self.weights = WeightKeeper(self, self.roster, self.versions, self.report_failure)
+        """The weight version served, and whether an update runs (``engine_pool.weights.versions``)."""
+        self.weights = WeightKeeper(s, self.roster, self.versions, self.report_failure)
+        """Keeps the weight owner (``belayer serve --weight-owner``; ``engine_pool.weights.keeper``)."""
         self.updater = WeightUpdater(self.roster, self.versions, self.weights, self.report_failure)
-        self.router = Router(self, self.roster, self.versions)
-        self.factory = WorkerFactory(self, self.http, self.roster, self.versions, self.weights)
+        """Moves the workers to new weights (``engine_pool.weights.update``)."""
+        self.router = Router(s, self.roster, self.versions)
+        """Picks the worker for each request (``engine_pool.router``)."""
+        self.factory = WorkerFactory(s, http, self.roster, self.versions, self.weights)
+        """Makes launched workers (``engine_pool.workers.factory``)."""
         self.supervisor = Supervisor(
-            self, self.roster, self.versions, self.router, self.weights, self.updater, self.factory
+            s, self.roster, self.versions, self.router, self.weights, self.updater, self.factory
         )
-
-    # -- the state the parts hold -------------------------------------------------------------------
-
-    @property
-    def members(self) -> list[PoolMember]:
-        return self.roster.members
-
-    @property
-    def weight_version(self) -> str:
-        """The version the pool serves: routed workers hold it (see the module docstring)."""
-        return self.versions.version
-
-    @property
-    def weights_path(self) -> str | None:
-        """Where the current version's weights are; None: the launch weights (`base_version`)."""
-        return self.versions.path
-
-    @property
-    def base_version(self) -> str:
-        """The version of the weights launched workers start from (the model directory's)."""
-        return self.versions.base
-
-    @property
-    def preemption(self) -> Preemption:
-        """Triggered when an update's drain time is over; a new one for each update."""
-        return self.versions.preemption
-
-    @property
-    def weight_owner(self) -> WeightOwner | GpuWeightCache | None:
-        """What holds the weights apart from the workers (None: each worker loads its own)."""
-        return self.weights.owner
-
-    @weight_owner.setter
-    def weight_owner(self, owner: WeightOwner | GpuWeightCache | None) -> None:
-        self.weights.owner = owner
-
-    @property
-    def owner_restart_delay(self) -> float:
-        return self.weights.restart_delay
-
-    @owner_restart_delay.setter
-    def owner_restart_delay(self, seconds: float) -> None:
-        self.weights.restart_delay = seconds
-
-    def check_owner(self, why: str) -> bool:
-        """Is the weight owner up? A dead one is restarted in the background (`WeightKeeper.check`)."""
-        return self.weights.check(why)
+        """Probes, fences, promotes, replaces (``engine_pool.supervisor``)."""
+        self._remotes = 0
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -171,55 +122,53 @@ class EnginePool(PoolSettings):
         """Add a running engine by URL (checked: ``check_engine_url``; not twice), as an active worker
         or, with `shadow`, as a shadow that is promoted when an active worker fails."""
         url = check_engine_url(url)
-        same = next((m for m in self.members if m.client.base_url == url and m.state != DEAD), None)
+        same = next((m for m in self.roster.members if m.client.base_url == url and m.state != DEAD), None)
         if same is not None:
             raise Conflict(f"engine {url} is in the pool already, as {same.name} ({same.state})", "url")
         member = PoolMember(
             f"remote-{self._remotes}", EngineClient(url, model or "", self.http), standby=shadow,
-            weight_version=self.weight_version,
+            weight_version=self.versions.version,
         )  # fmt: skip
         self._remotes += 1
-        self.members.append(member)
+        self.roster.members.append(member)
         return member
 
-    async def remove(self, name: str, drain_timeout: float = 60.0) -> PoolMember:
+    async def remove(self, name: str, drain_timeout: float = 60.0) -> MemberView:
         """Take a worker out of routing, wait up to `drain_timeout` for its requests to finish, then
-        drop it from the pool (a launched worker is stopped). Its state is ``dead`` afterwards."""
-        return await self.supervisor.remove(name, drain_timeout)
+        drop it from the pool (a launched worker is stopped); its view, ``dead`` (`Supervisor.remove`)."""
+        return MemberView.of(await self.supervisor.remove(name, drain_timeout), self.settings.start_timeout)
 
-    async def register(self, url: str) -> PoolMember:
-        """Add a running engine at runtime (``POST /api/engines``): probed, then routed to."""
+    async def register(self, url: str) -> MemberView:
+        """Add a running engine at runtime (``POST /api/engines``): probed, then routed to; its view."""
         member = self.add_remote(url)
         try:
             member.info = await member.client.model_info()
         except EngineError:
             self.roster.set(member, UNHEALTHY, "not answering yet")  # the probe brings it in once it answers
-            return member
-        member.client.model = member.client.model or member.info.name
-        self.roster.set(member, READY, "registered")
-        return member
+        else:
+            member.client.model = member.client.model or member.info.name
+            self.roster.set(member, READY, "registered")
+        return MemberView.of(member, self.settings.start_timeout)
 
     async def start(self) -> None:
         """Launch owned workers (active + shadows, concurrently), probe registered ones, start probing."""
         await self.weights.start()
-        launched = [
-            self.factory.new(shadow=i >= self.active)
-            for i in range(self.active + self.shadows if self.spec_factory else 0)
-        ]
+        s = self.settings
+        launched = [self.factory.new(shadow=i >= s.active) for i in range(s.active + s.shadows if s.spec_factory else 0)]
         for m in launched:
             assert m.process is not None
             m.process.launch()
         started = time.monotonic()
         for m in launched:
             assert m.process is not None
-            await m.process.wait_ready(self.start_timeout)
+            await m.process.wait_ready(s.start_timeout)
             m.client.base_url = m.process.url  # a worker placed elsewhere has its address once placed
             self.supervisor.cold_start(m, time.monotonic() - started)
             await self.weights.adopt_mapped_version(m)
             await self.updater.sync(m)  # a restarted gateway whose version is not the launch weights'
             await self.supervisor.warm(m)
             self.supervisor.watch(m)
-        for m in sorted(self.members, key=lambda m: m.standby):  # shadows take what actives leave
+        for m in sorted(self.roster.members, key=lambda m: m.standby):  # shadows take what actives leave
             if m.process is None and not await self._admit(m):
                 self.roster.set(m, STARTING, "not answering yet")
                 self.roster.tasks.spawn(self._wait_for_remote(m), f"await-{m.name}")
@@ -229,7 +178,7 @@ class EnginePool(PoolSettings):
                 m.client.model = m.info.name
             self.roster.set(m, self.supervisor.role(), "started")
         # the interval is read each round: a live setting
-        self.roster.tasks.every(lambda: self.probe_interval, self.supervisor.probe, "engine-pool-probe")
+        self.roster.tasks.every(lambda: s.probe_interval, self.supervisor.probe, "engine-pool-probe")
 
     async def _admit(self, m: PoolMember) -> bool:
         """Ask a registered engine for its model; False while it does not answer (still loading)."""
@@ -248,7 +197,7 @@ class EnginePool(PoolSettings):
 
         def progress(state: tenacity.RetryCallState) -> None:
             waited = time.monotonic() - started
-            late = waited > self.start_timeout
+            late = waited > self.settings.start_timeout
             log.log(
                 logging.WARNING if late else logging.INFO,
                 "engine %s at %s not answering yet (%s); waited %.0f s, asking again in %.1f s",
@@ -272,102 +221,60 @@ class EnginePool(PoolSettings):
     async def stop(self) -> None:
         self.roster.closing = True
         await self.roster.tasks.close()
-        await asyncio.gather(*(m.process.stop() for m in self.members if m.process is not None))
+        members = self.roster.members
+        await asyncio.gather(*(m.process.stop() for m in members if m.process is not None))
         await self.weights.stop()
-        for m in self.members:
+        for m in members:
             self.roster.set(m, DEAD, "pool stopped")
-        if self.launcher is not None:
-            await self.launcher.close()
+        if self.settings.launcher is not None:
+            await self.settings.launcher.close()
 
-    # -- health (``engine_pool.supervisor``) --------------------------------------------------------
-
-    async def probe(self) -> None:
-        """Probe every routable or suspect worker once, concurrently, and act on the results."""
-        await self.supervisor.probe()
-
-    async def confirm_failure(self, m: PoolMember) -> bool:
-        """A stalled stream: is the worker really gone? (One probe; on failure, report it.)"""
-        return await self.supervisor.confirm_failure(m)
-
-    def report_failure(self, m: PoolMember, error: Exception) -> None:
-        """``m`` failed a request or a probe: fence it and promote a shadow in its place."""
-        self.supervisor.report_failure(m, error)
-
-    # -- weight versions (``engine_pool.weight_update``) ---------------------------------------------
-
-    async def update_weights(
-        self, version: str, path: str, drain_s: float = 30.0, timeout: float = 600.0
-    ) -> WeightUpdate:
-        """Move every worker to the weights at `path`, named `version` (module docstring;
-        `WeightUpdater.update` says what it raises)."""
-        return await self.updater.update(version, path, drain_s, timeout)
-
-    def adopt_version(self, version: str, path: str) -> None:
-        """Before `start`: the pool serves `version` (weights at `path`), as a restarted gateway recorded
-        it. Engines given by URL are taken to hold it; launched workers are brought up to it."""
-        self.versions.adopt(version, path, self.members)
-
-    # -- routing (``engine_pool.router``) -----------------------------------------------------------
+    # -- what the gateway asks (``engine_pool.face.Engines``) ----------------------------------------
 
     @property
     def max_model_len(self) -> int:
         return self.roster.max_model_len
 
-    def ready(self) -> list[PoolMember]:
-        return self.roster.ready()
+    @property
+    def preemption(self) -> Preemption:
+        """Triggered when an update's drain time is over; a new one for each update."""
+        return self.versions.preemption
 
-    def routable(self) -> list[PoolMember]:
-        """The ready workers on the pool's weight version."""
-        return self.router.routable()
+    def lease(self, placement: Placement) -> AbstractAsyncContextManager[PoolMember]:
+        """A worker for `placement`, with the request (and its tokens) counted on it while it runs
+        (`Router.lease`)."""
+        return self.router.lease(placement)
 
-    def pick(
-        self,
-        session_id: str | None = None,
-        exclude: frozenset[str] = frozenset(),
-        version: str | None = None,
-        group: str | None = None,
-    ) -> PoolMember | None:
-        """The worker for a request, or None (`Router.pick`)."""
-        return self.router.pick(session_id, exclude, version, group)
-
-    async def acquire(
-        self,
-        session_id: str | None = None,
-        wait: float = 0.0,
-        exclude: frozenset[str] = frozenset(),
-        version: str | None = None,
-        group: str | None = None,
-    ) -> PoolMember:
-        """A ready worker on the pool's weight version, waiting up to ``wait`` seconds (`Router.acquire`)."""
-        return await self.router.acquire(session_id, wait, exclude, version, group)
-
-    def lease(
-        self,
-        session_id: str | None = None,
-        wait: float = 0.0,
-        exclude: frozenset[str] = frozenset(),
-        version: str | None = None,
-        group: str | None = None,
-        tokens: int = 0,
-        exclusive: float | None = None,
-    ) -> AbstractAsyncContextManager[PoolMember]:
-        """`acquire`, with the request (and its `tokens`) counted on the worker while it runs; with
-        `exclusive`, on a worker of its own when one frees up within that many seconds (`Router.lease`)."""
-        return self.router.lease(session_id, wait, exclude, version, group, tokens, exclusive)
+    def pick(self, placement: Placement) -> PoolMember | None:
+        """The worker `placement` would get now, or None (`Router.pick`)."""
+        return self.router.pick(placement)
 
     def share(self, member: PoolMember) -> None:
         """A suspect running alone on `member` got past its prefill (its first token): the worker takes
         other requests again (`Router.share`)."""
         self.router.share(member)
 
+    def report_failure(self, m: PoolMember, error: Exception) -> None:
+        """``m`` failed a request or a probe: fence it and promote a shadow in its place."""
+        self.supervisor.report_failure(m, error)
+
+    async def confirm_failure(self, m: PoolMember) -> bool:
+        """A stalled stream: is the worker really gone? (One probe; on failure, report it.)"""
+        return await self.supervisor.confirm_failure(m)
+
     def forget(self, session_id: str) -> None:
         """The session is over: its worker need not be remembered."""
         self.router.forget(session_id)
 
-    @property
-    def remembered_sessions(self) -> int:
-        """Sessions in the affinity map (bounded by ``max_affinity``)."""
-        return self.router.remembered_sessions
+    def view(self) -> PoolView:
+        """The members and the weight version now, frozen (``engine_pool.face``)."""
+        v, timeout = self.versions, self.settings.start_timeout
+        return PoolView(
+            members=tuple(MemberView.of(m, timeout) for m in self.roster.members),
+            weight_version=v.version, weights_path=v.path, base_version=v.base,
+            max_model_len=self.roster.max_model_len, remembered_sessions=self.router.remembered_sessions,
+            groups=len(self.router.groups),
+        )  # fmt: skip
 
 
 def check_engine_url(url: str) -> str:

@@ -24,10 +24,12 @@ failover the session is remembered on the worker that took it over.
 `acquire` waits, up to a deadline, for a worker when none is ready (during a promotion, a restart or a
 weight update); every state change wakes every waiter (``engine_pool.roster``).
 
+Each request's place is asked for with a `Placement` (``engine_pool.face``), built once per submission.
+
 Example::
 
     router = Router(settings, roster, versions)
-    async with router.lease("session-1", wait=30.0, group="task-7", tokens=1200) as member:
+    async with router.lease(Placement("session-1", wait=30.0, group="task-7", tokens=1200)) as member:
         ...  # member.outstanding counts this request, member.outstanding_tokens its 1200 tokens
 """
 
@@ -40,11 +42,12 @@ from collections.abc import AsyncIterator
 
 from core import events
 from core.errors import EngineUnavailable
+from engine_pool.face import Placement
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
 from engine_pool.settings import PoolSettings
 from engine_pool.states import DRAINING, READY, SHADOW
-from engine_pool.versions import WeightVersions
+from engine_pool.weights.versions import WeightVersions
 
 
 class Router:
@@ -62,29 +65,21 @@ class Router:
         """The ready workers on the pool's weight version."""
         return [m for m in self.roster.members if m.state == READY and self.versions.current(m)]
 
-    def pick(
-        self,
-        session_id: str | None = None,
-        exclude: frozenset[str] = frozenset(),
-        version: str | None = None,
-        group: str | None = None,
-    ) -> PoolMember | None:
-        """The worker for a request, or None. `version`: the request has tokens from that version (a
-        failover): during an update's drain it may still run on that version; without one it waits for
-        the update, like every request while the update loads the weights. `group`: the session's
-        group (the ``group`` policy places it by its group)."""
-        placed = self._place(session_id, exclude, version, group)
+    def pick(self, placement: Placement) -> PoolMember | None:
+        """The worker for a request now (its `wait` and `exclusive` aside), or None; nothing is counted
+        or remembered. A placement's `version` (a failover's tokens) may still run on that version
+        during an update's drain; without one it waits for the update, like every request while the
+        update loads the weights."""
+        placed = self._place(placement)
         return placed[0] if placed is not None else None
 
-    def _place(
-        self, session_id: str | None, exclude: frozenset[str], version: str | None, group: str | None
-    ) -> tuple[PoolMember, PoolMember | None] | None:
+    def _place(self, placement: Placement) -> tuple[PoolMember, PoolMember | None] | None:
         """The worker for a request under the pool's policy, and the worker the session leaves because
         of its load (None: it stays, or had none); None when no worker can take it now."""
         v = self.versions
-        if v.updating and (v.switching or version != v.version):
+        if v.updating and (v.switching or placement.version != v.version):
             return None
-        ready = [m for m in self.routable() if m.name not in exclude and not m.isolating]
+        ready = [m for m in self.routable() if m.name not in placement.exclude and not m.isolating]
         if not ready:
             return None
         policy = self.settings.routing
@@ -93,6 +88,7 @@ class Router:
         if policy == "least-loaded":
             return min(ready, key=lambda m: (*_load(m), m.served)), None
         least = min(ready, key=_load)
+        session_id, group = placement.session_id, placement.group
         own = _named(ready, self._affinity.get(session_id) if session_id is not None else None)
         if policy == "affinity":
             return (own if own is not None else least), None
@@ -110,27 +106,21 @@ class Router:
             > s.routing_spill_factor * least.outstanding_tokens + s.routing_spill_floor
         )
 
-    async def acquire(
-        self,
-        session_id: str | None = None,
-        wait: float = 0.0,
-        exclude: frozenset[str] = frozenset(),
-        version: str | None = None,
-        group: str | None = None,
-    ) -> PoolMember:
-        """A ready worker on the pool's weight version (not one named in `exclude`), waiting up to
-        ``wait`` seconds for one (a promotion, a restart, a weight update); `version` and `group` as in
-        `pick`. The session is remembered on it (and the group, when it has no routable worker yet)."""
-        deadline = time.monotonic() + wait
-        while (placed := self._place(session_id, exclude, version, group)) is None:
+    async def acquire(self, placement: Placement) -> PoolMember:
+        """A ready worker on the pool's weight version (not one the placement excludes), waiting up to
+        its ``wait`` seconds for one (a promotion, a restart, a weight update). The session is
+        remembered on it (and the group, when it has no routable worker yet)."""
+        deadline = time.monotonic() + placement.wait
+        while (placed := self._place(placement)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EngineUnavailable(
-                    f"no healthy inference worker became available within {wait:.0f}s (workers: "
+                    f"no healthy inference worker became available within {placement.wait:.0f}s (workers: "
                     f"{self._states()}); check the workers' logs in the gateway's --log-dir"
                 )
             await self.roster.wait_change(left)
         member, moved_from = placed
+        session_id, group = placement.session_id, placement.group
         if self.settings.routing == "round-robin":
             self._turn += 1
         if moved_from is not None:
@@ -161,13 +151,14 @@ class Router:
             states += f"; a weight update to {v.version!r} is running"
         return states
 
-    async def _isolated(self, wait: float, exclude: frozenset[str], version: str | None) -> PoolMember:
+    async def _isolated(self, wait: float, placement: Placement) -> PoolMember:
         """A worker held for one request alone (module docstring), the first of: an idle routable worker
         (while another stays for everyone else), a shadow, the last routable worker when it is idle, or
         the least-loaded routable worker once the requests already on it have ended (reserved meanwhile;
         never the last one: its new requests would wait for all of them). Raises `EngineUnavailable` when none is
         free within `wait` seconds: the request never runs beside others."""
         deadline = time.monotonic() + wait
+        exclude, version = placement.exclude, placement.version
         reserved: PoolMember | None = None
         try:
             while True:
@@ -227,24 +218,16 @@ class Router:
         return member
 
     @contextlib.asynccontextmanager
-    async def lease(
-        self,
-        session_id: str | None = None,
-        wait: float = 0.0,
-        exclude: frozenset[str] = frozenset(),
-        version: str | None = None,
-        group: str | None = None,
-        tokens: int = 0,
-        exclusive: float | None = None,
-    ) -> AsyncIterator[PoolMember]:
-        """`acquire`, with the request counted on the worker while it runs: one request, and `tokens`
-        (its prompt and the most it may generate) in the worker's load. `exclusive`: first try, for up
-        to that many seconds, to hold a worker alone (module docstring)."""
+    async def lease(self, placement: Placement) -> AsyncIterator[PoolMember]:
+        """`acquire`, with the request counted on the worker while it runs: one request, and its
+        `tokens` (its prompt and the most it may generate) in the worker's load. A placement with
+        `exclusive` seconds is held alone, on a worker that frees up within them (module docstring)."""
+        tokens, exclusive = placement.tokens, placement.exclusive
         alone = exclusive is not None
         if exclusive is not None:
-            member = await self._isolated(exclusive, exclude, version)
+            member = await self._isolated(exclusive, placement)
         else:
-            member = await self.acquire(session_id, wait, exclude, version, group)
+            member = await self.acquire(placement)
         member.outstanding += 1
         member.outstanding_tokens += tokens
         try:

@@ -1,9 +1,10 @@
 """The pool's settings (`PoolSettings`): how many workers, where they run, how they are probed.
 
-`EnginePool` is built from them (they are its constructor's keyword arguments, and stay its attributes,
-which may be changed before it starts), and each of its parts reads the ones it needs from them, live::
+`EnginePool` holds them (``pool.settings``; they may be changed before it starts, and some while it
+runs), and each of its parts is given them and reads the ones it needs, live::
 
     settings = PoolSettings(probe_interval=0.1, probe_failures=2)
+    pool = EnginePool(http, settings)
     settings.probe_interval = 0.05  # read at the next probe round
 """
 
@@ -15,7 +16,7 @@ from typing import Literal
 
 from core.telemetry import Telemetry
 from engine_pool.member import WorkerLauncher
-from engine_pool.worker import WorkerSpec
+from engine_pool.workers.worker import WorkerSpec
 
 RoutingPolicy = Literal["affinity", "group", "round-robin", "least-loaded"]
 """How the router places requests (``engine_pool.router``)."""
@@ -24,7 +25,7 @@ ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("affinity", "group", "round-robin
 
 @dataclass(slots=True, kw_only=True)
 class PoolSettings:
-    """What the pool is asked to be; the parts of ``EnginePool`` read these (and only these) of it."""
+    """What the pool is asked to be; the parts of ``EnginePool`` are given these and read them live."""
 
     log_dir: str = "logs"
     spec_factory: Callable[[], WorkerSpec] | None = None
@@ -36,11 +37,11 @@ class PoolSettings:
     probe_failures: int = 3  # consecutive failed probes before a live worker counts as hung
     start_timeout: float = 300.0
     device_groups: tuple[tuple[int, ...], ...] = ()
-    """Devices for launched workers, a group each (``engine_pool.launch.device_groups``); a new worker
+    """Devices for launched workers, a group each (``engine_pool.workers.launch.device_groups``); a new worker
     gets a group no live worker holds (or, with `colocate`, the group fewest live workers hold)."""
     colocate: bool = False
     """Shadows share the active workers' device groups: they map the group's weight cache over CUDA
-    IPC, which works only on the device the memory is on (``engine_pool.weight_cache``)."""
+    IPC, which works only on the device the memory is on (``engine_pool.weights.cache``)."""
     max_affinity: int = 65536
     """Sessions whose last worker is remembered (least recently used forgotten first); also the most
     groups whose first worker is remembered."""
@@ -62,8 +63,8 @@ class PoolSettings:
     launcher: WorkerLauncher | None = None
     """Launches workers elsewhere (a Ray cluster: ``belayer serve --ray``); None: local processes."""
     watch_exits: bool = True
-    """Watch each launched local worker's vital processes (``engine_pool.exits``): its death is noticed
+    """Watch each launched local worker's vital processes (``engine_pool.workers.exits``): its death is noticed
     when it happens, not when its connections break or a probe fails."""
     warm_up: bool = True
     """Send each launched worker a few short requests before it takes traffic or stands as a shadow
-    (``engine_pool.warm_up``): a stream resumed on it then does not pay its first requests' one-off costs."""
+    (``engine_pool.workers.warm_up``): a stream resumed on it then does not pay its first requests' one-off costs."""

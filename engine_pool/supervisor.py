@@ -3,7 +3,7 @@ replacement of launched workers, catch-ups to the weight version, removal, and m
 
 A worker that dies or hangs is *fenced* and, if it was active, a shadow is promoted into its place at
 once (no cold start). A launched worker's vital processes are watched from the moment it is ready
-(`watch`, ``engine_pool.exits``): when one exits, the streams running on it are cut at once with a
+(`watch`, ``engine_pool.workers.exits``): when one exits, the streams running on it are cut at once with a
 `WorkerExited` (the turns resubmit them, cause ``dead``) and it is fenced, all in the loop iteration
 that noticed, so the resubmissions never pick it. A launched worker is fenced by killing its process group, so it can never come
 back half-alive; then a replacement is launched (on the devices the dead one freed). A registered worker
@@ -33,11 +33,11 @@ from engine_pool.roster import Roster
 from engine_pool.router import Router
 from engine_pool.settings import PoolSettings
 from engine_pool.states import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY
-from engine_pool.versions import WeightVersions
-from engine_pool.warm_up import warm_up
-from engine_pool.weight_keeper import WeightKeeper
-from engine_pool.weight_update import WeightUpdater
-from engine_pool.worker_factory import WorkerFactory
+from engine_pool.weights.keeper import WeightKeeper
+from engine_pool.weights.update import WeightUpdater
+from engine_pool.weights.versions import WeightVersions
+from engine_pool.workers.factory import WorkerFactory
+from engine_pool.workers.warm_up import warm_up
 
 log = logging.getLogger("belayer.engine_pool")
 
@@ -119,7 +119,7 @@ class Supervisor:
 
     async def warm(self, m: PoolMember) -> None:
         """Before a launched worker takes traffic or stands as a shadow: its first requests' one-off
-        costs, paid now rather than by a stream resumed on it (`engine_pool.warm_up`; off: `warm_up`).
+        costs, paid now rather than by a stream resumed on it (`engine_pool.workers.warm_up`; off: `warm_up`).
         A worker that fails it is not held back: the probes and the failover judge it like any other."""
         if not self.settings.warm_up or m.process is None:
             return

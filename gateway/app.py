@@ -29,12 +29,12 @@ from core import __version__
 from core.net import free_port
 from core.telemetry import Telemetry
 from core.worker_auth import new_worker_key
-from engine_pool.launch import colocated_utilization, model_context_length, names_option
-from engine_pool.pool import STARTING, EnginePool, WorkerLauncher
-from engine_pool.transport import engine_transport
-from engine_pool.weight_cache import GpuWeightCache
-from engine_pool.weight_owner import WeightOwner, loader_args
-from engine_pool.worker import WorkerSpec
+from engine_pool.engine.transport import engine_transport
+from engine_pool.pool import READY, STARTING, EnginePool, PoolSettings, WorkerLauncher
+from engine_pool.weights.cache import GpuWeightCache
+from engine_pool.weights.owner import WeightOwner, loader_args
+from engine_pool.workers.launch import colocated_utilization, model_context_length, names_option
+from engine_pool.workers.worker import WorkerSpec
 from gateway.api import engine_metrics
 from gateway.api import engines as engines_api
 from gateway.api import export as export_api
@@ -105,8 +105,7 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         owner_args = loader_args(launch.weight_owner_dir, launch.weight_owner_linear)
     launching = not config.engine_urls
     launcher = ray_launcher(config) if launching and config.ray.address else None
-    pool = EnginePool(
-        http,
+    settings = PoolSettings(
         log_dir=config.log_dir,
         spec_factory=spec if launching else None,
         active=config.workers if launching else len(config.engine_urls),
@@ -121,10 +120,11 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         watch_exits=config.failover.exit_watch,
         warm_up=config.failover.warm_up,
     )
-    if on_gpus:  # a vLLM weight cache per device group, mapped over CUDA IPC (engine_pool.weight_cache)
-        pool.weight_owner = GpuWeightCache(spec(), groups, Path(config.log_dir))
-    elif owned:  # one owner for the host's workers and shadows (engine_pool.weight_owner)
-        pool.weight_owner = WeightOwner(spec(), launch.weight_owner_dir, Path(config.log_dir))
+    pool = EnginePool(http, settings)
+    if on_gpus:  # a vLLM weight cache per device group, mapped over CUDA IPC (engine_pool.weights.cache)
+        pool.weights.owner = GpuWeightCache(spec(), groups, Path(config.log_dir))
+    elif owned:  # one owner for the host's workers and shadows (engine_pool.weights.owner)
+        pool.weights.owner = WeightOwner(spec(), launch.weight_owner_dir, Path(config.log_dir))
     for url in config.engine_urls:
         pool.add_remote(url)
     for url in config.shadow_urls:
@@ -134,7 +134,7 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
 
 def ray_launcher(config: GatewayConfig) -> WorkerLauncher:
     """Workers as Ray actors (``--ray``); Ray itself is imported only once the pool connects."""
-    from engine_pool.ray_workers import RayLauncher, RaySettings
+    from engine_pool.workers.ray_workers import RayLauncher, RaySettings
 
     ray, launch = config.ray, config.launch
     assert ray.address is not None
@@ -154,8 +154,9 @@ def ray_launcher(config: GatewayConfig) -> WorkerLauncher:
 async def health(request: Request) -> Response:
     """200 with a ready worker; 503 ``starting`` while engines load, ``no_engine`` with none."""
     gw = gateway_of(request)
-    ready = [m.name for m in gw.pool.ready()]
-    starting = [m.name for m in gw.pool.members if m.state == STARTING]
+    pool = gw.pool.view()
+    ready = [m.name for m in pool.in_state(READY)]
+    starting = [m.name for m in pool.in_state(STARTING)]
     status = "ok" if ready else "starting" if starting else "no_engine"
     body = {
         "status": status,
@@ -190,7 +191,7 @@ async def open_gateway(
     """Open the long-lived objects in order; `stack` closes them in reverse: the turn runner first (its
     recomputations need pool and store), then the sandboxes, the pool, and the store last."""
     limits = engine_limits(config)
-    # httpx's transport on asyncio streams: the engine leg's CPU per chunk (engine_pool.transport)
+    # httpx's transport on asyncio streams: the engine leg's CPU per chunk (engine_pool.engine.transport)
     http = await stack.enter_async_context(
         httpx.AsyncClient(transport=engine_transport(limits), timeout=None)
     )
@@ -201,7 +202,7 @@ async def open_gateway(
     stack.callback(store.close)
     tok = ChatTokenizer.load(config.model)
     the_pool = pool or build_pool(config, http)
-    the_pool.telemetry = telemetry
+    the_pool.settings.telemetry = telemetry
     weights.restore(store, the_pool)  # the version a gateway before this one moved the workers to
     stack.push_async_callback(the_pool.stop)  # also when start fails half-way: launched workers stop
     await the_pool.start()
@@ -276,8 +277,9 @@ def build_app(
             gw = await open_gateway(app, config, stack, pool, observers, sandbox_backend, aux_transport)
             app.state.gateway = gw
             _warn_open(config)
-            ready = [m.name for m in gw.pool.ready()]
-            log.info("gateway ready: workers=%s max_model_len=%d", ready, gw.pool.max_model_len)
+            view = gw.pool.view()
+            ready = [m.name for m in view.in_state(READY)]
+            log.info("gateway ready: workers=%s max_model_len=%d", ready, view.max_model_len)
             yield
 
     return Starlette(

@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from core.net import free_port
 from engine_pool.fake import FakeEngine
-from engine_pool.pool import EnginePool
+from engine_pool.pool import EnginePool, PoolSettings
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.gateway import Gateway
@@ -65,10 +65,10 @@ async def asgi_gateway(
 ) -> AsyncIterator[tuple[Starlette, httpx.AsyncClient]]:
     """The gateway app over ``engine`` (one pool member per host, all through that transport), its
     lifespan running, and a client to it at ``http://gw`` when the config allows that host (else at
-    ``http://localhost``: a gateway answers only the hosts it allows). ``pool_options`` go to ``EnginePool`` and
+    ``http://localhost``: a gateway answers only the hosts it allows). ``pool_options`` go to ``PoolSettings`` and
     ``app_options`` to ``build_app`` (``aux_transport``, ``sandbox_backend``, ``observers``)."""
     async with httpx.AsyncClient(transport=engine, timeout=engine_timeout) as engine_http:
-        pool = EnginePool(engine_http, **(pool_options or {}))
+        pool = EnginePool(engine_http, PoolSettings(**(pool_options or {})))
         for host in hosts:
             pool.add_remote(host)
         app = build_app(config, pool=pool, **app_options)

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ["gateway", "engine_pool", "sandbox", "store", "core", "belayer", "harness_adapters"]
 WRITTEN_AGAINST = "uvicorn 0.54.0, httpx 0.28.1, httpcore 1.0.9"
 
-# engine_pool.transport._LinearPool is a copy of this method with one line changed; a release that
+# engine_pool.engine.transport._LinearPool is a copy of this method with one line changed; a release that
 # changes the method (code, not comments or docstring) must be copied again. The digest is of its AST.
 ASSIGN_REQUESTS_DIGEST = "fa6bc19bf34f62f0da526b7463d8d5d77555081111ef4dba75f59302fb830b57"
 

@@ -55,7 +55,7 @@ from belayer.bench.stand_up import (
 from belayer.testing.services import Service, base_url, progress, running
 from core.errors import BenchError
 from core.keyed import SAMPLING_MODES
-from engine_pool.client import SamplingParams
+from engine_pool.engine.client import SamplingParams
 from engine_pool.fake import POLICY_ENV, TOKEN_DELAY_ENV
 
 

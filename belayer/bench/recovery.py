@@ -16,7 +16,7 @@ In one run:
     ``noticed_at``, on the host's ``CLOCK_MONOTONIC``); ``failover_resubmitted_ms_p50``: → the turn was
     resubmitted to its new worker; ``failover_new_worker_token_ms_p50``: → the new worker's first token
     reached the gateway; ``failover_lost_ms_p50``: → the client's first resumed token (``failover_s``, in ms).
-    With ``--no-exit-watch`` the gateway does not watch its workers' processes (``engine_pool.exits``):
+    With ``--no-exit-watch`` the gateway does not watch its workers' processes (``engine_pool.workers.exits``):
     a loss is noticed by the broken connection, as before the watch (the baseline);
 * ``cold_start_s``: each replacement worker, from process start to its first generated token;
 * with ``--ray``: the same pool on a 3-node Ray cluster of its own on 127.0.0.2-4 (``--first-ip``)

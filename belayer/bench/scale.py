@@ -35,7 +35,7 @@ Then the same with 2 processes (suffix ``_2proc``; ``--processes 1,2``, needs Po
 **Keeping the load generator honest.** The gateway, the fake engine and the generator share the machine
 (two cores here), so the generator must be cheap and must say when it was the bottleneck: it runs in
 ``--clients`` processes of its own (so that no one event loop carries every session's chunks), each on
-``engine_pool.http11``'s transport (``httptools``' C parser, the gateway's own engine leg) with
+``engine_pool.engine.http11``'s transport (``httptools``' C parser, the gateway's own engine leg) with
 ``orjson``; sessions spend most of their time in tool pauses (sleeping), and each client process samples
 its own event-loop lag as the gateway does: ``generator_loop_lag_p99_ms_N`` is printed beside the
 gateway's, so a time to first token inflated by the generator shows there. The direct baseline runs in

@@ -18,7 +18,7 @@ import orjson
 
 from belayer.testing.services import FAKE_MODEL, SERVED_MODEL
 from core.errors import BenchError
-from engine_pool.http11 import Http11Transport
+from engine_pool.engine.http11 import Http11Transport
 
 FD_MARGIN = 256
 """Descriptors beyond one per session that a client process keeps for itself."""

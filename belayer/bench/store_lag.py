@@ -36,7 +36,7 @@ import psycopg
 from belayer.bench import emit
 from belayer.testing.services import progress
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
-from engine_pool.pool import EnginePool
+from engine_pool.pool import EnginePool, PoolSettings
 from gateway.app import build_app
 from gateway.config import FailoverConfig, GatewayConfig, QuarantineConfig
 from store.front import WriteFront
@@ -68,7 +68,7 @@ async def gateway(
         metrics=False,
     )
     async with httpx.AsyncClient(transport=faults, timeout=30.0) as engine_http:
-        pool = EnginePool(engine_http, probe_interval=0.05, probe_timeout=0.5)
+        pool = EnginePool(engine_http, PoolSettings(probe_interval=0.05, probe_timeout=0.5))
         for host in HOSTS:
             pool.add_remote(f"http://{host}")
         app = build_app(config, pool=pool)

@@ -307,7 +307,7 @@ def owner_killed_under(
 ) -> str:
     """Kill the owner (SIGKILL) while `consumer` maps its tensors and computes: do the consumer's tensors
     outlive it (the same bits, the same result)? Not part of the pass: it says whether a worker mapping
-    a weight daemon that died may still be promoted (``engine_pool.weight_cache``), which CUDA's
+    a weight daemon that died may still be promoted (``engine_pool.weights.cache``), which CUDA's
     documentation leaves open for memory whose exporter is gone."""
     os.kill(owner.pid, signal.SIGKILL)
     owner.join(timeout)

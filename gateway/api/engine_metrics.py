@@ -46,7 +46,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine_pool.pool import DEAD, PoolMember
+from engine_pool.face import MemberView
+from engine_pool.states import DEAD
 from gateway.gateway import Gateway, gateway_of
 
 log = logging.getLogger("belayer.gateway")
@@ -62,11 +63,11 @@ Scrape = tuple[str, str | None]
 """A worker's name and its ``/metrics`` text (None: it did not answer)."""
 
 
-async def scrape(http: httpx.AsyncClient, member: PoolMember, timeout: float = SCRAPE_TIMEOUT_S) -> Scrape:
+async def scrape(http: httpx.AsyncClient, member: MemberView, timeout: float = SCRAPE_TIMEOUT_S) -> Scrape:
     """`member`'s ``/metrics`` text, or None when it does not answer 200 within `timeout` seconds."""
     try:
         async with asyncio.timeout(timeout):  # the whole answer, whatever the transport
-            resp = await http.get(f"{member.client.base_url}/metrics", timeout=timeout)
+            resp = await http.get(f"{member.url}/metrics", timeout=timeout)
     except (httpx.HTTPError, TimeoutError) as exc:
         log.debug("metrics of %s: no answer (%r)", member.name, exc)
         return member.name, None
@@ -78,7 +79,7 @@ async def scrape(http: httpx.AsyncClient, member: PoolMember, timeout: float = S
 
 async def scrape_pool(gw: Gateway) -> list[Scrape]:
     """Every worker's ``/metrics`` (but the dead's), at once, each within ``SCRAPE_TIMEOUT_S``."""
-    members = [m for m in gw.pool.members if m.state != DEAD]
+    members = [m for m in gw.pool.view().members if m.state != DEAD]
     return list(await asyncio.gather(*(scrape(gw.pool.http, m) for m in members)))
 
 

@@ -26,7 +26,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.errors import InvalidRequest
-from engine_pool.pool import EnginePool, PoolMember
+from engine_pool.face import MemberView
+from engine_pool.pool import EnginePool
 from engine_pool.settings import RoutingPolicy
 from gateway.config import engine_allowed
 from gateway.gateway import gateway_of
@@ -36,11 +37,11 @@ from gateway.http.bodies import read_json, validate
 log = logging.getLogger(__name__)
 
 
-def _engine_json(m: PoolMember, request: Request) -> dict[str, Any]:
+def _engine_json(m: MemberView, request: Request) -> dict[str, Any]:
     """A worker as the pool sees it, and the tokens it has sent for each request in flight on it."""
     gw = gateway_of(request)
     in_flight = gw.runner.failover.quarantine.in_flight().get(m.name, [])
-    return m.view(gw.pool.start_timeout) | {"in_flight_tokens": in_flight}
+    return m.as_json() | {"in_flight_tokens": in_flight}
 
 
 async def engines(request: Request) -> Response:
@@ -48,7 +49,7 @@ async def engines(request: Request) -> Response:
     gw = gateway_of(request)
     quarantine = gw.runner.failover.quarantine
     return JSONResponse({
-        "data": [_engine_json(m, request) for m in gw.pool.members],
+        "data": [_engine_json(m, request) for m in gw.pool.view().members],
         "queries_of_death": quarantine.remembered(),
         "quarantine": {"enabled": quarantine.config.enabled, "convicted": quarantine.convicted_total,
                        "refused": quarantine.refused_total},
@@ -98,8 +99,9 @@ ROUTING_SETTINGS = ("routing", "routing_spill_factor", "routing_spill_floor")
 
 
 def _routing_json(pool: EnginePool) -> dict[str, Any]:
-    settings = {name: getattr(pool, name) for name in ROUTING_SETTINGS}
-    return settings | {"sessions": pool.router.remembered_sessions, "groups": len(pool.router.groups)}
+    settings = {name: getattr(pool.settings, name) for name in ROUTING_SETTINGS}
+    view = pool.view()
+    return settings | {"sessions": view.remembered_sessions, "groups": view.groups}
 
 
 async def routing(request: Request) -> Response:
@@ -122,7 +124,7 @@ async def set_routing(request: Request) -> Response:
     req = validate(SetRouting, await read_json(request, gw.config.max_body_bytes))
     before = _routing_json(gw.pool)
     for name, value in req.model_dump(exclude_none=True).items():
-        setattr(gw.pool, name, value)  # read live by the router
+        setattr(gw.pool.settings, name, value)  # read live by the router
     after = _routing_json(gw.pool)
     changed = {name: after[name] for name in ROUTING_SETTINGS if after[name] != before[name]}
     if changed:

@@ -180,8 +180,7 @@ def _state(gw: Gateway, hit_rates: dict[str, float]) -> Response:
             "metrics": gw.metrics is not None,
         },
         "workers": [
-            m.view(gw.pool.start_timeout) | {"prefix_cache_hit_rate": hit_rates.get(m.name)}
-            for m in list(gw.pool.members)
+            m.as_json() | {"prefix_cache_hit_rate": hit_rates.get(m.name)} for m in gw.pool.view().members
         ],
         "prefix_cache_hit_rate": hit_rates.get("all"),
         "queries_of_death": gw.runner.failover.quarantine.remembered(),

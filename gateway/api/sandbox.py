@@ -67,7 +67,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.errors import Forbidden, InvalidRequest, NotFound, SandboxError, SandboxesDisabled
-from engine_pool.pool import EnginePool
+from engine_pool.face import Engines
+from engine_pool.states import READY
 from gateway.gateway import Gateway, gateway_of
 from gateway.http.access import SANDBOX_SCOPE_KEY
 from gateway.http.bodies import read_json, validate
@@ -92,7 +93,7 @@ child's harness would hold its parent's capability) nor the checkpoints (ids, ho
 async def open_sandboxes(
     config: SandboxConfig,
     store: TrajectoryStore,
-    pool: EnginePool,
+    pool: Engines,
     backend: SandboxBackend | None = None,
     gateway_id: str | None = None,
 ) -> AsyncIterator[SandboxManager | None]:
@@ -108,7 +109,8 @@ async def open_sandboxes(
         backend = await asyncio.to_thread(sandbox_backend, config)
 
     def engine_load() -> float:  # requests sharing a worker with a new one
-        return 1.0 + sum(m.outstanding for m in pool.members) / max(1, len(pool.ready()))
+        members = pool.view().members
+        return 1.0 + sum(m.outstanding for m in members) / max(1, sum(m.state == READY for m in members))
 
     manager = SandboxManager(backend, store, config, engine_load, gateway_id=gateway_id)
     try:

@@ -45,7 +45,7 @@ class UpdateWeights(BaseModel):
 
 async def current(request: Request) -> Response:
     gw = gateway_of(request)
-    pool = gw.pool
+    pool = gw.pool.view()
     body = {
         "version": pool.weight_version,
         "path": pool.weights_path,
@@ -65,11 +65,11 @@ async def update(request: Request) -> Response:
     version = weights.check_version(req.version)
     path = await gw.offload(weights.check_weights, req.path, gw.config.model, gw.config.weights_root)
     try:
-        result = await gw.pool.update_weights(version, path, req.drain_s)
+        result = await gw.pool.updater.update(version, path, req.drain_s)
     except Conflict:
         raise  # another update runs, or this version is served: nothing was attempted
     except BelayerError as e:
-        failed = events.WeightsUpdateFailed(version, path, gw.pool.weight_version, str(e))
+        failed = events.WeightsUpdateFailed(version, path, gw.pool.view().weight_version, str(e))
         await gw.offload(weights.record, gw.store, failed)
         raise
     await gw.offload(weights.record, gw.store, result.event())

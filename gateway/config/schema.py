@@ -34,8 +34,8 @@ from pydantic_settings import (
 
 from core.errors import ConfigError
 from core.logs import LogFormat
-from engine_pool.launch import check_device_count, device_groups
 from engine_pool.settings import RoutingPolicy
+from engine_pool.workers.launch import check_device_count, device_groups
 from gateway.config.sections import (
     FailoverConfig,
     InflightConfig,
@@ -388,7 +388,7 @@ def launch_devices(config: GatewayConfig) -> tuple[tuple[int, ...], ...]:
 
 
 def gpu_weight_cache(config: GatewayConfig) -> bool:
-    """Do launched workers map a vLLM weight cache per device group (``engine_pool.weight_cache``)?"""
+    """Do launched workers map a vLLM weight cache per device group (``engine_pool.weights.cache``)?"""
     launch = config.launch
     return launch.weight_owner and launch.profile == "gpu" and config.worker_kind == "vllm"
 

@@ -16,7 +16,7 @@ from pydantic import (
 )
 
 from core.shm_weights import DEFAULT_BASE as DEFAULT_SHM_BASE
-from engine_pool.launch import Profile, device_groups, names_option, vllm_args
+from engine_pool.workers.launch import Profile, device_groups, names_option, vllm_args
 
 
 class QuarantineConfig(BaseModel):
@@ -158,7 +158,7 @@ class ServerConfig(BaseModel):
 
 
 class LaunchConfig(BaseModel):
-    """How launched workers start (``engine_pool.launch``): a profile, vLLM arguments passed through,
+    """How launched workers start (``engine_pool.workers.launch``): a profile, vLLM arguments passed through,
     and devices per worker. In a config file, the ``[launch]`` table::
 
         [launch]
@@ -253,7 +253,7 @@ class LaunchConfig(BaseModel):
 
 
 class RayConfig(BaseModel):
-    """The engine pool on a Ray cluster (``engine_pool.ray_workers``): each launched worker and shadow is
+    """The engine pool on a Ray cluster (``engine_pool.workers.ray_workers``): each launched worker and shadow is
     a Ray actor, placed by Ray. In a config file, the ``[ray]`` table::
 
         [ray]

@@ -34,7 +34,8 @@ from prometheus_client.registry import Collector
 
 from core import events as ev
 from core.telemetry import Event, Telemetry
-from engine_pool.pool import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY, EnginePool
+from engine_pool.face import Engines
+from engine_pool.states import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY
 from gateway.http.errors import is_anthropic_path
 from store import SessionQuery, TrajectoryStore
 
@@ -70,7 +71,7 @@ class _States(Collector):
 
     def __init__(
         self,
-        pool: EnginePool,
+        pool: Engines,
         store: TrajectoryStore,
         sandboxes: Callable[[], list[dict[str, Any]]],
         nodes: Callable[[], list[dict[str, Any]]] = list,
@@ -78,9 +79,10 @@ class _States(Collector):
         self.pool, self.store, self.sandboxes, self.nodes = pool, store, sandboxes, nodes
 
     def collect(self) -> Iterator[Metric]:
+        pool = self.pool.view()
         workers = GaugeMetricFamily("belayer_workers", "Engine workers by state.", labels=["state"])
         for state in WORKER_STATES:
-            workers.add_metric([state], sum(1 for m in self.pool.members if m.state == state))
+            workers.add_metric([state], len(pool.in_state(state)))
         yield workers
         boxes = GaugeMetricFamily("belayer_sandboxes", "Session sandboxes by state.", labels=["state"])
         views = self.sandboxes()
@@ -111,18 +113,18 @@ class _States(Collector):
         )  # fmt: skip
         yield GaugeMetricFamily(
             "belayer_affinity_sessions", "Sessions whose last worker the pool remembers.",
-            value=self.pool.remembered_sessions,
+            value=pool.remembered_sessions,
         )  # fmt: skip
         version = GaugeMetricFamily(
             "belayer_weight_version_info", "The policy weight version the pool serves (one series: the current one).",
             labels=["version"],
         )  # fmt: skip
-        version.add_metric([self.pool.weight_version], 1)
+        version.add_metric([pool.weight_version], 1)
         yield version
-        live = [m for m in self.pool.members if m.state not in (DEAD, DRAINING)]
+        live = [m for m in pool.members if m.state not in (DEAD, DRAINING)]
         yield GaugeMetricFamily(
             "belayer_workers_stale_weights", "Live workers not on the served weight version (not routed to).",
-            value=sum(1 for m in live if m.weight_version != self.pool.weight_version),
+            value=sum(1 for m in live if m.weight_version != pool.weight_version),
         )  # fmt: skip
 
 
@@ -132,7 +134,7 @@ class GatewayMetrics:
     def __init__(
         self,
         telemetry: Telemetry,
-        pool: EnginePool,
+        pool: Engines,
         store: TrajectoryStore,
         sandboxes: Callable[[], list[dict[str, Any]]],
         version: str,

@@ -1,7 +1,7 @@
 """Policy weight versions: checking new weights before any worker sees them, and the durable record.
 
 A trainer moves the policy to new weights with ``POST /api/weights`` (`gateway.api.weights`); the
-engine pool does the update (`EnginePool.update_weights`). This module holds what the gateway adds:
+engine pool does the update (`WeightUpdater.update`, ``pool.updater``). This module holds what the gateway adds:
 
 - `check_weights`: the path must be a model directory the gateway can read (``config.json`` and
   ``*.safetensors`` / ``*.bin`` files) whose shapes match the served model's. vLLM 0.32's
@@ -16,7 +16,7 @@ engine pool does the update (`EnginePool.update_weights`). This module holds wha
 Example::
 
     path = check_weights("/ckpt/step-120", "/models/policy")   # InvalidRequest when it cannot work
-    result = await pool.update_weights("step-120", path, drain_s=30)
+    result = await pool.updater.update("step-120", path, drain_s=30)
     record(store, result.as_json())
 """
 
@@ -121,5 +121,6 @@ def restore(store: EventReads, pool: EnginePool) -> str | None:
     if not done:
         return None
     latest = done[-1].data
-    pool.adopt_version(str(latest["version"]), str(latest["path"]))
-    return pool.weight_version
+    version = str(latest["version"])
+    pool.updater.adopt(version, str(latest["path"]))
+    return version

@@ -7,7 +7,7 @@ The turn runner (``gateway.turns.runner``) reads the chunks; it never sees a fai
 A submission's tokens come from a worker through ``stall_guarded`` (``gateway.turns.guard``): a pump
 task reads the engine while the turn waits with a deadline, so a worker that stops sending tokens (hung,
 not dead) is noticed after ``stall_timeout`` seconds, once a health probe confirms it. A dead worker's
-connection error arrives by itself, and a launched worker's exit at once (``engine_pool.exits``: the
+connection error arrives by itself, and a launched worker's exit at once (``engine_pool.workers.exits``: the
 pool cuts its streams with a `WorkerExited`). The ``Failure`` kept meanwhile becomes the turn's
 ``failover`` event once the new worker sends its first token (then the time lost is known).
 
@@ -44,8 +44,9 @@ from core.errors import (
     QueryOfDeath,
     WorkerExited,
 )
-from engine_pool.client import SamplingParams, TokenChunk, engine_request_id
-from engine_pool.pool import EnginePool, PoolMember
+from engine_pool.engine.client import SamplingParams, TokenChunk, engine_request_id
+from engine_pool.face import Engines, Placement
+from engine_pool.member import PoolMember
 from gateway.config import FailoverConfig
 from gateway.observe.metrics import REQUEST_CLOCK
 from gateway.turns.guard import Preempted, stall_guarded
@@ -165,7 +166,7 @@ class Failover:
     """The failover decisions of every turn, on one pool, under one `FailoverConfig` (``config``; tests
     replace it), with the gateway's `Quarantine` of queries of death."""
 
-    def __init__(self, config: FailoverConfig, pool: EnginePool, publish: Publish | None = None) -> None:
+    def __init__(self, config: FailoverConfig, pool: Engines, publish: Publish | None = None) -> None:
         self.config = config
         self.pool = pool
         self.quarantine = Quarantine(config.quarantine, publish)
@@ -215,7 +216,7 @@ class Failover:
         elif not await self.pool.confirm_failure(member):
             died = False
             state.refused_by.append(member.name)
-            others = self.pool.pick(None, frozenset(state.refused_by), state.version)
+            others = self.pool.pick(Placement(exclude=frozenset(state.refused_by), version=state.version))
             if len(state.refused_by) >= 2 or others is None or not self.config.enabled:
                 workers = " and ".join(state.refused_by)
                 failed = EngineRequestFailed(
@@ -345,7 +346,11 @@ class TurnStream:
         refused = frozenset(self.state.refused_by)
         load = len(turn.prompt_ids) + self.params.max_tokens  # prompt + the most to come
         wait = self.failover.worker_wait
-        return self.pool.lease(affinity, wait, refused, pinned, session.group, load, alone)
+        placement = Placement(
+            session_id=affinity, wait=wait, exclude=refused, version=pinned, group=session.group,
+            tokens=load, exclusive=alone,
+        )  # fmt: skip
+        return self.pool.lease(placement)
 
     def _engine_stream(self, member: PoolMember) -> AsyncGenerator[TokenChunk, None]:
         """The engine's chunks for the turn's prompt plus what it generated so far, asking for the

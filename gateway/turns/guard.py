@@ -4,7 +4,7 @@ follows).
 
 A worker that stops sending tokens (hung, not dead) is noticed after ``stall_timeout`` seconds, once a
 health probe confirms it (`EngineTimeout`). A launched worker whose process exited has its streams cut by
-the pool (``engine_pool.exits``: `PoolMember.streams`), and a weight update cuts the streams still running
+the pool (``engine_pool.workers.exits``: `PoolMember.streams`), and a weight update cuts the streams still running
 when its drain time is over (`Preempted`, from the pool's `Preemption`); what arrived before a cut is
 the turn's, what comes after it is dropped.
 
@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from core.errors import BelayerError, EngineTimeout
-from engine_pool.client import TokenChunk, merge_chunks
+from engine_pool.engine.client import TokenChunk, merge_chunks
 from engine_pool.pool import Preemption
 
 
@@ -57,7 +57,7 @@ class _Pipe:
             await chunks.aclose()
 
     def cut(self, error: Exception) -> None:
-        """The worker's process exited (``engine_pool.exits``): the stream fails now, after the chunks
+        """The worker's process exited (``engine_pool.workers.exits``): the stream fails now, after the chunks
         that already arrived, whatever its socket still holds or is still sent. A stream read to its
         end is left to end."""
         if not (self.done and self.error is None):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.events import ToolCallParseError
-from engine_pool.client import SamplingParams, TokenChunk
+from engine_pool.engine.client import SamplingParams, TokenChunk
 from gateway.policy.parsers import (
     SPECIAL_TAGS,
     ContentDelta,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core import events
-from engine_pool.client import SamplingParams
+from engine_pool.engine.client import SamplingParams
 from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
 from gateway.policy.parsers import ToolCall
 from gateway.turns.sessions import PromptPlan

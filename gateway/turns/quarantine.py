@@ -62,7 +62,7 @@ from typing import Any, Literal
 
 from core import events as ev
 from core.errors import EngineRequestFailed, QueryOfDeath
-from engine_pool.client import SamplingParams
+from engine_pool.engine.client import SamplingParams
 from gateway.config import QuarantineConfig
 
 Verdict = Literal["bystander", "suspect", "convicted"]

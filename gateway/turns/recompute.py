@@ -28,7 +28,7 @@ import logging
 from core import events as ev
 from core.errors import StoreError
 from core.tasks import TaskOwner
-from engine_pool.pool import EnginePool
+from engine_pool.face import Engines, Placement
 from store import EventRecord, TrajectoryStore, TurnRecord
 
 log = logging.getLogger("belayer.gateway")
@@ -37,7 +37,7 @@ log = logging.getLogger("belayer.gateway")
 class LogprobRecomputer:
     """Runs and owns the background prompt-logprobs passes; see the module docstring."""
 
-    def __init__(self, store: TrajectoryStore, pool: EnginePool, no_worker_wait: float) -> None:
+    def __init__(self, store: TrajectoryStore, pool: Engines, no_worker_wait: float) -> None:
         self.store = store
         self.pool = pool
         self.no_worker_wait = no_worker_wait
@@ -71,9 +71,8 @@ class LogprobRecomputer:
     async def _run(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
         try:
             prompt = turn.prompt_ids[: max(b for _, b in spans)]
-            async with self.pool.lease(
-                turn.session_id, wait=self.no_worker_wait, tokens=len(prompt)
-            ) as member:
+            placement = Placement(turn.session_id, wait=self.no_worker_wait, tokens=len(prompt))
+            async with self.pool.lease(placement) as member:
                 values = await member.client.prompt_logprobs(prompt)
                 worker = member.name
         except asyncio.CancelledError:  # the gateway shuts down: say so in the trajectory, then stop

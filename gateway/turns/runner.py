@@ -25,8 +25,8 @@ from dataclasses import replace
 from core.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from core.keyed import SAMPLING_MODES, turn_key
 from core.telemetry import Telemetry
-from engine_pool.client import SamplingParams, TokenChunk
-from engine_pool.pool import EnginePool
+from engine_pool.engine.client import SamplingParams, TokenChunk
+from engine_pool.face import Engines
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.parsers import forced_call_prefix
 from gateway.policy.tokenization import ChatTokenizer
@@ -47,7 +47,7 @@ class TurnRunner:
     def __init__(
         self,
         store: TrajectoryStore,
-        pool: EnginePool,
+        pool: Engines,
         tokenizer: ChatTokenizer,
         settings: TurnSettings | None = None,
         *,

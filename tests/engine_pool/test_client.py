@@ -15,7 +15,7 @@ from core.errors import (
     EngineUnavailable,
 )
 from core.net import free_port
-from engine_pool.client import EngineClient, SamplingParams
+from engine_pool.engine.client import EngineClient, SamplingParams
 from engine_pool.fake import FakeEngine, fake_logprob
 from gateway.config import GatewayConfig
 from tests.support import asgi_gateway
@@ -99,4 +99,4 @@ async def test_a_malformed_engine_stream_is_a_502_through_the_gateway(
         a = await client.post("/v1/messages", json={**body, "max_tokens": 4})
         assert a.status_code == 502 and a.json()["type"] == "error", a.text
         pool = app.state.gateway.pool
-        assert [m.state for m in pool.members] == ["ready"]  # not fenced for a malformed answer
+        assert [m.state for m in pool.roster.members] == ["ready"]  # not fenced for a malformed answer

@@ -1,4 +1,4 @@
-"""A launched worker's death noticed by its pidfds (``engine_pool.exits``): which processes of its group
+"""A launched worker's death noticed by its pidfds (``engine_pool.workers.exits``): which processes of its group
 are vital, a watch that fires once and not after it was closed, and the pool's side: a dead engine-core
 stand-in fences its worker without a probe, and a planned stop (a removal, a stop) is no death."""
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_pool.exits import ExitWatch, vital
 from engine_pool.fake import ENGINE_CORE_ENV, ENGINE_CORE_TITLE
 from engine_pool.pool import DEAD, READY, EnginePool
-from engine_pool.worker import launch_group, stop_group
+from engine_pool.workers.exits import ExitWatch, vital
+from engine_pool.workers.worker import launch_group, stop_group
 from gateway.app import build_pool
 from gateway.config import GatewayConfig
 
@@ -119,7 +119,7 @@ async def pool(
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=10) as http:
         pool = build_pool(config, http)
-        pool.probe_interval = 3600.0  # only the watch can notice a death
+        pool.settings.probe_interval = 3600.0  # only the watch can notice a death
         try:
             await pool.start()
             yield pool
@@ -128,7 +128,7 @@ async def pool(
 
 
 async def test_a_dead_engine_core_fences_its_lingering_worker_at_once(pool: EnginePool) -> None:
-    first, second = pool.ready()
+    first, second = pool.roster.ready()
     assert first.process is not None and first.process.pid is not None
     assert first.process.watched == 3  # the reaper, the server, its engine core
     [core] = [pid for pid, what in vital(first.process.pid) if what == ENGINE_CORE_TITLE]
@@ -142,7 +142,7 @@ async def test_a_dead_engine_core_fences_its_lingering_worker_at_once(pool: Engi
 
 
 async def test_a_planned_stop_is_no_death(pool: EnginePool) -> None:
-    first, second = pool.ready()
+    first, second = pool.roster.ready()
     assert first.process is not None and second.process is not None
     launched = pool.factory.launched
     removed = await pool.remove(first.name, drain_timeout=0.0)  # a scale-down

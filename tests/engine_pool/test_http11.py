@@ -1,4 +1,4 @@
-"""`engine_pool.http11.Http11Transport` (httptools on asyncio protocols) against scripted raw HTTP servers
+"""`engine_pool.engine.http11.Http11Transport` (httptools on asyncio protocols) against scripted raw HTTP servers
 over real TCP: the same bodies and the same httpx exception classes as httpx's own transport for every
 way a server can answer or fail, and the pool's limits (``httpx.Limits``) held."""
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from core.net import free_port
-from engine_pool.http11 import Http11Transport
+from engine_pool.engine.http11 import Http11Transport
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 LIMITS = httpx.Limits(max_connections=4, max_keepalive_connections=2)

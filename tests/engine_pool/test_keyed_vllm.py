@@ -20,8 +20,8 @@ import pytest
 
 from core.keyed import choose
 from core.net import free_port
-from engine_pool.client import SamplingParams
-from engine_pool.worker import VllmWorker, WorkerSpec
+from engine_pool.engine.client import SamplingParams
+from engine_pool.workers.worker import VllmWorker, WorkerSpec
 
 pytestmark = pytest.mark.vllm
 

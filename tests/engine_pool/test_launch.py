@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_pool.launch import model_context_length
 from engine_pool.pool import DEAD, READY, SHADOW, EnginePool, PoolMember
-from engine_pool.worker import WorkerSpec
+from engine_pool.workers.launch import model_context_length
+from engine_pool.workers.worker import WorkerSpec
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 from tests.belayer.test_cli import _fails, _root_logging_restored  # noqa: F401  (an autouse fixture)
@@ -262,11 +262,11 @@ async def test_launched_workers_get_their_devices_and_a_replacement_gets_the_fen
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=10) as http:
         pool = build_pool(config, http)
-        pool.probe_interval = 0.1
+        pool.settings.probe_interval = 0.1
         try:
             await pool.start()
-            [active] = pool.ready()
-            [shadow] = [m for m in pool.members if m.state == SHADOW]
+            [active] = pool.roster.ready()
+            [shadow] = [m for m in pool.roster.members if m.state == SHADOW]
             seen = {}
             for m in (active, shadow):
                 assert m.process is not None and m.process.pid is not None
@@ -280,8 +280,8 @@ async def test_launched_workers_get_their_devices_and_a_replacement_gets_the_fen
             assert active.process is not None and active.process.pid is not None
             os.killpg(active.process.pid, signal.SIGKILL)
             await until(pool, lambda: shadow.state == READY and active.state == DEAD)
-            await until(pool, lambda: len(pool.members) == 3 and pool.members[2].state == SHADOW)
-            replacement = pool.members[2].process
+            await until(pool, lambda: len(pool.roster.members) == 3 and pool.roster.members[2].state == SHADOW)
+            replacement = pool.roster.members[2].process
             assert replacement is not None and replacement.pid is not None
             assert environ(server_pid(replacement.pid))["CUDA_VISIBLE_DEVICES"] == seen[active.name]
         finally:

@@ -33,7 +33,7 @@ async def test_a_passed_through_vllm_argument_is_in_effect(tiny_model_dir: Path,
         pool: EnginePool = build_pool(config, http)
         try:
             await pool.start()
-            [worker] = pool.ready()
+            [worker] = pool.roster.ready()
             assert worker.process is not None and "--max-num-seqs=1" in worker.process.spec.argv()
             body = {
                 "model": "policy",

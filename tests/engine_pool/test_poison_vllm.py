@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from core.net import free_port
-from engine_pool.pool import READY, EnginePool
-from engine_pool.worker import WorkerSpec
+from engine_pool.pool import READY, EnginePool, PoolSettings
+from engine_pool.workers.worker import WorkerSpec
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 
@@ -55,16 +55,18 @@ async def test_a_poison_request_kills_no_launched_worker(tmp_path: Path, tiny_mo
     async with httpx.AsyncClient(transport=wire, timeout=None) as http:
         pool = EnginePool(
             http,
-            log_dir=str(tmp_path / "logs"),
-            spec_factory=lambda: WorkerSpec(model=str(tiny_model_dir), port=free_port(), max_model_len=2048),
-            active=2,
+            PoolSettings(
+                log_dir=str(tmp_path / "logs"),
+                spec_factory=lambda: WorkerSpec(model=str(tiny_model_dir), port=free_port(), max_model_len=2048),
+                active=2,
+            ),
         )
         app = build_app(config, pool=pool)
         async with app.router.lifespan_context(app):
             client = httpx.AsyncClient(
                 transport=httpx.ASGITransport(app), base_url="http://localhost", timeout=120
             )
-            pids = [m.process.pid for m in pool.members if m.process is not None]
+            pids = [m.process.pid for m in pool.roster.members if m.process is not None]
             assert len(pids) == 2
             body = {"model": "policy", "messages": [{"role": "user", "content": POISON}], "max_tokens": 4}
             for _ in range(3):
@@ -73,8 +75,8 @@ async def test_a_poison_request_kills_no_launched_worker(tmp_path: Path, tiny_mo
                 assert r.headers["x-should-retry"] == "false"
             # both workers the first time; then refused from the gateway's memory, no worker asked
             assert len(wire.poisoned) == 2 and len(set(wire.poisoned)) == 2
-            assert [m.state for m in pool.members] == [READY, READY]
-            assert [m.process.pid for m in pool.members if m.process is not None] == pids
+            assert [m.state for m in pool.roster.members] == [READY, READY]
+            assert [m.process.pid for m in pool.roster.members if m.process is not None] == pids
             for pid in pids:
                 os.kill(pid, 0)  # alive: raises if the process was killed
             ok = await client.post(

@@ -9,14 +9,14 @@ from pathlib import Path
 import httpx
 
 from engine_pool.fake import FakeEngine
-from engine_pool.pool import READY, EnginePool
+from engine_pool.pool import READY, EnginePool, Placement, PoolSettings
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 
 
 def fake_pool(**kw: object) -> tuple[EnginePool, httpx.AsyncClient]:
     http = httpx.AsyncClient(transport=httpx.ASGITransport(FakeEngine(max_model_len=4096).app()))
-    return EnginePool(http, **kw), http  # type: ignore[arg-type]
+    return EnginePool(http, PoolSettings(**kw)), http  # type: ignore[arg-type]
 
 
 async def test_plain_requests_leave_no_affinity_and_closed_sessions_are_forgotten(
@@ -30,13 +30,13 @@ async def test_plain_requests_leave_no_affinity_and_closed_sessions_are_forgotte
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost")
         for _ in range(30):  # one-request sessions: nothing to route back to
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-        assert pool.remembered_sessions == 0
+        assert pool.router.remembered_sessions == 0
         sid = (await client.post("/api/sessions", json={})).json()["id"]
         for _ in range(2):
             assert (await client.post(f"/s/{sid}/v1/chat/completions", json=body)).status_code == 200
-        assert pool.remembered_sessions == 1
+        assert pool.router.remembered_sessions == 1
         assert (await client.post(f"/api/sessions/{sid}/close")).status_code == 200
-        assert pool.remembered_sessions == 0
+        assert pool.router.remembered_sessions == 0
 
 
 async def test_affinity_is_bounded_least_recently_used_first() -> None:
@@ -45,8 +45,8 @@ async def test_affinity_is_bounded_least_recently_used_first() -> None:
         pool.add_remote("http://fake-engine")
         await pool.start()
         for sid in ["a", "b", "c", "a", "d"]:
-            await pool.acquire(sid)
-        assert pool.remembered_sessions == 3 and set(pool.router.sessions) == {"a", "c", "d"}
+            await pool.router.acquire(Placement(sid))
+        assert pool.router.remembered_sessions == 3 and set(pool.router.sessions) == {"a", "c", "d"}
         await pool.stop()
 
 
@@ -56,7 +56,7 @@ async def test_every_waiter_wakes_at_the_state_change_not_at_a_probe() -> None:
     pool, http = fake_pool(probe_interval=60.0)
     async with http:
         await pool.start()
-        waiters = [asyncio.create_task(pool.acquire(f"s{i}", wait=30.0)) for i in range(10)]
+        waiters = [asyncio.create_task(pool.router.acquire(Placement(f"s{i}", wait=30.0))) for i in range(10)]
         await asyncio.sleep(0)  # all of them are waiting now
         assert not any(w.done() for w in waiters)
         started = time.monotonic()

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from core.errors import Conflict, EngineError, EngineUnavailable, InvalidRequest, NotFound
-from engine_pool.client import EngineClient, ModelInfo
+from engine_pool.engine.client import EngineClient, ModelInfo
+from engine_pool.face import Placement
 from engine_pool.fake import FakeEngine
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
@@ -21,12 +22,12 @@ from engine_pool.router import Router
 from engine_pool.settings import PoolSettings
 from engine_pool.states import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY
 from engine_pool.supervisor import Supervisor
-from engine_pool.versions import WeightVersions
-from engine_pool.weight_cache import GpuWeightCache
-from engine_pool.weight_keeper import WeightKeeper
-from engine_pool.weight_update import WeightUpdater
-from engine_pool.worker import VllmWorker, WorkerSpec
-from engine_pool.worker_factory import WorkerFactory
+from engine_pool.weights.cache import GpuWeightCache
+from engine_pool.weights.keeper import WeightKeeper
+from engine_pool.weights.update import WeightUpdater
+from engine_pool.weights.versions import WeightVersions
+from engine_pool.workers.factory import WorkerFactory
+from engine_pool.workers.worker import VllmWorker, WorkerSpec
 
 
 def _refuse(request: httpx.Request) -> httpx.Response:
@@ -172,29 +173,29 @@ async def test_the_router_prefers_the_sessions_worker_then_the_least_loaded() ->
     p = parts()
     a, b, _ = p.add("a", READY), p.add("b", READY), p.add("s", SHADOW)
     a.outstanding = 2
-    assert p.router.pick() is b
-    assert await p.router.acquire("s1", exclude=frozenset({"b"})) is a  # remembered for s1
-    assert p.router.pick("s1") is a
-    assert p.router.pick("s1", exclude=frozenset({"a"})) is b
+    assert p.router.pick(Placement()) is b
+    assert await p.router.acquire(Placement("s1", exclude=frozenset({"b"}))) is a  # remembered for s1
+    assert p.router.pick(Placement("s1")) is a
+    assert p.router.pick(Placement("s1", exclude=frozenset({"a"}))) is b
     b.weight_version = "old"  # not on the pool's version: never routed to
-    assert p.router.routable() == [a] and p.router.pick() is a
+    assert p.router.routable() == [a] and p.router.pick(Placement()) is a
 
 
 def test_during_an_update_only_requests_pinned_to_the_version_run_and_none_once_it_switches() -> None:
     p = parts()
     p.add("a", READY)
     p.versions.updating = True
-    assert p.router.pick() is None
-    assert p.router.pick(version="base") is not None  # a failover's tokens are on "base": drain time
+    assert p.router.pick(Placement()) is None
+    assert p.router.pick(Placement(version="base")) is not None  # a failover's tokens are on "base": drain time
     p.versions.switching = True
-    assert p.router.pick(version="base") is None
+    assert p.router.pick(Placement(version="base")) is None
 
 
 async def test_the_affinity_map_is_bounded_and_forgets_sessions_and_workers() -> None:
     p = parts(PoolSettings(max_affinity=2))
     p.add("a", READY)
     for sid in ["x", "y", "x", "z"]:
-        await p.router.acquire(sid)
+        await p.router.acquire(Placement(sid))
     assert p.router.sessions == ["x", "z"] and p.router.remembered_sessions == 2
     p.router.forget("x")
     assert p.router.sessions == ["z"]
@@ -208,7 +209,7 @@ async def test_acquire_gives_up_at_its_deadline_naming_every_workers_state() -> 
     p.add("b", READY, version="old")
     p.versions.updating = True
     with pytest.raises(EngineUnavailable) as e:
-        await p.router.acquire("s", wait=0.05)
+        await p.router.acquire(Placement("s", wait=0.05))
     assert str(e.value) == (
         "no healthy inference worker became available within 0s (workers: a=unhealthy, b=ready (weights old); "
         "a weight update to 'base' is running); check the workers' logs in the gateway's --log-dir"
@@ -218,7 +219,7 @@ async def test_acquire_gives_up_at_its_deadline_naming_every_workers_state() -> 
 async def test_a_lease_counts_its_request_and_its_end_wakes_a_drain() -> None:
     p = parts()
     a = p.add("a", READY)
-    async with p.router.lease("s") as member:
+    async with p.router.lease(Placement("s")) as member:
         assert member is a and a.outstanding == 1
         a.state = DRAINING
         drained = asyncio.create_task(p.roster.wait_change(30.0))
@@ -237,7 +238,7 @@ async def test_adopted_versions_reach_registered_engines_and_a_restarted_one_rep
     registered = p.add("r", READY)
     launched = p.add("w", READY)
     launched.process = ScriptedProcess(WorkerSpec(model="/m", port=1), "w")
-    p.versions.adopt("v3", "/w/v3", p.roster.members)
+    p.updater.adopt("v3", "/w/v3")
     assert (p.versions.version, p.versions.path) == ("v3", "/w/v3")
     assert (registered.weight_version, launched.weight_version) == ("v3", "base")
     client(registered).reported_version = "default"
@@ -421,7 +422,7 @@ async def test_a_failed_launched_worker_is_killed_and_replaced_at_full_strength(
 async def test_a_removed_worker_is_drained_dropped_and_forgotten_and_a_shadow_replaces_it() -> None:
     p = parts()
     a, s = p.add("a", READY), p.add("s", SHADOW)
-    await p.router.acquire("session")
+    await p.router.acquire(Placement("session"))
     removed = await p.supervisor.remove("a", drain_timeout=0.0)
     assert removed is a and a.state == DEAD and p.roster.members == [s] and s.state == READY
     assert p.router.sessions == [] and a.last_transition is not None and a.last_transition["why"] == "removed"

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from core.net import free_port
-from engine_pool.pool import EnginePool
-from engine_pool.worker import WorkerSpec
+from engine_pool.pool import EnginePool, PoolSettings
+from engine_pool.workers.worker import WorkerSpec
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 
@@ -30,7 +30,7 @@ async def test_vllms_own_query_of_death_kills_two_workers_at_most(
         extra_args=(f"--max-num-batched-tokens={BATCH}",),
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=None) as http:
-        pool = EnginePool(http, log_dir=str(tmp_path / "logs"), spec_factory=spec, active=2, shadows=1)
+        pool = EnginePool(http, PoolSettings(log_dir=str(tmp_path / "logs"), spec_factory=spec, active=2, shadows=1))
         app = build_app(config, pool=pool)
         async with app.router.lifespan_context(app):
             client = httpx.AsyncClient(
@@ -48,15 +48,15 @@ async def test_vllms_own_query_of_death_kills_two_workers_at_most(
             assert first.json()["error"]["code"] == "request_killed_workers", first.text
             assert first.headers["x-should-retry"] == "false"
             dead = [
-                m.name for m in pool.members if m.state in ("draining", "dead")
+                m.name for m in pool.roster.members if m.state in ("draining", "dead")
             ]  # being fenced, or fenced
-            assert len(dead) == 2, [(m.name, m.state) for m in pool.members]
-            assert sum(m.state == "ready" for m in pool.members) >= 1
+            assert len(dead) == 2, [(m.name, m.state) for m in pool.roster.members]
+            assert sum(m.state == "ready" for m in pool.roster.members) >= 1
 
             again = await client.post("/v1/chat/completions", json={**body, "seed": 99})  # a sibling
             assert again.json()["error"]["code"] == "request_killed_workers"
             assert [
-                m.name for m in pool.members if m.state in ("draining", "dead")
+                m.name for m in pool.roster.members if m.state in ("draining", "dead")
             ] == dead  # no worker asked
             engines = (await client.get("/api/engines")).json()
             assert engines["quarantine"]["refused"] == 1 and len(engines["queries_of_death"]) == 1

@@ -11,10 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_pool.client import EngineClient
+from engine_pool.engine.client import EngineClient
 from engine_pool.pool import READY, SHADOW, STARTING, PoolMember
-from engine_pool.ray_workers import HEAD_RESOURCE, NodeView, RayLauncher, RaySettings, RayWorker
-from engine_pool.worker import WorkerSpec
+from engine_pool.workers.ray_actor import RayWorker
+from engine_pool.workers.ray_workers import HEAD_RESOURCE, NodeView, RayLauncher, RaySettings
+from engine_pool.workers.worker import WorkerSpec
 
 
 def node(name: str, cpus: float = 2.0, head: bool = False, alive: bool = True) -> NodeView:
@@ -118,7 +119,7 @@ def test_custom_resources_and_gpus_count_toward_room(pool: Pool) -> None:
 
 def test_a_gateway_without_ray_never_imports_it() -> None:
     code = (
-        "import sys, belayer.cli, gateway.app, engine_pool.pool, engine_pool.ray_workers;"
+        "import sys, belayer.cli, gateway.app, engine_pool.pool, engine_pool.workers.ray_workers;"
         "from gateway.app import build_pool; from gateway.config import GatewayConfig; import httpx;"
         "build_pool(GatewayConfig(model='/m', worker_kind='fake'), httpx.AsyncClient());"
         "assert 'ray' not in sys.modules, 'ray imported'"

@@ -131,7 +131,7 @@ def engine_processes(cluster: LocalRayCluster) -> list[int]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             except OSError:
                 continue
-            if b"engine_pool.fake" in cmd or b"engine_pool.reaper" in cmd or b"vllm.entrypoints" in cmd:
+            if b"engine_pool.fake" in cmd or b"engine_pool.workers.reaper" in cmd or b"vllm.entrypoints" in cmd:
                 found.append(pid)
     return found
 

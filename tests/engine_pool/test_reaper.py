@@ -17,7 +17,7 @@ GATEWAY = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from engine_pool.worker import VllmWorker, WorkerSpec
+    from engine_pool.workers.worker import VllmWorker, WorkerSpec
 
     class Spec(WorkerSpec):
         def argv(self):
@@ -71,7 +71,7 @@ def test_a_kill_of_the_workers_pid_ends_its_server_at_once() -> None:
     """The pool's pid for a worker is the reaper's: a kill -9 of it must still end the server (the
     stream breaks and fails over at once); the pool fences what is left of the group."""
     reaper = subprocess.Popen(
-        [sys.executable, "-m", "engine_pool.reaper", "sleep", "600"], start_new_session=True
+        [sys.executable, "-m", "engine_pool.workers.reaper", "sleep", "600"], start_new_session=True
     )
     try:
         deadline = time.monotonic() + 30

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from core.errors import EngineUnavailable
+from engine_pool.face import Placement
 from engine_pool.member import PoolMember
 from engine_pool.settings import ROUTING_POLICIES, PoolSettings, RoutingPolicy
 from engine_pool.states import DEAD, READY, SHADOW, UNHEALTHY
@@ -24,7 +25,7 @@ async def placed(p: Parts, *requests: tuple[str | None, str | None]) -> list[str
     """The worker each (session, group) request is placed on, one after the other (each ends first)."""
     out = []
     for session, group in requests:
-        async with p.router.lease(session, group=group) as m:
+        async with p.router.lease(Placement(session, group=group)) as m:
             out.append(m.name)
     return out
 
@@ -88,7 +89,7 @@ async def test_group_moves_a_session_off_its_crowded_worker_once_and_records_it(
 
 async def test_load_is_outstanding_tokens_counted_from_a_lease_to_its_end() -> None:
     p, (a, b) = pool("group", "a", "b", floor=2000)
-    async with p.router.lease("s1", group="g", tokens=30_000) as first:  # one long prompt on a
+    async with p.router.lease(Placement("s1", group="g", tokens=30_000)) as first:  # one long prompt on a
         assert first is a and (a.outstanding, a.outstanding_tokens) == (1, 30_000)
         b.outstanding = 3  # three short requests on b: fewer tokens than a's one
         b.outstanding_tokens = 300
@@ -96,7 +97,7 @@ async def test_load_is_outstanding_tokens_counted_from_a_lease_to_its_end() -> N
         assert await placed(p, ("s3", "g")) == ["b"]  # g's worker is crowded: 30000 > 2 * 300 + 2000
         b.outstanding, b.outstanding_tokens = 0, 0
     assert (a.outstanding, a.outstanding_tokens, b.outstanding_tokens) == (0, 0, 0)
-    async with p.router.lease("s4", tokens=100) as m, p.router.lease("s5", tokens=50) as n:
+    async with p.router.lease(Placement("s4", tokens=100)) as m, p.router.lease(Placement("s5", tokens=50)) as n:
         assert (m.name, n.name) == ("a", "b") and (a.outstanding_tokens, b.outstanding_tokens) == (100, 50)
     assert p.router.groups == {"g": "a"}
 
@@ -109,7 +110,7 @@ async def test_round_robin_takes_the_ready_workers_in_turn_whatever_the_session(
     assert await placed(p, *requests) == ["a", "b", "c", "a", "b"]
     b.state = UNHEALTHY
     assert await placed(p, ("s1", None), ("s1", None)) == ["c", "a"]  # turns 5 and 6, of two workers
-    assert p.router.pick() is c and p.router.pick() is c  # a pick alone does not take a turn
+    assert p.router.pick(Placement()) is c and p.router.pick(Placement()) is c  # a pick alone does not take a turn
 
 
 async def test_least_loaded_takes_the_fewest_outstanding_then_the_fewest_served() -> None:
@@ -127,11 +128,11 @@ async def test_a_session_stays_on_the_worker_that_took_it_over_after_a_failover(
 ) -> None:
     p, (a, b) = pool(routing, "a", "b")
     assert await placed(p, ("s1", "g")) == ["a"]
-    async with p.router.lease("s1", group="g") as m:  # a's stream breaks: fenced, resubmitted elsewhere
+    async with p.router.lease(Placement("s1", group="g")) as m:  # a's stream breaks: fenced, resubmitted elsewhere
         assert m is a
         p.supervisor.report_failure(a, EngineUnavailable("connection reset"))
         assert a.state == UNHEALTHY
-        async with p.router.lease("s1", group="g", exclude=frozenset({"a"})) as again:
+        async with p.router.lease(Placement("s1", group="g", exclude=frozenset({"a"}))) as again:
             assert again is b
     p.roster.set(a, READY, "health probe passed")  # back, idle, first in the roster
     assert await placed(p, ("s1", "g"), ("s2", None)) == ["b", "a"]

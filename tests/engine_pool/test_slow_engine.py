@@ -40,7 +40,7 @@ async def test_an_engine_still_loading_is_waited_for(
         faults.down.clear()  # the engine is up
         pool = app.state.gateway.pool
         async with asyncio.timeout(15):
-            while not pool.ready():
+            while not pool.roster.ready():
                 await pool.roster.wait_change(1.0)
         assert (await client.get("/health")).json()["status"] == "ok"
         assert (await client.post("/v1/chat/completions", json=HI)).status_code == 200

@@ -1,4 +1,4 @@
-"""The gateway's engine transports (`engine_pool.transport`: httptools on asyncio protocols for plain
+"""The gateway's engine transports (`engine_pool.engine.transport`: httptools on asyncio protocols for plain
 HTTP, and httpx over asyncio streams and a linear-time pool for the rest) against a real engine process
 over TCP: the same tokens as httpx's own transport, connections reused, and the same errors where the
 engine fails (what failover relies on)."""
@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from core.errors import EngineTimeout, EngineUnavailable
-from engine_pool.client import EngineClient, SamplingParams
+from engine_pool.engine.client import EngineClient, SamplingParams
+from engine_pool.engine.transport import engine_transport, httpx_transport
 from engine_pool.fake import FakeEngine, autoregressive
-from engine_pool.transport import engine_transport, httpx_transport
 from tests.support import held_engine
 
 LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=8)

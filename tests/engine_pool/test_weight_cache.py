@@ -1,4 +1,4 @@
-"""The weight owner on GPUs (``engine_pool.weight_cache``): vLLM's weight-cache daemon per device group,
+"""The weight owner on GPUs (``engine_pool.weights.cache``): vLLM's weight-cache daemon per device group,
 with workers and shadows launched to map it over CUDA IPC.
 
 This machine has no GPU, so the launch plan is checked exactly (each daemon's command and devices, each
@@ -21,8 +21,8 @@ import pytest
 
 from core.errors import EngineUnavailable, InvalidRequest
 from engine_pool.pool import DEAD, DRAINING, READY, SHADOW, EnginePool
-from engine_pool.weight_cache import LOAD_FORMAT, CacheDaemon, GpuWeightCache, health_ok
-from engine_pool.worker import WorkerSpec
+from engine_pool.weights.cache import LOAD_FORMAT, CacheDaemon, GpuWeightCache, health_ok
+from engine_pool.workers.worker import WorkerSpec
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 from tests.support import serve_config
@@ -66,8 +66,8 @@ def test_each_device_group_gets_a_daemon_and_shadows_share_the_groups(tiny_model
         "--workers", "2", "--shadows", "2", "--vllm-arg=--max-num-seqs=8",
     ])  # fmt: skip
     pool = build_pool(config, httpx.AsyncClient())
-    cache = pool.weight_owner
-    assert isinstance(cache, GpuWeightCache) and pool.colocate
+    cache = pool.weights.owner
+    assert isinstance(cache, GpuWeightCache) and pool.settings.colocate
     assert sorted(cache.daemons) == [(0,), (1,)]
     members = [pool.factory.new(shadow=i >= 2) for i in range(4)]
     placed = []
@@ -106,9 +106,9 @@ def test_a_memory_share_given_by_the_user_is_kept_and_tensor_parallel_groups_hol
         "--vllm-arg=--gpu-memory-utilization=0.4",
     ])  # fmt: skip
     pool = build_pool(config, httpx.AsyncClient())
-    assert isinstance(pool.weight_owner, GpuWeightCache)
-    assert sorted(pool.weight_owner.daemons) == [(0, 1), (2, 3)]
-    assert pool.weight_owner.daemons[(2, 3)].env()["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert isinstance(pool.weights.owner, GpuWeightCache)
+    assert sorted(pool.weights.owner.daemons) == [(0, 1), (2, 3)]
+    assert pool.weights.owner.daemons[(2, 3)].env()["CUDA_VISIBLE_DEVICES"] == "2,3"
     [m] = [pool.factory.new()]
     assert m.process is not None
     argv = m.process.spec.argv()
@@ -122,7 +122,7 @@ def test_without_a_gpu_weight_cache_nothing_changes(tiny_model_dir: Path) -> Non
         ["--model", str(tiny_model_dir), "--worker-profile", "gpu", "--gpus", "0,1", "--shadows", "1"]
     )
     pool = build_pool(config, httpx.AsyncClient())
-    assert pool.weight_owner is None and not pool.colocate
+    assert pool.weights.owner is None and not pool.settings.colocate
     m = pool.factory.new()
     assert m.process is not None and "--load-format" not in m.process.spec.argv()
 
@@ -164,14 +164,14 @@ async def test_the_pool_checks_its_daemons_each_probe_round_and_replacements_map
     events: list[tuple[str, dict[str, object]]] = []
     async with httpx.AsyncClient(timeout=10) as http:
         pool = build_pool(config, http)
-        assert pool.spec_factory is not None
-        cache = GpuWeightCache(pool.spec_factory(), [(6,), (7,)], tmp_path / "logs", daemon=StandInDaemon)
-        pool.weight_owner, pool.colocate, pool.probe_interval = cache, True, 0.1
-        pool.telemetry.listen(lambda e: events.append((e.kind, e.data)))
+        assert pool.settings.spec_factory is not None
+        cache = GpuWeightCache(pool.settings.spec_factory(), [(6,), (7,)], tmp_path / "logs", daemon=StandInDaemon)
+        pool.weights.owner, pool.settings.colocate, pool.settings.probe_interval = cache, True, 0.1
+        pool.settings.telemetry.listen(lambda e: events.append((e.kind, e.data)))
         try:
             await pool.start()
-            [active] = pool.ready()
-            [shadow] = [m for m in pool.members if m.state == SHADOW]
+            [active] = pool.roster.ready()
+            [shadow] = [m for m in pool.roster.members if m.state == SHADOW]
             assert active.process is not None and shadow.process is not None
             assert (active.process.spec.devices, shadow.process.spec.devices) == ((6,), (7,))
 
@@ -187,10 +187,10 @@ async def test_the_pool_checks_its_daemons_each_probe_round_and_replacements_map
             assert active.process.pid is not None
             os.killpg(active.process.pid, signal.SIGKILL)
             async with asyncio.timeout(60):
-                while not (shadow.state == READY and active.state == DEAD and len(pool.members) == 3
-                           and pool.members[2].state == SHADOW):  # fmt: skip
+                while not (shadow.state == READY and active.state == DEAD and len(pool.roster.members) == 3
+                           and pool.roster.members[2].state == SHADOW):  # fmt: skip
                     await pool.roster.wait_change(1.0)
-            replacement = pool.members[2].process
+            replacement = pool.roster.members[2].process
             assert replacement is not None and replacement.spec.devices == (6,)
             argv = replacement.spec.argv()
             assert json.loads(option(argv, "--model-loader-extra-config")) == {
@@ -205,7 +205,7 @@ def test_a_weight_update_leaves_the_daemons_in_place() -> None:
     """Zero-copy mappers share a daemon's memory, so an update is not followed by a new daemon (a CPU
     owner is replaced by a successor): the pool reports the update as made in place."""
     pool = EnginePool(httpx.AsyncClient())
-    pool.weight_owner = GpuWeightCache(
+    pool.weights.owner = GpuWeightCache(
         WorkerSpec(model="/m", port=1), [(0,)], Path("logs"), socket_base="/nonexistent"
     )
     assert pool.weights.follow() == "in_place" and not pool.weights.busy
@@ -286,19 +286,19 @@ async def test_a_failed_update_reloads_the_pools_version_on_the_failed_workers_g
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=10) as http:
         pool = build_pool(config, http)
-        assert pool.spec_factory is not None
-        cache = GpuWeightCache(pool.spec_factory(), [(6,), (7,)], tmp_path / "logs", daemon=StandInDaemon)
-        pool.weight_owner, pool.colocate, pool.shadows = cache, True, 2  # a shadow beside each worker
+        assert pool.settings.spec_factory is not None
+        cache = GpuWeightCache(pool.settings.spec_factory(), [(6,), (7,)], tmp_path / "logs", daemon=StandInDaemon)
+        pool.weights.owner, pool.settings.colocate, pool.settings.shadows = cache, True, 2  # a shadow beside each worker
         try:
             await pool.start()
-            devices = {m.name: m.process.spec.devices for m in pool.members if m.process is not None}
+            devices = {m.name: m.process.spec.devices for m in pool.roster.members if m.process is not None}
             assert sorted(map(str, devices.values())) == ["(6,)", "(6,)", "(7,)", "(7,)"]
-            first = pool.ready()[0]
+            first = pool.roster.ready()[0]
             with pytest.raises(InvalidRequest, match="could not load the weights"):
-                await pool.update_weights("v1", str(tmp_path / "no-such-weights"))
-            assert first.state in (DRAINING, DEAD) and pool.weight_version == "base"
+                await pool.updater.update("v1", str(tmp_path / "no-such-weights"))
+            assert first.state in (DRAINING, DEAD) and pool.versions.version == "base"
             reloaded = {}
-            for m in pool.members:
+            for m in pool.roster.members:
                 if m is not first and m.process is not None and m.state in (READY, SHADOW):
                     info = await http.get(f"{m.client.base_url}/weight_info", headers=WORKER_AUTH)
                     reloaded[m.name] = info.json()["weights_path"]

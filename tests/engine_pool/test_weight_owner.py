@@ -21,7 +21,7 @@ import pytest
 
 from core import shm_weights
 from core.errors import ConfigError
-from engine_pool.weight_owner import LOAD_FORMAT, WeightOwner, maps_owner
+from engine_pool.weights.owner import LOAD_FORMAT, WeightOwner, maps_owner
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 from tests.support import REPO
@@ -130,30 +130,30 @@ async def test_a_pool_with_an_owner_launches_workers_that_map_its_weights(
     )  # fmt: skip
     async with httpx.AsyncClient() as http:
         pool = build_pool(config, http)
-        assert isinstance(pool.weight_owner, WeightOwner)
-        assert pool.spec_factory is not None
-        argv = pool.spec_factory().argv()
+        assert isinstance(pool.weights.owner, WeightOwner)
+        assert pool.settings.spec_factory is not None
+        argv = pool.settings.spec_factory().argv()
         extra = json.loads(argv[argv.index("--model-loader-extra-config") + 1])
         assert argv[argv.index("--load-format") + 1] == LOAD_FORMAT
         assert extra == {"dir": str(shm), "linear": "packed"}
         # the worker extension that re-maps a worker onto the owner's pages after an update
         assert argv[argv.index("--worker-extension-cls") + 1] == shm_weights.WORKER_EXTENSION
         assert maps_owner(argv) and not maps_owner([*argv, "--load-format", "auto"])
-        assert pool.weight_owner.dir == shm / shm_weights.checkpoint_hash(tiny_model_dir)
-        owner_argv = pool.weight_owner.argv()
-        assert owner_argv[1:3] == ["-m", "engine_pool.weight_owner"]
+        assert pool.weights.owner.dir == shm / shm_weights.checkpoint_hash(tiny_model_dir)
+        owner_argv = pool.weights.owner.argv()
+        assert owner_argv[1:3] == ["-m", "engine_pool.weights.owner"]
         ports = {argv.index("--port") + 1}  # each spec has a free port of its own; the rest is the same
         theirs = owner_argv[owner_argv.index("--") + 1 :]
         assert [a for i, a in enumerate(theirs) if i + 3 not in ports] == [
             a for i, a in enumerate(argv[3:]) if i + 3 not in ports
         ]  # the workers' own vLLM arguments
-        assert not pool.weight_owner.healthy()  # not started
+        assert not pool.weights.owner.healthy()  # not started
         without = build_pool(GatewayConfig(model=str(tiny_model_dir), log_dir=str(tmp_path)), http)
-        assert without.weight_owner is None and without.check_owner("a worker failed")
+        assert without.weights.owner is None and without.weights.check("a worker failed")
         fake = GatewayConfig(
             model=str(tiny_model_dir), worker_kind="fake", launch=LaunchConfig(weight_owner=True)
         )
-        assert build_pool(fake, http).weight_owner is None  # fake engines load no weights
+        assert build_pool(fake, http).weights.owner is None  # fake engines load no weights
 
 
 def test_an_updates_weights_get_an_owner_directory_of_their_own(tmp_path: Path) -> None:
@@ -225,7 +225,7 @@ def test_an_owner_for_an_updates_weights_keeps_the_workers_arguments_and_tokeniz
     config = GatewayConfig(model=str(tiny_model_dir), log_dir=str(tmp_path),
                            launch=LaunchConfig(weight_owner=True, weight_owner_dir=str(shm)))  # fmt: skip
     pool = build_pool(config, httpx.AsyncClient())
-    launch = pool.weight_owner
+    launch = pool.weights.owner
     assert launch is not None and launch.version is None and launch.weights == str(tiny_model_dir)
     assert launch.checkpoint == shm_weights.checkpoint_hash(tiny_model_dir)
     new = launch.successor(str(update), "step-1", "weight-owner-1")

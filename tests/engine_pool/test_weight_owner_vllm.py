@@ -26,8 +26,8 @@ import pytest
 from core import shm_weights
 from core.net import free_port
 from engine_pool.pool import READY, SHADOW, EnginePool, PoolMember
-from engine_pool.weight_owner import WeightOwner
-from engine_pool.worker import VllmWorker, WorkerSpec
+from engine_pool.weights.owner import WeightOwner
+from engine_pool.workers.worker import VllmWorker, WorkerSpec
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 
@@ -72,7 +72,7 @@ def source(member: PoolMember, owner_dir: Path) -> str:
 
 
 def launched(pool: EnginePool, name: str) -> PoolMember:
-    return next(m for m in pool.members if m.name == name)
+    return next(m for m in pool.roster.members if m.name == name)
 
 
 @pytest.mark.slow  # minutes: make test-all
@@ -86,8 +86,8 @@ async def test_workers_and_shadows_share_the_owners_weights(tiny_model_dir: Path
     plain = VllmWorker(WorkerSpec(str(tiny_model_dir), free_port(), max_model_len=CONTEXT), tmp_path, "plain")
     async with httpx.AsyncClient(timeout=120, headers=AUTH) as http:
         pool = build_pool(config, http)
-        pool.owner_restart_delay = 3600.0  # lowered below: first, workers must be seen loading from disk
-        owner = pool.weight_owner
+        pool.weights.restart_delay = 3600.0  # lowered below: first, workers must be seen loading from disk
+        owner = pool.weights.owner
         assert isinstance(owner, WeightOwner)
         try:
             plain.launch()
@@ -97,7 +97,7 @@ async def test_workers_and_shadows_share_the_owners_weights(tiny_model_dir: Path
             await plain.stop()
             assert owner.healthy()
             size = int(shm_weights.read_json(owner.dir / shm_weights.OWNER)["bytes"])  # type: ignore[index]
-            members = [m for m in pool.members if m.state in (READY, SHADOW)]
+            members = [m for m in pool.roster.members if m.state in (READY, SHADOW)]
             assert sorted(m.state for m in members) == [READY, READY, SHADOW]
 
             # every worker and the shadow mapped the owner's layout, and answer as vLLM's own load does
@@ -115,9 +115,9 @@ async def test_workers_and_shadows_share_the_owners_weights(tiny_model_dir: Path
             victim = next(m for m in members if m.state == READY)
             assert victim.process is not None and victim.process.pid is not None
             os.killpg(victim.process.pid, signal.SIGKILL)
-            await until(lambda: len(pool.members) == 4 and pool.members[-1].state in (READY, SHADOW),
+            await until(lambda: len(pool.roster.members) == 4 and pool.roster.members[-1].state in (READY, SHADOW),
                         300, "a replacement ready")  # fmt: skip
-            replacement = pool.members[-1]
+            replacement = pool.roster.members[-1]
             assert source(replacement, owner.dir) == "owner"
             assert await greedy(http, replacement.client.base_url) == reference
 
@@ -125,18 +125,18 @@ async def test_workers_and_shadows_share_the_owners_weights(tiny_model_dir: Path
             assert owner.pid is not None
             os.killpg(owner.pid, signal.SIGKILL)
             await until(lambda: not owner.alive(), 30, "the owner gone")
-            victim = next(m for m in pool.members if m.state == READY)
+            victim = next(m for m in pool.roster.members if m.state == READY)
             assert victim.process is not None and victim.process.pid is not None
             os.killpg(victim.process.pid, signal.SIGKILL)
-            await until(lambda: len(pool.members) == 5 and pool.members[-1].state in (READY, SHADOW),
+            await until(lambda: len(pool.roster.members) == 5 and pool.roster.members[-1].state in (READY, SHADOW),
                         300, "a replacement ready")  # fmt: skip
-            fallback = pool.members[-1]
+            fallback = pool.roster.members[-1]
             assert source(fallback, owner.dir) == "disk"
             assert await greedy(http, fallback.client.base_url) == reference
             assert not owner.healthy() and owner.restarts == 0
 
             # ... and it is restarted (keeping the complete layout the killed owner left)
-            pool.owner_restart_delay = 0.0
+            pool.weights.restart_delay = 0.0
             await until(owner.healthy, 120, "the owner restarted")
             assert owner.restarts == 1
             assert shm_weights.read_json(owner.dir / shm_weights.OWNER)["reused"] is True  # type: ignore[index]
@@ -181,13 +181,13 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=120, headers=AUTH) as http:
         pool = build_pool(config, http)
-        pool.owner_restart_delay = 3600.0  # lowered below: first, a replacement must load from disk
-        first = pool.weight_owner
+        pool.weights.restart_delay = 3600.0  # lowered below: first, a replacement must load from disk
+        first = pool.weights.owner
         assert isinstance(first, WeightOwner)
         launch = first.checkpoint
         try:
             await pool.start()
-            [worker] = pool.members
+            [worker] = pool.roster.members
             assert shm_weights.current(base, launch) == {
                 "checkpoint": launch, "version": "base", "path": str(tiny_model_dir)
             }  # fmt: skip
@@ -195,14 +195,14 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
             assert shm_weights.load_reports(first.dir)[pid]["version"] == "base"
             before = await greedy(http, worker.client.base_url)
 
-            update = await pool.update_weights("seed-1", str(second), drain_s=0)
+            update = await pool.updater.update("seed-1", str(second), drain_s=0)
             # the update wrote seed-1 into the worker's own copy-on-write pages: private memory again
             # (read at once: the owner for seed-1 is a new process that takes seconds to lay it out)
             private = shm_weights.process_memory(pid)
             assert (update.updated, update.stale, update.owner) == (("worker-0",), (), "following")
             assert await greedy(http, worker.client.base_url) == expected != before
             # the owner follows in the background: a new one for the update's files, then the old one goes
-            owner = await until(lambda: pool.weight_owner if pool.weight_owner is not first else None,
+            owner = await until(lambda: pool.weights.owner if pool.weights.owner is not first else None,
                                 240, "an owner for seed-1")  # fmt: skip
             assert isinstance(owner, WeightOwner)
             assert (owner.version, owner.weights, owner.healthy()) == ("seed-1", str(second), True)
@@ -215,7 +215,7 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
 
             # ... and the worker that was running is brought back onto the new owner's pages: its private
             # copy goes, its load report names the re-map, and its output is the same tokens
-            remapped = await until(lambda: [e.data for e in pool.telemetry.recent()
+            remapped = await until(lambda: [e.data for e in pool.settings.telemetry.recent()
                                             if e.kind == "weight_owner" and e.data["state"] == "remapped"],
                                    120, "the running worker re-mapped")  # fmt: skip
             assert remapped == [{"state": "remapped", "version": "seed-1", "workers": 1, "failed": []}]
@@ -245,12 +245,12 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
             assert await greedy(http, worker.client.base_url) == expected  # the same bytes: the same tokens
 
             # a killed worker's replacement maps seed-1 from the owner: named so, and no reload from disk
-            events = pool.telemetry.seq
+            events = pool.settings.telemetry.seq
             assert worker.process is not None and worker.process.pid is not None
             os.killpg(worker.process.pid, signal.SIGKILL)
-            await until(lambda: len(pool.members) == 2 and pool.members[-1].state == READY, 300,
+            await until(lambda: len(pool.roster.members) == 2 and pool.roster.members[-1].state == READY, 300,
                         "a replacement ready")  # fmt: skip
-            replacement = pool.members[-1]
+            replacement = pool.roster.members[-1]
             report = shm_weights.load_reports(owner.dir)[engine_pid(replacement, owner.dir)]
             assert (report["source"], report["version"], report["checkpoint"]) == (
                 "owner", "seed-1", owner.checkpoint
@@ -258,7 +258,7 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
             assert (replacement.weight_version, replacement.synced) == ("seed-1", 0)
             assert await replacement.client.weight_version() == "seed-1"  # vLLM's own /weight_info
             weights_events = [
-                e.data for e in pool.telemetry.recent() if e.seq > events and e.kind == "worker_weights"
+                e.data for e in pool.settings.telemetry.recent() if e.seq > events and e.kind == "worker_weights"
             ]
             assert weights_events == [{"worker": replacement.name, "version": "seed-1", "source": "owner"}]
             assert await greedy(http, replacement.client.base_url) == expected
@@ -270,9 +270,9 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
             await until(lambda: not owner.alive(), 30, "the owner gone")
             assert replacement.process is not None and replacement.process.pid is not None
             os.killpg(replacement.process.pid, signal.SIGKILL)
-            await until(lambda: len(pool.members) == 3 and pool.members[-1].state == READY, 300,
+            await until(lambda: len(pool.roster.members) == 3 and pool.roster.members[-1].state == READY, 300,
                         "a replacement ready")  # fmt: skip
-            fallback = pool.members[-1]
+            fallback = pool.roster.members[-1]
             assert shm_weights.load_reports(owner.dir)[engine_pid(fallback, owner.dir)]["source"] == "disk"
             assert (fallback.weight_version, fallback.synced) == ("seed-1", 1)
             assert await greedy(http, fallback.client.base_url) == expected
@@ -281,9 +281,9 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
             print(f"replacement_ready_s_disk_after_update: {disk_ready_s:.2f}")
 
             # ... and the restarted owner lays out the current weights (seed-1), not the launch ones
-            pool.owner_restart_delay = 0.0
+            pool.weights.restart_delay = 0.0
             await until(owner.healthy, 120, "the owner restarted")
-            assert pool.weight_owner is owner and owner.restarts == 1 and owner.version == "seed-1"
+            assert pool.weights.owner is owner and owner.restarts == 1 and owner.version == "seed-1"
             assert shm_weights.current(base, launch)["version"] == "seed-1"  # type: ignore[index]
         finally:
             await pool.stop()
@@ -306,7 +306,7 @@ def checkpoint_bytes(model_dir: Path) -> int:
 
 def cold_start(pool: EnginePool, worker: str) -> float:
     """Seconds from the launch of `worker` to its health check passing (the pool's own figure)."""
-    [seconds] = [e.data["seconds"] for e in pool.telemetry.recent()
+    [seconds] = [e.data["seconds"] for e in pool.settings.telemetry.recent()
                  if e.kind == "worker_cold_start" and e.data["worker"] == worker]  # fmt: skip
     return float(seconds)
 

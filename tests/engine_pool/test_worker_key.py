@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 
 from core.worker_auth import KEY_ENV, RequireApiKey
-from engine_pool.client import EngineClient, SamplingParams
+from engine_pool.engine.client import EngineClient, SamplingParams
 from engine_pool.fake import FakeEngine
-from engine_pool.worker import GUARD, WorkerSpec
+from engine_pool.workers.worker import GUARD, WorkerSpec
 
 
 def test_a_launched_worker_gets_its_key_in_its_environment_and_guards_every_route() -> None:

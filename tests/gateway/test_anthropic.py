@@ -412,7 +412,7 @@ async def test_session_errors(gateway: GatewayHarness, claude: Claude) -> None:
 
 
 async def test_no_healthy_engine_is_overloaded(gateway: GatewayHarness, claude: Claude) -> None:
-    gateway.gw.pool.members[0].state = "dead"
+    gateway.gw.pool.roster.members[0].state = "dead"
     for stream in (False, True):
         r = await gateway.client.post("/v1/messages", json=body(stream=stream))
         assert r.status_code == 503, r.text

@@ -123,7 +123,7 @@ async def test_completions_bad_prompts(gateway: GatewayHarness) -> None:
 
 
 async def test_no_healthy_engine_is_503(gateway: GatewayHarness) -> None:
-    gateway.gw.pool.members[0].state = "dead"
+    gateway.gw.pool.roster.members[0].state = "dead"
     for stream in (False, True):
         r = await gateway.client.post("/v1/chat/completions", json=body(stream=stream))
         assert r.status_code == 503, r.text

@@ -339,7 +339,7 @@ async def test_registering_an_engine_outside_engine_allow_is_a_400(
             assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (
                 400, "engine_not_allowed", "url",
             ), r.text  # fmt: skip
-        assert [m.name for m in app.state.gateway.pool.members] == ["remote-0"]
+        assert [m.name for m in app.state.gateway.pool.roster.members] == ["remote-0"]
         r = await client.post("/api/engines", json={"url": "http://w1.engines.internal:8000"}, headers=admin)
         assert r.status_code == 201, r.text
 
@@ -363,7 +363,7 @@ async def test_a_weights_path_outside_the_weights_root_is_a_400(tmp_path: Path, 
             r = await client.post("/api/weights", json={"version": "v2", "path": str(path)}, headers=admin)
             assert (r.status_code, r.json()["error"]["param"]) == (400, "path"), r.text
             assert "outside the weights root" in r.json()["error"]["message"]
-        assert app.state.gateway.pool.weight_version == "base"
+        assert app.state.gateway.pool.versions.version == "base"
 
 
 def test_every_row_of_the_threat_model_names_tests_that_exist() -> None:

@@ -70,7 +70,7 @@ class Rig:
     async def both_ready(self) -> None:
         """Wait (with a deadline) until both workers are ready: a failover leaves its worker to the probes."""
         async with asyncio.timeout(10):
-            while not all(m.state == READY for m in self.gw.pool.members):
+            while not all(m.state == READY for m in self.gw.pool.roster.members):
                 await asyncio.sleep(0.01)
 
 
@@ -128,7 +128,7 @@ async def test_recovery_and_sandbox_log_lines_name_sessions_by_their_tags_only(
     # a child moved off its worker for load (group routing): the line names its group
     await rig.both_ready()
     home = (await rig.chat(children[0]))["worker"]
-    [crowded] = [m for m in rig.gw.pool.members if m.name == home]
+    [crowded] = [m for m in rig.gw.pool.roster.members if m.name == home]
     crowded.outstanding_tokens += LOAD
     moved_to = (await rig.chat(children[0]))["worker"]
     crowded.outstanding_tokens -= LOAD

@@ -12,7 +12,7 @@ import pytest
 from starlette.applications import Starlette
 
 from engine_pool.fake import FakeEngine, FaultInjector
-from engine_pool.pool import DEAD, READY
+from engine_pool.pool import DEAD, READY, Placement
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.gateway import Gateway
 from tests.support import asgi_gateway
@@ -68,7 +68,7 @@ async def test_a_poison_request_fences_no_worker_and_others_are_served(
         assert r.status_code == 500, r.text
         error = r.json()["error"]
         assert error["code"] == "engine_request_failed" and "do not retry it unchanged" in error["message"]
-    assert [m.state for m in pool.members] == [READY] * 3
+    assert [m.state for m in pool.roster.members] == [READY] * 3
     posted = [q for q in engine.requests if "prompt_logprobs" not in q]
     assert len(posted) == 2  # tried on exactly two workers once; then refused from the gateway's memory
     engine.outputs.append(gateway_of(app).tokenizer.encode("fine"))
@@ -89,7 +89,7 @@ async def test_a_poison_request_on_the_only_worker_is_its_own_error(
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_request_failed"
         a = await client.post("/v1/messages", json=body)
         assert a.status_code == 500 and a.json()["error"]["type"] == "api_error"
-        assert [m.state for m in gateway_of(app).pool.members] == [READY]
+        assert [m.state for m in gateway_of(app).pool.roster.members] == [READY]
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ async def test_the_registry_refuses_bad_and_duplicate_urls(
     r = await client.post("/api/engines", json={"url": url}, headers=ADMIN)
     assert r.status_code == status and says in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "url"
-    assert len(gateway_of(app).pool.members) == 3  # nothing half-added
+    assert len(gateway_of(app).pool.roster.members) == 3  # nothing half-added
 
 
 async def test_delete_drains_then_removes_a_worker(
@@ -124,7 +124,7 @@ async def test_delete_drains_then_removes_a_worker(
     assert missing.status_code == 404 and "remote-0" in missing.json()["error"]["message"]
     bad = await client.delete("/api/engines/remote-1?drain_s=x", headers=ADMIN)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "drain_s"
-    async with pool.lease(None, 0.0, frozenset({"remote-0", "remote-2"})) as busy:  # one request in flight
+    async with pool.lease(Placement(exclude=frozenset({"remote-0", "remote-2"}))) as busy:  # one request in flight
         assert busy.name == "remote-1"
         removal = asyncio.create_task(client.delete("/api/engines/remote-1", headers=ADMIN))
         while busy.state != "draining":
@@ -132,10 +132,10 @@ async def test_delete_drains_then_removes_a_worker(
         assert (
             not removal.done()
             and busy.state == "draining"
-            and pool.pick(None, frozenset({"remote-0", "remote-2"})) is None
+            and pool.pick(Placement(exclude=frozenset({"remote-0", "remote-2"}))) is None
         )
     r = await removal
     assert r.status_code == 200 and r.json()["state"] == DEAD
-    assert [m.name for m in pool.members] == ["remote-0", "remote-2"]
+    assert [m.name for m in pool.roster.members] == ["remote-0", "remote-2"]
     again = await client.post("/api/engines", json={"url": "http://e1"}, headers=ADMIN)  # may come back
     assert again.status_code == 201 and again.json()["name"] == "remote-3"

@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_pool.client import EngineClient
+from engine_pool.engine.client import EngineClient
+from engine_pool.face import MemberView
 from engine_pool.fake import FakeEngine
 from engine_pool.pool import PoolMember
 from gateway.api.engine_metrics import UP, relabel, scrape
@@ -116,7 +117,7 @@ async def test_a_hung_worker_is_given_up_on_after_the_timeout() -> None:
     engines = ByHost({"e0": FakeEngine()})
     engines.hung.add("e0")
     async with httpx.AsyncClient(transport=engines) as http:
-        member = PoolMember("worker-0", EngineClient("http://e0", "fake", http))
+        member = MemberView.of(PoolMember("worker-0", EngineClient("http://e0", "fake", http)), 300.0)
         assert await scrape(http, member, timeout=0.05) == ("worker-0", None)
 
 

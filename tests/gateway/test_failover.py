@@ -153,7 +153,7 @@ async def test_slow_but_healthy_worker_is_not_failed_over(rig: Rig) -> None:
     rig.engine.token_delay = 0.5  # slower than the stall timeout, but /health answers
     _, traj = await rig.chat(True, max_tokens=2)
     check_exact(rig, traj, 2)
-    assert failovers(traj) == [] and rig.gw.pool.members[0].state == "ready"
+    assert failovers(traj) == [] and rig.gw.pool.roster.members[0].state == "ready"
 
 
 async def test_no_worker_left_waits_then_503(rig: Rig) -> None:
@@ -170,7 +170,7 @@ async def test_request_waits_for_a_worker_to_come_back(rig: Rig) -> None:
     rig.gw.runner.failover.config = FailoverConfig(
         stall_timeout=0.3, no_worker_wait=30.0
     )  # robust on a busy machine
-    for m in pool.members[1:]:
+    for m in pool.roster.members[1:]:
         m.state = "dead"  # only e0 is left in the pool
     rig.faults.faults["e0"] = [Fault("drop_after", 2)]
     rig.faults.hung.add("e0")  # ... and it fails its probes for a while
@@ -200,7 +200,7 @@ async def test_engine_4xx_is_not_retried(rig: Rig) -> None:
         json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
     )
     assert r.status_code == 400 and len(rig.engine.requests) == 1
-    assert all(m.state == "ready" for m in rig.gw.pool.members)
+    assert all(m.state == "ready" for m in rig.gw.pool.roster.members)
 
 
 async def test_failover_disabled_fails_the_request(rig: Rig) -> None:
@@ -235,7 +235,7 @@ async def test_register_engine_needs_admin_token_then_routes(rig: Rig) -> None:
     assert {k: r.json()[k] for k in ("name", "url", "state", "max_model_len")} == {
         "name": "remote-3", "url": "http://e3", "state": "ready", "max_model_len": 4096,
     }  # fmt: skip
-    for m in rig.gw.pool.members[:3]:
+    for m in rig.gw.pool.roster.members[:3]:
         m.state = "dead"
     _, traj = await rig.chat(True, max_tokens=4)
     assert traj["turns"][0]["worker"] == "remote-3"

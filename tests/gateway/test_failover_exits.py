@@ -1,5 +1,5 @@
 """Failover from a launched worker whose process died, noticed by the pool's watch of its processes
-(``engine_pool.exits``), not by a stall, a health probe or the broken connection: the stream is cut at
+(``engine_pool.workers.exits``), not by a stall, a health probe or the broken connection: the stream is cut at
 once (cause ``dead``, the watch's reason as the error) and resumes on another worker with exactly the
 tokens of an undisturbed run. Real fake-worker processes behind the gateway; no probe round runs, and the
 stall timeout is longer than the test may take."""
@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.exits import vital
 from engine_pool.fake import ENGINE_CORE_ENV, ENGINE_CORE_TITLE, TOKEN_DELAY_ENV
 from engine_pool.pool import DEAD, DRAINING, EnginePool, PoolMember
+from engine_pool.workers.exits import vital
 from gateway.app import build_app, build_pool
 from gateway.config import FailoverConfig, GatewayConfig
 from store import TurnRecord
@@ -55,7 +55,7 @@ async def launched_gateway(
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=None) as http:
         pool = build_pool(config, http)
-        pool.probe_interval = 3600.0  # no probe round: only the watch (or the connection) can notice
+        pool.settings.probe_interval = 3600.0  # no probe round: only the watch (or the connection) can notice
         app = build_app(config, pool=pool, observers=[turns])
         async with (
             app.router.lifespan_context(app),

@@ -579,10 +579,10 @@ class FaultyGateway(FuzzGateway):
         assert isinstance(self.engine, FaultInjector) and self.app is not None
         pool = self.app.state.gateway.pool
         for _ in range(250):
-            if len(pool.ready()) == 2:
+            if len(pool.roster.ready()) == 2:
                 break
             self.loop.run_until_complete(asyncio.sleep(0.02))  # the pool's probes bring workers back
-        assert len(pool.ready()) == 2, [(m.name, m.state) for m in pool.members]
+        assert len(pool.roster.ready()) == 2, [(m.name, m.state) for m in pool.roster.members]
         self.engine.faults = {"e0": list(e0), "e1": list(e1)}
 
 
@@ -786,7 +786,7 @@ def store_state(fuzz: FuzzGateway) -> tuple[Any, ...]:
         db.execute(f"SELECT count(*), max(rowid) FROM {t}").fetchone()
         for t in ("turns", "events", "exported")
     ]
-    return (sessions.fetchall(), counts, [m.name for m in gw.pool.members], gw.pool.weight_version)
+    return (sessions.fetchall(), counts, [m.name for m in gw.pool.roster.members], gw.pool.versions.version)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_pool.face import Placement
 from engine_pool.fake import FakeEngine, Fault, FaultInjector, autoregressive
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.gateway import Gateway
@@ -83,7 +84,7 @@ async def test_metrics_count_failovers_stalls_checkpoints_and_restores_exactly(
         history: list[dict[str, Any]] = []
 
         # turn 0: its worker's connection drops after 4 tokens
-        doomed = gw.pool.pick(sid)
+        doomed = gw.pool.pick(Placement(sid))
         assert doomed is not None
         faults.faults[httpx.URL(doomed.client.base_url).host] = [Fault("drop_after", 4)]
         await chat(client, sid, "first", history)
@@ -92,7 +93,7 @@ async def test_metrics_count_failovers_stalls_checkpoints_and_restores_exactly(
 
         # turn 1: its worker hangs after 3 tokens (and fails its health probe); a checkpoint is taken
         # inside the bubble, while the turn waits
-        stuck = gw.pool.pick(sid)
+        stuck = gw.pool.pick(Placement(sid))
         assert stuck is not None
         stuck_host = httpx.URL(stuck.client.base_url).host
         faults.faults[stuck_host] = [Fault("stall_after", 3)]
@@ -113,7 +114,7 @@ async def test_metrics_count_failovers_stalls_checkpoints_and_restores_exactly(
         after = await scrape(client)
         traj_turns = gw.store.get_turns(sid)
         events = [e for e in gw.store.get_events(sid) if e.kind == "failover"]
-        states = Counter(m.state for m in gw.pool.members)
+        states = Counter(m.state for m in gw.pool.roster.members)
 
     assert [e.data["cause"] for e in events] == ["dead", "stall"]
     generated = sum(len(t.output_ids) for t in traj_turns)

@@ -111,7 +111,7 @@ async def test_a_query_of_death_kills_two_workers_then_is_refused_without_touchi
     assert err["code"] == "request_killed_workers", err
     assert "crashed 2 inference workers" in err["message"] and "Change the request" in err["message"]
     assert len(rig.faults.killed) == 2  # convicted at its second kill, never resubmitted to the third
-    assert [m.state for m in rig.gw.pool.members].count("ready") == 1
+    assert [m.state for m in rig.gw.pool.roster.members].count("ready") == 1
     traj = await rig.trajectory(sid)
     [turn] = traj["turns"]
     assert turn["status"] == "error"
@@ -159,7 +159,7 @@ async def test_an_engine_that_answers_an_error_mid_stream_then_dies_is_judged_al
     rig.faults.kill_with_error = True
     r = await rig.chat(await rig.session(), LONG, seed=3)
     assert error_of(r)["code"] == "request_killed_workers"
-    assert len(rig.faults.killed) == 2 and [m.state for m in rig.gw.pool.members].count("ready") == 1
+    assert len(rig.faults.killed) == 2 and [m.state for m in rig.gw.pool.roster.members].count("ready") == 1
 
 
 async def test_a_suspect_that_was_only_unlucky_completes_alone(rig: Rig) -> None:
@@ -176,7 +176,7 @@ async def test_a_suspect_that_was_only_unlucky_completes_alone(rig: Rig) -> None
     assert fo["token_index"] == 0 and fo["to_worker"] == "remote-1"
     assert events(traj, "query_of_death") == []
     assert rig.gw.runner.failover.quarantine.remembered() == []
-    assert not any(m.isolating for m in rig.gw.pool.members)  # the worker it held is everyone's again
+    assert not any(m.isolating for m in rig.gw.pool.roster.members)  # the worker it held is everyone's again
 
 
 async def test_a_suspect_holds_its_worker_alone_only_until_its_first_token(
@@ -202,7 +202,7 @@ async def test_a_suspect_holds_its_worker_alone_only_until_its_first_token(
     assert turn["output_ids"] == rig.engine.greedy(turn["prompt_ids"], 40)
     [fo] = events(await rig.trajectory(sid), "failover")
     assert shared == [(fo["to_worker"], True, 1)]  # once, at its first token, while it held the worker
-    assert not any(m.isolating for m in pool.members)
+    assert not any(m.isolating for m in pool.roster.members)
 
 
 async def test_a_one_worker_pool_serves_its_suspect_on_its_only_worker(
@@ -229,7 +229,7 @@ async def test_a_one_worker_pool_serves_its_suspect_on_its_only_worker(
         assert turn["output_ids"] == engine.greedy(turn["prompt_ids"], 12)
         [fo] = events(traj, "failover")
         assert (fo["from_worker"], fo["to_worker"], fo["token_index"]) == ("remote-0", "remote-0", 0)
-        assert not rig.gw.pool.members[0].isolating
+        assert not rig.gw.pool.roster.members[0].isolating
 
 
 async def test_a_suspect_waiting_for_the_last_worker_runs_when_that_worker_empties(
@@ -248,7 +248,7 @@ async def test_a_suspect_waiting_for_the_last_worker_runs_when_that_worker_empti
     async with asgi_gateway(config, faults, hosts=["http://e0"], pool_options=probes) as (app, client):
         rig = Rig(app, client, engine, faults)
         busy = asyncio.create_task(rig.chat(await rig.session(), "a long one", max_tokens=60))
-        [worker] = rig.gw.pool.members
+        [worker] = rig.gw.pool.roster.members
         while worker.outstanding == 0:
             await asyncio.sleep(0.01)
         faults.faults["e0"] = [Fault("drop_after", 0)]  # the next request's worker "dies" before its token
@@ -302,7 +302,7 @@ def test_a_retried_suspect_comes_back_as_one_until_it_completes() -> None:
     """A suspect that found no worker of its own in time is answered 503; its retry arrives as the suspect
     it was (its deaths kept, isolated at once) and a second death convicts it. One that completes is
     cleared."""
-    from engine_pool.client import SamplingParams
+    from engine_pool.engine.client import SamplingParams
 
     async def run() -> tuple[tuple[object, ...], Suspicion, str, Suspicion]:
         q = Quarantine(QuarantineConfig())

@@ -167,7 +167,7 @@ async def test_the_group_policy_keeps_a_group_on_its_first_worker_and_hits_its_p
 async def ready_again(pool: EnginePool, name: str, within: float = 10.0) -> None:
     """Until the worker named `name` is ready (woken by each state change: no polling)."""
     deadline = time.monotonic() + within
-    while next(m for m in pool.members if m.name == name).state != READY:
+    while next(m for m in pool.roster.members if m.name == name).state != READY:
         left = deadline - time.monotonic()
         assert left > 0, f"{name} did not come back"
         await pool.roster.wait_change(left)
@@ -228,7 +228,7 @@ async def test_a_running_turn_weighs_its_prompt_and_max_tokens_on_its_worker(
     class Watching(httpx.ASGITransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             if request.url.path.endswith("/generate") or "completions" in request.url.path:
-                [m] = gw.pool.members
+                [m] = gw.pool.roster.members
                 seen.append((m.outstanding, m.outstanding_tokens))
             return await super().handle_async_request(request)
 
@@ -261,7 +261,7 @@ async def test_the_routing_policy_is_read_and_changed_live_by_the_admin(
                             ({"routing_spill_floor": "8"}, "routing_spill_floor"), ({"policy": "group"}, "policy")]:  # fmt: skip
             r = await client.put("/api/routing", json=body, headers=admin)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert gw.pool.routing == "affinity"
+        assert gw.pool.settings.routing == "affinity"
         r = await client.put(
             "/api/routing", json={"routing": "round-robin", "routing_spill_floor": 0}, headers=admin
         )

@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, Callable
 import pytest
 
 from core.errors import WorkerExited
-from engine_pool.client import TokenChunk
+from engine_pool.engine.client import TokenChunk
 from gateway.turns.guard import stall_guarded
 
 

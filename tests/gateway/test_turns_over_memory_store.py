@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.client import SamplingParams
+from engine_pool.engine.client import SamplingParams
 from engine_pool.fake import FakeEngine, fake_logprob
 from engine_pool.pool import EnginePool
 from gateway.policy.tokenization import ChatTokenizer

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from belayer.bench.stand_up import WORKER_KEY_ENV, WorkerKey
-from engine_pool.client import parse_prompt_logprobs
+from engine_pool.engine.client import parse_prompt_logprobs
 from tests.support import belayer_server
 
 pytestmark = pytest.mark.vllm

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from engine_pool.fake import FakeEngine, Fault, FaultInjector
-from engine_pool.pool import EnginePool
+from engine_pool.pool import EnginePool, PoolSettings
 from gateway.app import build_app
 from gateway.config import FailoverConfig, GatewayConfig
 from gateway.gateway import Gateway
@@ -100,7 +100,7 @@ async def rig_over(
         admin_token=ADMIN,
     )
     async with httpx.AsyncClient(transport=faults, timeout=10) as http:
-        pool = EnginePool(http, probe_interval=0.05, probe_timeout=0.5, catch_up_backoff=0.05)
+        pool = EnginePool(http, PoolSettings(probe_interval=0.05, probe_timeout=0.5, catch_up_backoff=0.05))
         for host in engines:
             pool.add_remote(f"http://{host}", shadow=host in shadows)
         app = build_app(config, pool=pool)
@@ -290,7 +290,7 @@ async def test_in_flight_turns_that_finish_within_drain_s_keep_one_version(
 
 
 async def _running(rig: Rig) -> bool:
-    return any(m.outstanding for m in rig.gw.pool.members)
+    return any(m.outstanding for m in rig.gw.pool.roster.members)
 
 
 # --- a shadow that missed an update -------------------------------------------------------------------
@@ -307,7 +307,7 @@ async def test_a_shadow_that_missed_an_update_is_promoted_only_once_brought_up(
         r = await rig.update("v2", v2)
         assert r.status_code == 200, r.text
         assert (r.json()["updated"], r.json()["stale"]) == (["remote-0"], ["remote-1"])
-        shadow = next(m for m in pool.members if m.name == "remote-1")
+        shadow = next(m for m in pool.roster.members if m.name == "remote-1")
         assert (shadow.state, shadow.weight_version) == ("shadow", "base")
 
         rig.faults.down.add("e0")  # the active worker dies
@@ -315,13 +315,13 @@ async def test_a_shadow_that_missed_an_update_is_promoted_only_once_brought_up(
         waiting = asyncio.create_task(rig.chat(sid, max_tokens=12))
 
         async def active_fenced() -> bool:
-            return next(m for m in pool.members if m.name == "remote-0").state == "unhealthy"
+            return next(m for m in pool.roster.members if m.name == "remote-0").state == "unhealthy"
 
         await until(active_fenced, "the dead worker fenced")
         for _ in range(20):  # probe rounds pass; the stale shadow is tried again and again, never promoted
             await asyncio.sleep(0.05)
             assert (shadow.state, shadow.weight_version) == ("shadow", "base") and not waiting.done()
-        assert pool.routable() == []
+        assert pool.router.routable() == []
         metrics = (await rig.client.get("/metrics")).text
         assert "belayer_workers_stale_weights 1.0" in metrics
 
@@ -401,7 +401,7 @@ async def test_bad_updates_get_a_clear_4xx_and_change_nothing(tmp_path: Path, ti
         # The pool still serves the old version, and a good update then goes through. (The worker that
         # failed the load was fenced, as vLLM's engine may be dead after one; its probe brings it back.)
         async def both_ready() -> bool:
-            return len(rig.gw.pool.routable()) == 2
+            return len(rig.gw.pool.router.routable()) == 2
 
         await until(both_ready, "the fenced worker back")
         traj = await rig.chat(await rig.session(), max_tokens=6)
@@ -456,13 +456,13 @@ async def test_a_worker_lost_during_an_update_is_brought_up_when_it_returns(
             ["remote-1"],
             ["remote-0"],
         )
-        lost = next(m for m in pool.members if m.name == "remote-0")
+        lost = next(m for m in pool.roster.members if m.name == "remote-0")
         assert lost.weight_version == "base" and engines["e0"].weight_version == "default"
 
         rig.faults.down.discard("e0")  # back, still on its old weights: brought up before it is routed to
 
         async def caught_up() -> bool:
-            return lost in pool.routable()
+            return lost in pool.router.routable()
 
         await until(caught_up, "the returning worker on v2")
         assert (lost.weight_version, engines["e0"].weight_version, engines["e0"].weights_path) == (

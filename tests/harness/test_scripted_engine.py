@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine_pool.client import engine_request_id, session_of_request
+from engine_pool.engine.client import engine_request_id, session_of_request
 from engine_pool.fake import FakeEngine
 from gateway.policy.tokenization import ChatTokenizer
 from harness_adapters.scripted_engine import Script, ScriptedEngine

@@ -38,7 +38,7 @@ from typing import Any
 
 from core.errors import InvalidRequest
 from core.fastjson import dumps_str
-from engine_pool.client import SamplingParams
+from engine_pool.engine.client import SamplingParams
 from gateway.api.anthropic.protocol import (
     UNSUPPORTED,
     CountTokensRequest,

@@ -10,7 +10,7 @@ from typing import Any
 
 from core.errors import InvalidRequest
 from core.fastjson import sse_data
-from engine_pool.client import SamplingParams
+from engine_pool.engine.client import SamplingParams
 from gateway.api.openai.protocol import (
     UNSUPPORTED,
     ChatCompletionRequest,

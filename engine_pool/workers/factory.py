@@ -18,15 +18,15 @@ from pathlib import Path
 import httpx
 
 from core.errors import EngineUnavailable
-from engine_pool.client import EngineClient
+from engine_pool.engine.client import EngineClient
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
 from engine_pool.settings import PoolSettings
 from engine_pool.states import DEAD
-from engine_pool.versions import WeightVersions
-from engine_pool.weight_cache import GpuWeightCache
-from engine_pool.weight_keeper import WeightKeeper
-from engine_pool.worker import VllmWorker
+from engine_pool.weights.cache import GpuWeightCache
+from engine_pool.weights.keeper import WeightKeeper
+from engine_pool.weights.versions import WeightVersions
+from engine_pool.workers.worker import VllmWorker
 
 
 class WorkerFactory:

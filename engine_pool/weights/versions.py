@@ -2,14 +2,14 @@
 launch weights' version, and the state of an update (held while `updating`; `switching` once its drain
 time is over, when `preemption` cuts the requests still running). `Preemption` is that cut.
 
-Only workers on the current version are routed to or promoted (`current`). ``engine_pool.weight_update``
-moves the pool to a new version; ``engine_pool.weight_keeper`` keeps the weight owner on it.
+Only workers on the current version are routed to or promoted (`current`). ``engine_pool.weights.update``
+moves the pool to a new version; ``engine_pool.weights.keeper`` keeps the weight owner on it.
 
 Example::
 
     versions = WeightVersions()
     versions.current(member)        # member.weight_version == "base"
-    versions.adopt("v3", "/ckpt/v3", members)
+    await versions.observe(member)  # a worker back from a failure: which version it holds
 """
 
 from __future__ import annotations
@@ -61,14 +61,6 @@ class WeightVersions:
 
     def current(self, m: PoolMember) -> bool:
         return m.weight_version == self.version
-
-    def adopt(self, version: str, path: str, members: list[PoolMember]) -> None:
-        """Before the pool starts: it serves `version` (weights at `path`), as a restarted gateway
-        recorded it. Engines given by URL are taken to hold it; launched workers are brought up to it."""
-        self.version, self.path = version, path
-        for m in members:
-            if m.process is None:
-                m.weight_version = version
 
     async def observe(self, m: PoolMember) -> None:
         """A worker back from a failure says which version it holds, where it can: a restarted vLLM

@@ -1,5 +1,6 @@
-"""Moving the pool to new weights (`WeightUpdater`): an update of every worker (`update`), and bringing
-one worker that missed it up to the pool's version (`sync`).
+"""Moving the pool to new weights (`WeightUpdater`): an update of every worker (`update`), bringing
+one worker that missed it up to the pool's version (`sync`), and, before the pool starts, taking up the
+version a gateway before this one recorded (`adopt`).
 
 An update pauses new generation (new requests wait, as for a promotion), lets the requests in flight
 finish for up to ``drain_s`` seconds, then cuts those still running (``Preemption``: the turn runner
@@ -34,15 +35,15 @@ from core.errors import (
 from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
 from engine_pool.states import READY, SHADOW, STARTING, UNHEALTHY
-from engine_pool.versions import Preemption, WeightVersions
-from engine_pool.weight_keeper import WeightKeeper
+from engine_pool.weights.keeper import WeightKeeper
+from engine_pool.weights.versions import Preemption, WeightVersions
 
 log = logging.getLogger("belayer.engine_pool")
 
 
 @dataclass(frozen=True, slots=True)
 class WeightUpdate:
-    """What `EnginePool.update_weights` did."""
+    """What `WeightUpdater.update` did."""
 
     version: str
     previous: str
@@ -85,6 +86,14 @@ class WeightUpdater:
         self.roster, self.versions, self.keeper = roster, versions, keeper
         self.fence = fence
         """Fences a worker that failed (``EnginePool.report_failure``)."""
+
+    def adopt(self, version: str, path: str) -> None:
+        """Before the pool starts: it serves `version` (weights at `path`), as a restarted gateway
+        recorded it. Engines given by URL are taken to hold it; launched workers are brought up to it."""
+        self.versions.version, self.versions.path = version, path
+        for m in self.roster.members:
+            if m.process is None:
+                m.weight_version = version
 
     async def update(
         self, version: str, path: str, drain_s: float = 30.0, timeout: float = 600.0

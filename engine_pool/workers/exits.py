@@ -1,6 +1,6 @@
 """A launched worker's death, noticed at once (`ExitWatch`): a pidfd per vital process, read by the event loop.
 
-A worker the pool launched is a process group on this host (``engine_pool.worker``): the reaper (the
+A worker the pool launched is a process group on this host (``engine_pool.workers.worker``): the reaper (the
 pool's own child, whose pid the pool shows), the server it runs, and the processes that server starts. When
 a vital one of them exits, the worker is lost, and waiting to be told costs time:
 
