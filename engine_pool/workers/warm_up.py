@@ -42,7 +42,9 @@ def prompt(length: int) -> list[int]:
 async def warm_up(client: EngineClient, max_model_len: int) -> float:
     """Send `client`'s worker the warm-up requests, one after another; the seconds they took."""
     started = time.monotonic()
-    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, seed=0)
+    # greedy and unseeded: vLLM 0.32 dies on a seeded request whose prefill spans scheduler steps (a
+    # query of death, `gateway.turns.quarantine`), and a warm-up must never be one
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0)
     for length in sorted({min(n, max(1, max_model_len // 2)) for n in PROMPT_LENGTHS}):
         async for _ in client.generate(prompt(length), greedy):
             pass
