@@ -187,6 +187,10 @@ async def hang_up(app: Starlette, sent: Sent) -> httpx.Response | None:
     pending = [{"type": "http.request", "body": sent.content[:cut], "more_body": mid_body}]
     answering = asyncio.Event()
     headers = [(b"host", b"localhost")] + [(k.encode(), v.encode("latin-1")) for k, v in sent.headers.items()]
+    if not {"content-length", "transfer-encoding"} & {k.lower() for k in sent.headers}:
+        # as an HTTP/1.1 client frames its body (the server knows a body comes before it reads it): the
+        # whole length, of which it sends the first `cut` bytes
+        headers.append((b"content-length", str(len(sent.content)).encode()))
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": sent.method,
         "scheme": "http", "path": unquote(url.path), "raw_path": url.raw_path.split(b"?")[0],
