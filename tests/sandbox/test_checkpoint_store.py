@@ -17,7 +17,8 @@ import pytest
 
 from core.errors import CheckpointError, CheckpointMissing, SandboxArgumentError
 from sandbox import checkpoint_store
-from sandbox.checkpoint_store import CheckpointStore, LocalDirStore, S3Store, store_for
+from sandbox.checkpoint_s3 import S3Store
+from sandbox.checkpoint_store import CheckpointStore, LocalDirStore, store_for
 
 MB = 1 << 20
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from core.errors import CheckpointError, CheckpointTampered, SandboxArgumentError
-from sandbox.checkpoint_store import LocalDirStore, S3Store, store_for
+from sandbox.checkpoint_s3 import S3Store
+from sandbox.checkpoint_store import LocalDirStore, store_for
 
 
 @pytest.fixture
