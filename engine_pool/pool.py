@@ -163,11 +163,7 @@ class EnginePool:
             assert m.process is not None
             await m.process.wait_ready(s.start_timeout)
             m.client.base_url = m.process.url  # a worker placed elsewhere has its address once placed
-            self.supervisor.cold_start(m, time.monotonic() - started)
-            await self.weights.adopt_mapped_version(m)
-            await self.updater.sync(m)  # a restarted gateway whose version is not the launch weights'
-            await self.supervisor.warm(m)
-            self.supervisor.watch(m)
+            await self.supervisor.launched(m, time.monotonic() - started)
         for m in sorted(self.roster.members, key=lambda m: m.standby):  # shadows take what actives leave
             if m.process is None and not await self._admit(m):
                 self.roster.set(m, STARTING, "not answering yet")

@@ -117,6 +117,15 @@ class Supervisor:
 
     # -- noticing a launched worker's exit ----------------------------------------------------------
 
+    async def launched(self, m: PoolMember, cold_start: float) -> None:
+        """A launched worker answers (after `cold_start` seconds): on the pool's weight version, warmed
+        up and watched, before the caller gives it a role (active or shadow)."""
+        self.cold_start(m, cold_start)
+        await self.keeper.adopt_mapped_version(m)  # mapped from the owner: the version it held
+        await self.updater.sync(m)  # the launch weights (or the owner's) may be older than the pool's
+        await self.warm(m)
+        self.watch(m)
+
     async def warm(self, m: PoolMember) -> None:
         """Before a launched worker takes traffic or stands as a shadow: its first requests' one-off
         costs, paid now rather than by a stream resumed on it (`engine_pool.workers.warm_up`; off: `warm_up`).
@@ -196,11 +205,7 @@ class Supervisor:
         await member.process.start(self.settings.start_timeout)
         member.client.base_url = member.process.url
         member.info = await member.client.model_info()
-        self.cold_start(member, time.monotonic() - started)
-        await self.keeper.adopt_mapped_version(member)  # mapped from the owner: the version it held
-        await self.updater.sync(member)  # the launch weights (or the owner's) may be older than the pool's
-        await self.warm(member)
-        self.watch(member)
+        await self.launched(member, time.monotonic() - started)
         self.roster.set(member, self.role(), "replacement ready")
         return member
 
