@@ -65,6 +65,11 @@ class PoolSettings:
     watch_exits: bool = True
     """Watch each launched local worker's vital processes (``engine_pool.workers.exits``): its death is noticed
     when it happens, not when its connections break or a probe fails."""
+    start_nice: int = 10
+    """Launched local workers start this much lower in CPU priority, and get the gateway's back once
+    ready and warmed up (``VllmWorker.serving``): a replacement's start (seconds of imports and
+    compilation) then yields the CPUs to the streams that just failed over. 0: off; off too where the
+    gateway may not raise a priority again (``may_raise_priority``: no ``CAP_SYS_NICE``)."""
     warm_up: bool = True
     """Send each launched worker a few short requests before it takes traffic or stands as a shadow
     (``engine_pool.workers.warm_up``): a stream resumed on it then does not pay its first requests' one-off costs."""

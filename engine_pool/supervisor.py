@@ -119,11 +119,13 @@ class Supervisor:
 
     async def launched(self, m: PoolMember, cold_start: float) -> None:
         """A launched worker answers (after `cold_start` seconds): on the pool's weight version, warmed
-        up and watched, before the caller gives it a role (active or shadow)."""
+        up, at full CPU priority and watched, before the caller gives it a role (active or shadow)."""
         self.cold_start(m, cold_start)
         await self.keeper.adopt_mapped_version(m)  # mapped from the owner: the version it held
         await self.updater.sync(m)  # the launch weights (or the owner's) may be older than the pool's
         await self.warm(m)
+        if m.process is not None:
+            m.process.serving()  # started niced: its start yielded to the serving workers
         self.watch(m)
 
     async def warm(self, m: PoolMember) -> None:

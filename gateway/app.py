@@ -119,6 +119,7 @@ def build_pool(config: GatewayConfig, http: httpx.AsyncClient) -> EnginePool:
         routing_spill_floor=config.routing_spill_floor,
         watch_exits=config.failover.exit_watch,
         warm_up=config.failover.warm_up,
+        start_nice=config.failover.start_nice,
     )
     pool = EnginePool(http, settings)
     if on_gpus:  # a vLLM weight cache per device group, mapped over CUDA IPC (engine_pool.weights.cache)

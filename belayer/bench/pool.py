@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -89,6 +92,44 @@ async def _stream(http: httpx.AsyncClient, url: str, body: dict[str, Any], arriv
             arrivals += [time.monotonic()] * streamed_tokens(line)
 
 
+class Teardown:
+    """When a killed process group's memory is freed: a thread reads each of its processes' state from
+    ``/proc`` every millisecond until each is a zombie or gone (the kernel frees a process's memory
+    before it turns zombie). ``ms``: after the kill (`start`), or None while any is still exiting."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _pgid(d) == pgid]
+        self.ms: float | None = None
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def start(self, t_kill: float) -> None:
+        self.t_kill = t_kill
+        self._thread.start()
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + 30
+        while any(_state(pid) not in ("Z", "X", None) for pid in self.pids) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.ms = (time.monotonic() - self.t_kill) * 1000 if time.monotonic() < deadline else None
+
+
+def _pgid(proc: Path) -> int | None:
+    try:
+        stat = (proc / "stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[2])
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (``R``, ``S``, ``Z``...), None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
 async def kill_once(url: str, opts: argparse.Namespace, key: WorkerKey) -> dict[str, float]:
     """Stream a long greedy reply, SIGKILL its worker after ``--kill-after`` tokens, and time the recovery.
 
@@ -109,8 +150,10 @@ async def kill_once(url: str, opts: argparse.Namespace, key: WorkerKey) -> dict[
         polls: list[asyncio.Task[float]] = []
         try:
             victim = await serving_worker(http, url, stream, arrivals, opts.kill_after)
+            teardown = Teardown(victim["pid"])
             t_kill = time.monotonic()
             os.killpg(victim["pid"], signal.SIGKILL)
+            teardown.start(t_kill)
             # polled alongside the stream, not bounded by its end: when is the pool back at its configured
             # ready count (a shadow promoted), and when at full strength (the replacement shadow ready)?
             polls = [asyncio.create_task(wait_until(http, url, opts.workers, s, t, exclude=victim["name"]))
@@ -136,6 +179,7 @@ async def kill_once(url: str, opts: argparse.Namespace, key: WorkerKey) -> dict[
             "full_strength_s": full,
             "cold_start_s": cold,
             **loss_timeline(failovers[0], t_kill, failover_s),
+            "teardown_ms": teardown.ms if teardown.ms is not None else math.nan,
         }
 
 

@@ -15,7 +15,9 @@ In one run:
   - ``failover_detect_ms_p50``: the kill → the gateway noticed the loss (its ``failover`` event's
     ``noticed_at``, on the host's ``CLOCK_MONOTONIC``); ``failover_resubmitted_ms_p50``: → the turn was
     resubmitted to its new worker; ``failover_new_worker_token_ms_p50``: → the new worker's first token
-    reached the gateway; ``failover_lost_ms_p50``: → the client's first resumed token (``failover_s``, in ms).
+    reached the gateway; ``failover_lost_ms_p50``: → the client's first resumed token (``failover_s``, in ms);
+    ``failover_teardown_ms_p50``: → every process of the killed worker had its memory freed (a zombie
+    or gone: `belayer.bench.pool.Teardown`), the work the kernel does on the CPUs the resumed stream needs.
     With ``--no-exit-watch`` the gateway does not watch its workers' processes (``engine_pool.workers.exits``):
     a loss is noticed by the broken connection, as before the watch (the baseline);
 * ``cold_start_s``: each replacement worker, from process start to its first generated token;
@@ -53,7 +55,10 @@ from core.errors import BenchError
 EXIT_WATCH_ENV = "BELAYER_FAILOVER__EXIT_WATCH"
 """The gateway's ``failover.exit_watch``, off for ``--no-exit-watch``."""
 WARM_UP_ENV = "BELAYER_FAILOVER__WARM_UP"
-"""The gateway's ``failover.warm_up``, off for ``--no-warm-up`` and the ``--warm-up-baseline`` pool."""
+"""The gateway's ``failover.warm_up``, off for ``--no-warm-up`` and the ``--baseline warm-up`` pool."""
+BASELINES = {"warm-up": {WARM_UP_ENV: "false"}, "start-nice": {"BELAYER_FAILOVER__START_NICE": "0"}}
+"""``--baseline NAME``: the same kills on a second pool whose gateway has this feature off (its
+environment), in the same run: ``*_NAME_off`` figures."""
 
 
 def _gateway(workdir: Path, name: str, model: str, extra: list[str], key: WorkerKey | None = None) -> Service:
@@ -105,7 +110,7 @@ def recovery(workdir: Path, opts: argparse.Namespace) -> None:
     samples = kill_series(workdir, opts, "pool", {**watch, **warm})
     for name in ("failover_s", "capacity_restored_s", "full_strength_s", "cold_start_s"):
         emit(name, _p50(samples, name))
-    for name in ("detect_ms", "resubmitted_ms", "new_worker_token_ms", "lost_ms"):
+    for name in ("detect_ms", "resubmitted_ms", "new_worker_token_ms", "lost_ms", "teardown_ms"):
         emit(f"failover_{name}_p50", _p50(samples, name))
     emit("kills", len(samples))
     speedup = _p50(samples, "cold_start_s") / _p50(samples, "failover_s")
@@ -113,11 +118,12 @@ def recovery(workdir: Path, opts: argparse.Namespace) -> None:
     emit("target_worker_recovery_speedup_ge_50", "pass" if speedup >= 50 else "fail")
     emit("target_failover_detect_ms_le_10", "pass" if _p50(samples, "detect_ms") <= 10 else "fail")
     emit("target_failover_lost_ms_le_50", "pass" if _p50(samples, "lost_ms") <= 50 else "fail")
-    if opts.warm_up_baseline and opts.warm_up:  # the same kills, on a pool whose workers start cold
-        unwarmed = kill_series(workdir, opts, "pool-unwarmed", {**watch, WARM_UP_ENV: "false"})
-        for name in ("new_worker_token_ms", "lost_ms"):
-            emit(f"failover_{name}_p50_unwarmed", _p50(unwarmed, name))
-        emit("failover_lost_unwarmed_over_warmed", _p50(unwarmed, "lost_ms") / _p50(samples, "lost_ms"))
+    for name in opts.baseline:  # the same kills, on a pool with that feature off
+        off = kill_series(workdir, opts, f"pool-{name}-off", {**watch, **warm, **BASELINES[name]})
+        figure = name.replace("-", "_")
+        for n in ("new_worker_token_ms", "lost_ms"):
+            emit(f"failover_{n}_p50_{figure}_off", _p50(off, n))
+        emit(f"failover_lost_{figure}_off_over_on", _p50(off, "lost_ms") / _p50(samples, "lost_ms"))
 
 
 def _hosts(engines: list[dict[str, Any]]) -> set[str]:
@@ -260,8 +266,9 @@ def main(argv: list[str]) -> int:
         help="the gateway does not warm its launched workers up before they take traffic (a baseline)",
     )  # fmt: skip
     p.add_argument(
-        "--warm-up-baseline", action="store_true",
-        help="then the same kills on a pool whose workers are not warmed up: *_unwarmed figures",
+        "--baseline", action="append", default=[], choices=sorted(BASELINES),
+        help="then the same kills on a pool with that feature off (warm-up: launched workers not warmed up; "
+        "start-nice: launched workers start at the gateway's CPU priority): *_NAME_off figures; repeatable",
     )  # fmt: skip
     p.add_argument(
         "--worker-kind", choices=["vllm", "fake"], default="vllm", help="what the pool's workers run"

@@ -26,7 +26,7 @@ from engine_pool.states import DEAD
 from engine_pool.weights.cache import GpuWeightCache
 from engine_pool.weights.keeper import WeightKeeper
 from engine_pool.weights.versions import WeightVersions
-from engine_pool.workers.worker import VllmWorker
+from engine_pool.workers.worker import VllmWorker, may_raise_priority
 
 
 class WorkerFactory:
@@ -61,7 +61,7 @@ class WorkerFactory:
         if s.launcher is not None:
             worker = s.launcher.worker(spec, Path(s.log_dir), name, shadow, self.roster.members)
         else:
-            worker = VllmWorker(spec, Path(s.log_dir), name)
+            worker = VllmWorker(spec, Path(s.log_dir), name, s.start_nice if may_raise_priority() else 0)
         member = PoolMember(
             name, EngineClient(spec.url, spec.served_name, self.http, api_key=spec.api_key), process=worker,
             weight_version=self.versions.base,

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -32,6 +34,8 @@ from core.errors import EngineUnavailable
 from core.worker_auth import KEY_ENV
 from engine_pool.workers.exits import ExitWatch, OnExit, vital
 from engine_pool.workers.launch import COMMON_ENV, PROFILE_ENV, Profile, profile_args
+
+log = logging.getLogger(__name__)
 
 GUARD = "core.worker_auth.RequireApiKey"
 """The ASGI middleware a launched vLLM worker with a key runs (vLLM's ``--middleware``)."""
@@ -108,17 +112,40 @@ class WorkerSpec:
 
 
 def launch_group(
-    python: str, argv: list[str], env: dict[str, str], log_path: Path
+    python: str, argv: list[str], env: dict[str, str], log_path: Path, nice: int = 0
 ) -> subprocess.Popen[bytes]:
     """Start ``python -m engine_pool.workers.reaper ARGV`` as the leader of a new process group, with `env` over
     this process's environment and its output appended to `log_path`: a gateway that dies leaves none
-    of the group behind, and `stop_group` ends all of it."""
+    of the group behind, and `stop_group` ends all of it. `nice`: the group starts that much lower in
+    CPU priority (every process it starts inherits it)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [python, "-m", "engine_pool.workers.reaper", *argv],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,  # before exec: no child escapes it
         )  # fmt: skip
+
+
+CAP_SYS_NICE = 23
+"""The capability that lets a process raise a CPU priority (``capabilities(7)``)."""
+
+
+def may_raise_priority(status: str | None = None) -> bool:
+    """Whether this process may give a niced process group its normal priority back (`status`: the text
+    of ``/proc/self/status``, read when None): with ``CAP_SYS_NICE``, or a ``RLIMIT_NICE`` that reaches
+    nice 0. A container without the capability (Docker's default) may not.
+
+    >>> may_raise_priority("Name: x\\nCapEff: 0000000000800000\\n"), may_raise_priority("CapEff: 0\\n")
+    (True, False)
+    """
+    if status is None:
+        with contextlib.suppress(OSError):
+            status = Path("/proc/self/status").read_text()
+    caps = next((line.split()[1] for line in (status or "").splitlines() if line.startswith("CapEff:")), "0")
+    if int(caps, 16) >> CAP_SYS_NICE & 1:
+        return True
+    return resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20  # the lowest nice allowed is 20 - the limit
 
 
 async def stop_group(proc: subprocess.Popen[bytes], grace: float, first: int = signal.SIGTERM) -> None:
@@ -153,8 +180,10 @@ def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout: float, what: 
 class VllmWorker:
     """One launched vLLM server process group."""
 
-    def __init__(self, spec: WorkerSpec, log_dir: Path, name: str | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, log_dir: Path, name: str | None = None, start_nice: int = 0) -> None:
         self.spec = spec
+        self.start_nice = start_nice
+        """How much lower in CPU priority the group starts (`serving` gives it its priority back)."""
         self.name = name or f"worker-{spec.port}"
         self.log_path = log_dir / f"{self.name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -172,7 +201,9 @@ class VllmWorker:
 
     def launch(self) -> None:
         """Start the process group; does not wait."""
-        self._proc = launch_group(self.spec.python, self.spec.argv(), self.spec.env(), self.log_path)
+        self._proc = launch_group(
+            self.spec.python, self.spec.argv(), self.spec.env(), self.log_path, self.start_nice
+        )
         self.started_at = time.time()
 
     def log_tail(self, lines: int = 30) -> str:
@@ -258,6 +289,19 @@ class VllmWorker:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+
+    def serving(self) -> None:
+        """The worker is ready and warmed up: its whole group gets back the priority it was started
+        below (`start_nice`), to serve at the gateway's."""
+        if self._proc is not None and self.start_nice:
+            try:
+                os.setpriority(os.PRIO_PGRP, self._proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            except PermissionError as e:  # may_raise_priority said yes, the kernel no
+                log.warning(
+                    "worker %s keeps its start priority (nice +%d): %s", self.name, self.start_nice, e
+                )
+            except ProcessLookupError:  # gone already: its exit is the watch's to report
+                pass
 
     def yield_cpu(self) -> None:
         """Lower the whole group's CPU priority as far as it goes (nice 19), before it is killed: a

@@ -80,6 +80,16 @@ class FailoverConfig(BaseModel):
             "shadow, so that a stream resumed on it does not pay a fresh worker's first-request costs"
         ),
     )
+    start_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description=(
+            "launched workers start this much lower in CPU priority and get the gateway's back once "
+            "ready and warmed up, so that a replacement's start yields to the streams that failed over "
+            "(0: off; off too without CAP_SYS_NICE, which raising it back needs)"
+        ),
+    )
     quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
 
 

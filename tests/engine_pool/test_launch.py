@@ -16,7 +16,7 @@ import pytest
 
 from engine_pool.pool import DEAD, READY, SHADOW, EnginePool, PoolMember
 from engine_pool.workers.launch import model_context_length
-from engine_pool.workers.worker import WorkerSpec
+from engine_pool.workers.worker import VllmWorker, WorkerSpec
 from gateway.app import build_pool
 from gateway.config import GatewayConfig, LaunchConfig
 from tests.belayer.test_cli import _fails, _root_logging_restored  # noqa: F401  (an autouse fixture)
@@ -280,9 +280,69 @@ async def test_launched_workers_get_their_devices_and_a_replacement_gets_the_fen
             assert active.process is not None and active.process.pid is not None
             os.killpg(active.process.pid, signal.SIGKILL)
             await until(pool, lambda: shadow.state == READY and active.state == DEAD)
-            await until(pool, lambda: len(pool.roster.members) == 3 and pool.roster.members[2].state == SHADOW)
+            await until(
+                pool, lambda: len(pool.roster.members) == 3 and pool.roster.members[2].state == SHADOW
+            )
             replacement = pool.roster.members[2].process
             assert replacement is not None and replacement.pid is not None
             assert environ(server_pid(replacement.pid))["CUDA_VISIBLE_DEVICES"] == seen[active.name]
         finally:
             await pool.stop()
+
+
+async def test_a_launched_worker_starts_below_the_gateways_priority_and_serves_at_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A launched worker's group starts `failover.start_nice` lower in CPU priority (so a replacement's
+    start yields to the streams that failed over), and every process of it gets the gateway's priority
+    back once it is ready and warmed up: by `serving`, which the pool calls (`Supervisor.launched`)."""
+    config = GatewayConfig(
+        model=str(tiny_model_dir), worker_kind="fake", workers=1, log_dir=str(tmp_path / "logs"),
+        worker_start_timeout=60.0,
+    )  # fmt: skip
+    assert config.failover.start_nice == 10
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    [member] = launched(config, 1)
+    worker = member.process
+    assert worker is not None
+    worker.launch()
+    try:
+        assert worker.pid is not None
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) == min(mine + 10, 19)  # set before its exec
+        await worker.wait_ready(60)
+        server = server_pid(worker.pid)
+        assert os.getpriority(os.PRIO_PROCESS, server) == min(mine + 10, 19)  # inherited
+        worker.serving()
+        assert [os.getpriority(os.PRIO_PROCESS, p) for p in (worker.pid, server)] == [mine, mine]
+    finally:
+        await worker.stop()
+
+    calls: list[str] = []
+    async with httpx.AsyncClient(timeout=10) as http:
+        pool = build_pool(config, http)
+        serving = VllmWorker.serving
+
+        def counted(w: VllmWorker) -> None:
+            calls.append(w.name)
+            serving(w)
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(VllmWorker, "serving", counted)
+            try:
+                await pool.start()
+            finally:
+                await pool.stop()
+    assert calls == ["worker-0"]
+
+
+def test_a_gateway_that_could_not_raise_a_priority_again_starts_its_workers_at_its_own(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without CAP_SYS_NICE (Docker's default) a niced worker would keep its start priority for good."""
+    config = GatewayConfig(model=str(tiny_model_dir), worker_kind="fake", workers=1, log_dir=str(tmp_path))
+    with monkeypatch.context() as m:
+        m.setattr("engine_pool.workers.factory.may_raise_priority", lambda: False)
+        [unniced] = launched(config, 1)
+    [niced] = launched(config, 1)
+    assert unniced.process is not None and niced.process is not None
+    assert (unniced.process.start_nice, niced.process.start_nice) == (0, 10)
