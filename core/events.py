@@ -854,30 +854,32 @@ class SandboxFailure(Payload):
 
 @dataclass(frozen=True, slots=True)
 class SandboxRestored(Payload):
-    """A failed sandbox was brought back: restored and truncated, or replayed."""
+    """A failed sandbox was brought back: restored and truncated, or replayed. It is also the sandbox
+    manager's record of the restore (``SandboxManager.restore`` returns it, ``core.errors.SandboxRestored``
+    carries it, ``GET .../sandbox`` shows it as ``last_restore``)."""
 
     kind: ClassVar[str] = "sandbox_restored"
     topic: ClassVar[str] = "sandbox"
     checkpoint_id: str
     """The checkpoint restored (empty: the image)."""
     turn_index: int
-    """The checkpoint's turn."""
+    """The checkpoint's turn (-1: the image)."""
     keep_through: int
-    """The last turn kept."""
+    """The last turn kept: the harness resumes after it."""
     discarded_turns: list[int]
     """The turns discarded."""
     sandbox_id: str
     """The new sandbox."""
     seconds: float
-    """The restore's duration."""
+    """The restore's duration (to 0.1 ms)."""
     reason: str
     """Why it was restored."""
-    mode: str
+    mode: str = "truncate"
     """``truncate`` or ``replay``."""
-    replayed: int
-    """Journaled calls run again."""
-    diverged: int
-    """Of those, how many gave another result."""
+    replayed: int = 0
+    """Journaled tool calls run again after the restore (replay mode)."""
+    diverged: int = 0
+    """Of those, how many gave another exit code or output than the first time."""
 
 
 @dataclass(frozen=True, slots=True)
