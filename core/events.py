@@ -488,7 +488,8 @@ class Sample(Payload):
 
 @dataclass(frozen=True, slots=True)
 class WeightsUpdated(Payload):
-    """A weight update (``POST /api/weights``) went through; in the weight log (``__belayer_weights``)."""
+    """A weight update (``POST /api/weights``) went through; in the weight log (``__belayer_weights``).
+    It is also what the pool's ``WeightUpdater.update`` returns."""
 
     kind: ClassVar[str] = "weights_updated"
     topic: ClassVar[str] = "gateway"
@@ -499,17 +500,19 @@ class WeightsUpdated(Payload):
     path: str
     """Where the weights were loaded from."""
     updated: list[str]
-    """Workers that loaded them."""
+    """Workers that loaded them (now on `version`)."""
     stale: list[str]
-    """Workers that missed them (brought up to date later)."""
+    """Workers that missed them (unreachable, starting, or a failed load): brought up to date later."""
     preempted: int
     """Requests cut when the drain time ran out (resubmitted on the new version)."""
     drain_s: float
-    """The drain the update was given."""
+    """How long it waited for the requests in flight to finish (at most the drain it was given; to 1 ms)."""
     seconds: float
-    """Its duration."""
+    """Its duration (to 1 ms)."""
     owner: str | None
-    """The weight owner: ``following`` or ``in_place`` (None: the pool has none)."""
+    """The weight owner: ``following`` (an owner for these weights is being started in the background,
+    made current once ready: ``weight_owner`` events say how it went) or ``in_place`` (a GPU weight
+    cache: its mappers wrote the update into its memory); None: the pool has none."""
 
 
 @dataclass(frozen=True, slots=True)
