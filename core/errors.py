@@ -85,8 +85,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover - only for annotations (SandboxRestored.info, QueryOfDeath.event)
-    from typing import Any
-
     from core import events
 
 
@@ -323,10 +321,10 @@ class SandboxCallFailed(SandboxError):
 
 
 class SandboxRestored(SandboxError):
-    """The sandbox failed during this call and was restored; `info` (the manager's ``RestoreInfo``)
-    says after which turn to resume (`info.keep_through`)."""
+    """The sandbox failed during this call and was restored; `info` (the restore's record, its
+    ``sandbox_restored`` event) says after which turn to resume (`info.keep_through`)."""
 
-    def __init__(self, message: str, info: Any) -> None:
+    def __init__(self, message: str, info: events.SandboxRestored) -> None:
         super().__init__(message)
         self.info = info
 

@@ -488,7 +488,8 @@ class Sample(Payload):
 
 @dataclass(frozen=True, slots=True)
 class WeightsUpdated(Payload):
-    """A weight update (``POST /api/weights``) went through; in the weight log (``__belayer_weights``)."""
+    """A weight update (``POST /api/weights``) went through; in the weight log (``__belayer_weights``).
+    It is also what the pool's ``WeightUpdater.update`` returns."""
 
     kind: ClassVar[str] = "weights_updated"
     topic: ClassVar[str] = "gateway"
@@ -499,17 +500,19 @@ class WeightsUpdated(Payload):
     path: str
     """Where the weights were loaded from."""
     updated: list[str]
-    """Workers that loaded them."""
+    """Workers that loaded them (now on `version`)."""
     stale: list[str]
-    """Workers that missed them (brought up to date later)."""
+    """Workers that missed them (unreachable, starting, or a failed load): brought up to date later."""
     preempted: int
     """Requests cut when the drain time ran out (resubmitted on the new version)."""
     drain_s: float
-    """The drain the update was given."""
+    """How long it waited for the requests in flight to finish (at most the drain it was given; to 1 ms)."""
     seconds: float
-    """Its duration."""
+    """Its duration (to 1 ms)."""
     owner: str | None
-    """The weight owner: ``following`` or ``in_place`` (None: the pool has none)."""
+    """The weight owner: ``following`` (an owner for these weights is being started in the background,
+    made current once ready: ``weight_owner`` events say how it went) or ``in_place`` (a GPU weight
+    cache: its mappers wrote the update into its memory); None: the pool has none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -854,30 +857,32 @@ class SandboxFailure(Payload):
 
 @dataclass(frozen=True, slots=True)
 class SandboxRestored(Payload):
-    """A failed sandbox was brought back: restored and truncated, or replayed."""
+    """A failed sandbox was brought back: restored and truncated, or replayed. It is also the sandbox
+    manager's record of the restore (``SandboxManager.restore`` returns it, ``core.errors.SandboxRestored``
+    carries it, ``GET .../sandbox`` shows it as ``last_restore``)."""
 
     kind: ClassVar[str] = "sandbox_restored"
     topic: ClassVar[str] = "sandbox"
     checkpoint_id: str
     """The checkpoint restored (empty: the image)."""
     turn_index: int
-    """The checkpoint's turn."""
+    """The checkpoint's turn (-1: the image)."""
     keep_through: int
-    """The last turn kept."""
+    """The last turn kept: the harness resumes after it."""
     discarded_turns: list[int]
     """The turns discarded."""
     sandbox_id: str
     """The new sandbox."""
     seconds: float
-    """The restore's duration."""
+    """The restore's duration (to 0.1 ms)."""
     reason: str
     """Why it was restored."""
-    mode: str
+    mode: str = "truncate"
     """``truncate`` or ``replay``."""
-    replayed: int
-    """Journaled calls run again."""
-    diverged: int
-    """Of those, how many gave another result."""
+    replayed: int = 0
+    """Journaled tool calls run again after the restore (replay mode)."""
+    diverged: int = 0
+    """Of those, how many gave another exit code or output than the first time."""
 
 
 @dataclass(frozen=True, slots=True)

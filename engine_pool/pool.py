@@ -75,13 +75,13 @@ from engine_pool.settings import PoolSettings
 from engine_pool.states import DEAD, DRAINING, READY, SHADOW, STARTING, UNHEALTHY
 from engine_pool.supervisor import Supervisor
 from engine_pool.weights.keeper import WeightKeeper
-from engine_pool.weights.update import WeightUpdate, WeightUpdater
+from engine_pool.weights.update import WeightUpdater
 from engine_pool.weights.versions import Preemption, WeightVersions
 from engine_pool.workers.factory import WorkerFactory
 
 __all__ = [
     "DEAD", "DRAINING", "READY", "SHADOW", "STARTING", "UNHEALTHY",
-    "EnginePool", "Placement", "PoolMember", "PoolSettings", "PoolView", "Preemption", "WeightUpdate",
+    "EnginePool", "Placement", "PoolMember", "PoolSettings", "PoolView", "Preemption",
     "WorkerLauncher",
 ]  # fmt: skip
 

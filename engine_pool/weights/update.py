@@ -11,7 +11,7 @@ version), then resumes. The module docstring of ``engine_pool.pool`` tells the w
 Example::
 
     updater = WeightUpdater(roster, versions, keeper, fence=pool.report_failure)
-    result = await updater.update("v2", "/ckpt/v2", drain_s=30.0)
+    result = await updater.update("v2", "/ckpt/v2", drain_s=30.0)  # its ``weights_updated`` event
     result.stale  # the workers that missed it, brought up later (`sync`)
 """
 
@@ -21,7 +21,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from core import events
 from core.errors import (
@@ -39,38 +38,6 @@ from engine_pool.weights.keeper import WeightKeeper
 from engine_pool.weights.versions import Preemption, WeightVersions
 
 log = logging.getLogger("belayer.engine_pool")
-
-
-@dataclass(frozen=True, slots=True)
-class WeightUpdate:
-    """What `WeightUpdater.update` did."""
-
-    version: str
-    previous: str
-    path: str
-    updated: tuple[str, ...]
-    """Workers now on `version`."""
-    stale: tuple[str, ...]
-    """Workers that missed it (unreachable, starting, or a failed load): brought up later."""
-    preempted: int
-    """Requests cut when the drain time ran out (resubmitted on the new version)."""
-    drain_s: float
-    seconds: float
-    owner: str | None = None
-    """The weight owner: ``following`` (an owner for these weights is being started in the background,
-    made current once ready: ``weight_owner`` events say how it went), ``in_place`` (a GPU weight cache:
-    its mappers wrote the update into its memory); None: the pool has none."""
-
-    def event(self) -> events.WeightsUpdated:
-        """Its ``weights_updated`` event (the weight log's record of it)."""
-        return events.WeightsUpdated(
-            version=self.version, previous=self.previous, path=self.path,
-            updated=list(self.updated), stale=list(self.stale), preempted=self.preempted,
-            drain_s=round(self.drain_s, 3), seconds=round(self.seconds, 3), owner=self.owner,
-        )  # fmt: skip
-
-    def as_json(self) -> dict[str, object]:
-        return self.event().data()
 
 
 class WeightUpdater:
@@ -97,7 +64,7 @@ class WeightUpdater:
 
     async def update(
         self, version: str, path: str, drain_s: float = 30.0, timeout: float = 600.0
-    ) -> WeightUpdate:
+    ) -> events.WeightsUpdated:
         """Move every worker to the weights at `path`, named `version`. Raises `Conflict` while another
         update runs or when `version` is the current one, and `InvalidRequest` (param ``path``) when the
         first worker cannot load them: then no other worker was touched and the pool stays on its version."""
@@ -126,10 +93,11 @@ class WeightUpdater:
                 v.updating = v.switching = False
                 v.preemption = Preemption()
                 self.roster.wake()
-        result = WeightUpdate(
-            version, previous, path, updated, stale, preempted, drained, time.monotonic() - started, owner
-        )
-        log.info("weights: version %r -> %r from %s (%s)", previous, version, path, result.as_json())
+        result = events.WeightsUpdated(
+            version, previous, path, list(updated), list(stale), preempted, round(drained, 3),
+            round(time.monotonic() - started, 3), owner,
+        )  # fmt: skip
+        log.info("weights: version %r -> %r from %s (%s)", previous, version, path, result.data())
         return result
 
     async def _drain(self, deadline: float) -> None:

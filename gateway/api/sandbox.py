@@ -356,8 +356,8 @@ async def create_checkpoint(request: Request) -> Response:
 async def restore(request: Request) -> Response:
     manager, sid = _manager(request)
     req = validate(RestoreRequest, await _body(request))
-    info = await manager.restore(sid, req.checkpoint_id)
-    return JSONResponse(info.as_json())
+    restored = await manager.restore(sid, req.checkpoint_id)
+    return JSONResponse(restored.data())
 
 
 async def verify(request: Request) -> Response:

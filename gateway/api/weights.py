@@ -72,8 +72,8 @@ async def update(request: Request) -> Response:
         failed = events.WeightsUpdateFailed(version, path, gw.pool.view().weight_version, str(e))
         await gw.offload(weights.record, gw.store, failed)
         raise
-    await gw.offload(weights.record, gw.store, result.event())
-    return JSONResponse(result.as_json())
+    await gw.offload(weights.record, gw.store, result)
+    return JSONResponse(result.data())
 
 
 def routes() -> list[Route]:

@@ -17,7 +17,7 @@ Example::
 
     path = check_weights("/ckpt/step-120", "/models/policy")   # InvalidRequest when it cannot work
     result = await pool.updater.update("step-120", path, drain_s=30)
-    record(store, result.as_json())
+    record(store, result)  # the update's weights_updated event
 """
 
 from __future__ import annotations

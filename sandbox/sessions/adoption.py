@@ -68,7 +68,7 @@ from sandbox.sessions.checkpoints import Checkpointer
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.journal import Call, bind_call
 from sandbox.sessions.lifecycle import Lifecycle
-from sandbox.sessions.records import CheckpointInfo, EventLog, RestoreInfo
+from sandbox.sessions.records import CheckpointInfo, EventLog
 from sandbox.sessions.recovery import Failure, Recovery
 from sandbox.sessions.state import RecoveryMode, Slot, Slots
 from store import EventRecord, SessionQuery
@@ -102,7 +102,7 @@ class Recorded:
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
     """The journal since the newest checkpoint: ``sandbox_call`` events' data."""
-    last_restore: RestoreInfo | None = None
+    last_restore: ev.SandboxRestored | None = None
 
     @property
     def gateway(self) -> str | None:
@@ -141,7 +141,7 @@ def _apply(rec: Recorded, kind: str, data: dict[str, Any], keep: int) -> None:
         del rec.checkpoints[: max(0, len(rec.checkpoints) - keep)]
     elif kind == "sandbox_restored":
         rec.sandbox_id, rec.failure = data["sandbox_id"], None
-        rec.last_restore = RestoreInfo.from_json(data)
+        rec.last_restore = ev.SandboxRestored(**data)
         if rec.last_restore.mode != "replay":
             ids = [c.checkpoint.id for c in rec.checkpoints]
             if data["checkpoint_id"] in ids:

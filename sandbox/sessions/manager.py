@@ -54,7 +54,7 @@ from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.journal import Call, exec_call, write_call
 from sandbox.sessions.lifecycle import Lifecycle
 from sandbox.sessions.policy import AdaptivePolicy
-from sandbox.sessions.records import CheckpointInfo, EventLog, RestoreInfo
+from sandbox.sessions.records import CheckpointInfo, EventLog
 from sandbox.sessions.recovery import Recovery
 from sandbox.sessions.state import RecoveryMode, Slot, Slots
 from sandbox.sessions.verify import VerifyOutcome, VerifyPlan, VerifyStage
@@ -62,7 +62,7 @@ from sandbox.sessions.views import brief, describe
 from sandbox.sessions.watcher import Watcher
 from store import TrajectoryStore, TurnRecord
 
-__all__ = ["CheckpointInfo", "RestoreInfo", "SandboxManager", "VerifyOutcome", "VerifyPlan"]
+__all__ = ["CheckpointInfo", "SandboxManager", "VerifyOutcome", "VerifyPlan"]
 
 
 class SandboxManager:
@@ -300,7 +300,7 @@ class SandboxManager:
 
     async def restore(
         self, session_id: str, checkpoint_id: str | None = None, *, reason: str = "explicit"
-    ) -> RestoreInfo:
+    ) -> ev.SandboxRestored:
         """Restore the newest (or the given) checkpoint into a new sandbox; truncate the trajectory."""
         slot = self._slots.require(session_id)
         async with slot.lock:

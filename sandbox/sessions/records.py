@@ -1,4 +1,5 @@
-"""What the sandbox manager hands out (`CheckpointInfo`, `RestoreInfo`) and records (`EventLog`).
+"""What the sandbox manager hands out (`CheckpointInfo`) and records (`EventLog`). A restore's record is
+its event, `core.events.SandboxRestored`: the manager hands out what it writes.
 
 Each checkpoint is tagged with the session and a turn index, and with `keep_through`: the last turn the
 checkpoint is consistent with. A checkpoint taken in turn k's bubble holds the environment the harness
@@ -52,48 +53,6 @@ class CheckpointInfo:
             "seconds": round(self.seconds, 4), "fs_seconds": round(c.fs_seconds, 4),
             "process_seconds": round(c.process_seconds, 4), "dump_bytes": self.dump_bytes,
             "created_at": c.created_at, "location": c.location,
-        }  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreInfo:
-    """What a restore did: which checkpoint, the new sandbox, and which turns it discarded."""
-
-    checkpoint_id: str
-    turn_index: int
-    keep_through: int
-    discarded_turns: list[int]
-    sandbox_id: str
-    seconds: float
-    reason: str
-    mode: str = "truncate"
-    replayed: int = 0
-    """Journaled tool calls run again after the restore (replay mode)."""
-    diverged: int = 0
-    """Of those, how many gave another exit code or output than the first time."""
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RestoreInfo:
-        """Rebuild one from its `as_json` values (a ``sandbox_restored`` event)."""
-        return cls(
-            data["checkpoint_id"], data["turn_index"], data["keep_through"], list(data["discarded_turns"]),
-            data["sandbox_id"], data["seconds"], data["reason"], data.get("mode", "truncate"),
-            data.get("replayed", 0), data.get("diverged", 0),
-        )  # fmt: skip
-
-    @property
-    def resume_hint(self) -> str:
-        return (
-            f"restored to the checkpoint of turn {self.turn_index}: continue after turn {self.keep_through} "
-            f"(turns {self.discarded_turns} were discarded)"
-        )
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "checkpoint_id": self.checkpoint_id, "turn_index": self.turn_index,
-            "keep_through": self.keep_through, "discarded_turns": self.discarded_turns,
-            "sandbox_id": self.sandbox_id, "seconds": round(self.seconds, 4), "reason": self.reason,
-            "mode": self.mode, "replayed": self.replayed, "diverged": self.diverged,
         }  # fmt: skip
 
 

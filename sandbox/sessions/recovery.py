@@ -53,7 +53,7 @@ from sandbox.sessions.checkpoints import Checkpointer
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.journal import Call, fingerprint
 from sandbox.sessions.lifecycle import Lifecycle
-from sandbox.sessions.records import CheckpointInfo, EventLog, RestoreInfo
+from sandbox.sessions.records import CheckpointInfo, EventLog
 from sandbox.sessions.state import Slot
 
 
@@ -63,6 +63,14 @@ class Failure:
 
     kind: str
     detail: str
+
+
+def resume_hint(info: ev.SandboxRestored) -> str:
+    """What a restore means to the harness, in words (the end of a refused call's message)."""
+    return (
+        f"restored to the checkpoint of turn {info.turn_index}: continue after turn {info.keep_through} "
+        f"(turns {info.discarded_turns} were discarded)"
+    )
 
 
 class Recovery:
@@ -97,7 +105,7 @@ class Recovery:
             info = await self.recover(slot, failure)
             if info.mode != "replay":
                 raise SandboxRestored(
-                    f"the sandbox failed ({failure.detail}); it was {info.resume_hint}", info
+                    f"the sandbox failed ({failure.detail}); it was {resume_hint(info)}", info
                 )
             return await self._retry(slot, call, deadline, info)
 
@@ -130,12 +138,12 @@ class Recovery:
         info, slot.restores.unreported = slot.restores.unreported, None
         if info is not None and slot.recovery == "truncate" and not slot.harness_inside:
             raise SandboxRestored(
-                f"the sandbox failed ({info.reason}) before this call and was {info.resume_hint}; "
+                f"the sandbox failed ({info.reason}) before this call and was {resume_hint(info)}; "
                 "nothing of this call ran",
                 info,
             )
 
-    async def _retry(self, slot: Slot, call: Call, deadline: float | None, replay: RestoreInfo) -> Any:
+    async def _retry(self, slot: Slot, call: Call, deadline: float | None, replay: ev.SandboxRestored) -> Any:
         """Run the failed call again after a replay; if it breaks the sandbox again, restore without
         replaying anything and refuse it."""
         failure = await self._attempt(slot, replay.sandbox_id, call, deadline)
@@ -146,7 +154,7 @@ class Recovery:
         raise SandboxCallFailed(
             f"this call broke the sandbox again after a restore and a replay of the "
             f"{replay.replayed} tool calls before it ({failure.detail}); the sandbox was, without "
-            f"replaying, {info.resume_hint}"
+            f"replaying, {resume_hint(info)}"
         )
 
     async def _attempt(self, slot: Slot, box: str, call: Call, deadline: float | None) -> Failure | None:
@@ -179,7 +187,7 @@ class Recovery:
             self.events.add(slot.session_id, None, ev.SandboxCall(call.op, call.args, call.turn, code, digest))
 
     # ------------------------------------------------------------------ recovery
-    async def recover(self, slot: Slot, failure: Failure) -> RestoreInfo:
+    async def recover(self, slot: Slot, failure: Failure) -> ev.SandboxRestored:
         """Bring a failed sandbox back (the caller holds `slot.lock`): replay, or restore and truncate,
         or, with nothing to restore, drop it and raise `SandboxFailed`."""
         self._failure_event(slot, failure)  # logged from the live feed (gateway.observe.event_log)
@@ -198,7 +206,7 @@ class Recovery:
             "create a new sandbox or a new session"
         )
 
-    async def restore(self, slot: Slot, checkpoint_id: str | None, reason: str) -> RestoreInfo:
+    async def restore(self, slot: Slot, checkpoint_id: str | None, reason: str) -> ev.SandboxRestored:
         """Restore the newest (or the given) checkpoint into a new sandbox and truncate the trajectory
         after its `keep_through` (the caller holds `slot.lock`)."""
         if not slot.history.items:
@@ -217,15 +225,15 @@ class Recovery:
         )
         slot.turns.rewind(chosen.keep_through)
         slot.history.turns_since = 0
-        info = RestoreInfo(
+        info = ev.SandboxRestored(
             chosen.checkpoint.id, chosen.turn_index, chosen.keep_through, discarded, box,
-            time.monotonic() - started, reason,
+            round(time.monotonic() - started, 4), reason,
         )  # fmt: skip
         self._restored(slot, info)
         self.restores += 1
         return info
 
-    async def replay(self, slot: Slot, reason: str) -> RestoreInfo:
+    async def replay(self, slot: Slot, reason: str) -> ev.SandboxRestored:
         """Restore the newest checkpoint (or, with none, start again from the image) and run the
         journal again; the trajectory stays whole."""
         chosen = slot.history.newest()
@@ -233,9 +241,9 @@ class Recovery:
         with slot.restores.running():
             box = await self._replace(slot, chosen, reason)
             diverged = await self._replay_journal(slot, box)
-        info = RestoreInfo(
+        info = ev.SandboxRestored(
             chosen.checkpoint.id if chosen else "", chosen.turn_index if chosen else -1, slot.turns.last,
-            [], box, time.monotonic() - started, reason, "replay", len(slot.journal), diverged,
+            [], box, round(time.monotonic() - started, 4), reason, "replay", len(slot.journal), diverged,
         )  # fmt: skip
         self._restored(slot, info)
         self.replays += 1
@@ -308,9 +316,9 @@ class Recovery:
         await self._replay_journal(child, child.live(), calls)
         return await self.checkpointer.take(child, "fork", None)
 
-    def _restored(self, slot: Slot, info: RestoreInfo) -> None:
+    def _restored(self, slot: Slot, info: ev.SandboxRestored) -> None:
         slot.restores.done(info)
-        self.events.add(slot.session_id, None, ev.SandboxRestored(**info.as_json()))
+        self.events.add(slot.session_id, None, info)
 
     def _failure_event(self, slot: Slot, failure: Failure, *, after_replay: bool = False) -> None:
         again: bool | ev.Absent = True if after_replay else ev.ABSENT

@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from core import events as ev
 from core.errors import NoSandbox, SandboxFailed
 from sandbox.backend import SandboxSpec
 from sandbox.sessions.journal import Journal
-from sandbox.sessions.records import CheckpointInfo, RestoreInfo
+from sandbox.sessions.records import CheckpointInfo
 from store import TurnRecord
 
 RecoveryMode = Literal["replay", "truncate"]
@@ -103,8 +104,8 @@ class Restores:
     """The session's restores: one in progress, the last one, and one no tool call has reported yet."""
 
     in_progress: bool = False
-    last: RestoreInfo | None = None
-    unreported: RestoreInfo | None = None
+    last: ev.SandboxRestored | None = None
+    unreported: ev.SandboxRestored | None = None
     """A restore made while no call was in flight; the next tool call of a harness outside reports it."""
     count: int = 0
 
@@ -117,7 +118,7 @@ class Restores:
         finally:
             self.in_progress = False
 
-    def done(self, info: RestoreInfo) -> None:
+    def done(self, info: ev.SandboxRestored) -> None:
         self.last = info
         self.count += 1
 

@@ -33,7 +33,7 @@ def describe(slot: Slot, gateway_url: str | None) -> dict[str, Any]:
         "journal_bytes": slot.journal.held,
         "forked_from": slot.lineage[0] if slot.lineage else None,
         "checkpoints": [c.as_json() for c in slot.history.items],
-        "last_restore": slot.restores.last.as_json() if slot.restores.last else None,
+        "last_restore": slot.restores.last.data() if slot.restores.last else None,
     }
 
 
@@ -45,7 +45,7 @@ def brief(slot: Slot, node: str | None) -> dict[str, Any]:
         "image": slot.spec.image,
         "state": "restoring" if slot.restores.in_progress else "failed" if slot.failure else "running",
         "checkpoints": len(slot.history.items),
-        "last_restore": slot.restores.last.as_json() if slot.restores.last else None,
+        "last_restore": slot.restores.last.data() if slot.restores.last else None,
         "restores": slot.restores.count,
         "node": node,
     }

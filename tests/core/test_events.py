@@ -95,6 +95,25 @@ def test_the_wire_keys_are_those_the_publishers_wrote_before_they_were_typed() -
     ]
 
 
+def test_a_restore_is_written_byte_for_byte_as_when_the_manager_kept_its_own_record() -> None:
+    """`SandboxRestored` is also the sandbox manager's record of a restore (it had one of its own, turned
+    into this event by its JSON): the stored JSON, and an old row without the replay fields, are as before."""
+    truncated = ev.SandboxRestored("ck_1", 2, 2, [3, 4], "box-2", 0.1235, "exited: gone")
+    assert json.dumps(truncated.data()) == (
+        '{"checkpoint_id": "ck_1", "turn_index": 2, "keep_through": 2, "discarded_turns": [3, 4], '
+        '"sandbox_id": "box-2", "seconds": 0.1235, "reason": "exited: gone", "mode": "truncate", '
+        '"replayed": 0, "diverged": 0}'
+    )
+    replayed = ev.SandboxRestored("", -1, 5, [], "box-3", 1.5, "tool_hang: x", "replay", 3, 1)
+    assert json.dumps(replayed.data()) == (
+        '{"checkpoint_id": "", "turn_index": -1, "keep_through": 5, "discarded_turns": [], '
+        '"sandbox_id": "box-3", "seconds": 1.5, "reason": "tool_hang: x", "mode": "replay", '
+        '"replayed": 3, "diverged": 1}'
+    )
+    before_replay = {k: v for k, v in truncated.data().items() if k not in ("mode", "replayed", "diverged")}
+    assert ev.decode("sandbox_restored", before_replay) == truncated
+
+
 def test_decode_refuses_an_unknown_kind_a_field_too_many_and_one_missing() -> None:
     with pytest.raises(UnknownEvent, match="no event kind 'nope'"):
         ev.decode("nope", {})

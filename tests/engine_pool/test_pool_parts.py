@@ -267,10 +267,14 @@ async def test_an_update_loads_every_up_worker_cuts_the_stragglers_and_names_the
     assert (result.version, result.previous, result.updated, result.stale) == (
         "v1",
         "base",
-        ("a", "b", "s"),
-        ("n",),
+        ["a", "b", "s"],
+        ["n"],
     )
     assert result.preempted == 1 and result.owner is None
+    assert (result.kind, list(result.data())) == ("weights_updated", [
+        "version", "previous", "path", "updated", "stale", "preempted", "drain_s", "seconds", "owner",
+    ])  # fmt: skip  # the update is its event: what the weight log stores and POST /api/weights answers
+    assert 0.05 <= result.drain_s == round(result.drain_s, 3) <= result.seconds == round(result.seconds, 3)
     assert [client(m).loads for m in (a, b, s, starting)] == [[("/w/v1", "v1")]] * 3 + [[]]
     assert (p.versions.version, p.versions.path, p.versions.updating) == ("v1", "/w/v1", False)
     assert preemption.triggered and p.versions.preemption is not preemption

@@ -199,7 +199,7 @@ async def test_after_an_update_the_owner_holds_the_new_weights_and_a_replacement
             # the update wrote seed-1 into the worker's own copy-on-write pages: private memory again
             # (read at once: the owner for seed-1 is a new process that takes seconds to lay it out)
             private = shm_weights.process_memory(pid)
-            assert (update.updated, update.stale, update.owner) == (("worker-0",), (), "following")
+            assert (update.updated, update.stale, update.owner) == (["worker-0"], [], "following")
             assert await greedy(http, worker.client.base_url) == expected != before
             # the owner follows in the background: a new one for the update's files, then the old one goes
             owner = await until(lambda: pool.weights.owner if pool.weights.owner is not first else None,

@@ -34,6 +34,8 @@ async def test_replay_restores_the_checkpoint_and_runs_the_journal_and_the_call_
     )  # fmt: skip
     assert (restored["discarded_turns"], restored["sandbox_id"]) == ([], box)
     assert env.kinds() == ["sandbox_created", "sandbox_checkpoint", "sandbox_failure", "sandbox_restored"]
+    assert env.events()[3][1] == restored  # the manager's record of the restore is the event it stored
+    assert restored["seconds"] == round(restored["seconds"], 4)
     failure = env.events()[2][1]
     assert failure == {
         "kind": "exited", "detail": "exec failed: container exited, exit code 137", "sandbox_id": first,
