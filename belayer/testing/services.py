@@ -27,6 +27,7 @@ import httpx
 
 from core.errors import BenchError
 from core.net import free_port
+from engine_pool.workers.reaper import parent_death_signal
 
 DEFAULT_LITELLM_VENV = ".cache/litellm-venv"
 DEFAULT_LITELLM_SPEC = "litellm[proxy]"
@@ -69,6 +70,11 @@ class Service:
                 env=self._environ(),
                 cwd=self.cwd,
                 start_new_session=True,  # its own process group: a Ctrl-C here does not reach it
+                # and a SIGTERM when whoever started it dies, even by SIGKILL (a test's timeout kills
+                # a bench): a gateway then stops its workers and sandboxes rather than run on orphaned.
+                # The kernel sends it when the starting *thread* ends: start services from threads
+                # that live as long as they should (the main thread, a pool's).
+                preexec_fn=lambda: parent_death_signal(signal.SIGTERM),
             )
 
     def _environ(self) -> dict[str, str]:
