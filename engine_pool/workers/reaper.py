@@ -21,6 +21,8 @@ import sys
 from types import FrameType
 
 PR_SET_PDEATHSIG = 1
+NICE_ENV = "BELAYER_REAPER_NICE"
+"""How much lower in CPU priority the reaper runs the command (``VllmWorker.start_nice``); not passed on."""
 
 
 def parent_death_signal(sig: int) -> None:
@@ -53,6 +55,8 @@ def main(argv: list[str]) -> int:
         # else the gateway is stopping the worker: it signalled the whole group itself
 
     signal.signal(signal.SIGTERM, on_term)
+    if nice := int(os.environ.pop(NICE_ENV, "0") or 0):
+        os.nice(nice)  # before the command starts: it, and all it starts, inherit it
     child = subprocess.Popen(argv, preexec_fn=lambda: parent_death_signal(signal.SIGKILL))
     return child.wait()
 

@@ -34,6 +34,7 @@ from core.errors import EngineUnavailable
 from core.worker_auth import KEY_ENV
 from engine_pool.workers.exits import ExitWatch, OnExit, vital
 from engine_pool.workers.launch import COMMON_ENV, PROFILE_ENV, Profile, profile_args
+from engine_pool.workers.reaper import NICE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +117,15 @@ def launch_group(
 ) -> subprocess.Popen[bytes]:
     """Start ``python -m engine_pool.workers.reaper ARGV`` as the leader of a new process group, with `env` over
     this process's environment and its output appended to `log_path`: a gateway that dies leaves none
-    of the group behind, and `stop_group` ends all of it. `nice`: the group starts that much lower in
-    CPU priority (every process it starts inherits it)."""
+    of the group behind, and `stop_group` ends all of it. `nice`: the group runs that much lower in CPU
+    priority (the reaper lowers its own before it starts the command, which inherits it; not a
+    ``preexec_fn``, which would make every launch a full ``fork`` of the gateway on its event loop)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    niced = {NICE_ENV: str(nice)} if nice else {}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [python, "-m", "engine_pool.workers.reaper", *argv],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True,
-            preexec_fn=(lambda: os.nice(nice)) if nice else None,  # before exec: no child escapes it
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, **niced}, start_new_session=True,
         )  # fmt: skip
 
 
