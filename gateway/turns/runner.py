@@ -32,7 +32,7 @@ from gateway.policy.parsers import forced_call_prefix
 from gateway.policy.tokenization import ChatTokenizer
 from gateway.turns.failover import Failover, TurnStream
 from gateway.turns.inflight import InflightWriter
-from gateway.turns.ledger import TurnLedger, completed
+from gateway.turns.ledger import TurnLedger
 from gateway.turns.observers import TurnObserver
 from gateway.turns.output import TurnOutput
 from gateway.turns.protocol import Delta, Done, GenerationRequest, TurnSettings
@@ -182,12 +182,11 @@ class TurnRunner:
         self, req: GenerationRequest, turn: TurnRecord, out: TurnOutput, stream: TurnStream, finish: str,
         t0: float,
     ) -> Done:  # fmt: skip
-        """The complete turn, stored (in `completed`'s shape) and announced."""
+        """The complete turn, stored (in ``gateway.turns.ledger.completed``'s shape) and announced."""
         self.failover.quarantine.cleared(stream.state.suspicion)
         content, calls, reasoning = "".join(out.content), out.parser.calls, "".join(out.reasoning)
         try:
-            completed(turn, req, finish, content, calls, reasoning, stream.params.key, t0)
-            await self.ledger.finish(turn)
+            await self.ledger.finish(turn, req, finish, content, calls, reasoning, stream.params.key, t0)
         finally:
             self._published(turn, req, stream)
         if req.plan.rewritten:
