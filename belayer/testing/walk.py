@@ -153,6 +153,8 @@ class Tracer:
         self.walk = Walk()
         self._inside = contextvars.ContextVar("walk_inside", default=False)
         self._steps: dict[CodeType, int] = {}
+        self._visits: dict[FrameType, int] = {}
+        """The step of the visit each frame of a room runs in (kept for the one turn traced)."""
         self._rooms: dict[str, str] = {}
         self._starts: dict[CodeType, int] = {}
         self._end: FrameType | None = None
@@ -168,22 +170,31 @@ class Tracer:
             return
         if event == "return":
             self.walk.stored = frame is self._end
+            if self.walk.stored:
+                self._visits.clear()
         elif self._fresh(frame):  # not a generator or coroutine resumed
             self._record(frame)
             if self._end is None and code.co_name == "finish_turn" and self._room(code).startswith("store/"):
                 self._end = frame  # the outermost: its return is the turn's end written
 
     def _record(self, frame: FrameType) -> None:
+        """A call in a room: a step if it is its function's first, and the visit its frame belongs to
+        (the calls it makes are that visit's: a look-up is a visit that goes into no other room)."""
         code = frame.f_code
         room = self._room(code)
-        if not room or code in self._steps:
-            return
+        if not room:
+            return  # not a room: its calls belong to the visit that called it
         caller, up = -1, frame.f_back
         while up is not None and caller < 0:
-            caller = self._steps.get(up.f_code, -1)
+            caller = self._visits.get(up, -1)
             up = up.f_back
-        self._steps[code] = len(self.walk.steps)
-        self.walk.steps.append(Step(room, code.co_qualname, caller))
+        if code not in self._steps:
+            self._steps[code] = self._visits[frame] = len(self.walk.steps)
+            self.walk.steps.append(Step(room, code.co_qualname, caller))
+        elif caller >= 0 and self.walk.steps[caller].room == room:
+            self._visits[frame] = caller  # a call within the visit
+        else:
+            self._visits[frame] = self._steps[code]  # a room entered again by a call made before
 
     def _fresh(self, frame: FrameType) -> bool:
         """The frame starts (a generator's or coroutine's resumption is a ``call`` event too)."""
