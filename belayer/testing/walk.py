@@ -26,7 +26,8 @@ own start (`TURN`, the runner: prompt ids to trajectory):
   the walk: what a reader follows is the calls that lead on. This is the reading issue 35's goal (at most
   10 re-entries for a plain or streamed turn) is checked on, from the turn (``tests/belayer/test_walk.py``).
 
-Dataclass ``__init__`` methods are generated code (no room). A warm-up turn runs first, untraced, so that
+Dataclass ``__init__`` methods are generated code (no room), and comprehensions are parts of the
+function they are written in (`EXPRESSIONS`). A warm-up turn runs first, untraced, so that
 the walk is a steady turn's, not the process's first (lazy imports, caches).
 
 Variants: ``plain`` (a non-streamed turn), ``stream`` (a streamed one), ``failover`` (a streamed turn
@@ -68,6 +69,8 @@ NOT_ROOMS = ("engine_pool/fake/", "belayer/testing/")
 LEAF = "core/"
 VARIANTS = ("plain", "stream", "failover")
 HOSTS = ("http://e0", "http://e1")
+EXPRESSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
+"""Comprehensions: parts of the function they are written in (Python 3.12 inlines most, PEP 709)."""
 TURN = "TurnRunner.run"
 """Where the turn's own part starts (``gateway.turns.runner``): the second window reported."""
 
@@ -182,8 +185,8 @@ class Tracer:
         (the calls it makes are that visit's: a look-up is a visit that goes into no other room)."""
         code = frame.f_code
         room = self._room(code)
-        if not room:
-            return  # not a room: its calls belong to the visit that called it
+        if not room or code.co_name in EXPRESSIONS:
+            return  # not a room, or not a function: its calls belong to the visit that called it
         caller, up = -1, frame.f_back
         while up is not None and caller < 0:
             caller = self._visits.get(up, -1)
