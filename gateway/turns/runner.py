@@ -25,7 +25,7 @@ from dataclasses import replace
 from core.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from core.keyed import SAMPLING_MODES, turn_key
 from core.telemetry import Telemetry
-from engine_pool.engine.client import SamplingParams, TokenChunk
+from engine_pool.engine.client import SamplingParams
 from engine_pool.face import Engines
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.parsers import forced_call_prefix
@@ -148,7 +148,11 @@ class TurnRunner:
         try:
             async with contextlib.aclosing(stream.chunks()) as chunks:
                 async for chunk in chunks:
-                    yield self._feed(turn, out, stream, chunk)
+                    delta = out.feed(chunk)  # the tokens it took are the turn's (and a resubmission's)
+                    stream.keep(delta.token_ids, delta.logprobs)
+                    self.ledger.inflight.progressed(turn)
+                    self.telemetry.tokens_streamed += len(delta.token_ids)
+                    yield delta
                     if out.stopped:  # a stop string the engine could not see (split by a failover)
                         break
             tail, finish = out.end(stream.finish)
@@ -169,14 +173,6 @@ class TurnRunner:
             self._published(turn, req, stream)
             raise
         yield await self._finish(req, turn, out, stream, finish, t0)
-
-    def _feed(self, turn: TurnRecord, out: TurnOutput, stream: TurnStream, chunk: TokenChunk) -> Delta:
-        """A chunk through the output pipeline; the tokens it took are the turn's (and a resubmission's)."""
-        delta = out.feed(chunk)
-        stream.keep(delta.token_ids, delta.logprobs)
-        self.ledger.inflight.progressed(turn)
-        self.telemetry.tokens_streamed += len(delta.token_ids)
-        return delta
 
     async def _finish(
         self, req: GenerationRequest, turn: TurnRecord, out: TurnOutput, stream: TurnStream, finish: str,
