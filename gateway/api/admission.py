@@ -6,7 +6,7 @@ before any templating, and find the request's session.
 
 Example::
 
-    admitted = await admit(request, lambda raw: validate(ChatCompletionRequest, raw), reject_unsupported,
+    admitted = await admit(request, partial(validate, ChatCompletionRequest), reject_unsupported,
                            "chat/completions", "messages")
     if isinstance(admitted, Response):  # forwarded to an auxiliary model's provider
         return admitted

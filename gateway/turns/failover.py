@@ -315,8 +315,6 @@ class TurnStream:
                         clock.charge(time.monotonic() - submitted)
             if lost is None:
                 return
-            out = self.turn.output_ids
-            self.finish = finished_before(out, self.eos_ids, self.params.max_tokens)
             if self.finish is not None:  # the output was complete when the worker was lost
                 self._switched(lost, None)
                 return
@@ -368,8 +366,10 @@ class TurnStream:
         )
 
     async def _lost(self, member: PoolMember, error: EngineError | Preempted) -> Failure:
-        """`Failover.lost`; a conviction goes into the trajectory, then to the client."""
+        """`Failover.lost`; a conviction goes into the trajectory, then to the client. Whether the output
+        was complete already is taken with the loss (`finish`: then nothing is resubmitted)."""
         produced = len(self.turn.output_ids)
+        self.finish = finished_before(self.turn.output_ids, self.eos_ids, self.params.max_tokens)
         try:
             return await self.failover.lost(member, error, produced, self.last_token_at, self.state)
         except QueryOfDeath as convicted:  # not resubmitted: the trajectory says why

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from core import events as ev
 from core.errors import StoreError
@@ -32,6 +33,8 @@ from gateway.turns.sessions import chain_keys
 from store import EventRecord, TurnRecord
 from store.base import TURN_ABORTED, TURN_COMPLETE
 from store.roles import LedgerStore
+
+T = TypeVar("T")
 
 
 class TurnLedger:
@@ -57,9 +60,7 @@ class TurnLedger:
     async def begin(self, req: GenerationRequest, prompt_ids: list[int]) -> TurnRecord:
         """The turn stored (running), announced (``turn_started``, the observers) and its in-flight
         writes tracked."""
-        t0 = time.monotonic()
-        turn = await self._written_begin(req, prompt_ids)
-        self._timed("begin", t0)
+        turn = await self._timed("begin", self._written_begin(req, prompt_ids))
         req.turn = turn
         self.telemetry.publish(
             ev.TurnStarted(turn.index, turn.branch, len(prompt_ids), req.plan.reused_tokens),
@@ -75,19 +76,26 @@ class TurnLedger:
         for obs in self.observers:
             await obs.turn_ending(turn)
 
-    async def finish(self, turn: TurnRecord) -> None:
-        """The complete turn's end, written (a `StoreError` goes to the client: the turn is not on disk)."""
-        t0 = time.monotonic()
+    async def finish(
+        self, turn: TurnRecord, req: GenerationRequest, finish: str, content: str, calls: list[ToolCall],
+        reasoning: str, key: int | None, t0: float,
+    ) -> None:  # fmt: skip
+        """The complete turn, in `completed`'s shape, and its end written (a `StoreError` goes to the
+        client: the turn is not on disk)."""
+        completed(turn, req, finish, content, calls, reasoning, key, t0)
         try:  # a cancellation meanwhile does not stop the write
-            await self.store.front.call(turn.session_id, self.store.finish_turn, turn)
-            self._timed("finish", t0)
+            await self._timed("finish", self.store.front.call(turn.session_id, self.store.finish_turn, turn))
         finally:
             self.notify_finished(turn)
 
-    def _timed(self, op: str, t0: float) -> None:
-        """A write's time from its request (a worker thread's queue included) to its commit."""
+    async def _timed(self, op: str, write: Awaitable[T]) -> T:
+        """`write`, awaited; its time from its request (a worker thread's queue included) to its commit
+        goes to the metrics."""
+        t0 = time.monotonic()
+        written = await write
         if self.metrics is not None:
             self.metrics.store_write.labels(op).observe(time.monotonic() - t0)
+        return written
 
     async def close(self) -> None:
         await self._orphans.join()  # a few writes: they end before the store closes

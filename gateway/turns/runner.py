@@ -25,14 +25,14 @@ from dataclasses import replace
 from core.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from core.keyed import SAMPLING_MODES, turn_key
 from core.telemetry import Telemetry
-from engine_pool.engine.client import SamplingParams, TokenChunk
+from engine_pool.engine.client import SamplingParams
 from engine_pool.face import Engines
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.parsers import forced_call_prefix
 from gateway.policy.tokenization import ChatTokenizer
 from gateway.turns.failover import Failover, TurnStream
 from gateway.turns.inflight import InflightWriter
-from gateway.turns.ledger import TurnLedger, completed
+from gateway.turns.ledger import TurnLedger
 from gateway.turns.observers import TurnObserver
 from gateway.turns.output import TurnOutput
 from gateway.turns.protocol import Delta, Done, GenerationRequest, TurnSettings
@@ -148,7 +148,11 @@ class TurnRunner:
         try:
             async with contextlib.aclosing(stream.chunks()) as chunks:
                 async for chunk in chunks:
-                    yield self._feed(turn, out, stream, chunk)
+                    delta = out.feed(chunk)  # the tokens it took are the turn's (and a resubmission's)
+                    stream.keep(delta.token_ids, delta.logprobs)
+                    self.ledger.inflight.progressed(turn)
+                    self.telemetry.tokens_streamed += len(delta.token_ids)
+                    yield delta
                     if out.stopped:  # a stop string the engine could not see (split by a failover)
                         break
             tail, finish = out.end(stream.finish)
@@ -170,24 +174,15 @@ class TurnRunner:
             raise
         yield await self._finish(req, turn, out, stream, finish, t0)
 
-    def _feed(self, turn: TurnRecord, out: TurnOutput, stream: TurnStream, chunk: TokenChunk) -> Delta:
-        """A chunk through the output pipeline; the tokens it took are the turn's (and a resubmission's)."""
-        delta = out.feed(chunk)
-        stream.keep(delta.token_ids, delta.logprobs)
-        self.ledger.inflight.progressed(turn)
-        self.telemetry.tokens_streamed += len(delta.token_ids)
-        return delta
-
     async def _finish(
         self, req: GenerationRequest, turn: TurnRecord, out: TurnOutput, stream: TurnStream, finish: str,
         t0: float,
     ) -> Done:  # fmt: skip
-        """The complete turn, stored (in `completed`'s shape) and announced."""
+        """The complete turn, stored (in ``gateway.turns.ledger.completed``'s shape) and announced."""
         self.failover.quarantine.cleared(stream.state.suspicion)
         content, calls, reasoning = "".join(out.content), out.parser.calls, "".join(out.reasoning)
         try:
-            completed(turn, req, finish, content, calls, reasoning, stream.params.key, t0)
-            await self.ledger.finish(turn)
+            await self.ledger.finish(turn, req, finish, content, calls, reasoning, stream.params.key, t0)
         finally:
             self._published(turn, req, stream)
         if req.plan.rewritten:

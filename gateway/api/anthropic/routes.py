@@ -6,7 +6,7 @@ output for ``/v1/messages…`` paths, and errors raised mid-stream become an ``e
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,12 +27,10 @@ from gateway.http.bodies import read_json, validate
 from gateway.policy.parsers import forced_call_prefix
 
 
-def _messages(raw: dict[str, Any]) -> MessagesRequest:
-    return validate(MessagesRequest, raw)
-
-
 async def messages(request: Request) -> Response:
-    a = await admit(request, _messages, reject_unsupported, "messages", "system", "messages")
+    a = await admit(
+        request, partial(validate, MessagesRequest), reject_unsupported, "messages", "system", "messages"
+    )
     if isinstance(a, Response):
         return a
     gw, req = a.gw, a.req

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -22,16 +23,10 @@ from gateway.gateway import gateway_of
 from gateway.http.bodies import validate
 
 
-def _chat(raw: dict[str, Any]) -> ChatCompletionRequest:
-    return validate(ChatCompletionRequest, raw)
-
-
-def _completion(raw: dict[str, Any]) -> CompletionRequest:
-    return validate(CompletionRequest, raw)
-
-
 async def chat_completions(request: Request) -> Response:
-    a = await admit(request, _chat, reject_unsupported, "chat/completions", "messages")
+    a = await admit(
+        request, partial(validate, ChatCompletionRequest), reject_unsupported, "chat/completions", "messages"
+    )
     if isinstance(a, Response):
         return a
     gw, req = a.gw, a.req
@@ -42,7 +37,9 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    a = await admit(request, _completion, reject_unsupported, "completions", "prompt")
+    a = await admit(
+        request, partial(validate, CompletionRequest), reject_unsupported, "completions", "prompt"
+    )
     if isinstance(a, Response):
         return a
     gw, req = a.gw, a.req

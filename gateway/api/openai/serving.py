@@ -134,7 +134,6 @@ def chat_request(
     top = _logprob_count(req.logprobs, req.top_logprobs)
     messages = normalize_messages(req.messages)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    plan, keys = sessions.plan(session.id, messages, tools)
     params = sampling(
         req.temperature,
         req.top_p,
@@ -145,6 +144,7 @@ def chat_request(
         req.presence_penalty,
         req.frequency_penalty,
     )
+    plan, keys = sessions.plan(session.id, messages, tools)
     gen = GenerationRequest(
         session=session,
         plan=plan,
