@@ -36,7 +36,7 @@ def test_bench_recovery_kills_again_and_again_on_fake_workers(tiny_model_dir: Pa
     crashed on a later kill when its wait for the worker serving the stream found none (a StopIteration)."""
     argv = [sys.executable, "-m", "belayer.cli", "bench", "recovery", "--model", str(tiny_model_dir)]
     argv += ["--worker-kind", "fake", "--kills", "3", "--kill-after", "5", "--reply-tokens", "60"]
-    argv += ["--baseline", "warm-up"]
+    argv += ["--baseline", "warm-up", "--baseline", "start-nice"]
     argv += [
         "--workers",
         "1",
@@ -59,11 +59,14 @@ def test_bench_recovery_kills_again_and_again_on_fake_workers(tiny_model_dir: Pa
          "failover_new_worker_token_ms_p50", "failover_lost_ms_p50", "failover_teardown_ms_p50", "kills", "worker_recovery_speedup",
          "target_worker_recovery_speedup_ge_50", "target_failover_detect_ms_le_10",
          "target_failover_lost_ms_le_50", "failover_new_worker_token_ms_p50_warm_up_off",
-         "failover_lost_ms_p50_warm_up_off", "failover_lost_warm_up_off_over_on", "bench_wall_s"]
+         "failover_lost_ms_p50_warm_up_off", "failover_lost_warm_up_off_over_on",
+         "failover_new_worker_token_ms_p50_start_nice_off", "failover_lost_ms_p50_start_nice_off",
+         "failover_lost_start_nice_off_over_on", "bench_wall_s"]
     ), done.stdout  # fmt: skip
     assert figures["kills"] == "3"
     assert done.stderr.count("[bench] pool: kill ") == 3
     assert done.stderr.count("[bench] pool-warm-up-off: kill ") == 3
+    assert done.stderr.count("[bench] pool-start-nice-off: kill ") == 3
     for timed in ("failover_s", "capacity_restored_s", "full_strength_s", "cold_start_s", "bench_wall_s"):
         assert float(figures[timed]) >= 0, timed
     # the kill → the gateway noticed → resubmitted → the new worker's token → the client's: in that order
@@ -75,7 +78,8 @@ def test_bench_recovery_kills_again_and_again_on_fake_workers(tiny_model_dir: Pa
     assert figures["target_failover_overhead_le_2pct"] in ("pass", "fail")
     for target in ("worker_recovery_speedup_ge_50", "failover_detect_ms_le_10", "failover_lost_ms_le_50"):
         assert figures[f"target_{target}"] in ("pass", "fail"), target
-    assert float(figures["failover_lost_warm_up_off_over_on"]) > 0
+    for baseline in ("warm_up", "start_nice"):
+        assert float(figures[f"failover_lost_{baseline}_off_over_on"]) > 0, baseline
 
 
 def test_the_weight_owner_figures_warm_and_prefill_the_workers_with_the_key(
