@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
+import select
 import signal
 import threading
 import time
@@ -43,10 +45,11 @@ async def engines(http: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:
 
 
 async def wait_until(
-    http: httpx.AsyncClient, url: str, ready: int, shadows: int, timeout: float, exclude: str = ""
-) -> float:
+    http: httpx.AsyncClient, url: str, ready: int, shadows: int, timeout: float, exclude: str = "",
+    interval: float = 0.02,
+) -> float:  # fmt: skip
     """When (``time.monotonic()``) the pool has `ready` ready workers and `shadows` shadows, not counting
-    `exclude`."""
+    `exclude` (looked at every `interval` seconds)."""
 
     async def reached() -> float | None:
         states = [e["state"] for e in await engines(http, url) if e["name"] != exclude]
@@ -54,7 +57,30 @@ async def wait_until(
             time.monotonic() if states.count("ready") >= ready and states.count("shadow") >= shadows else None
         )
 
-    return await found(reached, f"the pool to have {ready} ready + {shadows} shadow workers", timeout)
+    what = f"the pool to have {ready} ready + {shadows} shadow workers"
+    return await found(reached, what, timeout, interval=interval)
+
+
+def reached_at(pool: list[dict[str, Any]], state: str, count: int, since: float) -> float:
+    """When (``time.time()``, the pool's clock for its members' transitions) `count` of the `pool`'s
+    members (``GET /api/engines``) were in `state`: those in it before `since` count from then, the others
+    from their last transition (into it).
+
+    >>> pool = [{"state": "ready", "last_transition": {"at": 5.0}}, {"state": "ready"},
+    ...         {"state": "shadow", "last_transition": {"at": 30.0}}]
+    >>> reached_at(pool, "ready", 1, 4.0), reached_at(pool, "ready", 2, 4.0), reached_at(pool, "shadow", 0, 4.0)
+    (4.0, 5.0, 4.0)
+    """
+    if count == 0:
+        return since
+    times = sorted(
+        max(since, float(t["at"])) if (t := e.get("last_transition")) else since
+        for e in pool
+        if e["state"] == state
+    )
+    if len(times) < count:
+        raise BenchError(f"the pool has {len(times)} members {state}, not {count}")
+    return times[count - 1]
 
 
 async def busy_worker(http: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
@@ -93,12 +119,17 @@ async def _stream(http: httpx.AsyncClient, url: str, body: dict[str, Any], arriv
 
 
 class Teardown:
-    """When a killed process group's memory is freed: a thread reads each of its processes' state from
-    ``/proc`` every millisecond until each is a zombie or gone (the kernel frees a process's memory
-    before it turns zombie). ``ms``: after the kill (`start`), or None while any is still exiting."""
+    """When a killed process group's memory is freed: a thread waits on a pidfd of each of its processes,
+    which turns readable when the process has exited, its memory freed (without polling: the bench must
+    not take the CPUs the failover it times needs). ``ms``: after the kill (`start`), or None if any
+    was still exiting 30 s later."""
 
     def __init__(self, pgid: int) -> None:
-        self.pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _pgid(d) == pgid]
+        pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _pgid(d) == pgid]
+        self.fds = []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                self.fds.append(os.pidfd_open(pid))
         self.ms: float | None = None
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -107,10 +138,16 @@ class Teardown:
         self._thread.start()
 
     def _watch(self) -> None:
-        deadline = time.monotonic() + 30
-        while any(_state(pid) not in ("Z", "X", None) for pid in self.pids) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        self.ms = (time.monotonic() - self.t_kill) * 1000 if time.monotonic() < deadline else None
+        waiting, deadline = list(self.fds), time.monotonic() + 30
+        try:
+            while waiting and (left := deadline - time.monotonic()) > 0:
+                readable, _, _ = select.select(waiting, [], [], left)
+                waiting = [fd for fd in waiting if fd not in readable]
+            if not waiting:
+                self.ms = (time.monotonic() - self.t_kill) * 1000
+        finally:
+            for fd in self.fds:
+                os.close(fd)
 
 
 def _pgid(proc: Path) -> int | None:
@@ -119,15 +156,6 @@ def _pgid(proc: Path) -> int | None:
     except OSError:
         return None
     return int(stat[stat.rindex(")") + 2 :].split()[2])
-
-
-def _state(pid: int) -> str | None:
-    """A process's state letter (``R``, ``S``, ``Z``...), None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2]
 
 
 async def kill_once(url: str, opts: argparse.Namespace, key: WorkerKey) -> dict[str, float]:
@@ -147,23 +175,23 @@ async def kill_once(url: str, opts: argparse.Namespace, key: WorkerKey) -> dict[
                 "max_tokens": opts.kill_after + opts.reply_tokens, "stream": True, "logprobs": True}  # fmt: skip
         arrivals: list[float] = []  # arrival time of each token at the client
         stream = asyncio.create_task(_stream(http, f"{url}/s/{sid}/v1/chat/completions", body, arrivals))
-        polls: list[asyncio.Task[float]] = []
         try:
             victim = await serving_worker(http, url, stream, arrivals, opts.kill_after)
             teardown = Teardown(victim["pid"])
-            t_kill = time.monotonic()
+            t_kill, wall_kill = time.monotonic(), time.time()
             os.killpg(victim["pid"], signal.SIGKILL)
             teardown.start(t_kill)
-            # polled alongside the stream, not bounded by its end: when is the pool back at its configured
-            # ready count (a shadow promoted), and when at full strength (the replacement shadow ready)?
-            polls = [asyncio.create_task(wait_until(http, url, opts.workers, s, t, exclude=victim["name"]))
-                     for s, t in ((0, 600), (opts.shadows, 900))]  # fmt: skip
             await stream
-            capacity, full = [await p - t_kill for p in polls]
         finally:
-            for task in (stream, *polls):
-                task.cancel()
-            await asyncio.gather(stream, *polls, return_exceptions=True)
+            stream.cancel()
+            await asyncio.gather(stream, return_exceptions=True)
+        # nothing polls the gateway while the stream resumes (it would take the CPUs the failover needs):
+        # when the pool was back at its ready count (a shadow promoted), and at full strength (the
+        # replacement ready), is read afterwards from its members' own transition times
+        await wait_until(http, url, opts.workers, opts.shadows, 900, exclude=victim["name"], interval=0.25)
+        pool = [e for e in await engines(http, url) if e["name"] != victim["name"]]
+        capacity = reached_at(pool, "ready", opts.workers, wall_kill) - wall_kill
+        full = max(capacity, reached_at(pool, "shadow", opts.shadows, wall_kill) - wall_kill)
         events = (await http.get(f"{url}/api/sessions/{sid}/trajectory")).json()["events"]
         failovers = [e["data"] for e in events if e["kind"] == "failover"]
         if len(failovers) != 1:

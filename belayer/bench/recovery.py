@@ -11,7 +11,8 @@ In one run:
   - ``failover_s``: the kill → the client's next token;
   - ``capacity_restored_s``: the kill → the pool has its configured number of ready workers again
     (a shadow is promoted);
-  - ``full_strength_s``: the kill → the replacement shadow is ready too;
+  - ``full_strength_s``: the kill → the replacement shadow is ready too (both read after the stream,
+    from the members' own transition times: nothing polls the gateway while the stream resumes);
   - ``failover_detect_ms_p50``: the kill → the gateway noticed the loss (its ``failover`` event's
     ``noticed_at``, on the host's ``CLOCK_MONOTONIC``); ``failover_resubmitted_ms_p50``: → the turn was
     resubmitted to its new worker; ``failover_new_worker_token_ms_p50``: → the new worker's first token
