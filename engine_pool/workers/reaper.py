@@ -22,7 +22,8 @@ from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 NICE_ENV = "BELAYER_REAPER_NICE"
-"""How much lower in CPU priority the reaper runs the command (``VllmWorker.start_nice``); not passed on."""
+"""The nice value the reaper runs the command at (``VllmWorker.start_nice`` below the gateway's); not
+passed on to it."""
 
 
 def parent_death_signal(sig: int) -> None:
@@ -55,8 +56,10 @@ def main(argv: list[str]) -> int:
         # else the gateway is stopping the worker: it signalled the whole group itself
 
     signal.signal(signal.SIGTERM, on_term)
-    if nice := int(os.environ.pop(NICE_ENV, "0") or 0):
-        os.nice(nice)  # before the command starts: it, and all it starts, inherit it
+    if niced := os.environ.pop(NICE_ENV, ""):
+        os.setpriority(
+            os.PRIO_PROCESS, 0, int(niced)
+        )  # before the command: it, and all it starts, inherit it
     child = subprocess.Popen(argv, preexec_fn=lambda: parent_death_signal(signal.SIGKILL))
     return child.wait()
 

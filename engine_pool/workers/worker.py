@@ -118,15 +118,21 @@ def launch_group(
     """Start ``python -m engine_pool.workers.reaper ARGV`` as the leader of a new process group, with `env` over
     this process's environment and its output appended to `log_path`: a gateway that dies leaves none
     of the group behind, and `stop_group` ends all of it. `nice`: the group runs that much lower in CPU
-    priority (the reaper lowers its own before it starts the command, which inherits it; not a
-    ``preexec_fn``, which would make every launch a full ``fork`` of the gateway on its event loop)."""
+    priority than this process: the reaper is lowered as soon as it runs, and lowers itself too before
+    it starts the command, which inherits it (not a ``preexec_fn``, which would make every launch a
+    full ``fork`` of the gateway, on its event loop)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    niced = {NICE_ENV: str(nice)} if nice else {}
+    target = min(os.getpriority(os.PRIO_PROCESS, 0) + nice, 19)
+    niced = {NICE_ENV: str(target)} if nice else {}
     with open(log_path, "ab") as log:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [python, "-m", "engine_pool.workers.reaper", *argv],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, **niced}, start_new_session=True,
         )  # fmt: skip
+    if nice:  # its own start (an interpreter's) is CPU work too
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, proc.pid, target)
+    return proc
 
 
 CAP_SYS_NICE = 23
