@@ -883,6 +883,28 @@ class SandboxRestored(Payload):
     """Journaled tool calls run again after the restore (replay mode)."""
     diverged: int = 0
     """Of those, how many gave another exit code or output than the first time."""
+    standby: bool | Absent = ABSENT
+    """Present (true): the checkpoint came from the session's standby sandbox, unfrozen, not from storage
+    (``sandbox.sessions.standby``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxStandby(Payload):
+    """A standby sandbox (a checkpoint restored ahead of time and frozen: ``sandbox.sessions.standby``)
+    was made, used by a recovery, or discarded."""
+
+    kind: ClassVar[str] = "sandbox_standby"
+    topic: ClassVar[str] = "sandbox"
+    action: str
+    """``made``, ``used``, ``discarded`` or ``failed`` (it could not be made)."""
+    checkpoint_id: str
+    """The checkpoint it holds."""
+    sandbox_id: str | None
+    """The standby sandbox (None: none was made)."""
+    seconds: float
+    """How long making it (made, failed) or unfreezing it (used) took; 0 for discarded."""
+    reason: str | Absent = ABSENT
+    """Why it was discarded, or why it failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -968,7 +990,7 @@ EVENTS: tuple[type[Payload], ...] = (
     TurnsInterrupted, FeedAdvanced,
     SandboxCreated, SandboxForked, SandboxDestroyed, SandboxAdopted, SandboxFailed,
     SandboxCheckpointDecision, SandboxCheckpoint, SandboxCheckpointSkipped, SandboxCheckpointFailed,
-    SandboxCheckpointRefused, SandboxCall, SandboxFailure, SandboxRestored, SandboxRestoreFailed,
+    SandboxCheckpointRefused, SandboxCall, SandboxFailure, SandboxRestored, SandboxStandby, SandboxRestoreFailed,
     AgentProcessesLeft, OutsideWorkspaceModified, WorkspaceTooLarge, ProtectedPathModified,
 )  # fmt: skip
 """Every kind, in the reference page's order."""

@@ -263,6 +263,23 @@ class SandboxBackend(abc.ABC):
         tell."""
         return []
 
+    @property
+    def keeps_standbys(self) -> bool:
+        """Whether this backend keeps *standby* sandboxes (`restore_standby`, `activate`): a checkpoint
+        restored ahead of time and frozen, which a recovery unfreezes instead of restoring from storage
+        (`sandbox.sessions.standby`). False: the manager makes none."""
+        return False
+
+    def restore_standby(self, checkpoint: Checkpoint) -> Sandbox:
+        """`restore` `checkpoint` into a new sandbox and freeze it at once (its processes stop where they
+        are, as ``docker pause`` stops them) until `activate`. Between the restore and the freeze its
+        processes run for a moment, in its own container. `SandboxError` where `keeps_standbys` is False."""
+        raise SandboxError(f"{type(self).__name__} keeps no standby sandboxes")
+
+    def activate(self, sandbox_id: str) -> None:
+        """Let a standby's processes run again: it is a sandbox like any other from then on."""
+        raise SandboxError(f"{type(self).__name__} keeps no standby sandboxes")
+
     def has_checkpoint(self, checkpoint: Checkpoint) -> bool:
         """Whether `checkpoint`'s storage is still there to restore (e.g. after a restart)."""
         return True

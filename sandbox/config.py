@@ -75,6 +75,13 @@ class SandboxConfig(BaseModel):
         ),
     )
 
+    standby: bool = Field(
+        default=False,
+        description="keep a standby of each sandbox: its newest checkpoint restored ahead of time, in an "
+        "inference bubble, and frozen (docker pause), so that a recovery unfreezes it instead of restoring "
+        "from disk. Costs a second copy of each sandbox's memory (frozen, still resident) and a restore's "
+        "CPU per checkpoint; only for network=none sandboxes, and only where the backend can (local Docker)",
+    )
     keep_on_shutdown: bool = Field(
         default=False,
         description="leave the sandboxes and their checkpoints as they are when the gateway shuts down: "

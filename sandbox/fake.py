@@ -4,7 +4,8 @@ A fake sandbox holds files (absolute path → bytes) and persistent shell sessio
 variables); `exec` runs a tiny shell (`sandbox.fake_shell`: ``echo``, ``cat``, ``cd``, ``export``,
 ``sleep``, ``exit``, ``&&``, ``>``...). Other commands run handlers registered in `commands` (see
 `CommandHandler`), or fail with 127 like an unknown command. A checkpoint is a deep copy of files and
-sessions; `restore` starts a new sandbox (a new id) from it.
+sessions; `restore` starts a new sandbox (a new id) from it, and `restore_standby` a frozen one (its
+commands refused, as on a paused container) until `activate`.
 
 Faults are queued (`inject`) and consumed one call at a time, like `engine_pool.fake.FaultInjector`:
 
@@ -12,7 +13,8 @@ Faults are queued (`inject`) and consumed one call at a time, like `engine_pool.
 kind   what the next matching call does
 ====== =====================================================================================
 fail   raises the operation's error at once (`CheckpointError` for checkpoint and
-       delete_checkpoint, `RestoreError` for restore, `SandboxError` otherwise)
+       delete_checkpoint, `RestoreError` for restore and restore_standby, `SandboxError`
+       otherwise)
 hang   never answers: blocks until `Fault.release` is set or the sandbox is destroyed, then
        raises `SandboxError` (a hung tool call; the manager's deadline gives up first)
 break  the exec transport breaks: `SandboxError`, the command did not run, the sandbox still runs
@@ -93,7 +95,7 @@ __all__ = ["CommandHandler", "FakeNetwork", "FakeSandboxBackend", "Fault", "Shel
 
 Operation = Literal[
     "create", "exec", "read_file", "file_body", "write_file", "archive", "extract", "checkpoint", "restore",
-    "destroy", "delete_checkpoint", "status",
+    "destroy", "delete_checkpoint", "status", "restore_standby", "activate",
 ]  # fmt: skip
 FaultKind = Literal["fail", "hang", "break", "kill", "oom", "block"]
 
@@ -341,11 +343,36 @@ class FakeSandboxBackend(SandboxBackend):
 
     def restore(self, checkpoint: Checkpoint) -> Sandbox:
         self._enter("restore", checkpoint.id)
+        return self._restore(checkpoint)
+
+    def _restore(self, checkpoint: Checkpoint) -> Sandbox:
         with self._guard:
             state = self._snapshots.get(checkpoint.id)
         if state is None:
             raise SandboxNotFound(f"checkpoint {checkpoint.id}: no process dump")
         return self._start(checkpoint.spec, copy.deepcopy(state))
+
+    @property
+    def keeps_standbys(self) -> bool:
+        return True
+
+    def restore_standby(self, checkpoint: Checkpoint) -> Sandbox:
+        """`restore`, frozen: its commands are refused until `activate` (as on a paused container)."""
+        self._enter("restore_standby", checkpoint.id)
+        box = self._restore(checkpoint)
+        self._box(box.id).frozen = True
+        return box
+
+    def activate(self, sandbox_id: str) -> None:
+        box = self._box(sandbox_id)
+        self._enter("activate", sandbox_id, box)
+        if not box.frozen:
+            raise SandboxError(f"container {sandbox_id} is not paused")
+        box.frozen = False
+
+    def frozen(self, sandbox_id: str) -> bool:
+        """Whether the sandbox is a standby not activated yet."""
+        return self._box(sandbox_id).frozen
 
     def delete_checkpoint(self, checkpoint: Checkpoint) -> None:
         self._enter("delete_checkpoint", checkpoint.id)
@@ -398,7 +425,10 @@ def _play(fault: Fault, box: FakeContainer | None) -> None:
         raise SandboxError(f"{what} failed: {box.status().detail}")
     if fault.kind == "break":
         raise SandboxError(f"{what}: the exec transport broke (connection reset)")
-    error = {"checkpoint": CheckpointError, "delete_checkpoint": CheckpointError, "restore": RestoreError}
+    error = {
+        "checkpoint": CheckpointError, "delete_checkpoint": CheckpointError, "restore": RestoreError,
+        "restore_standby": RestoreError,
+    }  # fmt: skip
     raise error.get(fault.op, SandboxError)(f"{what} failed (injected fault)")
 
 
@@ -440,6 +470,8 @@ def _follow(links: dict[str, str], target: str, asked: str, *, last: bool) -> st
 def _require_running(box: FakeContainer) -> None:
     if not box.running:
         raise SandboxError(f"container {box.id} is not running; {box.status().detail}")
+    if box.frozen:
+        raise SandboxError(f"container {box.id} is paused, unpause the container first")
 
 
 def _bounded(text: str, limit: int) -> tuple[str, bool]:

@@ -57,6 +57,8 @@ class FakeContainer:
     exit_code: int | None = None
     oom_killed: bool = False
     destroyed: bool = False
+    frozen: bool = False
+    """A standby not activated yet (`FakeSandboxBackend.restore_standby`): its commands are refused."""
 
     @property
     def running(self) -> bool:

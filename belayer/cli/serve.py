@@ -78,6 +78,7 @@ SERVE_FLAGS = (
     Flag("--checkpoint-policy", "sandbox.policy.mode"),
     Flag("--sandbox-port", "sandbox.sandbox_port"),
     Flag("--keep-sandboxes", "sandbox.keep_on_shutdown", const=True),
+    Flag("--sandbox-standby", "sandbox.standby", const=True),
     Flag("--sandbox-ray", "sandbox.ray", metavar="auto|HOST:PORT|off"),
     Flag("--sandbox-ray-node-ip", "sandbox.ray_node_ip", metavar="IP"),
     Flag("--checkpoint-store", "sandbox.checkpoint_store", metavar="URL"),

@@ -59,7 +59,8 @@ def _sandbox_restored(e: Event, d: dict[str, Any]) -> Line:
         if d.get("checkpoint_id")
         else "scratch"
     )
-    message = f"session {_tag(e)}: sandbox restored ({d.get('mode')}) from {origin} into {d.get('sandbox_id')} in {d.get('seconds', 0):.2f} s"
+    standby = " (its standby, unfrozen)" if d.get("standby") else ""
+    message = f"session {_tag(e)}: sandbox restored ({d.get('mode')}) from {origin}{standby} into {d.get('sandbox_id')} in {d.get('seconds', 0):.2f} s"
     if d.get("mode") == "replay":
         message += f", {d.get('replayed')} tool calls replayed ({d.get('diverged')} gave another result)"
     if d.get("discarded_turns"):

@@ -13,7 +13,8 @@ gateway's other routes (``gateway.api.sandbox``, ``gateway.api.sandbox_listener`
 - `bubbles` and `policy`: checkpoints in inference bubbles, and when one is worth taking;
 - `checkpoints`: taking, tagging and retiring them; `journal`: the tool calls since the newest one;
 - `recovery`: a tool call that survives its sandbox (restore, then replay or truncate); `watcher`: a
-  sandbox that stops between calls is restored at once;
+  sandbox that stops between calls is restored at once; `standby`: a checkpoint restored ahead of time
+  and frozen, for a recovery to unfreeze;
 - `lifecycle`: start, replace, remove; `forks`: a sandbox copied into child sessions at a turn;
   `adoption`: a new gateway takes back its store's sandboxes;
 - `verify`: the verify stage, in a clean sandbox; `io`: the blocking backend on bounded thread pools;

@@ -8,7 +8,8 @@ its sandbox has a checkpoint to fork at: its checkpoint waits for a call in prog
 commands, say), a bubble that found a checkpoint running gets its own when that one ends, and the
 turn's response ends only once its checkpoint has (`hold`, up to `HOLD_S`): the bubble stays open for
 it. In the other modes the checkpoint runs in the background and is skipped if the bubble is over
-before it can start (the harness may act again). When the call ends (`turn_finished`), its timings
+before it can start (the harness may act again). With ``sandbox.standby``, what is left of a bubble after
+its checkpoint (or a bubble that takes none) may go to making a standby sandbox (`standby`). When the call ends (`turn_finished`), its timings
 teach the policy, and a turn that a restore discarded while it ran is discarded again.
 
 Example::
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from core import events as ev
@@ -54,11 +56,14 @@ class BubbleObserver:
         self.slots = slots
         self.policy = policy
         self.checkpointer = checkpointer
+        self.standbys = checkpointer.standbys
         self.events = events
         self.tasks = tasks
         self.engine_load = engine_load
         self._taking: dict[int, asyncio.Event] = {}
         """Turn id -> set once the checkpoint scheduled or queued in its bubble has ended (mode always)."""
+        self._ends: dict[int, float] = {}
+        """Turn id -> when its bubble is predicted to end (monotonic): what a standby may still use."""
 
     def turn_started(self, turn: TurnRecord) -> None:
         slot = self.slots.get(turn.session_id)
@@ -71,8 +76,11 @@ class BubbleObserver:
         busy = slot.history.pending or (slot.lock.locked() and not always)
         action = "busy" if decision.checkpoint and busy else decision.action
         self.events.add(turn.session_id, turn.id, _decision_event(decision, action, slot))
+        self._ends[turn.id] = time.monotonic() + decision.predicted_bubble_s
         if decision.checkpoint and not busy:
             self._spawn(slot, turn, decision)
+        elif not decision.checkpoint and not busy:  # a bubble without a checkpoint: the standby's
+            self._offer_standby(slot, turn)
         elif decision.checkpoint and always:
             if slot.history.queued is not None:  # replaced: its bubble is not held for it any more
                 self._release(slot.history.queued)
@@ -104,7 +112,14 @@ class BubbleObserver:
             log.warning("session %s: turn %d's checkpoint did not end within %.0f s; the response goes on",
                         session_tag(turn.session_id), turn.index, HOLD_S)  # fmt: skip
 
+    def _offer_standby(self, slot: Slot, turn: TurnRecord) -> None:
+        """What is left of `turn`'s bubble may hold the making of a standby (`standby`)."""
+        if self.standbys.enabled and not slot.lock.locked():
+            left = self._ends.get(turn.id, 0.0) - time.monotonic()
+            self.standbys.offer(slot, turn, left)
+
     def turn_finished(self, turn: TurnRecord) -> None:
+        self._ends.pop(turn.id, None)
         slot = self.slots.get(turn.session_id)
         if slot is None:
             return
@@ -137,6 +152,7 @@ class BubbleObserver:
                     self.events.add(slot.session_id, turn.id, ev.SandboxCheckpointSkipped("bubble over"))
                     return
                 await self.checkpointer.take(slot, decision.action, turn)
+            self._offer_standby(slot, turn)  # out of the lock: a call may take it meanwhile
         except SandboxError as exc:
             log.warning(
                 "session %s: checkpoint in turn %d failed: %s", session_tag(slot.session_id), turn.index, exc

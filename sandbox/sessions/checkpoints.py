@@ -2,7 +2,8 @@
 
 A checkpoint taken while turn k's LLM call runs is tagged with turn k (see `records` for what
 `keep_through` means). Each one feeds the policy its cost, clears the replay journal (the calls before
-it are in it), and evicts the oldest beyond `keep_checkpoints`. A deletion that fails leaks the
+it are in it), supersedes the standby of the one before (`standby`), and evicts the oldest beyond
+`keep_checkpoints`. A deletion that fails leaks the
 checkpoint's storage: it is logged and counted (`delete_failures`), never raised, since the session
 itself is fine.
 
@@ -28,6 +29,7 @@ from sandbox.backend import checkpoint_record
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.policy import AdaptivePolicy
 from sandbox.sessions.records import CheckpointInfo, EventLog
+from sandbox.sessions.standby import Standbys
 from sandbox.sessions.state import Slot
 from store import TurnRecord
 
@@ -37,11 +39,14 @@ log = logging.getLogger("belayer.sandbox")
 class Checkpointer:
     """Takes and deletes checkpoints of slots' sandboxes; counts what it did."""
 
-    def __init__(self, io: SandboxIO, events: EventLog, policy: AdaptivePolicy, keep: int) -> None:
+    def __init__(
+        self, io: SandboxIO, events: EventLog, policy: AdaptivePolicy, keep: int, standbys: Standbys
+    ) -> None:
         self.io = io
         self.events = events
         self.policy = policy
         self.keep = keep
+        self.standbys = standbys
         self.taken = 0
         self.delete_failures = 0
         """Checkpoints whose deletion failed: their storage leaked (each one is logged)."""
@@ -69,6 +74,7 @@ class Checkpointer:
         self.policy.observe_checkpoint(seconds=seconds, dump_bytes=ckpt.dump_bytes)
         taken = ev.SandboxCheckpoint(**info.as_json(), record=checkpoint_record(ckpt))  # the whole record: `adoption`
         self.events.add(slot.session_id, bubble.id if bubble else None, taken)
+        self.standbys.prune(slot)  # a standby of the checkpoint before is superseded
         for old in slot.history.evict(self.keep):
             await self.delete(slot.session_id, old)
         return info

@@ -78,6 +78,12 @@ class Lifecycle:
         await self.locate(slot)
         return box.id
 
+    async def swap_in(self, slot: Slot, box: str) -> None:
+        """Replace the slot's sandbox with `box`, one that runs already (its standby, unfrozen)."""
+        await self.drop(slot)
+        slot.sandbox_id, slot.failure = box, None
+        await self.locate(slot)
+
     async def drop(self, slot: Slot) -> None:
         """Remove the slot's sandbox, if any (a failed one may be gone already). Its address is
         forgotten first: once the container goes, Docker may give the address to another sandbox, whose

@@ -15,6 +15,8 @@ each:
 - `adoption`: at start-up, takes back the sandboxes a gateway on the same store left running (killed
   or shut down), restores those that died meanwhile, removes leaked ones (`adopt`);
 - `bubbles`: the checkpoint decisions in inference bubbles;
+- `standby`: with ``sandbox.standby``, the newest checkpoint restored ahead of time and frozen, which a
+  recovery unfreezes instead of restoring from storage;
 - `verify`: the verify stage, in a new sandbox from a copy of the agent's working directory;
 - `views`: what the API and the dashboard show of a sandbox;
 - `io`: the executors.
@@ -56,6 +58,7 @@ from sandbox.sessions.lifecycle import Lifecycle
 from sandbox.sessions.policy import AdaptivePolicy
 from sandbox.sessions.records import CheckpointInfo, EventLog
 from sandbox.sessions.recovery import Recovery
+from sandbox.sessions.standby import Standbys
 from sandbox.sessions.state import RecoveryMode, Slot, Slots
 from sandbox.sessions.verify import VerifyOutcome, VerifyPlan, VerifyStage
 from sandbox.sessions.views import brief, describe
@@ -92,9 +95,15 @@ class SandboxManager:
         # at start-up, `adopt` finds this store's sandboxes by these, and of them this gateway's own
         owner = {STORE_LABEL: store.store_id(), **({GATEWAY_LABEL: gateway_id} if gateway_id else {})}
         self._lifecycle = Lifecycle(self.io, owner, self._take_address)
-        self._checkpointer = Checkpointer(self.io, events, self.policy, self.settings.keep_checkpoints)
-        self._recovery = Recovery(self.io, self._lifecycle, self._checkpointer, events, self.settings)
+        # standbys are made and removed among the checkpoints' background work: `idle` and `close` wait
         self._checkpoint_tasks = TaskOwner("sandbox-checkpoints")
+        self._standbys = Standbys(
+            self.io, self._slots, events, self.policy, self._checkpoint_tasks, enabled=self.settings.standby
+        )
+        self._checkpointer = Checkpointer(
+            self.io, events, self.policy, self.settings.keep_checkpoints, self._standbys
+        )
+        self._recovery = Recovery(self.io, self._lifecycle, self._checkpointer, events, self.settings)
         self._bubbles = BubbleObserver(
             self._slots, self.policy, self._checkpointer, events, self._checkpoint_tasks,
             engine_load or (lambda: 1.0),
@@ -172,6 +181,7 @@ class SandboxManager:
         async with slot.lock:
             self._slots.remove(slot)
             box = slot.sandbox_id
+            await self._standbys.close(slot)
             await self._lifecycle.drop(slot)
             await self._checkpointer.delete_all(session_id, slot.history.release())
         self._events.add(session_id, None, ev.SandboxDestroyed(box))
@@ -240,13 +250,16 @@ class SandboxManager:
         return [brief(slot, node_of(slot.sandbox_id) if slot.sandbox_id else None) for slot in self._slots]
 
     def stats(self) -> dict[str, int]:
-        """Counters for metrics: sandboxes, checkpoints taken, restores, and leaked checkpoint deletions."""
+        """Counters for metrics: sandboxes, checkpoints taken, restores, standbys made and used, and leaked
+        checkpoint deletions."""
         return {
             "sandboxes": len(self._slots),
             "checkpoints_taken": self._checkpointer.taken,
             "checkpoint_delete_failures": self._checkpointer.delete_failures,
             "restores": self._recovery.restores,
             "replays": self._recovery.replays,
+            "standbys_made": self._standbys.made,
+            "standbys_used": self._standbys.used,
             "background_failures": self._checkpoint_tasks.failures + self._watch_task.failures,
         }
 
@@ -310,8 +323,12 @@ class SandboxManager:
         return list(self._slots.require(session_id).history.items)
 
     def release_checkpoints(self, session_id: str) -> list[CheckpointInfo]:
-        """Hand the session's checkpoints to the caller: the manager forgets them and will not delete them."""
-        return self._slots.require(session_id).history.release()
+        """Hand the session's checkpoints to the caller: the manager forgets them and will not delete them
+        (a standby of one is removed, in the background)."""
+        slot = self._slots.require(session_id)
+        released = slot.history.release()
+        self._standbys.prune(slot)
+        return released
 
     # ------------------------------------------------------------------ the verify stage
     async def verify(self, session_id: str, plan: VerifyPlan) -> VerifyOutcome:
@@ -331,6 +348,7 @@ class SandboxManager:
                 agent_tar = await self._verify.copy_out(session_id, box, spec.workdir)
             if not plan.keep_agent_sandbox:
                 self._slots.remove(slot)
+                await self._standbys.close(slot)
                 await self._lifecycle.drop(slot)
                 await self._checkpointer.delete_all(session_id, slot.history.release())
         if not plan.keep_agent_sandbox:
@@ -350,7 +368,8 @@ class SandboxManager:
         self._bubbles.turn_finished(turn)
 
     async def idle(self) -> None:
-        """Wait until no background checkpoint is running (tests, benchmarks, shutdown)."""
+        """Wait until no background checkpoint (or standby's making or removal) is running (tests,
+        benchmarks, shutdown)."""
         await self._checkpoint_tasks.join()
 
     # ------------------------------------------------------------------ helpers

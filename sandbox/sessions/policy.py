@@ -8,7 +8,8 @@ costs the episode nothing, as long as it ends before the reply does. `AdaptivePo
 - the checkpoint: a fixed part plus the bytes to dump (the last dump's size plus what was written since)
   at the recently observed dump throughput.
 
-It checkpoints when `bubble >= margin * cost`, and defers otherwise. A sandbox is never left more than
+It checkpoints when `bubble >= margin * cost`, and defers otherwise. A standby sandbox (`standby`) is
+made in what is left of a bubble on the same terms, its cost predicted from the standbys made before. A sandbox is never left more than
 `max_deferred_turns` turns behind: then it checkpoints anyway (`forced`). Every input is an exponential
 moving average, so a policy adapts to the machine and the engine it runs on.
 
@@ -66,6 +67,7 @@ class AdaptivePolicy:
         self._output_tokens = _Ema(a, settings.prior_output_tokens)
         self._fixed_cost = _Ema(a, settings.prior_fixed_cost_s)
         self._dump_bps = _Ema(a, settings.prior_dump_bps)
+        self._standby_cost: _Ema | None = None
 
     # ------------------------------------------------------------------ predictions
     def predict_bubble(self, prompt_tokens: int, engine_load: float) -> float:
@@ -77,6 +79,15 @@ class AdaptivePolicy:
         """Seconds a checkpoint of `dump_bytes` takes; a session's own recent cost weighs in when known."""
         modelled = self._fixed_cost.value + dump_bytes / self._dump_bps.value
         return modelled if session_cost_s is None else max(modelled, session_cost_s)
+
+    def predict_standby(self, dump_bytes: float) -> float:
+        """Seconds a standby of a `dump_bytes` checkpoint takes to make (a restore, then a freeze): what
+        the recent ones took, or, before any, what the checkpoint itself is predicted to cost."""
+        return self._standby_cost.value if self._standby_cost is not None else self.predict_cost(dump_bytes)
+
+    def standby_fits(self, bubble_left_s: float, dump_bytes: float) -> bool:
+        """Whether a standby is predicted to be made within what is left of the bubble (by `margin`)."""
+        return bubble_left_s >= self.settings.margin * self.predict_standby(dump_bytes)
 
     def decide(
         self,
@@ -116,6 +127,13 @@ class AdaptivePolicy:
             self._decode_tps.add(output_tokens / (seconds - ttft_s))
         else:
             self._decode_tps.add(output_tokens / seconds)
+
+    def observe_standby(self, seconds: float) -> None:
+        """A standby made (`sandbox.sessions.standby`): how long it took."""
+        if self._standby_cost is None:
+            self._standby_cost = _Ema(self.settings.alpha, seconds)
+        else:
+            self._standby_cost.add(seconds)
 
     def observe_checkpoint(self, *, seconds: float, dump_bytes: float) -> None:
         """A finished checkpoint: split its time into the fixed part and the per-byte part."""

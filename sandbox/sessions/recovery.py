@@ -7,7 +7,8 @@ What happens next depends on the sandbox's `recovery` mode:
 
 - ``"replay"`` (the default for a harness outside): the manager journals every tool call (exec, file
   write) since the newest checkpoint (`journal`). It restores that checkpoint (or, with none, starts
-  again from the image), replays the journal, then runs the failed call again and returns its result:
+  again from the image; with ``sandbox.standby``, it unfreezes the checkpoint's standby, `standby`,
+  where there is one), replays the journal, then runs the failed call again and returns its result:
   the harness never notices, and no turn is discarded. A replayed call whose exit code or output
   differs from the original is counted as diverged. A call that breaks the sandbox again is refused
   (`SandboxCallFailed`) after a restore without replay.
@@ -87,6 +88,7 @@ class Recovery:
         self.io = io
         self.lifecycle = lifecycle
         self.checkpointer = checkpointer
+        self.standbys = checkpointer.standbys
         self.events = events
         self.settings = settings
         self.restores = 0
@@ -212,6 +214,7 @@ class Recovery:
         if not slot.history.items:
             raise NoCheckpoint(f"session {slot.session_id} has no checkpoint to restore")
         chosen, newer = slot.history.rollback_to(checkpoint_id)
+        self.standbys.prune(slot)  # one of a newer checkpoint goes with it
         await self.checkpointer.delete_all(slot.session_id, newer)
         if chosen is None:
             raise NoCheckpoint(f"session {slot.session_id} has no checkpoint {checkpoint_id!r}")
@@ -219,7 +222,7 @@ class Recovery:
         slot.restores.unreported = None
         slot.journal.clear()
         with slot.restores.running():
-            box = await self._replace(slot, chosen, reason)
+            box, standby = await self._replace(slot, chosen, reason)
         discarded = await self.events.discard_turns_after(
             slot.session_id, chosen.keep_through, f"sandbox restore: {reason}"
         )
@@ -227,7 +230,7 @@ class Recovery:
         slot.history.turns_since = 0
         info = ev.SandboxRestored(
             chosen.checkpoint.id, chosen.turn_index, chosen.keep_through, discarded, box,
-            round(time.monotonic() - started, 4), reason,
+            round(time.monotonic() - started, 4), reason, standby=_standby(standby),
         )  # fmt: skip
         self._restored(slot, info)
         self.restores += 1
@@ -239,21 +242,28 @@ class Recovery:
         chosen = slot.history.newest()
         started = time.monotonic()
         with slot.restores.running():
-            box = await self._replace(slot, chosen, reason)
+            box, standby = await self._replace(slot, chosen, reason)
             diverged = await self._replay_journal(slot, box)
         info = ev.SandboxRestored(
             chosen.checkpoint.id if chosen else "", chosen.turn_index if chosen else -1, slot.turns.last,
             [], box, round(time.monotonic() - started, 4), reason, "replay", len(slot.journal), diverged,
+            _standby(standby),
         )  # fmt: skip
         self._restored(slot, info)
         self.replays += 1
         return info
 
-    async def _replace(self, slot: Slot, chosen: CheckpointInfo | None, reason: str) -> str:
-        """`Lifecycle.replace`; a restore that fails (a checkpoint the store cannot give back, say) is
-        written to the trajectory with its reason (``sandbox_restore_failed``) before it is raised."""
+    async def _replace(self, slot: Slot, chosen: CheckpointInfo | None, reason: str) -> tuple[str, bool]:
+        """The slot's standby of `chosen`, unfrozen, when it has one (`standby`), else `Lifecycle.replace`;
+        the new sandbox and whether it was the standby. A restore that fails (a checkpoint the store
+        cannot give back, say) is written to the trajectory with its reason (``sandbox_restore_failed``)
+        before it is raised."""
+        standby = await self.standbys.take(slot, chosen)
+        if standby is not None:
+            await self.lifecycle.swap_in(slot, standby)
+            return standby, True
         try:
-            return await self.lifecycle.replace(slot, chosen)
+            return await self.lifecycle.replace(slot, chosen), False
         except SandboxError as exc:
             checkpoint = chosen.checkpoint.id if chosen else None
             failed = ev.SandboxRestoreFailed(checkpoint, reason, f"{type(exc).__name__}: {exc}")
@@ -324,3 +334,8 @@ class Recovery:
         again: bool | ev.Absent = True if after_replay else ev.ABSENT
         failed = ev.SandboxFailure(failure.kind, failure.detail, slot.sandbox_id, after_replay=again)
         self.events.add(slot.session_id, None, failed)
+
+
+def _standby(used: bool) -> bool | ev.Absent:
+    """A restore's ``standby`` field: present (true) only where its standby was used."""
+    return True if used else ev.ABSENT

@@ -2,7 +2,8 @@
 
 A slot's parts each belong to one concern: `Journal` to recovery by replay, `CheckpointHistory` to the
 checkpoints and the policy's inputs, `Turns` to the bubble observer, `Restores` to recovery and
-`settled()`. Every change to a slot's sandbox happens under `Slot.lock`: one operation at a time.
+`settled()`, `StandbyState` to the standby sandbox (`standby`). Every change to a slot's sandbox happens
+under `Slot.lock`: one operation at a time (a standby is made beside it, never in it).
 """
 
 from __future__ import annotations
@@ -123,6 +124,25 @@ class Restores:
         self.count += 1
 
 
+@dataclass(frozen=True, slots=True)
+class Standby:
+    """A frozen sandbox holding one of the session's checkpoints (`sandbox.sessions.standby`)."""
+
+    checkpoint_id: str
+    sandbox_id: str
+
+
+@dataclass(slots=True)
+class StandbyState:
+    """The session's standby: the one ready, and the one being made."""
+
+    ready: Standby | None = None
+    making: str | None = None
+    """The checkpoint a standby is being made of."""
+    attempt: int = 0
+    """Bumped when a standby being made is no longer wanted: it is removed once made."""
+
+
 @dataclass(slots=True)
 class Slot:
     """One session's sandbox and its recovery state."""
@@ -144,6 +164,7 @@ class Slot:
     history: CheckpointHistory = field(default_factory=CheckpointHistory)
     turns: Turns = field(default_factory=Turns)
     restores: Restores = field(default_factory=Restores)
+    standby: StandbyState = field(default_factory=StandbyState)
 
     def live(self) -> str:
         """The sandbox's id; raises `SandboxFailed` when it failed and was not restored."""

@@ -19,7 +19,8 @@ from gateway.api.sandbox import open_sandboxes
 from sandbox.backend import SandboxSpec
 from sandbox.fake import FakeSandboxBackend
 from sandbox.sessions.manager import SandboxManager
-from store import SessionRecord, SqliteStore
+from sandbox.config import PolicySettings
+from store import SessionRecord, SqliteStore, TurnRecord
 from tests.sandbox.sessions.conftest import SPEC, settings
 
 
@@ -259,3 +260,23 @@ async def test_replicas_on_one_store_adopt_only_their_own_sandboxes(gws: Gateway
     assert (report.adopted, report.removed, report.others) == (["on-b"], [boxes["b-closed"]], ["on-a"])
     assert (await b_again.exec("on-b", "cat f")).stdout == "on-b\n"
     assert again.sandbox_id("on-a") == boxes["on-a"]  # A's, untouched by B's start-up
+
+
+async def test_a_standby_left_behind_is_removed_and_the_sandbox_adopted(gws: Gateways) -> None:
+    """A gateway killed with a standby (`sandbox.sessions.standby`) leaves it frozen: no slot holds it, so
+    the next start-up removes it as leaked; the session's own sandbox is adopted."""
+    gws.manager = gws.start(policy=PolicySettings(mode="always"), standby=True)
+    sid = await gws.session("s1")
+    box = gws.manager.sandbox_id(sid)
+    turn = TurnRecord(sid, [1, 2, 3], [], None, None, {}, time.time())
+    gws.store.begin_turn(turn)
+    gws.manager.turn_started(turn)  # its bubble: a checkpoint, then the standby of it
+    await gws.manager.idle()
+    [standby] = [b for b in gws.backend.sandboxes if b != box]
+    assert gws.backend.frozen(standby)
+
+    manager = await gws.crash_and_restart()
+
+    assert manager.adoption is not None
+    assert (manager.adoption.adopted, manager.adoption.removed) == ([sid], [standby])
+    assert gws.backend.sandboxes == [box] and manager.sandbox_id(sid) == box

@@ -56,7 +56,7 @@ async def test_destroy_deletes_every_checkpoint_and_counts_the_failures(make_env
     assert env.backend.checkpoint_ids == [c1.checkpoint.id]
     assert env.manager.stats() == {
         "sandboxes": 0, "checkpoints_taken": 2, "checkpoint_delete_failures": 1, "restores": 0,
-        "replays": 0, "background_failures": 0,
+        "replays": 0, "standbys_made": 0, "standbys_used": 0, "background_failures": 0,
     }  # fmt: skip
     assert env.kinds()[-1] == "sandbox_destroyed"
 

@@ -29,7 +29,7 @@ export const LABELS = {
   export: "Export", sample: "Sample", weights_updated: "Weights updated", weights_update_failed: "Weights failed",
   session_created: "Session", session_updated: "Session", session_deleted: "Session deleted",
   session_closed: "Closed", session_forked: "Forked", turns_interrupted: "Interrupted", feed_advanced: "Feed",
-  sandbox_forked: "Sandbox fork", sandbox_adopted: "Adopted", sandbox_failed: "Sandbox failed",
+  sandbox_forked: "Sandbox fork", sandbox_adopted: "Adopted", sandbox_failed: "Sandbox failed", sandbox_standby: "Standby",
   sandbox_checkpoint_refused: "Checkpoint refused", sandbox_call: "Tool call", agent_processes_left: "Processes left",
   outside_workspace_modified: "Outside workspace", workspace_too_large: "Workspace too large",
   protected_path_modified: "Protected path",
@@ -70,6 +70,7 @@ const DESCRIBE = {
     parts: [
       d.checkpoint_id ? `from turn ${d.turn_index}` : "from scratch",
       `took ${seconds(d.seconds)}`,
+      d.standby && "from its standby",
       d.mode === "replay" && `${num(d.replayed ?? d.replayed_calls ?? 0)} calls replayed`,
       d.diverged ? `${num(d.diverged)} diverged` : null,
       d.discarded_turns?.length ? `discarded ${d.discarded_turns.join(", ")}` : null,
@@ -92,6 +93,11 @@ const DESCRIBE = {
     note: `for ${d.why ?? "load"}`,
   }),
   sandbox_checkpoint_failed: (d) => ({ title: "checkpoint failed", parts: [], note: d.error }),
+  sandbox_standby: (d) => ({
+    title: `standby ${d.action}`,
+    parts: [`checkpoint ${d.checkpoint_id}`, d.action !== "discarded" && `took ${seconds(d.seconds)}`],
+    note: d.reason,
+  }),
   sandbox_checkpoint_skipped: (d) => ({ title: "checkpoint skipped", parts: [d.reason] }),
   recomputed_logprobs: (d) => ({
     title: "logprobs recomputed",
