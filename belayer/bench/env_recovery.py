@@ -6,9 +6,11 @@ engine whose replies take ``--llm-latency`` s, so each LLM call is a real bubble
 generate data, and talk to a background HTTP server whose hit counter lives only in its memory.
 
 1. The episode runs with automatic checkpoints off: ``episode_no_ckpt_s``.
-2. It runs again with the adaptive policy: ``episode_adaptive_s``; ``failure_free_overhead_pct`` is the
-   difference, and ``checkpoints_in_bubbles_pct`` the share of its checkpoints that ended in their
-   bubble.
+2. It runs again with the adaptive policy and standby sandboxes on (``sandbox.standby``: after a
+   checkpoint, in what is left of a bubble, the checkpoint restored into a paused container):
+   ``episode_adaptive_s``; ``failure_free_overhead_pct`` is the difference (so it includes making the
+   standbys, ``standbys_made`` of them), and ``checkpoints_in_bubbles_pct`` the share of its checkpoints
+   that ended in their bubble.
 3. A failure is injected late, after tool call F = tool_calls - 3: the state after tool calls 0..F-1 is
    rebuilt two ways, each checked against the episode's own outputs (the server's counter included):
    ``replay_recovery_s`` starts a new sandbox from the image and replays every tool call;
@@ -17,6 +19,12 @@ generate data, and talk to a background HTTP server whose hit counter lives only
    policy had deferred), so that the "replay the rest" part is measured too.
    ``checkpoint_recovery_<phase>_s`` split ``checkpoint_recovery_s`` (`PHASES`): the new container, the
    dump staged into it, the engine's start around CRIU, CRIU's restore, and the calls replayed after it.
+   ``standby_recovery_s`` does it the standby's way: the newest checkpoint at F restored ahead of time
+   and paused as the session makes its standby (``standby_make_s``, not on the recovery path), then, at
+   the failure, unpaused (``standby_recovery_unfreeze_s``) and the calls since replayed
+   (``standby_recovery_replayed_calls_s``); ``standby_env_recovery_speedup`` is replay over it.
+   After each timed recovery (not timed), the server is asked once more: its count must be the
+   episode's next one, so its memory came back even when no call was left to replay.
 
 Figures go to stdout as ``name: value`` lines (with ``target_*: pass|fail``), progress to stderr.
 Needs a Docker engine with CRIU and the images (``belayer sandbox build-image``).
@@ -57,6 +65,9 @@ PHASES = ["container_create", "dump_stage", "engine_start", "criu_restore", "res
 """Where a checkpoint recovery's time goes: the Docker backend's restore phases
 (`sandbox.docker_backend.checkpoints`; ``criu_restore`` is NaN, and inside ``engine_start``, where CRIU's
 restore log is not found), what else the restore call took, and the tool calls replayed after it."""
+
+STANDBY_PHASES = ["unfreeze", "replayed_calls"]
+"""Where a standby recovery's time goes: unpausing the standby, and the tool calls replayed after it."""
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 THINKING = "Let me look at the state of the workspace and decide on the next step. " * 6
@@ -148,12 +159,14 @@ def script_for(gw: Gateway, commands: list[str]) -> Any:
 async def run_episode(
     opts: argparse.Namespace, backend: DockerSandboxBackend, mode: Mode, commands: list[str], workdir: Path
 ) -> tuple[float, list[str], list[CheckpointInfo], list[dict[str, Any]]]:
+    """One episode through a gateway; checkpoints `mode`, with standby sandboxes when they are taken."""
     engine = FakeEngine(max_model_len=65536)
     config = GatewayConfig(
         model=opts.model,
         store_path=str(workdir / f"traj-{mode}.db"),
         sandbox=SandboxConfig(
-            enabled=True, policy=PolicySettings(mode=mode), keep_checkpoints=len(commands) + 2
+            enabled=True, policy=PolicySettings(mode=mode), keep_checkpoints=len(commands) + 2,
+            standby=mode != "never" and opts.standby,
         ),
     )
     http = httpx.AsyncClient(transport=httpx.ASGITransport(LatentEngine(engine.app(), opts.llm_latency)))
@@ -206,6 +219,26 @@ def measure_replay(
         backend.destroy(box)
 
 
+def check_counter(
+    backend: DockerSandboxBackend, box: str, commands: list[str], outputs: list[str], fail_at: int
+) -> None:
+    """The server's in-memory count in a recovered sandbox is the episode's after `fail_at` calls: its
+    next answer is one more than the last it gave (1 for the start-up's own query)."""
+    answers = [int(outputs[i]) for i in range(fail_at) if commands[i] == QUERY]
+    last = answers[-1] if answers else 1
+    got = backend.exec(box, QUERY, timeout_s=60).stdout
+    if got != f"{last + 1}\n":
+        raise BenchError(f"the recovered server counts {got!r}, not {last + 1}: its memory did not come back")
+
+
+def newest_before(ckpts: list[CheckpointInfo], fail_at: int, lag: int = 0) -> CheckpointInfo:
+    """The newest checkpoint at least `lag` tool calls older than the failure (0: the newest that existed)."""
+    usable = [c for c in ckpts if c.keep_through <= fail_at - lag]
+    if not usable:
+        raise BenchError(f"no checkpoint of the first {fail_at - lag} tool calls (of {len(ckpts)} taken)")
+    return max(usable, key=lambda c: c.keep_through)
+
+
 def measure_checkpoint(
     backend: DockerSandboxBackend,
     commands: list[str],
@@ -217,10 +250,7 @@ def measure_checkpoint(
     """Recovery from the newest checkpoint at least `lag` tool calls older than the failure (0: the
     newest that existed): restore it, replay the calls after it. Returns (seconds, its turn, where the
     seconds went: the restore's phases, then ``replayed_calls``)."""
-    usable = [c for c in ckpts if c.keep_through <= fail_at - lag]
-    if not usable:
-        raise BenchError(f"no checkpoint of the first {fail_at - lag} tool calls (of {len(ckpts)} taken)")
-    chosen = max(usable, key=lambda c: c.keep_through)
+    chosen = newest_before(ckpts, fail_at, lag)
     k = chosen.keep_through
     started = time.monotonic()
     restored = backend.restore(chosen.checkpoint)
@@ -228,12 +258,37 @@ def measure_checkpoint(
     try:
         replay(backend, restored.id, commands[k:fail_at], outputs[k:fail_at])
         done = time.monotonic()
+        check_counter(backend, restored.id, commands, outputs, fail_at)
     finally:
         backend.destroy(restored.id)
     phases = dict(restored.restore_phases)
     phases["restore_other"] = max(0.0, restored_at - started - sum(phases.values()))
     phases["replayed_calls"] = done - restored_at
     return done - started, k, phases
+
+
+def measure_standby(
+    backend: DockerSandboxBackend, commands: list[str], outputs: list[str], ckpts: list[CheckpointInfo], fail_at: int
+) -> tuple[float, float, dict[str, float]]:
+    """Recovery from the newest checkpoint's standby: made beforehand as the session makes it
+    (`restore_standby`: restored, then paused), then at the failure unpaused and the calls since
+    replayed. Returns (the making's seconds, the recovery's, where the recovery's went: ``unfreeze``,
+    ``replayed_calls``)."""
+    chosen = newest_before(ckpts, fail_at)
+    k = chosen.keep_through
+    started = time.monotonic()
+    standby = backend.restore_standby(chosen.checkpoint)
+    make_s = time.monotonic() - started
+    try:
+        started = time.monotonic()
+        backend.activate(standby.id)
+        unfrozen = time.monotonic()
+        replay(backend, standby.id, commands[k:fail_at], outputs[k:fail_at])
+        done = time.monotonic()
+        check_counter(backend, standby.id, commands, outputs, fail_at)
+    finally:
+        backend.destroy(standby.id)
+    return make_s, done - started, {"unfreeze": unfrozen - started, "replayed_calls": done - unfrozen}
 
 
 async def run(opts: argparse.Namespace) -> bool:
@@ -264,13 +319,16 @@ async def run(opts: argparse.Namespace) -> bool:
         ckpt_s, k, phases = measure_checkpoint(backend, commands, outputs1, ckpts, fail_at)
         # as if the policy had deferred: an older checkpoint, and the calls since it replayed
         stale_s, stale_k, _ = measure_checkpoint(backend, commands, outputs1, ckpts, fail_at, opts.stale_lag)
+        make_s, standby_s, standby_phases = measure_standby(backend, commands, outputs1, ckpts, fail_at)
         for c in ckpts:
             backend.delete_checkpoint(c.checkpoint)
     decisions = [e for e in events if e["kind"] == "sandbox_checkpoint_decision"]
     taken = [e for e in events if e["kind"] == "sandbox_checkpoint"]
     in_bubble = sum(1 for e in taken if e["in_bubble"])
+    standbys = [e for e in events if e["kind"] == "sandbox_standby" and e["action"] == "made"]
     overhead = (t1 - t0) / t0 * 100
     speedup = replay_s / ckpt_s
+    standby_speedup = replay_s / standby_s
     emit("tool_calls", len(commands))
     emit("failure_after_tool_call", fail_at - 1)
     emit("restored_checkpoint_turn", k)
@@ -283,6 +341,11 @@ async def run(opts: argparse.Namespace) -> bool:
     emit("stale_checkpoint_replayed_calls", fail_at - stale_k)
     emit("stale_checkpoint_recovery_s", stale_s)
     emit("stale_env_recovery_speedup", replay_s / stale_s)
+    emit("standby_make_s", make_s)
+    emit("standby_recovery_s", standby_s)
+    for phase in STANDBY_PHASES:  # where standby_recovery_s went
+        emit(f"standby_recovery_{phase}_s", standby_phases[phase])
+    emit("standby_env_recovery_speedup", standby_speedup)
     emit("episode_no_ckpt_s", t0)
     emit("episode_adaptive_s", t1)
     emit("failure_free_overhead_pct", overhead)
@@ -290,7 +353,9 @@ async def run(opts: argparse.Namespace) -> bool:
     emit("checkpoints_deferred", sum(1 for d in decisions if d["action"] == "defer"))
     emit("checkpoint_mean_s", sum(e["seconds"] for e in taken) / max(1, len(taken)))
     emit("checkpoints_in_bubbles_pct", 100.0 * in_bubble / max(1, len(taken)))
+    emit("standbys_made", len(standbys))
     emit("target_env_recovery_speedup", "pass" if speedup >= 10 else "fail")
+    emit("target_standby_env_recovery_speedup", "pass" if standby_speedup >= 10 else "fail")
     emit("target_failure_free_overhead", "pass" if overhead <= 2.0 else "fail")
     emit("target_checkpoints_in_bubbles", "pass" if in_bubble >= 0.9 * len(taken) else "fail")
     return True
@@ -306,6 +371,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--work", type=int, default=1_500_000, help="sha256 rounds of each build step")
     p.add_argument("--data-mib", type=int, default=24, help="MiB of data the episode generates and analyses")
     p.add_argument("--rounds", type=int, default=1, help="episodes per mode (the fastest counts)")
+    p.add_argument(
+        "--no-standby", dest="standby", action="store_false",
+        help="the adaptive episode without standby sandboxes (an A/B of their failure-free cost; the "
+        "standby recovery is still measured)",
+    )  # fmt: skip
     p.add_argument(
         "--stale-lag", type=int, default=5, help="tool calls between the failure and the older checkpoint"
     )

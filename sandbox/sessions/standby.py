@@ -96,12 +96,17 @@ class Standbys:
 
     def wanted(self, slot: Slot) -> CheckpointInfo | None:
         """The checkpoint a standby should be made of now (the newest), or None: standbys are off, the
-        sandbox is on a network or failed, or its newest checkpoint has one already (or one on the way)."""
+        sandbox is on a network or failed, or its newest checkpoint has one already (or one on the way,
+        or one that could not be made)."""
         newest = slot.history.newest()
         if not self.enabled or slot.spec.network != "none" or slot.sandbox_id is None or newest is None:
             return None
-        state = slot.standby
-        if state.making is not None or (state.ready and state.ready.checkpoint_id == newest.checkpoint.id):
+        state, held = slot.standby, newest.checkpoint.id
+        if (
+            state.making is not None
+            or state.failed == held
+            or (state.ready and state.ready.checkpoint_id == held)
+        ):
             return None
         return newest
 
@@ -126,9 +131,13 @@ class Standbys:
             box = await self._restore(ckpt)
         except SandboxError as exc:
             if slot.standby.attempt == attempt:
-                slot.standby.making = None
-            log.warning("session %s: standby of checkpoint %s failed: %s", session_tag(slot.session_id), ckpt.id, exc)
-            failed = ev.SandboxStandby("failed", ckpt.id, None, _s(started), reason=f"{type(exc).__name__}: {exc}")
+                slot.standby.making, slot.standby.failed = None, ckpt.id
+            log.warning(
+                "session %s: standby of checkpoint %s failed: %s", session_tag(slot.session_id), ckpt.id, exc
+            )
+            failed = ev.SandboxStandby(
+                "failed", ckpt.id, None, _s(started), reason=f"{type(exc).__name__}: {exc}"
+            )
             self.events.add(slot.session_id, None, failed)
             return
         seconds = time.monotonic() - started
@@ -138,7 +147,9 @@ class Standbys:
             return
         old, slot.standby.making, slot.standby.ready = slot.standby.ready, None, Standby(ckpt.id, box.id)
         if old is not None:
-            self.tasks.spawn(self._remove(slot.session_id, old, f"superseded by checkpoint {ckpt.id}"), "standby")
+            self.tasks.spawn(
+                self._remove(slot.session_id, old, f"superseded by checkpoint {ckpt.id}"), "standby"
+            )
         self.made += 1
         self.policy.observe_standby(seconds)
         self.events.add(slot.session_id, None, ev.SandboxStandby("made", ckpt.id, box.id, round(seconds, 4)))
@@ -204,7 +215,12 @@ class Standbys:
         except SandboxNotFound:
             pass
         except SandboxError as exc:  # a leak until the next start-up's sweep (`adoption`)
-            log.warning("session %s: could not remove standby %s: %s", session_tag(session_id), standby.sandbox_id, exc)
+            log.warning(
+                "session %s: could not remove standby %s: %s",
+                session_tag(session_id),
+                standby.sandbox_id,
+                exc,
+            )
         gone = ev.SandboxStandby("discarded", standby.checkpoint_id, standby.sandbox_id, 0.0, reason=reason)
         self.events.add(session_id, None, gone)
 

@@ -141,6 +141,8 @@ class StandbyState:
     """The checkpoint a standby is being made of."""
     attempt: int = 0
     """Bumped when a standby being made is no longer wanted: it is removed once made."""
+    failed: str | None = None
+    """The checkpoint whose standby could not be made: not tried again (the next checkpoint's is)."""
 
 
 @dataclass(slots=True)

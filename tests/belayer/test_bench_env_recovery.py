@@ -1,6 +1,6 @@
 """``belayer bench env-recovery``, scaled down (20 tool calls, short LLM calls, a small build and 1 MiB of
 data) on a real Docker engine with CRIU (marker ``docker``): it completes and prints each of its
-figures. The bench drives a gateway in its own process through ASGI: it must use a Host the gateway
+figures, the standby recovery's among them. The bench drives a gateway in its own process through ASGI: it must use a Host the gateway
 answers (it used ``gw``, which the default allowed hosts refuse with a 400, and crashed with a KeyError on
 the session's missing id). No timing is asserted: the figures are the bench's."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer.bench.env_recovery import PHASES
+from belayer.bench.env_recovery import PHASES, STANDBY_PHASES
 
 pytestmark = pytest.mark.docker
 
@@ -23,8 +23,11 @@ FIGURES = ["tool_calls", "failure_after_tool_call", "restored_checkpoint_turn", 
            "episode_no_ckpt_s", "episode_adaptive_s", "failure_free_overhead_pct", "checkpoints_taken",
            "checkpoints_deferred", "checkpoint_mean_s", "checkpoints_in_bubbles_pct",
            "target_env_recovery_speedup", "target_failure_free_overhead", "target_checkpoints_in_bubbles",
-           *(f"checkpoint_recovery_{phase}_s" for phase in PHASES)]  # fmt: skip
-TARGETS = {"target_env_recovery_speedup", "target_failure_free_overhead", "target_checkpoints_in_bubbles"}
+           *(f"checkpoint_recovery_{phase}_s" for phase in PHASES), "standby_make_s", "standby_recovery_s",
+           *(f"standby_recovery_{phase}_s" for phase in STANDBY_PHASES), "standby_env_recovery_speedup",
+           "standbys_made", "target_standby_env_recovery_speedup"]  # fmt: skip
+TARGETS = {"target_env_recovery_speedup", "target_failure_free_overhead", "target_checkpoints_in_bubbles",
+           "target_standby_env_recovery_speedup"}  # fmt: skip
 
 
 def test_bench_env_recovery_restores_a_checkpoint_and_replays(
@@ -42,6 +45,8 @@ def test_bench_env_recovery_restores_a_checkpoint_and_replays(
     # checkpoint_recovery_s is the sum of its phases (each printed to the millisecond)
     phases = sum(float(figures[f"checkpoint_recovery_{phase}_s"]) for phase in PHASES)
     assert math.isclose(phases, float(figures["checkpoint_recovery_s"]), abs_tol=0.01), figures
+    standby = sum(float(figures[f"standby_recovery_{phase}_s"]) for phase in STANDBY_PHASES)
+    assert math.isclose(standby, float(figures["standby_recovery_s"]), abs_tol=0.01), figures
     assert (figures["tool_calls"], figures["failure_after_tool_call"]) == ("20", "16")
     # the failure comes after tool call 16: a checkpoint of the first k <= 17 calls, then 17 - k replayed
     assert int(figures["checkpoints_taken"]) >= 1

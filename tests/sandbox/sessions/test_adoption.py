@@ -17,9 +17,9 @@ import pytest
 from engine_pool.pool import EnginePool
 from gateway.api.sandbox import open_sandboxes
 from sandbox.backend import SandboxSpec
+from sandbox.config import PolicySettings
 from sandbox.fake import FakeSandboxBackend
 from sandbox.sessions.manager import SandboxManager
-from sandbox.config import PolicySettings
 from store import SessionRecord, SqliteStore, TurnRecord
 from tests.sandbox.sessions.conftest import SPEC, settings
 

@@ -6,11 +6,12 @@ never made where it cannot or should not be. (A restarted gateway removes one le
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from sandbox.config import PolicySettings
 from sandbox.fake import FakeSandboxBackend, Fault
-from tests.sandbox.sessions.conftest import SPEC, Env, EnvFactory
+from tests.sandbox.sessions.conftest import SPEC, Env, EnvFactory, eventually
 
 ALWAYS = PolicySettings(mode="always")
 
@@ -182,7 +183,9 @@ async def test_released_checkpoints_take_their_standby_with_them(make_env: EnvFa
     assert standby_events(env)[-1] == ("discarded", released.checkpoint.id, "its checkpoint was deleted")
 
 
-async def test_a_standby_that_cannot_be_unfrozen_is_removed_and_storage_restores(make_env: EnvFactory) -> None:
+async def test_a_standby_that_cannot_be_unfrozen_is_removed_and_storage_restores(
+    make_env: EnvFactory,
+) -> None:
     env = await standby_env(make_env)
     sid = await env.session()
     await env.manager.exec(sid, "echo 1 > a")
@@ -202,20 +205,26 @@ async def test_a_standby_that_cannot_be_unfrozen_is_removed_and_storage_restores
     assert env.manager.describe(sid)["last_restore"]["standby"] is False
 
 
-async def test_a_standby_that_fails_to_be_made_is_recorded_and_leaves_nothing(make_env: EnvFactory) -> None:
-    env = await standby_env(make_env)
+async def test_a_bubble_without_a_checkpoint_makes_the_standby_of_the_newest(make_env: EnvFactory) -> None:
+    """Automatic checkpoints off: an explicit checkpoint's standby is made in the next bubble. One that
+    fails is recorded, leaves nothing, and is not tried again for that checkpoint."""
+    env = await standby_env(make_env, policy=PolicySettings(mode="never"))
     sid = await env.session()
+    first = await env.manager.checkpoint(sid)
     env.backend.inject(Fault("restore_standby"))
 
     await bubble(env, sid)
 
-    [ckpt] = env.manager.checkpoints(sid)
     assert env.backend.sandboxes == [env.manager.sandbox_id(sid)]
     assert standby_events(env) == [
-        ("failed", ckpt.checkpoint.id, "RestoreError: restore_standby failed (injected fault)")
+        ("failed", first.checkpoint.id, "RestoreError: restore_standby failed (injected fault)")
     ]
-    await bubble(env, sid)  # the next bubble tries again, for its own checkpoint
-    assert len(env.backend.ops("restore_standby")) == 2
+    await bubble(env, sid)
+    assert env.backend.ops("restore_standby") == [first.checkpoint.id]
+    second = await env.manager.checkpoint(sid)
+    await bubble(env, sid)
+    assert env.backend.ops("restore_standby") == [first.checkpoint.id, second.checkpoint.id]
+    assert standby_events(env)[-1] == ("made", second.checkpoint.id, None)
 
 
 async def test_no_standby_where_it_is_off_cannot_be_kept_on_a_network_or_would_not_fit(
@@ -241,3 +250,21 @@ async def test_no_standby_where_it_is_off_cannot_be_kept_on_a_network_or_would_n
     await bubble(gateway, "s1")
     for env in [*envs, gateway]:
         assert env.backend.ops("restore_standby") == [] and len(env.backend.sandboxes) == 1
+
+
+async def test_the_sessions_calls_never_wait_for_a_standby_being_made(make_env: EnvFactory) -> None:
+    env = await standby_env(make_env)
+    sid = await env.session()
+    release = threading.Event()
+    env.backend.inject(Fault("restore_standby", "block", release=release))
+    turn = env.start_turn(sid)
+    await eventually(lambda: env.backend.ops("restore_standby") != [], "the standby's making")
+
+    env.finish_turn(turn)  # the bubble ends while the standby is being made: the harness acts again
+    assert (await env.manager.exec(sid, "echo go")).stdout == "go\n"
+    await env.manager.write_file(sid, "f", b"x")
+
+    release.set()
+    await env.manager.idle()
+    [ckpt] = env.manager.checkpoints(sid)
+    assert standby_events(env) == [("made", ckpt.checkpoint.id, None)]
