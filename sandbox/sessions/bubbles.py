@@ -63,7 +63,8 @@ class BubbleObserver:
         self._taking: dict[int, asyncio.Event] = {}
         """Turn id -> set once the checkpoint scheduled or queued in its bubble has ended (mode always)."""
         self._ends: dict[int, float] = {}
-        """Turn id -> when its bubble is predicted to end (monotonic): what a standby may still use."""
+        """Turn id -> when its bubble is predicted to end (monotonic; `AdaptivePolicy.standby_bubble`): what
+        a standby may still use."""
 
     def turn_started(self, turn: TurnRecord) -> None:
         slot = self.slots.get(turn.session_id)
@@ -76,7 +77,7 @@ class BubbleObserver:
         busy = slot.history.pending or (slot.lock.locked() and not always)
         action = "busy" if decision.checkpoint and busy else decision.action
         self.events.add(turn.session_id, turn.id, _decision_event(decision, action, slot))
-        self._ends[turn.id] = time.monotonic() + decision.predicted_bubble_s
+        self._ends[turn.id] = time.monotonic() + self.policy.standby_bubble(decision.predicted_bubble_s)
         if decision.checkpoint and not busy:
             self._spawn(slot, turn, decision)
         elif not decision.checkpoint and not busy:  # a bubble without a checkpoint: the standby's

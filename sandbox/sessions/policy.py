@@ -9,7 +9,8 @@ costs the episode nothing, as long as it ends before the reply does. `AdaptivePo
   at the recently observed dump throughput.
 
 It checkpoints when `bubble >= margin * cost`, and defers otherwise. A standby sandbox (`standby`) is
-made in what is left of a bubble on the same terms, its cost predicted from the standbys made before. A sandbox is never left more than
+made in what is left of a bubble on the same terms, its cost predicted from the standbys made before and
+the bubble taken as the shorter of the predicted one and the recent bubbles' mean. A sandbox is never left more than
 `max_deferred_turns` turns behind: then it checkpoints anyway (`forced`). Every input is an exponential
 moving average, so a policy adapts to the machine and the engine it runs on.
 
@@ -68,6 +69,7 @@ class AdaptivePolicy:
         self._fixed_cost = _Ema(a, settings.prior_fixed_cost_s)
         self._dump_bps = _Ema(a, settings.prior_dump_bps)
         self._standby_cost: _Ema | None = None
+        self._bubble: _Ema | None = None
 
     # ------------------------------------------------------------------ predictions
     def predict_bubble(self, prompt_tokens: int, engine_load: float) -> float:
@@ -84,6 +86,11 @@ class AdaptivePolicy:
         """Seconds a standby of a `dump_bytes` checkpoint takes to make (a restore, then a freeze): what
         the recent ones took, or, before any, what the checkpoint itself is predicted to cost."""
         return self._standby_cost.value if self._standby_cost is not None else self.predict_cost(dump_bytes)
+
+    def standby_bubble(self, predicted_s: float) -> float:
+        """The bubble a standby may count on: the shorter of the predicted one and what the recent ones
+        lasted (a standby is optional work, and one that overruns its bubble slows the next tool call)."""
+        return predicted_s if self._bubble is None else min(predicted_s, self._bubble.value)
 
     def standby_fits(self, bubble_left_s: float, dump_bytes: float) -> bool:
         """Whether a standby is predicted to be made within what is left of the bubble (by `margin`)."""
@@ -121,6 +128,10 @@ class AdaptivePolicy:
         """A finished LLM call: its prefill and decode speeds, and how long its reply was."""
         if output_tokens <= 0 or seconds <= 0:
             return
+        if self._bubble is None:
+            self._bubble = _Ema(self.settings.alpha, seconds)
+        else:
+            self._bubble.add(seconds)
         self._output_tokens.add(output_tokens)
         if ttft_s is not None and 0 < ttft_s < seconds:
             self._prefill_tps.add(max(prompt_tokens, 1) / ttft_s)

@@ -54,3 +54,16 @@ def test_learns_decode_speed_and_checkpoint_cost() -> None:
 def test_fixed_modes(mode: str, action: str) -> None:
     policy = AdaptivePolicy(PRIORS.model_copy(update={"mode": mode}))
     assert decide(policy, 0, dump=1e12, since=0) == action
+
+
+def test_a_standby_fits_what_is_left_of_the_shorter_of_the_predicted_and_the_recent_bubbles() -> None:
+    policy = AdaptivePolicy(PRIORS)
+    assert policy.predict_standby(50e6) == pytest.approx(1.0)  # before any: what the checkpoint costs
+    assert policy.standby_bubble(3.0) == 3.0  # no bubble seen yet
+    assert policy.standby_fits(1.0, 50e6) and not policy.standby_fits(0.99, 50e6)  # margin 1
+    policy.observe_standby(0.4)
+    policy.observe_standby(0.8)
+    assert policy.predict_standby(50e6) == pytest.approx(0.6)  # alpha 0.5
+    policy.observe_turn(prompt_tokens=10, output_tokens=10, seconds=2.0, ttft_s=None)
+    policy.observe_turn(prompt_tokens=10, output_tokens=10, seconds=1.0, ttft_s=None)
+    assert policy.standby_bubble(3.0) == pytest.approx(1.5) and policy.standby_bubble(1.2) == 1.2
