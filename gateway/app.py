@@ -12,6 +12,7 @@ Tests inject their own pool (for instance over ``httpx.ASGITransport(fake_engine
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -27,6 +28,7 @@ from starlette.routing import Route
 
 from core import __version__
 from core.net import free_port
+from core.tasks import started_threads
 from core.telemetry import Telemetry
 from core.worker_auth import new_worker_key
 from engine_pool.engine.transport import engine_transport
@@ -191,6 +193,8 @@ async def open_gateway(
 ) -> Gateway:
     """Open the long-lived objects in order; `stack` closes them in reverse: the turn runner first (its
     recomputations need pool and store), then the sandboxes, the pool, and the store last."""
+    # `asyncio.to_thread`'s threads, all started now: not one at a time later, on the loop (`started_threads`)
+    asyncio.get_running_loop().set_default_executor(started_threads())
     limits = engine_limits(config)
     # httpx's transport on asyncio streams: the engine leg's CPU per chunk (engine_pool.engine.transport)
     http = await stack.enter_async_context(

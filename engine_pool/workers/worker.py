@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import resource
 import signal
+import ssl
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import certifi
 import httpx
 
 from core.errors import EngineUnavailable
@@ -133,6 +136,14 @@ def launch_group(
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, proc.pid, target)
     return proc
+
+
+@functools.cache
+def tls() -> ssl.SSLContext:
+    """httpx's default TLS context, made once per process: httpx makes one for each client it is given
+    none (the CA bundle read and parsed: tens of milliseconds of CPU), and a replacement's health poll
+    made its client right after a kill, on the event loop of the streams resuming then."""
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 CAP_SYS_NICE = 23
@@ -241,7 +252,9 @@ class VllmWorker:
 
     async def _poll_health(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(trust_env=False) as http:  # loopback or the pool's own network
+        async with httpx.AsyncClient(
+            trust_env=False, verify=tls()
+        ) as http:  # loopback or the pool's own network
             while time.monotonic() < deadline:
                 if (failure := self._start_failure()) is not None:
                     raise EngineUnavailable(failure)
