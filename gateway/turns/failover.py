@@ -297,14 +297,17 @@ class TurnStream:
                 clock = REQUEST_CLOCK.get()
                 try:
                     async for chunk in stream:
-                        if previous is not None:  # the new worker's first token: the switch is done
-                            self._switched(previous, member.name, submitted)
-                            previous = None
-                        self.turn.timings.setdefault("ttft_ms", (time.monotonic() - self.t0) * 1000)
+                        arrived = time.monotonic()
+                        switched, previous = previous, None  # the new worker's first token: done
+                        self.turn.timings.setdefault("ttft_ms", (arrived - self.t0) * 1000)
                         if alone is not None and self._fresh:  # a suspect past its prefill: shared again
                             self.pool.share(member)
                         slot.tokens += len(chunk.token_ids)
-                        yield chunk
+                        try:
+                            yield chunk
+                        finally:  # reported once the token went on to the client (a write, a publish)
+                            if switched is not None:
+                                self._switched(switched, member.name, submitted, arrived)
                 except LOSSES as e:
                     if previous is not None and isinstance(e, Preempted):  # cut before its first token
                         self._switched(previous, member.name, submitted)
@@ -377,12 +380,17 @@ class TurnStream:
                 self.report(convicted.event)
             raise
 
-    def _switched(self, failure: Failure, to_worker: str | None, resubmitted: float | None = None) -> None:
-        """Report a switch: to `to_worker` (None: none was needed), resubmitted to it at `resubmitted`."""
+    def _switched(
+        self, failure: Failure, to_worker: str | None, resubmitted: float | None = None,
+        resumed: float | None = None,
+    ) -> None:  # fmt: skip
+        """Report a switch: to `to_worker` (None: none was needed), resubmitted to it at `resubmitted`,
+        its first token there at `resumed` (now if None)."""
         to_version = self._version if to_worker is not None else None
-        self.report(
-            switch_event(self.turn.request, failure, to_worker, to_version, self.state.keyed, resubmitted)
+        event = switch_event(
+            self.turn.request, failure, to_worker, to_version, self.state.keyed, resubmitted, resumed
         )
+        self.report(event)
 
 
 def finished_before(output_ids: list[int], eos_ids: frozenset[int] | set[int], max_tokens: int) -> str | None:
@@ -403,11 +411,13 @@ def switch_event(
     to_version: str | None,
     keyed: bool = False,
     resubmitted: float | None = None,
+    resumed: float | None = None,
 ) -> ev.Resumed:
     """The event a resumed turn records: ``failover``, or ``weight_switch`` when a weight update cut it;
-    its ``sampling`` says what the continuation is (`GREEDY`, `KEYED` or `SAMPLED`)."""
+    its ``sampling`` says what the continuation is (`GREEDY`, `KEYED` or `SAMPLED`); `resumed`: when the
+    new worker's first token arrived (now if None)."""
     sampling = KEYED if keyed else GREEDY if request.get("temperature") == 0 else SAMPLED
-    now = time.monotonic()
+    now = time.monotonic() if resumed is None else resumed
     return failure.event(
         to_worker=to_worker, now=now, sampling=sampling, resubmitted=resubmitted, to_version=to_version
     )
