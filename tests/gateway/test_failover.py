@@ -264,3 +264,21 @@ async def test_failover_is_invisible_in_an_anthropic_stream(rig: Rig) -> None:
     check_exact(rig, traj, 10)
     assert text == rig.gw.tokenizer.decode(traj["turns"][0]["output_ids"])
     assert [(f["token_index"], f["to_worker"]) for f in failovers(traj)] == [(4, "remote-1")]
+
+
+async def test_a_switch_is_reported_once_its_first_token_went_on_to_the_client(rig: Rig) -> None:
+    """The failover event (its store write, its publish) comes after the new worker's first token went on
+    to the client, not before it: that work is not in the client's lost time. Its ``resumed_at`` is
+    still when the token arrived."""
+    telemetry = rig.gw.telemetry
+    streamed_then: list[int] = []
+    telemetry.listen(
+        lambda e: streamed_then.append(telemetry.tokens_streamed) if e.kind == "failover" else None
+    )
+    rig.faults.faults["e0"] = [Fault("drop_after", 5)]
+    _, traj = await rig.chat(True, max_tokens=12)
+    check_exact(rig, traj, 12)
+    [fo] = failovers(traj)
+    assert fo["token_index"] == 5
+    assert len(streamed_then) == 1 and streamed_then[0] > 5  # 5 before the loss, then the resumed one
+    assert fo["noticed_at"] <= fo["resubmitted_at"] <= fo["resumed_at"]
