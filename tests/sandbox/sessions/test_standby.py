@@ -42,6 +42,18 @@ def standby_of(env: Env, checkpoint_id: str) -> str:
     )  # fmt: skip
 
 
+async def with_standby(make_env: EnvFactory, call: str | None = None) -> tuple[Env, str, Any, str]:
+    """A session (after `call`, if given) whose first bubble took a checkpoint and made its standby:
+    (the env, the session, the checkpoint, the standby sandbox)."""
+    env = await standby_env(make_env)
+    sid = await env.session()
+    if call is not None:
+        await env.manager.exec(sid, call)
+    await bubble(env, sid)
+    [ckpt] = env.manager.checkpoints(sid)
+    return env, sid, ckpt, standby_of(env, ckpt.checkpoint.id)
+
+
 async def test_a_checkpoint_in_a_bubble_gets_a_frozen_standby(make_env: EnvFactory) -> None:
     env = await standby_env(make_env)
     sid = await env.session()
@@ -66,12 +78,7 @@ async def test_a_checkpoint_in_a_bubble_gets_a_frozen_standby(make_env: EnvFacto
 async def test_a_failure_unfreezes_the_standby_and_replays_the_journal_since_its_checkpoint(
     make_env: EnvFactory,
 ) -> None:
-    env = await standby_env(make_env)
-    sid = await env.session()
-    await env.manager.exec(sid, "X=1 && echo 1 > a")
-    await bubble(env, sid)
-    [ckpt] = env.manager.checkpoints(sid)
-    standby = standby_of(env, ckpt.checkpoint.id)
+    env, sid, ckpt, standby = await with_standby(make_env, "X=1 && echo 1 > a")
     await env.manager.exec(sid, "echo 2 >> a")  # calls k+1..n, after the checkpoint
     await env.manager.write_file(sid, "b", b"file\n")
     env.backend.inject(Fault("exec", "kill"))
@@ -98,11 +105,7 @@ async def test_a_failure_unfreezes_the_standby_and_replays_the_journal_since_its
 
 
 async def test_a_newer_checkpoint_supersedes_the_standby(make_env: EnvFactory) -> None:
-    env = await standby_env(make_env)
-    sid = await env.session()
-    await bubble(env, sid)
-    [first] = env.manager.checkpoints(sid)
-    old = standby_of(env, first.checkpoint.id)
+    env, sid, first, old = await with_standby(make_env)
 
     await env.manager.exec(sid, "echo 2 > a")
     await bubble(env, sid)
@@ -120,11 +123,7 @@ async def test_a_newer_checkpoint_supersedes_the_standby(make_env: EnvFactory) -
 async def test_a_standby_of_another_checkpoint_is_not_used(make_env: EnvFactory) -> None:
     """A checkpoint taken outside a bubble supersedes the standby at once; the failure that follows
     restores the newer checkpoint from storage."""
-    env = await standby_env(make_env)
-    sid = await env.session()
-    await bubble(env, sid)
-    [first] = env.manager.checkpoints(sid)
-    old = standby_of(env, first.checkpoint.id)
+    env, sid, _, old = await with_standby(make_env)
     await env.manager.exec(sid, "echo 2 > a")
     second = await env.manager.checkpoint(sid)  # explicit: no bubble, no standby of it
     await env.manager.idle()
@@ -186,12 +185,7 @@ async def test_released_checkpoints_take_their_standby_with_them(make_env: EnvFa
 async def test_a_standby_that_cannot_be_unfrozen_is_removed_and_storage_restores(
     make_env: EnvFactory,
 ) -> None:
-    env = await standby_env(make_env)
-    sid = await env.session()
-    await env.manager.exec(sid, "echo 1 > a")
-    await bubble(env, sid)
-    [ckpt] = env.manager.checkpoints(sid)
-    standby = standby_of(env, ckpt.checkpoint.id)
+    env, sid, ckpt, standby = await with_standby(make_env, "echo 1 > a")
     env.backend.inject(Fault("activate"))
     env.backend.kill(env.manager.sandbox_id(sid))
 
