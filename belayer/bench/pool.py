@@ -20,7 +20,6 @@ import select
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,6 +27,7 @@ import httpx
 from belayer.bench.stand_up import WorkerKey
 from belayer.bench.waits import failure, found, until
 from core.errors import BenchError
+from engine_pool.workers.exits import group
 
 
 def streamed_tokens(line: str) -> int:
@@ -125,9 +125,8 @@ class Teardown:
     was still exiting 30 s later."""
 
     def __init__(self, pgid: int) -> None:
-        pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _pgid(d) == pgid]
         self.fds = []
-        for pid in pids:
+        for pid, _, _ in group(pgid):
             with contextlib.suppress(ProcessLookupError):
                 self.fds.append(os.pidfd_open(pid))
         self.ms: float | None = None
@@ -148,14 +147,6 @@ class Teardown:
         finally:
             for fd in self.fds:
                 os.close(fd)
-
-
-def _pgid(proc: Path) -> int | None:
-    try:
-        stat = (proc / "stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[2])
 
 
 async def kill_once(url: str, opts: argparse.Namespace, key: WorkerKey) -> dict[str, float]:

@@ -109,7 +109,7 @@ def vital(pgid: int, prefix: str = "VLLM") -> list[tuple[int, str]]:
     """The vital processes of the process group `pgid` (module docstring), each with what it is: the
     leader (the reaper), its children (the server), and those titled ``PREFIX::NAME`` (vLLM's own)."""
     found = []
-    for pid, ppid, argv in _group(pgid):
+    for pid, ppid, argv in group(pgid):
         if pid == pgid:
             found.append((pid, "the reaper"))
         elif ppid == pgid:
@@ -119,7 +119,7 @@ def vital(pgid: int, prefix: str = "VLLM") -> list[tuple[int, str]]:
     return found
 
 
-def _group(pgid: int) -> list[tuple[int, int, list[str]]]:
+def group(pgid: int) -> list[tuple[int, int, list[str]]]:
     """(pid, parent pid, command line) of every process in the group `pgid`."""
     out = []
     for entry in PROC.iterdir():

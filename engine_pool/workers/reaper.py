@@ -56,10 +56,8 @@ def main(argv: list[str]) -> int:
         # else the gateway is stopping the worker: it signalled the whole group itself
 
     signal.signal(signal.SIGTERM, on_term)
-    if niced := os.environ.pop(NICE_ENV, ""):
-        os.setpriority(
-            os.PRIO_PROCESS, 0, int(niced)
-        )  # before the command: it, and all it starts, inherit it
+    if niced := os.environ.pop(NICE_ENV, ""):  # before the command: it, and all it starts, inherit it
+        os.setpriority(os.PRIO_PROCESS, 0, int(niced))
     child = subprocess.Popen(argv, preexec_fn=lambda: parent_death_signal(signal.SIGKILL))
     return child.wait()
 

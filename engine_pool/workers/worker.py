@@ -252,9 +252,8 @@ class VllmWorker:
 
     async def _poll_health(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(
-            trust_env=False, verify=tls()
-        ) as http:  # loopback or the pool's own network
+        # loopback or the pool's own network
+        async with httpx.AsyncClient(trust_env=False, verify=tls()) as http:
             while time.monotonic() < deadline:
                 if (failure := self._start_failure()) is not None:
                     raise EngineUnavailable(failure)

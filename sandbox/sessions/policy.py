@@ -57,6 +57,14 @@ class _Ema:
         self.value += self.alpha * (x - self.value)
 
 
+def _observed(ema: _Ema | None, alpha: float, x: float) -> _Ema:
+    """`ema` with `x` added; without a prior, the first observation starts it."""
+    if ema is None:
+        return _Ema(alpha, x)
+    ema.add(x)
+    return ema
+
+
 class AdaptivePolicy:
     """Predicts bubble length and checkpoint cost from moving averages; see the module docstring."""
 
@@ -128,10 +136,7 @@ class AdaptivePolicy:
         """A finished LLM call: its prefill and decode speeds, and how long its reply was."""
         if output_tokens <= 0 or seconds <= 0:
             return
-        if self._bubble is None:
-            self._bubble = _Ema(self.settings.alpha, seconds)
-        else:
-            self._bubble.add(seconds)
+        self._bubble = _observed(self._bubble, self.settings.alpha, seconds)
         self._output_tokens.add(output_tokens)
         if ttft_s is not None and 0 < ttft_s < seconds:
             self._prefill_tps.add(max(prompt_tokens, 1) / ttft_s)
@@ -141,10 +146,7 @@ class AdaptivePolicy:
 
     def observe_standby(self, seconds: float) -> None:
         """A standby made (`sandbox.sessions.standby`): how long it took."""
-        if self._standby_cost is None:
-            self._standby_cost = _Ema(self.settings.alpha, seconds)
-        else:
-            self._standby_cost.add(seconds)
+        self._standby_cost = _observed(self._standby_cost, self.settings.alpha, seconds)
 
     def observe_checkpoint(self, *, seconds: float, dump_bytes: float) -> None:
         """A finished checkpoint: split its time into the fixed part and the per-byte part."""
