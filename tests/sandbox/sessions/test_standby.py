@@ -158,10 +158,7 @@ async def test_a_restore_to_an_older_checkpoint_deletes_the_newer_one_and_its_st
 
 
 async def test_closing_the_session_removes_its_standby(make_env: EnvFactory) -> None:
-    env = await standby_env(make_env)
-    sid = await env.session()
-    await bubble(env, sid)
-    [ckpt] = env.manager.checkpoints(sid)
+    env, sid, ckpt, _ = await with_standby(make_env)
 
     await env.manager.destroy(sid)
 
@@ -170,9 +167,7 @@ async def test_closing_the_session_removes_its_standby(make_env: EnvFactory) -> 
 
 
 async def test_released_checkpoints_take_their_standby_with_them(make_env: EnvFactory) -> None:
-    env = await standby_env(make_env)
-    sid = await env.session()
-    await bubble(env, sid)
+    env, sid, _, _ = await with_standby(make_env)
 
     [released] = env.manager.release_checkpoints(sid)
     await env.manager.idle()
