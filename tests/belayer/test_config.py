@@ -87,6 +87,16 @@ def test_direct_construction_and_unrelated_variables(monkeypatch: pytest.MonkeyP
             "BELAYER_ENGINE_URLS: not valid JSON; lists and tables take JSON, e.g. "
             "BELAYER_ENGINE_URLS='[\"http://h:8001\"]'",
         ),
+        (
+            {"model": "m"},
+            {"BELAYER_FAILOVER__START_NICE": "20"},
+            "BELAYER_FAILOVER__START_NICE: input should be less than or equal to 19 (got '20')",
+        ),
+        (
+            {"model": "m"},
+            {"BELAYER_SANDBOX__STANDBY": "perhaps"},
+            "BELAYER_SANDBOX__STANDBY: input should be a valid boolean, unable to interpret input (got 'perhaps')",
+        ),
         ({}, {}, "no model given: set --model, BELAYER_MODEL or `model` in a config file"),
         (
             {"model": "m", "engine_urls": ["http://ok:1", "localhost:8001"]},
