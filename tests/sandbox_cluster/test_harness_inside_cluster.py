@@ -33,11 +33,21 @@ async def env(
     tiny_model_dir: Path,
     python_image: str,
 ) -> AsyncIterator[Env]:
+    clear_relay_rules()
     rules = relay_rules()
     async with gated_gateway(cluster.backend, tmp_path, tiny_model_dir, timeout=180) as made:
         yield made
     if not cluster.lost:  # the gateway gone, its relays withdrew their ports from the nodes' firewalls
         assert relay_rules() == rules  # (a lost node's rule stays: its relay died with it)
+
+
+def clear_relay_rules() -> None:
+    """Remove the relay rules left by nodes lost before (by an earlier test, or a bench's engines): no
+    gateway runs yet, so no relay is live. Left, one could be the very rule a relay of this test writes
+    (same bridge, same address: `GatewayNetwork.open` keeps it, `close` removes it), and the comparison
+    after the test would find it gone."""
+    for rule in relay_rules():
+        subprocess.run(["iptables", "-w", "-D", *rule.split()[1:]], check=True, capture_output=True)
 
 
 def relay_rules() -> list[str]:
