@@ -11,11 +11,10 @@ from typing import Any, TypeVar
 import httpx
 from starlette.requests import Request
 
-from core.errors import AuxiliaryUnavailable, ContextLengthExceeded, NotFound
+from core.errors import AuxiliaryUnavailable, NotFound
 from core.telemetry import Telemetry
 from engine_pool.pool import EnginePool
 from gateway.config import GatewayConfig
-from gateway.http.bodies import text_chars
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.recorder import Recorder
 from gateway.policy.tokenization import ChatTokenizer
@@ -57,19 +56,6 @@ class Gateway:
                 return route
         self.check_model(model)
         return None
-
-    def bound_prompt(self, *parts: Any) -> None:
-        """Refuse a prompt that certainly exceeds the context window, before templating and tokenizing
-        it (seconds of CPU for megabytes of text): n characters are at least n / max_token_bytes tokens."""
-        limit = self.pool.max_model_len
-        chars = text_chars(list(parts))
-        if limit and chars > limit * self.tokenizer.max_token_bytes:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, your messages hold "
-                f"{chars} characters, which is more than {limit} tokens of any text. Please reduce the "
-                "length of the messages.",
-                param="messages",
-            )
 
     async def offload(self, work: Callable[..., T], *args: Any) -> T:
         """Run CPU-heavy request work (templating, tokenization, reading many sessions) in a worker

@@ -211,6 +211,13 @@ class MemoryStore(TrajectoryStore):
         with self._transaction():
             return self.tables.turn_counts([session_id] if isinstance(session_id, str) else session_id)
 
+    def session_and_parent(
+        self, session_id: str, keys: list[str]
+    ) -> tuple[SessionRecord | None, TurnRecord | None]:
+        with self._transaction():
+            session = self.get_session(session_id)
+            return session, (self.find_turn_by_ext_keys(session_id, keys) if session is not None else None)
+
     def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
         rank = {k: i for i, k in enumerate(keys)}
         with self._transaction():

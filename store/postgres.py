@@ -198,12 +198,12 @@ class PostgresStore(SqlStore):
 
     def _recover(self) -> int:
         """Mark interrupted the running turns of every owner that is gone; how many."""
-        rows = self._rows(
+        rows = self._reads.rows(
             "SELECT DISTINCT owner FROM turns WHERE status = %s AND owner <> %s", (TURN_RUNNING, self.owner)
         )
         marked = 0
         for (owner,) in rows:
-            with self._transaction() as tx:
+            with self._writes.transaction() as tx:
                 if _owner_gone(tx, owner):
                     marked += self._interrupt(tx, "owner = ?", (owner,))
         return marked
@@ -284,7 +284,7 @@ class PostgresStore(SqlStore):
     # --- what PostgreSQL spells its own way ---------------------------------------------------------
 
     def schedule_recomputation(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
-        self._rows(
+        self._reads.rows(
             "INSERT INTO recomputations (turn_id, session_id, spans, scheduled_at, owner) "
             "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (turn_id) DO UPDATE SET spans = EXCLUDED.spans, "
             "scheduled_at = EXCLUDED.scheduled_at, owner = EXCLUDED.owner",
@@ -293,12 +293,14 @@ class PostgresStore(SqlStore):
 
     def pending_recomputations(self) -> list[tuple[int, list[tuple[int, int]]]]:
         """This store's own, and those of gone owners, which it claims (a live replica keeps its own)."""
-        owners = self._rows("SELECT DISTINCT owner FROM recomputations WHERE owner <> %s", (self.owner,))
+        owners = self._reads.rows(
+            "SELECT DISTINCT owner FROM recomputations WHERE owner <> %s", (self.owner,)
+        )
         for (owner,) in owners:
-            with self._transaction() as tx:
+            with self._writes.transaction() as tx:
                 if _owner_gone(tx, owner):
                     tx.execute("UPDATE recomputations SET owner = %s WHERE owner = %s", (self.owner, owner))
-        rows = self._rows(
+        rows = self._reads.rows(
             "SELECT turn_id, spans FROM recomputations WHERE owner = %s ORDER BY scheduled_at, turn_id",
             (self.owner,),
         )
@@ -306,7 +308,7 @@ class PostgresStore(SqlStore):
 
     def mark_exported(self, session_ids: list[str]) -> None:
         now = time.time()
-        with self._transaction() as tx:
+        with self._writes.transaction() as tx:
             tx.execute(
                 "INSERT INTO exported SELECT id, %s FROM sessions WHERE id = ANY(%s) AND status <> 'open' "
                 "ON CONFLICT (session_id) DO UPDATE SET exported_at = EXCLUDED.exported_at",
@@ -316,20 +318,20 @@ class PostgresStore(SqlStore):
     def store_id(self) -> str:
         # made by the first caller (a concurrent one keeps the first), kept in `meta`: every replica on
         # this database gives the same id
-        self._rows(
+        self._reads.rows(
             "INSERT INTO meta (key, value) VALUES ('store_id', %s) ON CONFLICT (key) DO NOTHING",
             (uuid.uuid4().hex,),
         )
-        row = self._one("SELECT value FROM meta WHERE key = 'store_id'")
+        row = self._reads.one("SELECT value FROM meta WHERE key = 'store_id'")
         return str(row[0]) if row else ""
 
     def last_event_id(self) -> int:
         # the sequence's last value: ids of deleted (or rolled back) events are never given again
-        row = self._one("SELECT last_value, is_called FROM events_id_seq")
+        row = self._reads.one("SELECT last_value, is_called FROM events_id_seq")
         return int(row[0]) if row is not None and row[1] else 0
 
     def size_bytes(self) -> int:
-        row = self._one(
+        row = self._reads.one(
             "SELECT SUM(pg_total_relation_size(c.oid)) FROM pg_class c "
             "WHERE c.relname = ANY(%s) AND c.relkind = 'r' AND pg_table_is_visible(c.oid)",
             (list(TABLE_NAMES),),
@@ -339,7 +341,7 @@ class PostgresStore(SqlStore):
     def vacuum(self) -> None:
         """A plain VACUUM (space reused, files shrink only at their end): VACUUM FULL would lock out
         every gateway on the database."""
-        self._rows(f"VACUUM {', '.join(TABLE_NAMES)}")
+        self._reads.rows(f"VACUUM {', '.join(TABLE_NAMES)}")
 
 
 class _OffLoop:

@@ -50,6 +50,14 @@ class TurnReads(Protocol):
         """The newest complete turn whose ext key is in ``keys``, preferring keys later in the list."""
         ...
 
+    def session_and_parent(
+        self, session_id: str, keys: list[str]
+    ) -> tuple[SessionRecord | None, TurnRecord | None]:
+        """The session, and the turn a request extends (`find_turn_by_ext_keys` with the chain keys of
+        its assistant messages), read together where a request's prompt is planned; (None, None) for
+        an unknown session."""
+        ...
+
 
 class TurnLog(TurnReads, Protocol):
     """A session's turns: written as they start, stream and end; read back."""

@@ -67,7 +67,7 @@ class SqliteStore(SqlStore):
         """Turns left running by a crashed gateway keep their prompt, and the output written while
         they streamed (`append_outputs`), and are marked interrupted, with a ``turns_interrupted``
         event per session (as the PostgreSQL store does for a gone replica's)."""
-        with self._transaction() as tx:
+        with self._writes.transaction() as tx:
             self._interrupt(tx)
 
     # --- the one connection, under the lock ---------------------------------------------------------
@@ -150,18 +150,18 @@ class SqliteStore(SqlStore):
     # --- what SQLite spells its own way -------------------------------------------------------------
 
     def schedule_recomputation(self, turn: TurnRecord, spans: list[tuple[int, int]]) -> None:
-        self._rows(
+        self._reads.rows(
             "INSERT OR REPLACE INTO recomputations (turn_id, session_id, spans, scheduled_at) VALUES (?, ?, ?, ?)",
             (turn.id, turn.session_id, schema.dump_json([list(s) for s in spans]), time.time()),
         )
 
     def pending_recomputations(self) -> list[tuple[int, list[tuple[int, int]]]]:
-        rows = self._rows("SELECT turn_id, spans FROM recomputations ORDER BY scheduled_at, turn_id")
+        rows = self._reads.rows("SELECT turn_id, spans FROM recomputations ORDER BY scheduled_at, turn_id")
         return [(int(r[0]), [(int(a), int(b)) for a, b in schema.load_json(r[1])]) for r in rows]
 
     def mark_exported(self, session_ids: list[str]) -> None:
         now = time.time()
-        with self._transaction():
+        with self._writes.transaction():
             self._db.executemany(
                 "INSERT OR REPLACE INTO exported SELECT id, ? FROM sessions WHERE id = ? AND status != 'open'",
                 [(now, sid) for sid in session_ids],
@@ -169,13 +169,15 @@ class SqliteStore(SqlStore):
 
     def store_id(self) -> str:
         # made by the first caller (INSERT OR IGNORE: a concurrent one keeps the first), kept in `meta`
-        self._rows("INSERT OR IGNORE INTO meta (key, value) VALUES ('store_id', ?)", (uuid.uuid4().hex,))
-        row = self._one("SELECT value FROM meta WHERE key = 'store_id'")
+        self._reads.rows(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('store_id', ?)", (uuid.uuid4().hex,)
+        )
+        row = self._reads.one("SELECT value FROM meta WHERE key = 'store_id'")
         return str(row[0]) if row else ""
 
     def last_event_id(self) -> int:
         # AUTOINCREMENT's counter: ids of deleted events are never given again, so this never shrinks
-        row = self._one("SELECT seq FROM sqlite_sequence WHERE name = 'events'")
+        row = self._reads.one("SELECT seq FROM sqlite_sequence WHERE name = 'events'")
         return int(row[0]) if row else 0
 
     def size_bytes(self) -> int:

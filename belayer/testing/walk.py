@@ -25,9 +25,10 @@ own start (`TURN`, the runner: prompt ids to trajectory):
   (a property, a row decoder, a parser's feed, ``Quarantine.admit``) is a glance into it, not a step of
   the walk: what a reader follows is the calls that lead on. On the code before issue 35's changes it
   gave 22 for a streamed turn from the route, the count the issue quoted, so it is the reading its goal
-  (at most 10) is read on. ``tests/belayer/test_walk.py`` holds the turn's own part (from the runner) to
-  at most 10; from the route the goal is not met yet (15 plain, 18 streamed): the rest is the store's
-  facade and its parts (``store/sql``) and the route's preparation (admission, the session, the plan).
+  (at most 10) is read on. ``tests/belayer/test_walk.py`` holds it from the route to at most 10 (7
+  plain, 10 streamed, from 15 and 18: the session read once, with the turn the request extends, where
+  the prompt is planned; each store part with its own statements; the prompt bounded by the tokenizer),
+  and the turn's own part (from the runner) to at most 7.
 
 Dataclass ``__init__`` methods are generated code (no room), and comprehensions are parts of the
 function they are written in (`EXPRESSIONS`). A warm-up turn runs first, untraced, so that

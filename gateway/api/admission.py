@@ -2,7 +2,8 @@
 protocol does not support, validate, route the model (an external auxiliary model is forwarded to its
 provider here, once the session's URL has been checked like a policy call's; on a plain route it is
 refused), bound the prompt cheaply
-before any templating, and find the request's session.
+before any templating, and name the request's session: a session URL's is read where the prompt is
+planned, with the turn the request extends (`SessionManager.plan`), in one look-up.
 
 Example::
 
@@ -22,7 +23,6 @@ from typing import Any, Generic, Protocol, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.responding import session_for
 from gateway.gateway import Gateway, gateway_of
 from gateway.http.bodies import read_json
 from gateway.turns import auxiliary
@@ -40,12 +40,13 @@ R = TypeVar("R", bound=_NamesAModel)
 
 @dataclass(frozen=True, slots=True)
 class Admitted(Generic[R]):
-    """A request the policy will serve: its gateway, raw body, validated form and session."""
+    """A request the policy will serve: its gateway, raw body, validated form and session (its id when
+    the planning reads it: `SessionManager.plan`)."""
 
     gw: Gateway
     raw: dict[str, Any]
     req: R
-    session: SessionRecord
+    session: SessionRecord | str
 
 
 async def admit(
@@ -58,7 +59,7 @@ async def admit(
     """The admitted request, or the provider's response when `request` names an external auxiliary
     model (forwarded to its ``endpoint``). `prompt_fields` are the body's fields that become the prompt
     (bounded before templating). An auxiliary model the policy serves goes to the side session."""
-    gw = gateway_of(request)
+    gw, sid = gateway_of(request), request.path_params.get("session_id")
     raw = await read_json(request, gw.config.max_body_bytes)
     reject_unsupported(raw)
     req = parse(raw)
@@ -67,11 +68,28 @@ async def admit(
         # the same admission as the policy's: an open session's URL, before the provider or the store
         # sees anything. Never a plain route: the provider's key is the operator's, and a plain route
         # is a door for whoever reaches the port (`auxiliary.external_needs_session`)
-        sid = request.path_params.get("session_id")
         if sid is None:
             raise auxiliary.external_needs_session(req.model, endpoint)
         gw.sessions.get_open(sid)
         return await auxiliary.forward(gw.aux_http_client(), gw.store, route, raw, endpoint, request)
-    gw.bound_prompt(*(raw.get(f) for f in prompt_fields))
-    session = await session_for(gw, request, auxiliary_model=req.model if route else None)
-    return Admitted(gw, raw, req, session)
+    gw.tokenizer.bound_prompt(gw.pool.max_model_len, *(raw.get(f) for f in prompt_fields))
+    if sid is None:
+        return Admitted(gw, raw, req, plain_session(gw, request.url.path, req.model if route else None))
+    if gw.sandboxes is not None:
+        # while the session's sandbox is being restored, wait: the request must meet the truncated
+        # trajectory (a harness inside the sandbox retries its call as soon as it is back)
+        await gw.sandboxes.settled(sid)
+    if route is None:
+        return Admitted(gw, raw, req, sid)
+    session = gw.sessions.get_open(sid)
+    # its side session, created on first use: through the front (a write that may reach a remote store)
+    side = await gw.store.front.call(sid, auxiliary.side_session, gw.store, session, req.model)
+    return Admitted(gw, raw, req, side)
+
+
+def plain_session(gw: Gateway, path: str, auxiliary_model: str | None) -> SessionRecord:
+    """A plain ``/v1/…`` request's session: for this request only (stored with its turn)."""
+    meta: dict[str, object] = {"source": path}
+    if auxiliary_model is not None:
+        meta["auxiliary_model"] = auxiliary_model
+    return gw.sessions.create(meta, ephemeral=True)

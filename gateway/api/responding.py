@@ -1,5 +1,5 @@
-"""What every protocol's routes share: the session a request belongs to, and turning a turn's events into
-an HTTP response (JSON, or SSE with errors reported in the stream once the headers are out)."""
+"""What every protocol's routes share once a request is prepared: turning a turn's events into an HTTP
+response (JSON, or SSE with errors reported in the stream once the headers are out)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,10 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.gateway import Gateway
-from gateway.turns import auxiliary
 from gateway.turns.protocol import Delta, Done, GenerationRequest
-from store import SessionRecord
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -32,30 +29,6 @@ class Formatter(Protocol):
 
     def stream_error(self, exc: Exception) -> str:
         """Streamed: the SSE text that reports an error after the headers went out."""
-
-
-async def session_for(gw: Gateway, request: Request, auxiliary_model: str | None = None) -> SessionRecord:
-    """The request's session: ``/s/{id}/…`` names an open one; plain ``/v1/…`` gets a one-request session.
-    An auxiliary call (`auxiliary_model`) goes to the session's side session instead.
-
-    While the session's sandbox is being restored, this waits: the request must meet the truncated
-    trajectory (a harness inside the sandbox retries its call as soon as it is back).
-    """
-    sid = request.path_params.get("session_id")
-    if sid is None:
-        meta: dict[str, object] = {"source": request.url.path}
-        if auxiliary_model is not None:
-            meta["auxiliary_model"] = auxiliary_model
-        return gw.sessions.create(meta, ephemeral=True)
-    if gw.sandboxes is not None:
-        await gw.sandboxes.settled(sid)
-    session = gw.sessions.get_open(sid)
-    if auxiliary_model is not None:
-        # created on first use: through the front (a write that may reach a remote store)
-        return await gw.store.front.call(
-            session.id, auxiliary.side_session, gw.store, session, auxiliary_model
-        )
-    return session
 
 
 async def respond(gw: Gateway, gen: GenerationRequest, fmt: Formatter) -> Response:

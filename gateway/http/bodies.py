@@ -98,24 +98,6 @@ def check_json_media_type(content_type: str | None) -> None:
     )
 
 
-def text_chars(value: Any) -> int:
-    """The characters in every string of `value` (a cheap lower bound on a rendered prompt's text).
-
-    >>> text_chars([{"role": "user", "content": "hello"}, {"content": [{"text": "abc"}]}])
-    12
-    """
-    total, stack = 0, [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return total
-
-
 def _no_constant(name: str) -> Any:
     raise InvalidRequest(
         f"the request body holds {name}, which is not a JSON number; send finite numbers only",

@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from core.errors import InvalidRequest
+from core.errors import ContextLengthExceeded, InvalidRequest
 
 
 @lru_cache(maxsize=1)
@@ -95,6 +95,24 @@ class IncrementalDetokenizer:
         return self._stream.step(self._tok, token_id) or ""
 
 
+def text_chars(value: Any) -> int:
+    """The characters in every string of `value` (a cheap lower bound on a rendered prompt's text).
+
+    >>> text_chars([{"role": "user", "content": "hello"}, {"content": [{"text": "abc"}]}])
+    12
+    """
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
 class ChatTokenizer:
     """Renders chat messages with the model's template and maps text to and from token ids."""
 
@@ -109,6 +127,19 @@ class ChatTokenizer:
         self.max_token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab(with_added_tokens=True))
         """The most UTF-8 bytes one token's vocabulary entry spans (an upper bound on the text one
         token covers), so that a text of n characters has at least n / max_token_bytes tokens."""
+
+    def bound_prompt(self, limit: int, *parts: Any) -> None:
+        """Refuse a prompt that certainly exceeds a context window of `limit` tokens, before templating
+        and tokenizing it (seconds of CPU for megabytes of text): the characters of every string in
+        `parts` (`text_chars`) take at least that many / ``max_token_bytes`` tokens."""
+        chars = text_chars(list(parts))
+        if limit and chars > limit * self.max_token_bytes:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your messages hold "
+                f"{chars} characters, which is more than {limit} tokens of any text. Please reduce the "
+                "length of the messages.",
+                param="messages",
+            )
 
     @classmethod
     def load(cls, model_dir: str | Path) -> ChatTokenizer:

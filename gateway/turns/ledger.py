@@ -28,8 +28,8 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.parsers import ToolCall
 from gateway.turns.inflight import InflightWriter
 from gateway.turns.observers import TurnObserver
+from gateway.turns.prefix import chain_keys
 from gateway.turns.protocol import GenerationRequest, parse_arguments
-from gateway.turns.sessions import chain_keys
 from store import EventRecord, TurnRecord
 from store.base import TURN_ABORTED, TURN_COMPLETE
 from store.roles import LedgerStore

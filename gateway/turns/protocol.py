@@ -23,7 +23,7 @@ from core import events
 from engine_pool.engine.client import SamplingParams
 from gateway.config import FailoverConfig, GatewayConfig, InflightConfig
 from gateway.policy.parsers import ToolCall
-from gateway.turns.sessions import PromptPlan
+from gateway.turns.prefix import PromptPlan
 from store import SessionRecord, TurnRecord
 
 Report = Callable[[events.Payload], None]

@@ -1,73 +1,16 @@
-"""Sessions (one per episode) and prefix reuse: how a turn's prompt ids are built.
-
-When turn k+1's messages extend turn k's messages and its response, turn k+1's prompt ids are turn k's
-prompt ids + turn k's generated ids + the tokenization of only what follows (the end-of-turn marker
-when the model did not emit it, and the new messages). Generated tokens are never re-tokenized.
-
-Matching is by a chain hash over the canonical form of each message (what the template renders:
-role, content, tool calls' names and arguments; not tool call ids). Every finished turn stores the
-chain hash of ``messages + [its response]`` as its *ext key*, so finding the turn a request extends
-is one indexed look-up over the request's assistant messages. A request that extends an older turn,
-or none, opens a new branch: the rewritten history and the original both stay readable.
-"""
+"""Sessions (one per episode): created, looked up, and each turn's prompt planned in one (the session
+read with the turn the request extends; `gateway.turns.prefix` builds the prompt ids from it)."""
 
 from __future__ import annotations
 
-import bisect
-import hashlib
-import json
 import secrets
 import time
-from dataclasses import dataclass, field, replace
 from typing import Any
 
-from core.errors import Conflict, NotFound
-from gateway.policy.parsers import think_text
+from core.errors import Conflict, NotFound, RequestError
 from gateway.policy.tokenization import ChatTokenizer
-from store import SessionRecord, TrajectoryStore, TurnRecord
-from store.base import TURN_COMPLETE
-
-
-def canonical_message(message: dict[str, Any]) -> str:
-    calls = [[tc["function"]["name"], tc["function"]["arguments"]] for tc in message.get("tool_calls") or []]
-    content = message.get("content") or ""
-    if message.get("reasoning_content"):  # a turn's response: as reasoning sent back renders (<think>)
-        content = think_text(message["reasoning_content"], content)
-    body = {"role": message["role"], "content": content, "tool_calls": calls}
-    return json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-
-
-def _h(prev: bytes, text: str) -> bytes:
-    return hashlib.blake2b(prev + text.encode(), digest_size=16).digest()
-
-
-def chain_keys(
-    tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]], prev: str | None = None
-) -> list[str]:
-    """Chain hash after each message; the tools are the chain's root (they render into the prompt).
-    ``prev`` continues an existing chain."""
-    if prev is None:
-        h = _h(b"", json.dumps(tools or [], sort_keys=True, ensure_ascii=False))
-    else:
-        h = bytes.fromhex(prev)
-    keys = []
-    for m in messages:
-        h = _h(h, canonical_message(m))
-        keys.append(h.hex())
-    return keys
-
-
-@dataclass(frozen=True, slots=True)
-class PromptPlan:
-    prompt_ids: list[int]
-    gen_spans: list[tuple[int, int, int]]
-    """(start, end, turn id): prompt tokens that are exactly turn `id`'s generated tokens."""
-    parent: TurnRecord | None
-    reused_tokens: int
-    reason: str
-    rewritten: list[tuple[int, int]] = field(default_factory=list)
-    """Prompt tokens of assistant messages that no earlier turn generated as they are now (a harness
-    rewrote them, or they were re-tokenized differently); their logprobs are recomputed."""
+from gateway.turns.prefix import PromptBuilder, PromptPlan, chain_keys
+from store import SessionRecord, TrajectoryStore
 
 
 class SessionManager:
@@ -75,7 +18,7 @@ class SessionManager:
 
     def __init__(self, store: TrajectoryStore, tokenizer: ChatTokenizer) -> None:
         self.store = store
-        self.tok = tokenizer
+        self.prompts = PromptBuilder(store, tokenizer)
 
     def create(
         self, metadata: dict[str, Any] | None = None, ephemeral: bool = False, group: str | None = None,
@@ -106,129 +49,46 @@ class SessionManager:
     def get(self, session_id: str) -> SessionRecord:
         record = self.store.get_session(session_id)
         if record is None:
-            raise NotFound(
-                f"unknown session '{session_id}'; create one with POST /api/sessions and use its base_url",
-                param="session_id",
-                code="session_not_found",
-            )
+            raise refusal(session_id, None)
         return record
 
     def get_open(self, session_id: str) -> SessionRecord:
         record = self.get(session_id)
         if record.status != "open":
-            raise Conflict(
-                f"session '{session_id}' is {record.status}; create a new session for a new episode",
-                param="session_id",
-                code="session_closed",
-            )
+            raise refusal(session_id, record)
         return record
 
     def plan(
-        self, session_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> tuple[PromptPlan, list[str]]:
-        """The prompt ids for ``messages``, and the chain keys of the messages (for the ext key)."""
+        self,
+        session: SessionRecord | str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+    ) -> tuple[PromptPlan, list[str], SessionRecord]:
+        """The prompt ids for ``messages``, the chain keys of the messages (for the ext key), and the
+        session: `session` itself, or the open session of that id, read with the turn the messages
+        extend in one look-up (refused as `get_open` refuses, before any templating)."""
         keys = chain_keys(tools, messages)
-        full_text = self.tok.render(messages, tools, add_generation_prompt=True)
         candidates = [keys[j] for j, m in enumerate(messages) if m["role"] == "assistant"]
-        parent = self.store.find_turn_by_ext_keys(session_id, candidates)
-        if parent is not None:
-            j = keys.index(str(parent.ext_key))
-            spliced = self._extend(parent, messages, j, tools, full_text)
-            if spliced is not None:
-                plan, tail_char, offsets = spliced
-                later = (session_id, messages, tools, full_text, j + 1, tail_char, offsets)
-                return self._identify(plan, *later), keys
-        reason = (
-            "no earlier turn is a prefix of these messages"
-            if parent is None
-            else "template not prefix-stable"
+        if isinstance(session, str):
+            found, parent = self.store.session_and_parent(session, candidates)
+            if found is None or found.status != "open":
+                raise refusal(session, found)
+            session = found
+        else:  # a plain request's session has no turns yet
+            parent = None if session.ephemeral else self.store.find_turn_by_ext_keys(session.id, candidates)
+        return self.prompts.build(session.id, parent, messages, tools, keys), keys, session
+
+
+def refusal(session_id: str, record: SessionRecord | None) -> RequestError:
+    """Why a request to session `session_id` (read as `record`) cannot run there: unknown, or not open."""
+    if record is None:
+        return NotFound(
+            f"unknown session '{session_id}'; create one with POST /api/sessions and use its base_url",
+            param="session_id",
+            code="session_not_found",
         )
-        ids, offsets = self._encode(full_text, _has_assistant(messages, 0))
-        plan = PromptPlan(ids, [], None, 0, reason)
-        return self._identify(plan, session_id, messages, tools, full_text, 0, 0, offsets), keys
-
-    def _encode(self, text: str, offsets: bool) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids, and their character offsets only when `_identify` will need them."""
-        return self.tok.encode_with_offsets(text) if offsets else (self.tok.encode(text), [])
-
-    def _identify(
-        self,
-        plan: PromptPlan,
-        session_id: str,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        full_text: str,
-        first: int,
-        seg_char: int,
-        offsets: list[tuple[int, int]],
-    ) -> PromptPlan:
-        """Find the tokens of the assistant messages from `first` on, in the part of the prompt that
-        was tokenized from text (``full_text[seg_char:]``, with each token's `offsets` in it): those
-        that an earlier turn generated exactly keep that turn's identity (a generated span); the
-        others are marked rewritten."""
-        later = [j for j in range(first, len(messages)) if messages[j]["role"] == "assistant"]
-        if not later or not offsets:
-            return plan
-        seg_token = plan.reused_tokens  # the tokenized text is the prompt after the reused tokens
-        starts, ends = [a for a, _ in offsets], [b for _, b in offsets]
-        spans, rewritten = list(plan.gen_spans), list(plan.rewritten)
-        generated: dict[str, TurnRecord] | None = None
-        for j in later:
-            before = self.tok.render(messages[:j], tools, add_generation_prompt=True)
-            through = self.tok.render(messages[: j + 1], tools, add_generation_prompt=False)
-            if not (through.startswith(before) and full_text.startswith(through)):
-                continue
-            eot = through.rfind(self.tok.eos_token)
-            if eot < len(before):
-                continue
-            start, end = len(before) - seg_char, eot + len(self.tok.eos_token) - seg_char
-            candidates = range(bisect.bisect_left(starts, start), bisect.bisect_right(ends, end))
-            inside = [i for i in candidates if starts[i] >= start and ends[i] > starts[i]]
-            if not inside:
-                continue
-            a, b = seg_token + inside[0], seg_token + inside[-1] + 1
-            if generated is None:  # what each earlier turn answered, by its canonical message
-                generated = {
-                    canonical_message(t.response["message"]): t
-                    for t in self.store.get_turns(session_id)
-                    if t.response is not None and t.status == TURN_COMPLETE
-                }
-            source = generated.get(canonical_message(messages[j]))
-            out = source.output_ids if source is not None else []
-            if out and plan.prompt_ids[a : a + len(out)] == out:
-                spans.append((a, a + len(out), source.id))  # type: ignore[union-attr]
-                a += len(out)
-            if a < b:
-                rewritten.append((a, b))
-        spans.sort()
-        return replace(plan, gen_spans=spans, rewritten=rewritten)
-
-    def _extend(
-        self,
-        parent: TurnRecord,
-        messages: list[dict[str, Any]],
-        j: int,
-        tools: list[dict[str, Any]] | None,
-        full_text: str,
-    ) -> tuple[PromptPlan, int, list[tuple[int, int]]] | None:
-        """Splice: parent prompt + parent output + tokens of the text after the parent's turn. Also
-        returns where that text starts in `full_text` and its tokens' offsets."""
-        before = self.tok.render(messages[:j], tools, add_generation_prompt=True)
-        through = self.tok.render(messages[: j + 1], tools, add_generation_prompt=False)
-        if not (through.startswith(before) and full_text.startswith(through)):
-            return None
-        region = through[len(before) :]  # the rendered assistant turn, end-of-turn marker included
-        eot = region.rfind(self.tok.eos_token)
-        if eot < 0:
-            return None
-        ended = bool(parent.output_ids) and parent.output_ids[-1] in self.tok.eos_ids
-        tail = region[eot + len(self.tok.eos_token) if ended else eot :] + full_text[len(through) :]
-        base = parent.prompt_ids + parent.output_ids
-        spans = [*parent.prompt_gen_spans, (len(parent.prompt_ids), len(base), parent.id)]
-        tail_ids, offsets = self._encode(tail, _has_assistant(messages, j + 1))
-        plan = PromptPlan(base + tail_ids, spans, parent, len(base), f"extends turn {parent.index}")
-        return plan, len(full_text) - len(tail), offsets
-
-
-def _has_assistant(messages: list[dict[str, Any]], first: int) -> bool:
-    return any(m["role"] == "assistant" for m in messages[first:])
+    return Conflict(
+        f"session '{session_id}' is {record.status}; create a new session for a new episode",
+        param="session_id",
+        code="session_closed",
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from core import events
@@ -86,6 +86,11 @@ class SqlStore(TrajectoryStore):
 
     def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
         return self._reads.find_turn_by_ext_keys(session_id, keys)
+
+    def session_and_parent(
+        self, session_id: str, keys: list[str]
+    ) -> tuple[SessionRecord | None, TurnRecord | None]:
+        return self._reads.session_and_parent(session_id, keys)
 
     def get_events(self, session_id: str) -> list[EventRecord]:
         return self._reads.get_events(session_id)
@@ -192,7 +197,7 @@ class SqlStore(TrajectoryStore):
         """In `mark_closed`'s transaction: record the ``session_closed`` event."""
         self._insert_event(tx, event)
 
-    # --- statements, transactions, errors, events ---------------------------------------------------
+    # --- errors, events (statements: `SqlReads.rows`; transactions: `SqlWrites.transaction`) ---------
 
     def _failed(self, error: Exception) -> StoreError:
         """The StoreError for `error`, with the database's own cause in it (disk full, read-only, gone)."""
@@ -200,25 +205,6 @@ class SqlStore(TrajectoryStore):
         where = self._location()
         log.error("trajectory store %s failed: %s", where, error)
         return StoreError(f"trajectory store error: {error} ({where})")
-
-    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        """One statement (committed on its own), its rows."""
-        with self._statement() as tx:
-            cur = tx.execute(sql, args)
-            return cur.fetchall() if cur.description is not None else []
-
-    def _one(self, sql: str, args: Sequence[Any] = ()) -> tuple[Any, ...] | None:
-        rows = self._rows(sql, args)
-        return rows[0] if rows else None
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[Tx]:
-        """Several statements committed together (or not at all); their events published after."""
-        with self._begin() as tx:
-            yield tx
-        if self.telemetry is not None:  # after the commit, outside SQLite's lock: listeners may read
-            for ev in tx.events:
-                self.telemetry.publish_record(ev.kind, ev.data, ev.session_id, ev.turn_id, ev.ts)
 
     def _publish_session(self, kind: type[events.SessionChanged], session: SessionRecord) -> None:
         if self.telemetry is not None and not session.ephemeral:

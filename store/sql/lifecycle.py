@@ -29,7 +29,7 @@ class SqlLifecycle:
         known = self.reads.get_session(parent_id) is not None
         at = fork_point(parent_id, at_turn, self.reads.get_turns(parent_id) if known else None)
         forked = ev.SessionForked(parent_id, at_turn, at.id)
-        with self.db._transaction() as tx:
+        with self.writes.transaction() as tx:
             for child in children:
                 child.parent_session, child.fork_turn = parent_id, at_turn
                 self.writes.insert_session(tx, child)
@@ -40,7 +40,7 @@ class SqlLifecycle:
 
     def mark_closed(self, session: SessionRecord) -> bool:
         closed = ev.SessionClosed(session.reward, session.closed_at)
-        with self.db._transaction() as tx:
+        with self.writes.transaction() as tx:
             changed = tx.execute(
                 "UPDATE sessions SET status = ?, closed_at = ? WHERE id = ? AND status = 'open'",
                 (session.status, session.closed_at, session.id),
@@ -52,14 +52,14 @@ class SqlLifecycle:
         return bool(changed)
 
     def closed_after(self, after_id: int, limit: int) -> list[tuple[int, str]]:
-        rows = self.db._rows(
+        rows = self.reads.rows(
             "SELECT id, session_id FROM events WHERE kind = 'session_closed' AND id > ? ORDER BY id LIMIT ?",
             (after_id, limit),
         )
         return [(int(r[0]), str(r[1])) for r in rows]
 
     def delete_session(self, session_id: str) -> tuple[int, int] | None:
-        with self.db._transaction() as tx:
+        with self.writes.transaction() as tx:
             if self.db.dialect.row_lock:
                 self.writes.lock_session(tx, session_id)
             forks = [
@@ -87,7 +87,7 @@ class SqlLifecycle:
         ) + (" AND id IN (SELECT session_id FROM exported)" if exported_only else "")
         pruned: list[str] = []
         while True:  # in batches: a gateway writing to this store waits for one batch at most
-            with self.db._transaction() as tx:
+            with self.writes.transaction() as tx:
                 rows = tx.execute(
                     f"SELECT id FROM sessions WHERE {where} ORDER BY created_at LIMIT 100"
                     f"{self.db.dialect.skip_locked}",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from core.errors import StoreError
@@ -24,12 +25,23 @@ class SqlReads:
         self.db = db
         """The store: its statements, its caches and its backend's spelling."""
 
+    def rows(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """One statement (committed on its own), its rows: the store's reads, and its writes of one
+        statement."""
+        with self.db._statement() as tx:
+            cur = tx.execute(sql, args)
+            return cur.fetchall() if cur.description is not None else []
+
+    def one(self, sql: str, args: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        rows = self.rows(sql, args)
+        return rows[0] if rows else None
+
     def get_session(self, session_id: str) -> SessionRecord | None:
-        row = self.db._one(f"SELECT {SESSION_COLS} FROM sessions WHERE id = ?", (session_id,))
+        row = self.one(f"SELECT {SESSION_COLS} FROM sessions WHERE id = ?", (session_id,))
         return session_record(row) if row else None
 
     def list_sessions(self) -> list[SessionRecord]:
-        rows = self.db._rows(f"SELECT {SESSION_COLS} FROM sessions ORDER BY {self.db.dialect.sessions_order}")
+        rows = self.rows(f"SELECT {SESSION_COLS} FROM sessions ORDER BY {self.db.dialect.sessions_order}")
         return [session_record(r) for r in rows]
 
     def query_sessions(self, query: SessionQuery) -> tuple[list[SessionRecord], int]:
@@ -54,13 +66,13 @@ class SqlReads:
             where.append(f"{value} = ?")
             args += [*value_args, text]
         clause = " AND ".join(where)
-        total = self.db._one(f"SELECT COUNT(*) FROM sessions WHERE {clause}", args)
+        total = self.one(f"SELECT COUNT(*) FROM sessions WHERE {clause}", args)
         order, text_id = "DESC" if query.newest_first else "ASC", self.db.dialect.text_id
         if query.after is not None:  # keyset paging: cheap at any depth, unlike OFFSET
             op = "<" if query.newest_first else ">"
             clause += f" AND (created_at {op} ? OR (created_at = ? AND {text_id} {op} ?))"
             args += [query.after[0], query.after[0], query.after[1]]
-        rows = self.db._rows(
+        rows = self.rows(
             f"SELECT {SESSION_COLS} FROM sessions WHERE {clause} "
             f"ORDER BY created_at {order}, {text_id} {order} LIMIT ? OFFSET ?",
             [*args, query.limit, query.offset],
@@ -72,11 +84,9 @@ class SqlReads:
         return self._latest(turn) if turn else None
 
     def get_turns(self, session_id: str) -> list[TurnRecord]:
-        row = self.db._one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
+        row = self.one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
         shared = self._shared(str(row[0]), int(row[1])) if row is not None and row[0] is not None else []
-        rows = self.db._rows(
-            f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? ORDER BY idx", (session_id,)
-        )
+        rows = self.rows(f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? ORDER BY idx", (session_id,))
         own = self._decode(rows, {t.id: t for t in shared})
         return shared + [self._latest(t) for t in own]
 
@@ -88,20 +98,27 @@ class SqlReads:
         sql = "SELECT session_id, COUNT(*), COUNT(DISTINCT branch) FROM turns"
         ids = [session_id] if isinstance(session_id, str) else session_id
         if ids is None:
-            rows = self.db._rows(f"{sql} GROUP BY session_id")
-            forks = self.db._rows("SELECT id FROM sessions WHERE parent_session IS NOT NULL")
+            rows = self.rows(f"{sql} GROUP BY session_id")
+            forks = self.rows("SELECT id FROM sessions WHERE parent_session IS NOT NULL")
         else:
             among, args = self.db.dialect.among("session_id", ids)
-            rows = self.db._rows(f"{sql} WHERE {among} GROUP BY session_id", args)
+            rows = self.rows(f"{sql} WHERE {among} GROUP BY session_id", args)
             among, args = self.db.dialect.among("id", ids)
-            forks = self.db._rows(
-                f"SELECT id FROM sessions WHERE parent_session IS NOT NULL AND {among}", args
-            )
+            forks = self.rows(f"SELECT id FROM sessions WHERE parent_session IS NOT NULL AND {among}", args)
         counts = {str(sid): (int(turns), int(branches)) for sid, turns, branches in rows}
         for (sid,) in forks:  # a fork child counts the turns it shares
             turns_of = self.get_turns(sid)
             counts[sid] = (len(turns_of), len({t.branch for t in turns_of}))
         return counts
+
+    def session_and_parent(
+        self, session_id: str, keys: list[str]
+    ) -> tuple[SessionRecord | None, TurnRecord | None]:
+        row = self.one(f"SELECT {SESSION_COLS} FROM sessions WHERE id = ?", (session_id,))
+        if row is None:
+            return None, None
+        parent = self.find_turn_by_ext_keys(session_id, keys)
+        return session_record(row), parent
 
     def find_turn_by_ext_keys(self, session_id: str, keys: list[str]) -> TurnRecord | None:
         if not keys:
@@ -115,7 +132,7 @@ class SqlReads:
             shared_ids, shared_args = self.db.dialect.among("id", sorted(fork.ids))
             within, args = f"(session_id = ? OR {shared_ids})", (session_id, *shared_args)
         ext_keys, key_args = self.db.dialect.among("ext_key", keys)
-        rows = self.db._rows(
+        rows = self.rows(
             f"SELECT id, ext_key FROM turns WHERE {within} AND status = ? AND {ext_keys}",
             (*args, TURN_COMPLETE, *key_args),
         )
@@ -131,7 +148,7 @@ class SqlReads:
             return fork
         if session_id in self.db._plain:
             return None
-        row = self.db._one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
+        row = self.one("SELECT parent_session, fork_turn FROM sessions WHERE id = ?", (session_id,))
         if row is None:
             return None
         if row[0] is None:
@@ -158,7 +175,7 @@ class SqlReads:
 
     def read(self, turn_id: int) -> TurnRecord | None:
         """A turn as stored (not `_latest`), with the chain of bases it is stored beyond, in one query."""
-        rows = self.db._rows(
+        rows = self.rows(
             f"WITH RECURSIVE chain(id) AS (SELECT {self.db.dialect.id_param} UNION ALL SELECT t.base_id "
             "FROM turns t JOIN chain c ON t.id = c.id WHERE t.base_id < t.id) "
             f"SELECT {TURN_COLS} FROM turns WHERE id IN (SELECT id FROM chain) ORDER BY id",
@@ -182,14 +199,14 @@ class SqlReads:
         return turns
 
     def get_events(self, session_id: str) -> list[EventRecord]:
-        rows = self.db._rows(
+        rows = self.rows(
             "SELECT session_id, turn_id, ts, kind, data FROM events WHERE session_id = ? ORDER BY id",
             (session_id,),
         )
         return [EventRecord(r[0], r[1], r[2], r[3], load_json(r[4])) for r in rows]
 
     def children(self, session_id: str) -> list[str]:
-        rows = self.db._rows(
+        rows = self.rows(
             "SELECT id FROM sessions WHERE parent_session = ? ORDER BY created_at, id", (session_id,)
         )
         return [str(r[0]) for r in rows]

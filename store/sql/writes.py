@@ -3,9 +3,10 @@ write that failed is kept and retried), recomputation outcomes, events, and disc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from core import events as ev
@@ -28,6 +29,16 @@ class SqlWrites:
 
     def __init__(self, db: SqlStore, reads: SqlReads) -> None:
         self.db, self.reads = db, reads
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Tx]:
+        """Several statements committed together (or not at all); their events published after."""
+        with self.db._begin() as tx:
+            yield tx
+        telemetry = self.db.telemetry
+        if telemetry is not None:  # after the commit, outside SQLite's lock: listeners may read
+            for e in tx.events:
+                telemetry.publish_record(e.kind, e.data, e.session_id, e.turn_id, e.ts)
 
     def create_session(self, session: SessionRecord) -> SessionRecord:
         with self.db._statement() as tx:
@@ -53,7 +64,7 @@ class SqlWrites:
         )
 
     def update_session(self, session: SessionRecord) -> None:
-        self.db._rows(
+        self.reads.rows(
             "UPDATE sessions SET metadata = ?, status = ?, reward = ?, reward_info = ?, closed_at = ? "
             "WHERE id = ?",
             (
@@ -77,7 +88,7 @@ class SqlWrites:
         fork = self.reads.fork_of(turn.session_id) if new_session is None else None
         base_id, base = self._base(turn, parent, fork) if new_session is None else (None, None)
         enc = layout.encode(shape(turn), base)
-        with self.db._transaction() as tx:
+        with self.transaction() as tx:
             if new_session is not None:
                 self.insert_session(tx, new_session)
             elif self.lock_session(tx, turn.session_id) is None:
@@ -130,7 +141,7 @@ class SqlWrites:
         with none yet: the turn it was forked at). The caller's copy of the parent (read by the prefix
         reuse) saves reading it again when it is the stored one."""
         if turn.parent_id is None:
-            row = self.db._one("SELECT MAX(id) FROM turns WHERE session_id = ?", (turn.session_id,))
+            row = self.reads.one("SELECT MAX(id) FROM turns WHERE session_id = ?", (turn.session_id,))
             newest = row[0] if row is not None else None
             base_id = newest if newest is not None or fork is None else fork.turn_id
         elif parent is not None and parent.id == turn.parent_id and self._is_stored(parent):
@@ -145,7 +156,7 @@ class SqlWrites:
 
     def _is_stored(self, turn: TurnRecord) -> bool:
         """Whether the store holds `turn`'s prompt and output as they are (compared by length)."""
-        row = self.db._one(
+        row = self.reads.one(
             "SELECT session_id, prompt_base + length(prompt_ids) / 4, length(output_ids) / 4 FROM turns "
             "WHERE id = ?",
             (turn.id,),
@@ -190,7 +201,7 @@ class SqlWrites:
             log.warning("trajectory store: turn %d written after an earlier failure", turn.id)
 
     def _write_finish(self, turn: TurnRecord) -> None:
-        self.db._rows(
+        self.reads.rows(
             "UPDATE turns SET status = CASE status WHEN 'discarded' THEN status ELSE ? END, ext_key = ?, "
             "output_ids = ?, output_logprobs = ?, response = ?, finish_reason = ?, worker = ?, "
             "timings = ?, error = ?, weight_segments = ? WHERE id = ?",
@@ -211,19 +222,19 @@ class SqlWrites:
 
     def append_outputs(self, parts: list[OutputPart]) -> int:
         written = 0
-        with self.db._transaction() as tx:
+        with self.transaction() as tx:
             for part in parts:
                 written += self.db._append_part(tx, part)
         return written
 
     def end_recomputation(self, turn_id: int, event: EventRecord | None) -> None:
-        with self.db._transaction() as tx:
+        with self.transaction() as tx:
             if event is not None:
                 self.db._insert_event(tx, event)
             tx.execute("DELETE FROM recomputations WHERE turn_id = ?", (turn_id,))
 
     def add_event(self, event: EventRecord) -> None:
-        with self.db._transaction() as tx:
+        with self.transaction() as tx:
             self.db._insert_event(tx, event)
 
     def discard_turns_after(self, session_id: str, turn_index: int, reason: str) -> list[int]:
@@ -241,7 +252,7 @@ class SqlWrites:
         self, session_id: str, where: str, args: tuple[Any, ...], reason: str, after: int | None
     ) -> list[int]:
         """One transaction: mark the matching turns discarded and record the event."""
-        with self.db._transaction() as tx:
+        with self.transaction() as tx:
             rows = tx.execute(
                 f"UPDATE turns SET status = ? WHERE {where} RETURNING idx", (TURN_DISCARDED, *args)
             ).fetchall()

@@ -28,7 +28,7 @@ class ThreadsOf:
 async def _chat(gateway: GatewayHarness, content: str) -> tuple[list[threading.Thread], list[int]]:
     """One chat request with `content`: the threads its prompt was encoded on, and its prompt ids."""
     [out] = gateway.queue_replies("fine")
-    tok = gateway.gw.sessions.tok
+    tok = gateway.gw.tokenizer
     spy = ThreadsOf(tok.encode)
     tok.encode = spy  # type: ignore[method-assign]
     try:

@@ -46,9 +46,9 @@ async def runner(tokenizer: ChatTokenizer) -> AsyncIterator[tuple[TurnRunner, Se
 async def _turn(
     turns: TurnRunner, sessions: SessionManager, sid: str, messages: list[dict[str, Any]]
 ) -> Done:
-    plan, keys = sessions.plan(sid, messages, None)
+    plan, keys, session = sessions.plan(sid, messages, None)
     req = GenerationRequest(
-        sessions.get(sid), plan, SamplingParams(), {"messages": messages}, time.time(),
+        session, plan, SamplingParams(), {"messages": messages}, time.time(),
         max_tokens=4, messages=messages, message_keys=keys, stream=False,
     )  # fmt: skip
     done = [event async for event in turns.run(req) if isinstance(event, Done)]

@@ -76,6 +76,7 @@ def history(store: TrajectoryStore, published: list[Event]) -> list[Any]:
         store.turn_counts(["c1", "x"]),
     ]
     seen += [store.find_turn_by_ext_keys("c1", ["k1", "k0"]), store.find_turn_by_ext_keys("c1", ["k2"])]
+    seen += [store.session_and_parent("c1", ["k1", "k0"]), store.session_and_parent("none", ["k0"])]
     seen += [store.children("p"), store.closed_after(0, 10), store.last_event_id()]
     seen += [store.query_sessions(SessionQuery(metadata={"task": "a"})), store.list_sessions()]
     try:

@@ -125,6 +125,26 @@ def test_every_field_of_a_turn_and_a_session_round_trips(store_backend: StoreBac
 # --- streamed outputs and recomputations ------------------------------------------------------------
 
 
+def test_a_session_is_read_with_the_turn_a_request_extends(store_backend: StoreBackend) -> None:
+    store = store_backend.open()
+    store.create_session(SessionRecord("s", time.time(), {"task": "a"}))
+    turns = []
+    for key, status in (("k0", TURN_COMPLETE), ("k1", TURN_COMPLETE), ("k1", TURN_COMPLETE), ("k2", "error")):
+        turn = store.begin_turn(_plain_turn("s", turns[-1].id if turns else None))
+        turn.ext_key, turn.status, turn.output_ids = key, status, [len(turns)]
+        store.finish_turn(turn)
+        turns.append(turn)
+    session, parent = store.session_and_parent("s", ["k0", "k1", "k2"])
+    assert session is not None and (session.id, session.metadata, session.status) == ("s", {"task": "a"}, "open")
+    # a later key wins over an earlier one, the newest turn among equals; an unfinished one is no parent
+    assert parent is not None and (parent.id, parent.ext_key, parent.output_ids) == (turns[2].id, "k1", [2])
+    assert store.session_and_parent("s", ["k1", "k0"])[1].id == turns[0].id  # type: ignore[union-attr]
+    assert store.session_and_parent("s", ["k1"])[1].id == turns[2].id  # type: ignore[union-attr]
+    assert store.session_and_parent("s", ["k2", "x"]) == (session, None)
+    assert store.session_and_parent("s", []) == (session, None)
+    assert store.session_and_parent("other", ["k0"]) == (None, None)
+
+
 def test_append_outputs_grows_a_running_turn_and_a_restart_keeps_it(store_backend: StoreBackend) -> None:
     store, turn = _begin(store_backend.open())
     lps = [-0.1, -1e-300, -123.456789012345678, -2.5]

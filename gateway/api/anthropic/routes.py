@@ -47,10 +47,10 @@ async def messages_count_tokens(request: Request) -> Response:
     req = validate(CountTokensRequest, raw)
     gw.route_model(req.model)  # a refused auxiliary model is refused here too
     sid = request.path_params.get("session_id")
-    if sid is not None:
-        gw.sessions.get(sid)
-    gw.bound_prompt(raw.get("system"), raw.get("messages"))
-    return JSONResponse({"input_tokens": await gw.offload(count_tokens, req, sid, gw.sessions, gw.tokenizer)})
+    session = gw.sessions.get(sid) if sid is not None else None
+    gw.tokenizer.bound_prompt(gw.pool.max_model_len, raw.get("system"), raw.get("messages"))
+    tokens = await gw.offload(count_tokens, req, session, gw.sessions, gw.tokenizer)
+    return JSONResponse({"input_tokens": tokens})
 
 
 def routes() -> list[Route]:

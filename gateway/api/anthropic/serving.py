@@ -232,13 +232,14 @@ def _sampling(req: MessagesRequest) -> SamplingParams:
 def message_request(
     req: MessagesRequest,
     raw: dict[str, Any],
-    session: SessionRecord,
+    session: SessionRecord | str,
     sessions: SessionManager,
 ) -> GenerationRequest:
-    """The internal request for a Messages call."""
+    """The internal request for a Messages call (`session`: as admitted, its id when the planning reads
+    it)."""
     received = time.time()
     p = prompt_of(req)
-    plan, keys = sessions.plan(session.id, p.messages, p.tools)
+    plan, keys, session = sessions.plan(session, p.messages, p.tools)
     return GenerationRequest(
         session=session,
         plan=plan,
@@ -261,14 +262,15 @@ def prompt_tokens(prompt_ids: list[int], forced_prefix: str, tok: ChatTokenizer)
 
 
 def count_tokens(
-    req: CountTokensRequest, session_id: str | None, sessions: SessionManager, tok: ChatTokenizer
+    req: CountTokensRequest, session: SessionRecord | None, sessions: SessionManager, tok: ChatTokenizer
 ) -> int:
-    """``input_tokens`` of a request with these messages, with prefix reuse in a session; records nothing."""
+    """``input_tokens`` of a request with these messages, with prefix reuse in a session (open or not);
+    records nothing."""
     p = prompt_of(req)
-    if session_id is None:
+    if session is None:
         ids = tok.encode(tok.render(p.messages, p.tools, add_generation_prompt=True))
     else:
-        ids = sessions.plan(session_id, p.messages, p.tools)[0].prompt_ids
+        ids = sessions.plan(session, p.messages, p.tools)[0].prompt_ids
     return prompt_tokens(ids, p.forced_prefix, tok)
 
 

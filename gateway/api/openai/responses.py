@@ -244,17 +244,20 @@ def logprob_count(req: ResponsesRequest) -> int | None:
 def response_request(
     req: ResponsesRequest,
     raw: dict[str, Any],
-    session: SessionRecord,
+    session: SessionRecord | str,
     sessions: SessionManager,
     store: TrajectoryReader,
 ) -> GenerationRequest:
-    """The internal request for a Responses call (resolving ``previous_response_id`` in the store)."""
+    """The internal request for a Responses call (resolving ``previous_response_id`` in the store;
+    `session`: as admitted, its id when the planning reads it)."""
     received = time.time()
     _check_text_format(req)
     tools = _tools(req)
     forced, parse_tools = _tool_choice(req, tools)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
+        if isinstance(session, str):  # the session is checked before its history is read
+            session = sessions.get_open(session)
         scope = None if session.ephemeral else session.id
         previous = find_response(store, req.previous_response_id, scope, "previous_response_id")
         history = conversation(store, previous)
@@ -262,7 +265,7 @@ def response_request(
     messages = system + history + input_messages(req.input)
     if not messages:
         raise InvalidRequest("the input is empty; send at least one input item", "input")
-    plan, keys = sessions.plan(session.id, messages, tools)
+    plan, keys, session = sessions.plan(session, messages, tools)
     params = sampling(req.temperature, req.top_p, None, None, None, logprob_count(req), None, None)
     return GenerationRequest(
         session=session,

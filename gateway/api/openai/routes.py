@@ -43,7 +43,7 @@ async def completions(request: Request) -> Response:
     if isinstance(a, Response):
         return a
     gw, req = a.gw, a.req
-    gen = await gw.prepare(request, completion_request, req, a.raw, a.session, gw.tokenizer)
+    gen = await gw.prepare(request, completion_request, req, a.raw, a.session, gw.sessions, gw.tokenizer)
     gen.stream = bool(req.stream)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(gw, gen, CompletionFormatter(req.model, gw.tokenizer, req.logprobs, usage))

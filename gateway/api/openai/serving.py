@@ -22,8 +22,9 @@ from gateway.http.errors import for_exception
 from gateway.policy.parsers import think_text
 from gateway.policy.streaming import ToolCall, tool_choice_prefix
 from gateway.policy.tokenization import ChatTokenizer
+from gateway.turns.prefix import PromptPlan
 from gateway.turns.protocol import Delta, Done, GenerationRequest, parse_arguments
-from gateway.turns.sessions import PromptPlan, SessionManager
+from gateway.turns.sessions import SessionManager
 from store import SessionRecord
 
 
@@ -126,9 +127,10 @@ def sampling(
 
 
 def chat_request(
-    req: ChatCompletionRequest, raw: dict[str, Any], session: SessionRecord, sessions: SessionManager
+    req: ChatCompletionRequest, raw: dict[str, Any], session: SessionRecord | str, sessions: SessionManager
 ) -> tuple[GenerationRequest, int | None]:
-    """The internal request for a chat completion, and how many top logprobs the client asked for."""
+    """The internal request for a chat completion, and how many top logprobs the client asked for
+    (`session`: as admitted, its id when the planning reads it)."""
     received = time.time()
     forced, parse_tools = _tool_choice(req)
     top = _logprob_count(req.logprobs, req.top_logprobs)
@@ -144,7 +146,7 @@ def chat_request(
         req.presence_penalty,
         req.frequency_penalty,
     )
-    plan, keys = sessions.plan(session.id, messages, tools)
+    plan, keys, session = sessions.plan(session, messages, tools)
     gen = GenerationRequest(
         session=session,
         plan=plan,
@@ -162,8 +164,9 @@ def chat_request(
 
 
 def completion_request(
-    req: CompletionRequest, raw: dict[str, Any], session: SessionRecord, tok: ChatTokenizer
-) -> GenerationRequest:
+    req: CompletionRequest, raw: dict[str, Any], session: SessionRecord | str, sessions: SessionManager,
+    tok: ChatTokenizer,
+) -> GenerationRequest:  # fmt: skip
     if req.echo:
         raise InvalidRequest("'echo' is not supported; remove it", "echo", "unsupported_parameter")
     prompt: Any = req.prompt
@@ -179,6 +182,8 @@ def completion_request(
         req.frequency_penalty,
     )  # fmt: skip
     plan = PromptPlan(ids, [], None, 0, "raw completion prompt")
+    if isinstance(session, str):  # no prefix to reuse: the session alone
+        session = sessions.get_open(session)
     return GenerationRequest(
         session, plan, params, raw, time.time(), max_tokens=req.max_tokens, parse_tools=False
     )
