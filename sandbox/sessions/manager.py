@@ -36,8 +36,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -179,12 +177,16 @@ class SandboxManager:
         """Remove the session's sandbox and all its checkpoints."""
         slot = self._slots.require(session_id)
         async with slot.lock:
-            self._slots.remove(slot)
             box = slot.sandbox_id
-            await self._standbys.close(slot)
-            await self._lifecycle.drop(slot)
-            await self._checkpointer.delete_all(session_id, slot.history.release())
+            await self._retire(slot)
         self._events.add(session_id, None, ev.SandboxDestroyed(box))
+
+    async def _retire(self, slot: Slot) -> None:
+        """Under the slot's lock: the session has no sandbox any more (nor standby, nor checkpoints)."""
+        self._slots.remove(slot)
+        await self._standbys.close(slot)
+        await self._lifecycle.drop(slot)
+        await self._checkpointer.delete_all(slot.session_id, slot.history.release())
 
     async def close(self) -> None:
         """Wait for checkpoints in progress, destroy every sandbox (and its checkpoints), stop the pools."""
@@ -332,30 +334,11 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ the verify stage
     async def verify(self, session_id: str, plan: VerifyPlan) -> VerifyOutcome:
-        """The verify stage (`sandbox.sessions.verify`): copy the agent's working directory out with its
-        processes frozen, destroy its sandbox (unless `plan.keep_agent_sandbox`), and judge the copy
-        in a new sandbox from the clean image; with ``plan.mode == "shared"``, run the verifier in the
-        agent's sandbox itself first. Only ``protected_path_modified`` events are recorded. The outcome's
-        ``seconds`` is the whole stage: the copy out and the agent sandbox's removal included."""
-        started = time.monotonic()
-        slot = self._slots.require(session_id)
-        async with slot.lock:
-            box = slot.live()
-            spec = slot.spec
-            if plan.mode == "shared":  # Harbor's way: in the agent's own sandbox, then as below
-                outcome = await self._verify.shared(box, spec, plan, plan.keep_agent_sandbox)
-            else:
-                agent_tar = await self._verify.copy_out(session_id, box, spec.workdir)
-            if not plan.keep_agent_sandbox:
-                self._slots.remove(slot)
-                await self._standbys.close(slot)
-                await self._lifecycle.drop(slot)
-                await self._checkpointer.delete_all(session_id, slot.history.release())
-        if not plan.keep_agent_sandbox:
-            self._events.add(session_id, None, ev.SandboxDestroyed(box, stage="verify"))
-        if plan.mode != "shared":
-            outcome = await self._verify.judge(session_id, spec, plan, agent_tar, plan.keep_agent_sandbox)
-        return dataclasses.replace(outcome, seconds=time.monotonic() - started)
+        """The verify stage (`sandbox.sessions.verify`, `VerifyStage.run`): copy the agent's working
+        directory out with its processes frozen, destroy its sandbox (unless `plan.keep_agent_sandbox`),
+        and judge the copy in a new sandbox from the clean image; with ``plan.mode == "shared"``, run
+        the verifier in the agent's sandbox itself first."""
+        return await self._verify.run(self._slots.require(session_id), plan, self._retire)
 
     # ------------------------------------------------------------------ TurnObserver: the bubble
     def turn_started(self, turn: TurnRecord) -> None:

@@ -35,10 +35,11 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +48,7 @@ from core.errors import RewardFileError, SandboxError, SandboxTimeout
 from sandbox.backend import ExecResult, SandboxSpec
 from sandbox.sessions.io import SandboxIO
 from sandbox.sessions.records import EventLog
+from sandbox.sessions.state import Slot
 from sandbox.sessions.verify_harbor import (
     REWARD_JSON,
     REWARD_TEXT,
@@ -181,6 +183,28 @@ class VerifyStage:
         self.events = events
         self.labels = labels or {}
         """Labels of the verify sandboxes too (the store's identity: one leaked by a crash is removed)."""
+
+    async def run(
+        self, slot: Slot, plan: VerifyPlan, retire: Callable[[Slot], Awaitable[None]]
+    ) -> VerifyOutcome:
+        """The verify stage of `slot`'s session (`SandboxManager.verify`); `retire` removes its sandbox
+        (unless `plan.keep_agent_sandbox`), under the slot's lock. Only ``protected_path_modified`` events
+        are recorded. The outcome's ``seconds`` is the whole stage: the copy out and the agent sandbox's
+        removal included."""
+        started, session_id, kept = time.monotonic(), slot.session_id, plan.keep_agent_sandbox
+        async with slot.lock:
+            box, spec = slot.live(), slot.spec
+            if plan.mode == "shared":  # Harbor's way: in the agent's own sandbox, then as below
+                outcome = await self.shared(box, spec, plan, kept)
+            else:
+                agent_tar = await self.copy_out(session_id, box, spec.workdir)
+            if not kept:
+                await retire(slot)
+        if not kept:
+            self.events.add(session_id, None, ev.SandboxDestroyed(box, stage="verify"))
+        if plan.mode != "shared":
+            outcome = await self.judge(session_id, spec, plan, agent_tar, kept)
+        return dataclasses.replace(outcome, seconds=time.monotonic() - started)
 
     async def copy_out(self, session_id: str, agent_box: str, workdir: str) -> WorkspaceCopy:
         """The agent's working directory, copied with its processes frozen, to a temporary file, up to
