@@ -181,21 +181,6 @@ async def stop_group(proc: subprocess.Popen[bytes], grace: float, first: int = s
     proc.wait()
 
 
-def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "server") -> None:
-    """Poll ``url`` until it answers 200; fail early, with a clear message, if ``proc`` exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise EngineUnavailable(f"the {what} exited with {proc.returncode} during start-up; see its log")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise EngineUnavailable(f"the {what} did not answer {url} within {timeout:.0f}s")
-
-
 class VllmWorker:
     """One launched vLLM server process group."""
 
