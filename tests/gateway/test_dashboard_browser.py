@@ -262,5 +262,14 @@ def test_dashboard_shows_a_failover_live(
     check_session_page(dashboard, api, session_id)
 
     assert page.evaluate("window.loadedOnce") is True, "the page reloaded"
+
+    # A link to the session with the token after the route (`#/session/<id>&token=...`), opened in a new
+    # tab (which has no token yet), opens it, and the token leaves the address bar with its separator
+    tab = page.context.browser.new_page()  # type: ignore[union-attr]
+    tab.goto(f"{server.url}/dashboard#/session/{session_id}&token={TOKEN}")
+    turn = failover_of(api, session_id)["turn_index"]
+    expect(tab.locator(f'.turn[data-turn-index="{turn}"]')).to_be_visible()
+    assert tab.evaluate("location.hash") == f"#/session/{session_id}"
+    tab.close()
     dashboard.publish_shots()
     assert not dashboard.problems, "\n".join(dashboard.problems)

@@ -16,7 +16,8 @@ export function takeTokenFromHash() {
   const match = location.hash.match(/(?:^#|&)token=([^&]*)/);
   if (!match) return;
   sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
-  const rest = location.hash.replace(/(^#|&)token=[^&]*/, "$1").replace(/^#&?$/, "");
+  // the token and its separator: `#/session/x&token=abc` is `#/session/x`, not `#/session/x&`
+  const rest = location.hash.replace(/^#token=[^&]*&?/, "#").replace(/&token=[^&]*/, "");
   history.replaceState(null, "", rest && rest !== "#" ? rest : "#/health");
 }
 
