@@ -271,5 +271,8 @@ def test_dashboard_shows_a_failover_live(
     expect(tab.locator(f'.turn[data-turn-index="{turn}"]')).to_be_visible()
     assert tab.evaluate("location.hash") == f"#/session/{session_id}"
     tab.close()
+    page.evaluate(f"location.hash = '#/recovery&token={TOKEN}'")  # the same, in a tab already open
+    expect(page.locator('.tabs a[data-view="recovery"]')).to_have_class(re.compile(r"\bactive\b"))
+    assert page.evaluate("location.hash") == "#/recovery"
     dashboard.publish_shots()
     assert not dashboard.problems, "\n".join(dashboard.problems)

@@ -108,7 +108,10 @@ async function start() {
 
 function main() {
   takeTokenFromHash();
-  window.addEventListener("hashchange", route);
+  window.addEventListener("hashchange", () => {
+    takeTokenFromHash(); // a link with a token, pasted into this tab's address bar
+    route();
+  });
   route();
   start();
   setInterval(() => {
