@@ -74,7 +74,7 @@ class SessionManager:
             if found is None or found.status != "open":
                 raise refusal(session, found)
             session = found
-        else:  # a plain request's session has no turns yet
+        else:  # a plain request's own session (it has no turns) or an auxiliary call's side session
             parent = None if session.ephemeral else self.store.find_turn_by_ext_keys(session.id, candidates)
         return self.prompts.build(session.id, parent, messages, tools, keys), keys, session
 
