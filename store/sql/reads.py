@@ -37,8 +37,11 @@ class SqlReads:
         return rows[0] if rows else None
 
     def get_session(self, session_id: str) -> SessionRecord | None:
-        row = self.one(f"SELECT {SESSION_COLS} FROM sessions WHERE id = ?", (session_id,))
+        row = self._session_row(session_id)
         return session_record(row) if row else None
+
+    def _session_row(self, session_id: str) -> tuple[Any, ...] | None:
+        return self.one(f"SELECT {SESSION_COLS} FROM sessions WHERE id = ?", (session_id,))
 
     def list_sessions(self) -> list[SessionRecord]:
         rows = self.rows(f"SELECT {SESSION_COLS} FROM sessions ORDER BY {self.db.dialect.sessions_order}")
@@ -114,7 +117,7 @@ class SqlReads:
     def session_and_parent(
         self, session_id: str, keys: list[str]
     ) -> tuple[SessionRecord | None, TurnRecord | None]:
-        row = self.one(f"SELECT {SESSION_COLS} FROM sessions WHERE id = ?", (session_id,))
+        row = self._session_row(session_id)  # decoded after the parent is read: one stay in this part
         if row is None:
             return None, None
         parent = self.find_turn_by_ext_keys(session_id, keys)
