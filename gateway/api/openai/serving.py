@@ -167,6 +167,8 @@ def completion_request(
     req: CompletionRequest, raw: dict[str, Any], session: SessionRecord | str, sessions: SessionManager,
     tok: ChatTokenizer,
 ) -> GenerationRequest:  # fmt: skip
+    if isinstance(session, str):  # no prefix to reuse: the session alone, before the prompt is read
+        session = sessions.get_open(session)
     if req.echo:
         raise InvalidRequest("'echo' is not supported; remove it", "echo", "unsupported_parameter")
     prompt: Any = req.prompt
@@ -182,8 +184,6 @@ def completion_request(
         req.frequency_penalty,
     )  # fmt: skip
     plan = PromptPlan(ids, [], None, 0, "raw completion prompt")
-    if isinstance(session, str):  # no prefix to reuse: the session alone
-        session = sessions.get_open(session)
     return GenerationRequest(
         session, plan, params, raw, time.time(), max_tokens=req.max_tokens, parse_tools=False
     )
